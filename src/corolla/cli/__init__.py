@@ -1,0 +1,1 @@
+"""The `corolla` command: one entry point, a small module per subcommand."""

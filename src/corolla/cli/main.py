@@ -1,0 +1,43 @@
+"""The `corolla` command: parse the subcommand, then hand its arguments to that subcommand's module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from corolla import __version__
+from corolla.cli import demo, dht, generate, server
+from corolla.cli.common import setup_logging
+from corolla.errors import CorollaError
+
+SUBCOMMANDS = (dht, server, generate, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="corolla",
+        description="Run large language models across a swarm of ordinary machines.",
+    )
+    parser.add_argument("--version", action="version", version=f"corolla {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging verbosity (logs go to stderr; default: %(default)s)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        args.run(args)
+    except CorollaError as e:
+        print(f"corolla {args.command}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

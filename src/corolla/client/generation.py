@@ -1,0 +1,80 @@
+"""Token generation over an inference session: embed -> swarm -> head -> sample, one token per step.
+
+`generate_tokens` is an async generator yielding each step's new tokens [B] as soon as they are chosen,
+so callers stream them. Rows that hit an EOS token or a stop string are finished and padded until every
+row is done. The last sampled token is left in `session.pending_token_ids`, so a later call on the same
+session continues the conversation without recomputing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from corolla.client.inference_session import InferenceSession
+from corolla.client.sampling import SamplingParams, next_tokens
+from corolla.errors import InvalidRequest
+from corolla.models.head import ModelHead
+
+
+class StopChecker:
+    """Finds stop strings in each row's generated text (needs the tokenizer to see text)."""
+
+    def __init__(self, stops: Sequence[str], tokenizer: Any, batch_size: int):
+        if stops and tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this model folder has none")
+        self.stops, self.tokenizer = tuple(stops), tokenizer
+        self.generated: list[list[int]] = [[] for _ in range(batch_size)]
+
+    def update(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Record one step's tokens [B]; returns which rows' text now contains a stop string."""
+        hits = torch.zeros(len(self.generated), dtype=torch.bool)
+        for row, token in enumerate(tokens.tolist()):
+            self.generated[row].append(token)
+            if self.stops:
+                text = self.tokenizer.decode(self.generated[row], skip_special_tokens=False)
+                hits[row] = any(stop in text for stop in self.stops)
+        return hits
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Cut `text` before the first stop string; returns (text, whether a stop string was found)."""
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+async def generate_tokens(head: ModelHead, session: InferenceSession, input_ids: torch.Tensor,
+                          params: SamplingParams, eos_token_ids: Sequence[int], pad_token_id: int,
+                          tokenizer: Any = None) -> AsyncIterator[torch.Tensor]:
+    """Yield the next token of every row [B], up to params.max_new_tokens steps."""
+    batch = input_ids.shape[0]
+    inputs = input_ids
+    if session.pending_token_ids is not None:
+        if session.pending_token_ids.shape[0] != batch:
+            raise InvalidRequest(f"batch size {batch} differs from the session's {session.pending_token_ids.shape[0]}")
+        inputs = torch.cat([session.pending_token_ids, input_ids], dim=1)
+    needed = session.position + inputs.shape[1] + params.max_new_tokens - 1
+    if needed > session.max_length:
+        raise InvalidRequest(f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
+                             f"{session.position} exceed the session's max_length={session.max_length}")
+    eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
+    stops = StopChecker(params.stop, tokenizer, batch)
+    generator = params.make_generator() if params.do_sample else None
+    context = input_ids
+    finished = torch.zeros(batch, dtype=torch.bool)
+    with torch.no_grad():
+        hidden = head.embed(inputs).to(head.dtype)  # [B, T, H]
+        for _ in range(params.max_new_tokens):
+            outputs = await session.astep(hidden)
+            logits = head.logits(outputs[:, -1:])[:, -1]  # [B, vocab]
+            tokens = next_tokens(logits, context, params, generator)
+            tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)
+            session.pending_token_ids = tokens[:, None]
+            context = torch.cat([context, tokens[:, None]], dim=1)
+            yield tokens
+            finished |= torch.isin(tokens, eos) | stops.update(tokens)
+            if bool(finished.all()):
+                break
+            hidden = head.embed(tokens[:, None])

@@ -1,0 +1,99 @@
+"""One server's part of an inference session: an open `rpc_inference` stream for blocks [start, end).
+
+The first message carries the session parameters (max_length, session_id, alloc_timeout, adapter) with
+the first step's tensors; every message gets exactly one reply, whose shape is checked. Closing sends
+the end of stream and waits for the server to finish, so the server frees the cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+
+from corolla.client.swarm import peer, remote_errors
+from corolla.errors import ServerUnavailable
+from corolla.swarm.routing import Hop
+from corolla.wire import tensors as wire_tensors
+from corolla.wire.messages import RPC_INFERENCE, InferenceStep
+from corolla.wire.records import block_uids
+
+CLOSE_TIMEOUT = 5.0
+
+
+class SpanSession:
+    def __init__(self, p2p: P2P, hop: Hop, dht_prefix: str, max_length: int, timeout: float,
+                 alloc_timeout: float = 0.0):
+        self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
+        self.alloc_timeout = alloc_timeout
+        self.uid = block_uids(dht_prefix, hop.start, hop.end)
+        self.session_id = uuid.uuid4().hex
+        self.position = 0
+        self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._stream: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self._stepped = False
+        self.closed = False
+
+    async def open(self) -> None:
+        async with remote_errors(self.hop.peer_id, self.timeout):
+            self._stream = await asyncio.wait_for(
+                self.p2p.iterate_protobuf_handler(peer(self.hop.peer_id), RPC_INFERENCE, self._requests(),
+                                                  runtime_pb2.ExpertResponse),
+                self.timeout,
+            )
+
+    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while (request := await self._queue.get()) is not None:
+            yield request
+
+    async def step(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None,
+                   hypo_ids: torch.Tensor | None = None, start_from_position: int | None = None) -> torch.Tensor:
+        """Send hidden states [B, T, H] for positions [position, position + T); returns this span's outputs."""
+        if self.closed:
+            raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
+        meta = InferenceStep(step_id=uuid.uuid4().hex, start_from_position=start_from_position)
+        if not self._stepped:
+            meta = InferenceStep(step_id=meta.step_id, start_from_position=start_from_position,
+                                 max_length=self.max_length, session_id=self.session_id,
+                                 alloc_timeout=self.alloc_timeout)
+        tensors = [
+            wire_tensors.serialize(hidden),
+            wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty(),
+            wire_tensors.serialize(hypo_ids) if hypo_ids is not None else wire_tensors.empty(),
+        ]
+        await self._queue.put(runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes()))
+        self._stepped = True
+        try:
+            async with remote_errors(self.hop.peer_id, self.timeout):
+                response = await asyncio.wait_for(anext(self._stream), self.timeout)
+        except BaseException:
+            self.closed = True  # a failed stream cannot take more steps
+            raise
+        outputs = wire_tensors.deserialize(response.tensors[0], "outputs") if response.tensors else None
+        if outputs is None or outputs.shape != hidden.shape:
+            self.closed = True
+            raise ServerUnavailable(f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
+                                    f"{None if outputs is None else list(outputs.shape)}, expected {list(hidden.shape)}")
+        position = self.position if start_from_position is None else start_from_position
+        self.position = position + hidden.shape[1]
+        return outputs
+
+    async def close(self) -> None:
+        self.closed = True
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        await self._queue.put(None)
+        try:  # drain: the server's generator ends once it sees our end of stream
+            await asyncio.wait_for(_drain(stream), CLOSE_TIMEOUT)
+        except Exception:  # the session is over either way; the server frees it when the stream dies
+            pass
+
+
+async def _drain(stream: AsyncIterator[runtime_pb2.ExpertResponse]) -> None:
+    async for _ in stream:
+        pass

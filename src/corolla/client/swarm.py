@@ -1,0 +1,93 @@
+"""The client's view of the swarm: its DHT peer, the servers it has seen, and chains through them.
+
+Routing waits (up to `routing_timeout`) for the swarm to cover the blocks it needs, re-reading the DHT
+with backoff; past that it raises `MissingBlocks` naming the uncovered blocks instead of retrying forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+
+from hivemind import DHT
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
+
+from corolla.config import ClientConfig
+from corolla.errors import MissingBlocks, ServerUnavailable, decode_remote_error
+from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
+from corolla.swarm.routing import Hop, choose_chain
+
+logger = logging.getLogger(__name__)
+
+REFRESH_PERIOD = 10.0  # re-read the DHT at least this often when routing
+
+
+class SwarmClient:
+    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int):
+        self.config, self.dht_prefix, self.num_blocks = config, dht_prefix, num_blocks
+        self.dht: DHT | None = None
+        self.p2p: P2P | None = None
+        self.spans: list[RemoteSpan] = []
+        self._refreshed_at = 0.0
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        self.dht = await asyncio.to_thread(start_dht, self.config.swarm)
+        self.p2p = await self.dht.replicate_p2p()
+
+    async def shutdown(self) -> None:
+        if self.p2p is not None:
+            await self.p2p.shutdown()  # a replica: closes our connection to the daemon, not the daemon
+            self.p2p = None
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+            self.dht = None
+
+    async def refresh(self) -> list[RemoteSpan]:
+        self.spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks)
+        self._refreshed_at = time.monotonic()
+        return self.spans
+
+    async def route(self, start: int = 0, end: int | None = None) -> list[Hop]:
+        """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage."""
+        end = self.num_blocks if end is None else end
+        deadline = time.monotonic() + self.config.routing_timeout
+        delay = 0.2
+        while True:
+            if time.monotonic() - self._refreshed_at > REFRESH_PERIOD or not self.spans:
+                await self.refresh()
+            try:
+                return choose_chain(self.spans, start, end, rng=self._rng, allowed=self.config.allowed_servers,
+                                    banned=self.config.blocked_servers)
+            except MissingBlocks as e:
+                if time.monotonic() + delay > deadline:
+                    raise MissingBlocks(f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers",
+                                        e.blocks) from None
+                logger.debug("Waiting for servers: %s", e.message)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            await self.refresh()
+
+
+def peer(peer_id: str) -> PeerID:
+    return PeerID.from_base58(peer_id)
+
+
+@asynccontextmanager
+async def remote_errors(peer_id: str, timeout: float) -> AsyncIterator[None]:
+    """Turn what hivemind raises for a failed call into corolla's typed errors."""
+    short = peer_id[-6:]
+    try:
+        yield
+    except P2PHandlerError as e:
+        raise decode_remote_error(str(e), f"...{short}") from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise ServerUnavailable(f"server ...{short} did not reply within {timeout:.1f}s") from None
+    except (P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError, StopAsyncIteration) as e:
+        raise ServerUnavailable(f"server ...{short} is unreachable or closed the stream "
+                                f"({type(e).__name__}: {e})") from None

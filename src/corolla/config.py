@@ -1,0 +1,76 @@
+"""Frozen configuration objects, built once (by the CLI or a caller) and passed down.
+
+Constructors take one of these instead of dozens of keyword arguments. Numbers derived at run time (the
+byte size of the cache budget, the model's EOS id) belong to the component that computes them and are
+never written back here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """How a peer joins the swarm's DHT."""
+
+    initial_peers: tuple[str, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce_host: str | None = None  # address other peers should dial, when host is 0.0.0.0 or behind NAT
+    # UPnP / NAT-PMP port mapping toward the LAN gateway: right for a home server on the internet, wrong on
+    # loopback and in tests. None = on unless every listen address is a loopback address.
+    nat_port_map: bool | None = None
+    identity_path: str | None = None
+    client_mode: bool = False
+
+    @property
+    def host_maddrs(self) -> list[str]:
+        version = "ip6" if ":" in self.host else "ip4"
+        return [f"/{version}/{self.host}/tcp/{self.port}"]
+
+    @property
+    def announce_maddrs(self) -> list[str] | None:
+        if self.announce_host is None or self.port == 0:
+            return None
+        version = "ip6" if ":" in self.announce_host else "ip4"
+        return [f"/{version}/{self.announce_host}/tcp/{self.port}"]
+
+    @property
+    def use_nat_port_map(self) -> bool:
+        if self.nat_port_map is not None:
+            return self.nat_port_map
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str  # a folder, a GGUF file, a hub id or the bundled alias (see models/source.py)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    dht_prefix: str | None = None  # default: derived from the model's name
+    blocks: tuple[int, int] | None = None  # [start, end); None: choose from num_blocks
+    num_blocks: int | None = None
+    dtype: str = "float32"
+    max_cache_tokens: int = 16384  # attention cache budget, in tokens of a session spanning every block
+    inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
+    max_batch_size: int = 64  # rows per inference session or forward request
+    max_forward_tokens: int = 8192  # batch * length of one forward request
+    step_timeout: float = 300.0  # an inference session waiting longer than this for its next step is closed
+    session_timeout: float = 1800.0  # no session lives longer than this
+    announce_period: float = 30.0  # re-announce this often; records expire after 2.5 periods
+    num_threads: int | None = None  # torch threads for compute (None: torch's default)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    swarm: SwarmConfig = field(default_factory=lambda: SwarmConfig(host="127.0.0.1", client_mode=True))
+    dht_prefix: str | None = None
+    request_timeout: float = 60.0  # one step or forward call
+    routing_timeout: float = 30.0  # how long to wait for the swarm to cover every block
+    allowed_servers: tuple[str, ...] | None = None  # restrict routing to these peer ids
+    blocked_servers: tuple[str, ...] = ()
+    dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent

@@ -1,0 +1,77 @@
+"""Errors that corolla raises, and how they cross the wire.
+
+Every error a peer or a user can cause is a `CorollaError` subclass whose message names the field and the
+limit involved. hivemind sends a failed handler's `str(e)` (streams) or `repr(e)` (unary calls) to the
+caller, so both render as "ClassName: message"; the client turns that text back into the same class with
+`decode_remote_error`. Nothing here imports torch or hivemind.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class CorollaError(Exception):
+    """Base class of every error corolla raises on purpose."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}: {self.message}"
+
+    __repr__ = __str__
+
+
+class InvalidRequest(CorollaError):
+    """A request (from a peer, a user or a CLI) is malformed or exceeds a limit."""
+
+
+class SessionNotFound(CorollaError):
+    """A message refers to an inference session that does not exist (any more) on this server."""
+
+
+class CacheExhausted(CorollaError):
+    """The server could not reserve attention cache for a session within its alloc_timeout."""
+
+
+class SessionTimeout(CorollaError):
+    """An inference session waited too long for its next step, or lived past its time limit."""
+
+
+class ServerUnavailable(CorollaError):
+    """A server is shutting down, unreachable, or failed while serving a request."""
+
+
+class MissingBlocks(CorollaError):
+    """No server in the swarm currently covers some of the model's blocks."""
+
+    def __init__(self, message: str, blocks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.blocks = blocks
+
+
+class UnsupportedModel(CorollaError):
+    """A checkpoint uses an architecture or option corolla does not implement."""
+
+
+class RemoteError(CorollaError):
+    """A server failed with an error that is not one of corolla's own types."""
+
+
+_WIRE_ERRORS: dict[str, type[CorollaError]] = {
+    cls.__name__: cls
+    for cls in (InvalidRequest, SessionNotFound, CacheExhausted, SessionTimeout, ServerUnavailable)
+}
+_WIRE_PATTERN = re.compile(r"\b(" + "|".join(_WIRE_ERRORS) + r"): (.*)", re.DOTALL)
+
+
+def decode_remote_error(text: str, peer: str = "") -> CorollaError:
+    """Rebuild a typed error from the text of a hivemind P2PHandlerError."""
+    origin = f" (from server {peer})" if peer else ""
+    match = _WIRE_PATTERN.search(text)
+    if match is None:
+        return RemoteError(f"{text}{origin}")
+    cls, message = _WIRE_ERRORS[match.group(1)], match.group(2)
+    return cls(f"{message.rstrip()}{origin}")

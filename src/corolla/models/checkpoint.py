@@ -1,0 +1,93 @@
+"""Reading parts of a safetensors checkpoint (one file, or shards with an index).
+
+A server reads only its blocks' tensors and a client only the embeddings, final norm and LM head:
+safetensors files are memory-mapped and `get_tensor` copies just the tensor asked for, so a process never
+holds weights it does not run. Key prefixes differ between checkpoints (`model.layers.3.` in
+`LlamaForCausalLM`, `layers.3.` in a bare `LlamaModel`), so the prefix is detected once from the keys.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from corolla.errors import UnsupportedModel
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class Checkpoint:
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.weight_map = self._read_weight_map()  # tensor name -> file name
+        self.prefix = self._detect_prefix()
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UnsupportedModel(f"{index} has no weight_map")
+            return {str(k): str(v) for k, v in weight_map.items()}
+        single = self.folder / SINGLE_FILE
+        if single.is_file():
+            with safe_open(single, framework="pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
+        raise UnsupportedModel(
+            f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; corolla reads safetensors checkpoints "
+            "(convert .bin checkpoints with transformers' save_pretrained)"
+        )
+
+    def _detect_prefix(self) -> str:
+        for name in self.weight_map:
+            if name.endswith("embed_tokens.weight"):
+                return name[: -len("embed_tokens.weight")]
+        for name in self.weight_map:
+            if ".layers.0." in name or name.startswith("layers.0."):
+                return name[: name.index("layers.0.")]
+        raise UnsupportedModel(f"{self.folder}: cannot find embed_tokens or layers.0 among the tensor names")
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Read the named tensors (full names), opening each shard once."""
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            if name not in self.weight_map:
+                raise UnsupportedModel(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+            by_file[self.weight_map[name]].append(name)
+        tensors = {}
+        for file_name, file_names in by_file.items():
+            with safe_open(self.folder / file_name, framework="pt") as f:
+                for name in file_names:
+                    tensors[name] = f.get_tensor(name).to(dtype)
+        return tensors
+
+    def read_block(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The state dict of block `index`, with names relative to the block."""
+        block_prefix = f"{self.prefix}layers.{index}."
+        names = [name for name in self.weight_map if name.startswith(block_prefix)]
+        if not names:
+            raise UnsupportedModel(f"{self.folder}: the checkpoint has no tensors for block {index}")
+        return {name[len(block_prefix) :]: t for name, t in self.read(names, dtype).items()}
+
+    def read_head(self, tie_word_embeddings: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Embeddings, final norm and LM head (the embedding matrix when they are tied)."""
+        embed, norm = f"{self.prefix}embed_tokens.weight", f"{self.prefix}norm.weight"
+        head = "lm_head.weight"
+        tied = tie_word_embeddings
+        if not tied and not self.has(head):
+            raise UnsupportedModel(f"{self.folder}: untied model without an lm_head.weight tensor")
+        tensors = self.read([embed, norm] if tied else [embed, norm, head], dtype)
+        return {
+            "embed_tokens.weight": tensors[embed],
+            "norm.weight": tensors[norm],
+            "lm_head.weight": tensors[embed] if tied else tensors[head],
+        }

@@ -1,0 +1,1 @@
+"""A swarm peer serving a contiguous span of a model's blocks."""

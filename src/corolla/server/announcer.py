@@ -1,0 +1,57 @@
+"""Periodic DHT announcements of a server's span, state and live figures.
+
+Records expire after 2.5 announce periods, so a server that dies without a word disappears from
+clients' views on its own; a server that stops gracefully announces OFFLINE first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from hivemind import DHT
+
+from corolla.swarm.dht import announce
+from corolla.wire.records import ServerAnnouncement, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+class Announcer:
+    def __init__(self, dht: DHT, dht_prefix: str, peer_id: str, period: float,
+                 make_record: Callable[[ServerState], ServerAnnouncement]):
+        self.dht, self.dht_prefix, self.peer_id, self.period = dht, dht_prefix, peer_id, period
+        self.make_record = make_record
+        self.state = ServerState.JOINING
+        self._task: asyncio.Task | None = None
+
+    @property
+    def expiration(self) -> float:
+        return 2.5 * self.period
+
+    async def announce(self, state: ServerState) -> bool:
+        self.state = state
+        record = self.make_record(state)
+        ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration)
+        if not ok:
+            logger.warning("Could not store the %s announcement for blocks %d:%d on the DHT", state.name,
+                           record.start, record.end)
+        return ok
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="corolla-announcer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            try:
+                await self.announce(self.state)
+            except Exception:  # a DHT hiccup must not stop future announcements
+                logger.warning("Announcement failed; retrying in %.0fs", self.period, exc_info=True)

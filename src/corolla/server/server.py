@@ -1,0 +1,115 @@
+"""A swarm peer serving a span of blocks: wires config, DHT, weights, handler and announcer together.
+
+Start order: DHT first (its child process forks from a small parent), then the span's weights, then the
+RPC handlers, then the ONLINE announcement, so a client never finds a server that cannot answer yet.
+Stop order is the reverse, with an OFFLINE announcement first so clients stop routing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+import torch
+
+from corolla import __version__
+from corolla.config import ServerConfig
+from corolla.errors import InvalidRequest
+from corolla.models.config import ModelConfig, parse_dtype
+from corolla.models.source import dht_prefix_for, resolve_model
+from corolla.models.span import Span
+from corolla.server.announcer import Announcer
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.memory import CacheBudget
+from corolla.server.placement import choose_blocks
+from corolla.server.sessions import SessionRegistry
+from corolla.swarm.dht import find_spans, start_dht
+from corolla.wire.records import ServerAnnouncement, ServerState
+
+logger = logging.getLogger(__name__)
+
+class Server:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.dht = None
+        self.p2p = None
+        self.handler: TransformerConnectionHandler | None = None
+        self.announcer: Announcer | None = None
+
+    async def start(self) -> None:
+        config = self.config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        model = ModelConfig.from_folder(source.path)
+        dtype = parse_dtype(config.dtype, model)
+        self.dht_prefix = config.dht_prefix or dht_prefix_for(source.name)
+        self.dht = start_dht(config.swarm)
+        self.peer_id = str(self.dht.peer_id)
+        start, end = await self._choose_blocks(model)
+        logger.info("Loading blocks %d:%d of %s (%s)", start, end, source.path, dtype)
+        span = await asyncio.to_thread(Span.load, source.path, start, end, dtype)
+        bytes_per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * (end - start)
+        budget = CacheBudget(config.max_cache_tokens * bytes_per_token)
+        sessions = SessionRegistry(model, dtype, budget, config.session_timeout)
+        self.handler = TransformerConnectionHandler(span, config, self.dht_prefix, sessions, __version__)
+        self.p2p = await self.dht.replicate_p2p()
+        await self.handler.add_p2p_handlers(self.p2p)
+        self.announcer = Announcer(self.dht, self.dht_prefix, self.peer_id, config.announce_period,
+                                   self._record)
+        await self.announcer.announce(ServerState.ONLINE)
+        self.announcer.start()
+        logger.info("Serving blocks %d:%d of %s as %s", start, end, self.dht_prefix, self.peer_id)
+
+    async def _choose_blocks(self, model: ModelConfig) -> tuple[int, int]:
+        total = model.num_hidden_layers
+        if self.config.blocks is not None:
+            start, end = self.config.blocks
+            if not 0 <= start < end <= total:
+                raise InvalidRequest(f"--blocks {start}:{end} is not a range inside the model's {total} blocks")
+            return start, end
+        num_blocks = min(self.config.num_blocks or total, total)
+        spans = await find_spans(self.dht, self.dht_prefix, total)
+        return choose_blocks([(s.start, s.end) for s in spans], num_blocks, total)
+
+    def _record(self, state: ServerState) -> ServerAnnouncement:
+        info = self.handler.info()
+        return ServerAnnouncement(
+            state=state, start=info.start, end=info.end, version=info.version, dtype=info.dtype,
+            inference_max_length=info.inference_max_length, cache_tokens_available=info.cache_tokens_available,
+            num_sessions=info.num_sessions,
+        )
+
+    async def stop(self) -> None:
+        if self.announcer is not None:
+            await self.announcer.stop()
+            try:
+                await asyncio.wait_for(self.announcer.announce(ServerState.OFFLINE), timeout=5)
+            except Exception:  # the DHT may already be unreachable; records then expire on their own
+                logger.warning("Could not announce OFFLINE", exc_info=True)
+        if self.handler is not None:
+            self.handler.shutdown()
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+        logger.info("Server stopped")
+
+
+async def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:
+    """Run a server until SIGINT or SIGTERM, then shut it down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = Server(config)
+    try:
+        await server.start()
+        if on_ready is not None:
+            on_ready(server)
+        await stop.wait()
+        logger.info("Shutting down (signal received)")
+    finally:
+        await server.stop()

@@ -1,0 +1,1 @@
+"""The DHT view shared by clients and servers: announcements, span discovery and routing."""

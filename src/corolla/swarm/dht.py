@@ -1,0 +1,115 @@
+"""The swarm's DHT, as client and server both use it: start a peer, announce spans, read spans.
+
+hivemind's DHT runs its node in a child process; functions passed to `dht.run_coroutine` execute there,
+so they are module-level (picklable) and return plain data. Every record read back is validated
+(`ServerAnnouncement.from_dict`); a malformed one is skipped with a debug log, never trusted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from hivemind.dht import DHT, DHTNode
+from hivemind.utils import get_dht_time
+
+from corolla.config import SwarmConfig
+from corolla.errors import InvalidRequest
+from corolla.wire.records import ServerAnnouncement, ServerState, block_key
+
+logger = logging.getLogger(__name__)
+
+
+def start_dht(config: SwarmConfig) -> DHT:
+    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready."""
+    return DHT(
+        initial_peers=list(config.initial_peers) or None,
+        start=True,
+        client_mode=config.client_mode,
+        host_maddrs=config.host_maddrs,
+        announce_maddrs=config.announce_maddrs,
+        identity_path=config.identity_path,
+        nat_port_map=config.use_nat_port_map,
+        num_workers=4,
+    )
+
+
+def visible_addresses(dht: DHT) -> list[str]:
+    return [str(addr) for addr in dht.get_visible_maddrs()]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSpan:
+    """A server seen in the DHT, with the blocks it announces."""
+
+    peer_id: str
+    start: int
+    end: int
+    info: ServerAnnouncement
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+async def announce(dht: DHT, dht_prefix: str, peer_id: str, record: ServerAnnouncement,
+                   expiration: float) -> bool:
+    """Store `record` under every block key of its span; returns whether every store succeeded."""
+    keys = [block_key(dht_prefix, i) for i in range(record.start, record.end)]
+    store = partial(_store_records, keys=keys, subkey=peer_id, value=record.to_dict(), ttl=expiration)
+    return await dht.run_coroutine(store, return_future=True)
+
+
+async def _store_records(dht: DHT, node: DHTNode, keys: list[str], subkey: str, value: dict,
+                         ttl: float) -> bool:
+    expiration = get_dht_time() + ttl
+    result = await node.store_many(keys, [value] * len(keys), expiration, subkeys=[subkey] * len(keys),
+                                   num_workers=len(keys))
+    return all(result.values())
+
+
+async def find_spans(dht: DHT, dht_prefix: str, num_blocks: int) -> list[RemoteSpan]:
+    """Every server that announced ONLINE for some block of the model, with its announced span.
+
+    A server counts only for the blocks under which its record was actually found, so a stale or lying
+    announcement cannot claim blocks it never stored.
+    """
+    keys = [block_key(dht_prefix, i) for i in range(num_blocks)]
+    found = await dht.run_coroutine(partial(_read_records, keys=keys), return_future=True)
+    blocks_by_peer: dict[str, set[int]] = {}
+    records: dict[str, ServerAnnouncement] = {}
+    for index, key in enumerate(keys):
+        for peer_id, raw in found.get(key, {}).items():
+            try:
+                record = ServerAnnouncement.from_dict(raw)
+            except InvalidRequest as e:
+                logger.debug("Skipping a malformed record of %s under %s: %s", peer_id, key, e)
+                continue
+            if record.state != ServerState.ONLINE or not record.start <= index < record.end:
+                continue
+            blocks_by_peer.setdefault(peer_id, set()).add(index)
+            records[peer_id] = record
+    return [_contiguous_span(peer_id, sorted(blocks), records[peer_id]) for peer_id, blocks in
+            blocks_by_peer.items()]
+
+
+def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerAnnouncement) -> RemoteSpan:
+    # the longest run of consecutive found blocks starting from the first one
+    end = blocks[0] + 1
+    for index in blocks[1:]:
+        if index != end:
+            break
+        end += 1
+    return RemoteSpan(peer_id, blocks[0], end, record)
+
+
+async def _read_records(dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    result: dict[str, dict[str, object]] = {}
+    for key, entry in found.items():
+        if entry is None or not isinstance(entry.value, dict):
+            continue
+        result[key] = {str(subkey): item.value for subkey, item in entry.value.items()}
+    return result

@@ -1,0 +1,153 @@
+"""A whole swarm on 127.0.0.1 in child processes: one DHT peer and N servers (demo, tests, benchmarks).
+
+Every child runs `python -m corolla ...` in its own process group with NAT port mapping off, writes its
+logs to a file in the work folder, and reports readiness with one line on stdout. Stopping sends SIGTERM
+(servers announce OFFLINE and exit), then SIGKILL to whatever is left of each process group, so the
+DHT child processes and libp2p daemons of every peer go too. Only processes started here are signalled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from corolla.errors import CorollaError
+
+logger = logging.getLogger(__name__)
+
+READY_DHT = re.compile(r"--initial-peers (/ip4/127\.0\.0\.1/\S+)")
+READY_SERVER = re.compile(r"corolla server ready: peer_id=(\S+) blocks=(\d+):(\d+)")
+
+
+class PeerProcess:
+    """One child process (a DHT peer or a server) and its log file."""
+
+    def __init__(self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str]):
+        self.name, self.log_path = name, log_path
+        self.args = [sys.executable, "-m", "corolla", *args]
+        with open(log_path, "wb") as log:
+            self.popen = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True)
+        self.pid = self.popen.pid
+        self.peer_id: str | None = None
+        self.blocks: tuple[int, int] | None = None
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = pattern.search(self.log())
+            if match:
+                return match
+            if self.popen.poll() is not None:
+                raise CorollaError(f"{self.name} exited with code {self.popen.returncode} before it was ready:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.1)
+        raise CorollaError(f"{self.name} was not ready within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, wait, then SIGKILL the whole process group (the peer's DHT process and daemon too)."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
+        self.kill_group()
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the group was created for this child (start_new_session)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+
+class LocalSwarm:
+    def __init__(self, model: str, spans: Sequence[tuple[int, int]], *, dht_prefix: str | None = None,
+                 workdir: str | Path | None = None, num_threads: int = 1, server_args: Sequence[str] = (),
+                 start_timeout: float = 180.0):
+        self.model, self.spans, self.dht_prefix = model, list(spans), dht_prefix
+        self.num_threads, self.server_args, self.start_timeout = num_threads, list(server_args), start_timeout
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="corolla-swarm-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.dht: PeerProcess | None = None
+        self.servers: list[PeerProcess] = []
+        self.initial_peers: list[str] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
+                    "TOKENIZERS_PARALLELISM": "false"}
+
+    def start(self) -> LocalSwarm:
+        try:
+            self.dht = PeerProcess("dht", ["dht", "--host", "127.0.0.1", "--no-nat-port-map"],
+                                   self.workdir / "dht.log", self.env)
+            self.initial_peers = [self.dht.wait_for(READY_DHT, self.start_timeout).group(1)]
+            started = [self.add_server(span, wait=False) for span in self.spans]
+            for server in started:
+                self._wait_ready(server)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_server(self, blocks: tuple[int, int], extra_args: Sequence[str] = (), wait: bool = True) -> PeerProcess:
+        index = len(self.servers)
+        args = ["server", self.model, "--blocks", f"{blocks[0]}:{blocks[1]}", "--host", "127.0.0.1",
+                "--no-nat-port-map", "--num-threads", str(self.num_threads), "--initial-peers", *self.initial_peers,
+                *self.server_args, *extra_args]
+        if self.dht_prefix:
+            args += ["--dht-prefix", self.dht_prefix]
+        server = PeerProcess(f"server {index} ({blocks[0]}:{blocks[1]})", args,
+                             self.workdir / f"server{index}.log", self.env)
+        self.servers.append(server)
+        if wait:
+            self._wait_ready(server)
+        return server
+
+    def _wait_ready(self, server: PeerProcess) -> None:
+        match = server.wait_for(READY_SERVER, self.start_timeout)
+        server.peer_id, server.blocks = match.group(1), (int(match.group(2)), int(match.group(3)))
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.signal(signal.SIGTERM)  # all at once: their shutdowns overlap
+        for server in self.servers:
+            server.stop()
+        if self.dht is not None:
+            self.dht.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalSwarm:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def even_spans(num_blocks: int, num_servers: int) -> list[tuple[int, int]]:
+    """Split blocks into `num_servers` contiguous spans of (nearly) equal length."""
+    bounds = [round(i * num_blocks / num_servers) for i in range(num_servers + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(num_servers)]

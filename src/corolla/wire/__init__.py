@@ -1,0 +1,1 @@
+"""What crosses the network: typed request metadata, tensors and DHT records (design.md section 3)."""

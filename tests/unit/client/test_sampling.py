@@ -1,0 +1,77 @@
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from corolla.client.generation import StopChecker, truncate_at_stop
+from corolla.client.sampling import SamplingParams, apply_repetition_penalty, next_tokens, warp
+from corolla.errors import InvalidRequest
+
+
+def test_repetition_penalty_matches_transformers():
+    logits, context = torch.randn(3, 50), torch.randint(0, 50, (3, 7))
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(context, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, context, 1.3), expected)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, None, 1.0), (1.0, 5, 1.0), (1.3, 10, 0.8),
+                                                             (1.0, None, 0.5)])
+def test_warpers_match_transformers(temperature, top_k, top_p):
+    logits = torch.randn(4, 64)
+    expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.equal(torch.isinf(warp(logits, params)), torch.isinf(expected))
+    torch.testing.assert_close(warp(logits, params)[~torch.isinf(expected)], expected[~torch.isinf(expected)])
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    logits, context = torch.randn(2, 1000), torch.zeros(2, 1, dtype=torch.long)
+
+    def draw(seed):
+        params = SamplingParams(do_sample=True, seed=seed)
+        generator = params.make_generator()
+        return torch.stack([next_tokens(logits, context, params, generator) for _ in range(20)])
+
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    logits, context = torch.randn(3, 40), torch.zeros(3, 1, dtype=torch.long)
+    assert torch.equal(next_tokens(logits, context, SamplingParams(), None), logits.argmax(-1))
+    params = SamplingParams(do_sample=True, top_k=1, seed=0)
+    assert torch.equal(next_tokens(logits, context, params, params.make_generator()), logits.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(temperature=0), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+     (dict(max_new_tokens=0), "max_new_tokens"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
+     (dict(stop=("",)), "stop strings")],
+)
+def test_invalid_parameters(kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(**kwargs)
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def test_stop_strings_across_token_boundaries():
+    checker = StopChecker(["END"], CharTokenizer(), batch_size=2)
+    hits = [checker.update(torch.tensor([ord(a), ord(b)])).tolist() for a, b in zip("xEND", "ENxx")]
+    assert hits == [[False, False], [False, False], [False, False], [True, False]]
+    assert truncate_at_stop("Paris.\nUser: hi", ["User:", "\n"]) == ("Paris.", True)
+    assert truncate_at_stop("Paris.", ["User:"]) == ("Paris.", False)
+    with pytest.raises(InvalidRequest, match="need a tokenizer"):
+        StopChecker(["x"], None, 1)

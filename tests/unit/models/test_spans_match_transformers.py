@@ -1,0 +1,104 @@
+"""Spans of every supported family reproduce transformers' hidden states and cached decoding."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from corolla.models.attention import ContiguousCache
+from corolla.models.config import ModelConfig
+from corolla.models.head import ModelHead
+from corolla.models.span import Span
+from tiny_models import FAMILIES, load_reference
+
+SPLITS = [[(0, 6)], [(0, 3), (3, 6)], [(0, 1), (1, 4), (4, 6)]]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return {family: load_reference(path) for family, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("split", SPLITS, ids=["1span", "2spans", "3spans"])
+def test_forward_matches_hidden_states_at_every_boundary(tiny_models, references, family, split):
+    path, reference = tiny_models[family], references[family]
+    input_ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids, output_hidden_states=True)
+    head = ModelHead.load(path)
+    hidden = head.embed(input_ids)
+    for start, end in split:
+        hidden = Span.load(path, start, end)(hidden)
+        if end < 6:
+            torch.testing.assert_close(hidden, expected.hidden_states[end], atol=1e-5, rtol=0)
+    torch.testing.assert_close(head.norm(hidden), expected.hidden_states[6], atol=1e-5, rtol=0)
+    torch.testing.assert_close(head.logits(hidden), expected.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_steps_match_transformers_cache(tiny_models, references, family):
+    """Prefill, decode steps and a multi-token step at an offset, with a sliding window for Mistral."""
+    path, reference = tiny_models[family], references[family]
+    input_ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    head = ModelHead.load(path)
+    spans = [Span.load(path, 0, 2), Span.load(path, 2, 6)]
+    config = ModelConfig.from_folder(path)
+    caches = [ContiguousCache(s.end - s.start, 2, config.num_key_value_heads, 32, config.head_dim, torch.float32)
+              for s in spans]
+    reference_cache = DynamicCache(config=reference.config)
+    for start, end in [(0, 7), (7, 8), (8, 9), (9, 15), (15, 16), (16, 20)]:
+        with torch.no_grad():
+            expected = reference(input_ids[:, start:end], cache=reference_cache, use_cache=True).logits
+        hidden = head.embed(input_ids[:, start:end])
+        for span, cache in zip(spans, caches):
+            hidden = span(hidden, cache, position=start)
+            cache.position = end
+        torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)
+
+
+def test_sub_range_of_a_span_and_rollback(tiny_models):
+    path = tiny_models["llama"]
+    span, half = Span.load(path, 0, 6), Span.load(path, 2, 4)
+    hidden = torch.randn(1, 5, 64)
+    torch.testing.assert_close(span(hidden, blocks=(2, 4)), half(hidden), atol=0, rtol=0)
+    config = ModelConfig.from_folder(path)
+    cache = ContiguousCache(6, 1, config.num_key_value_heads, 16, config.head_dim, torch.float32)
+    first = span(hidden, cache, position=0)
+    cache.position = 5
+    span(torch.randn(1, 3, 64), cache, position=5)  # a step we then roll back
+    cache.position = 3
+    redo = span(hidden[:, 3:], cache, position=3)
+    torch.testing.assert_close(redo, first[:, 3:], atol=1e-4, rtol=1e-4)
+
+
+def test_reorder_for_beam_search(tiny_models):
+    path = tiny_models["qwen2"]
+    span, config = Span.load(path, 0, 6), ModelConfig.from_folder(path)
+    prefix, step = torch.randn(3, 4, 64), torch.randn(3, 1, 64)
+    cache = ContiguousCache(6, 3, config.num_key_value_heads, 8, config.head_dim, torch.float32)
+    span(prefix, cache)
+    cache.position = 4
+    hypo_ids = torch.tensor([2, 2, 0])
+    cache.reorder(hypo_ids)
+    reordered = span(step, cache, position=4)
+    expected = span(torch.cat([prefix[hypo_ids], step], dim=1))[:, -1:]
+    torch.testing.assert_close(reordered, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_deep_prompts_are_added_at_their_positions(tiny_models):
+    path = tiny_models["llama"]
+    span = Span.load(path, 0, 6)
+    hidden, prompts = torch.randn(1, 6, 64), torch.randn(6, 1, 2, 64)
+    manual = hidden
+    for i, block in enumerate(span.blocks):
+        manual = manual.clone()
+        manual[:, :2] += prompts[i]
+        manual = block(manual, span.rotary(torch.arange(6), manual.dtype), _NoCache(), 0)
+    torch.testing.assert_close(span(hidden, prompts=prompts), manual, atol=1e-6, rtol=0)
+
+
+class _NoCache:
+    def attend(self, layer, q, k, v, window):
+        from corolla.models.attention import causal_attention
+
+        return causal_attention(q, k, v, 0, window)

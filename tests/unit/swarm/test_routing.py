@@ -1,0 +1,51 @@
+import random
+
+import pytest
+
+from corolla.errors import MissingBlocks
+from corolla.server.placement import choose_blocks, coverage
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.routing import Hop, choose_chain, format_blocks
+from corolla.wire.records import ServerAnnouncement, ServerState
+
+
+def span(peer, start, end):
+    info = ServerAnnouncement(ServerState.ONLINE, start, end, "0.1.0", "float32", 128, 100)
+    return RemoteSpan(peer, start, end, info)
+
+
+def test_fewest_hops_using_part_of_a_span():
+    spans = [span("a", 0, 2), span("b", 2, 4), span("c", 0, 3), span("d", 3, 6), span("e", 1, 6)]
+    chain = choose_chain(spans, 0, 6, rng=random.Random(0))
+    assert len(chain) == 2
+    assert chain[0].start == 0 and chain[-1].end == 6
+    assert all(a.end == b.start for a, b in zip(chain, chain[1:]))
+
+
+def test_allowed_and_banned_servers_shape_the_chain():
+    spans = [span("a", 0, 6), span("b", 0, 3), span("c", 3, 6), span("d", 0, 2), span("e", 2, 4)]
+    assert choose_chain(spans, 0, 6, allowed={"a"}) == [Hop("a", 0, 6)]
+    assert choose_chain(spans, 0, 6, banned={"a"}) == [Hop("b", 0, 3), Hop("c", 3, 6)]
+    assert choose_chain(spans, 0, 6, allowed={"d", "e", "c"}) == [Hop("d", 0, 2), Hop("e", 2, 4), Hop("c", 4, 6)]
+
+
+def test_replicas_are_chosen_at_random():
+    spans = [span("a", 0, 4), span("b", 0, 4)]
+    picks = {choose_chain(spans, 0, 4, rng=random.Random(seed))[0].peer_id for seed in range(20)}
+    assert picks == {"a", "b"}
+
+
+def test_missing_blocks_are_named():
+    spans = [span("a", 0, 2), span("b", 5, 8)]
+    with pytest.raises(MissingBlocks) as info:
+        choose_chain(spans, 0, 10)
+    assert info.value.blocks == (2, 3, 4, 8, 9)
+    assert "blocks 2-4, 8-9" in str(info.value)
+    assert format_blocks((1,)) == "1"
+
+
+def test_placement_fills_holes_first():
+    assert coverage([(0, 3), (2, 5)], 6) == [1, 1, 2, 1, 1, 0]
+    assert choose_blocks([(0, 10), (10, 20)], 10, 30) == (20, 30)
+    assert choose_blocks([(0, 10), (0, 10), (10, 30)], 10, 30) == (10, 20)
+    assert choose_blocks([], 30, 30) == (0, 30)

@@ -1,0 +1,65 @@
+import msgpack
+import pytest
+
+from corolla.errors import InvalidRequest
+from corolla.wire.messages import ForwardRequest, InferenceStep, NextServer, ServerInfo
+
+
+def packed(**fields):
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def test_first_step_roundtrip():
+    step = InferenceStep(step_id="s1", max_length=128, session_id="abc", alloc_timeout=2.5,
+                         next_servers=(NextServer("peer", "sess", 3, 7),), start_from_position=4)
+    parsed = InferenceStep.from_bytes(step.to_bytes(), first=True)
+    assert parsed == step
+
+
+def test_later_steps_ignore_session_fields():
+    raw = packed(step_id="s2", max_length="not even checked")
+    assert InferenceStep.from_bytes(raw, first=False) == InferenceStep(step_id="s2")
+
+
+def test_unknown_keys_are_ignored():
+    assert InferenceStep.from_bytes(packed(max_length=5, future_field=[1, 2]), first=True).max_length == 5
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (packed(), "'max_length' is required"),
+        (packed(max_length="10"), "'max_length' must be an integer, got str"),
+        (packed(max_length=10.5), "'max_length' must be an integer, got float"),
+        (packed(max_length=True), "'max_length' must be an integer, got bool"),
+        (packed(max_length=0), "'max_length' must be >= 1, got 0"),
+        (packed(max_length=8, alloc_timeout=-1), "'alloc_timeout' must be >= 0.0"),
+        (packed(max_length=8, alloc_timeout=float("nan")), "'alloc_timeout' must be a finite number"),
+        (packed(max_length=8, session_id=5), "'session_id' must be a string"),
+        (packed(max_length=8, session_id="x" * 500), "'session_id' has 500 characters, the limit is 128"),
+        (packed(max_length=8, start_from_position=-2), "'start_from_position' must be >= 0"),
+        (packed(max_length=8, next_servers=[["p", "s", 5, 2]]), "next_servers[0]' has an invalid block range"),
+        (packed(max_length=8, next_servers="peer"), "'next_servers' must be a list"),
+        (packed(max_length=8, version=99), "'version' must be <= 1"),
+        (b"\xc1\xff\x00garbage", "not valid msgpack"),
+        (packed(max_length=8)[:-1], "not valid msgpack"),
+        (msgpack.packb([1, 2, 3]), "must be a msgpack map, got list"),
+        (b"\x00" * 70_000, "the limit is 65536"),
+    ],
+)
+def test_malformed_metadata_is_rejected_with_the_field_named(raw, message):
+    with pytest.raises(InvalidRequest) as info:
+        InferenceStep.from_bytes(raw, first=True)
+    assert message in str(info.value)
+
+
+def test_forward_request_roundtrip_and_compression_type():
+    assert ForwardRequest.from_bytes(ForwardRequest(output_compression=2).to_bytes()).output_compression == 2
+    with pytest.raises(InvalidRequest, match="output_compression"):
+        ForwardRequest.from_bytes(packed(output_compression=["fp16"]))
+
+
+def test_server_info_roundtrip():
+    info = ServerInfo(version="0.1.0", dht_prefix="m", start=0, end=4, dtype="float32", inference_max_length=64,
+                      max_batch_size=8, cache_tokens_total=100, cache_tokens_available=40, num_sessions=2)
+    assert ServerInfo.from_bytes(info.to_bytes()) == info
