@@ -42,12 +42,26 @@ def no_leftover_children():
     """Fail loudly if a test leaves child processes behind, then end them (only our own children)."""
     yield
     me = psutil.Process()
-    leftovers = me.children(recursive=True)
+    # torch's shared-memory manager and multiprocessing's resource tracker are per-process helpers that
+    # exit with this process; anything else is a peer or a daemon a test forgot
+    leftovers = [p for p in me.children(recursive=True) if not _is_runtime_helper(p)]
+    names = [f"{p.pid}: {' '.join(_cmdline(p))[:200]}" for p in leftovers]
     for child in leftovers:
         try:
             child.kill()
         except psutil.NoSuchProcess:
             pass
-    names = [f"{p.pid}" for p in leftovers]
     if leftovers:
         pytest.fail(f"tests left {len(leftovers)} child processes running: {names}", pytrace=False)
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return ["?"]
+
+
+def _is_runtime_helper(process: psutil.Process) -> bool:
+    command = " ".join(_cmdline(process))
+    return "torch_shm_manager" in command or "resource_tracker" in command

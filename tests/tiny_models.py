@@ -28,10 +28,18 @@ def tiny_config(family: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     if family == "llama":
-        return LlamaConfig(**COMMON, tie_word_embeddings=True,
-                           rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
-                                                low_freq_factor=1.0, high_freq_factor=4.0,
-                                                original_max_position_embeddings=64))
+        return LlamaConfig(
+            **COMMON,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        )
     if family == "mistral":
         return MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=7)
     if family == "qwen2":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from corolla.config import SwarmConfig
@@ -12,24 +11,44 @@ from corolla.errors import InvalidRequest
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     logging.getLogger("corolla").setLevel(level)
 
 
 def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str) -> None:
     group = parser.add_argument_group("swarm")
-    group.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                       help="multiaddresses of peers already in the swarm (printed by `corolla dht`)")
+    group.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="multiaddresses of peers already in the swarm (printed by `corolla dht`)",
+    )
     group.add_argument("--host", default=default_host, help="address to listen on (default: %(default)s)")
     group.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
-    group.add_argument("--announce-host", default=None,
-                       help="address other peers should use to reach this one (needs --port)")
-    group.add_argument("--nat-port-map", action=argparse.BooleanOptionalAction, default=None,
-                       help="ask the LAN gateway (UPnP / NAT-PMP) to forward our port; default: on unless "
-                            "--host is a loopback address. Turn it off in tests and private networks")
-    group.add_argument("--identity", default=None, metavar="PATH",
-                       help="private key file that fixes this peer's id across restarts (created if missing)")
+    group.add_argument(
+        "--announce-host",
+        default=None,
+        help="address other peers should use to reach this one (needs --port)",
+    )
+    group.add_argument(
+        "--nat-port-map",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask the LAN gateway (UPnP / NAT-PMP) to forward our port; default: on unless "
+        "--host is a loopback address. Turn it off in tests and private networks",
+    )
+    group.add_argument(
+        "--identity",
+        default=None,
+        metavar="PATH",
+        help="private key file that fixes this peer's id across restarts (created if missing)",
+    )
 
 
 def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> SwarmConfig:
@@ -44,8 +63,3 @@ def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> Swar
         identity_path=args.identity,
         client_mode=client_mode,
     )
-
-
-def env_threads() -> int | None:
-    value = os.environ.get("COROLLA_NUM_THREADS")
-    return int(value) if value else None

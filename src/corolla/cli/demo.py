@@ -12,18 +12,27 @@ from corolla.models.config import ModelConfig
 from corolla.models.source import DEFAULT_MODEL, resolve_model
 from corolla.swarm.local import LocalSwarm, even_spans
 
-DEFAULT_PROMPT = "What is the capital of France? Tell me a little about it."
+DEFAULT_PROMPT = "What is the capital of France, and what is it famous for?"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo", help="start a local swarm and chat with it",
-        description="Start a DHT peer and several servers on 127.0.0.1 (separate processes, each hosting part "
-                    "of the model's blocks), stream the model's answer to a chat prompt through them, then shut "
-                    "everything down. The default model is the bundled SmolLM2-135M-Instruct.")
-    parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, metavar="PROMPT",
-                        help="what to ask (default: %(default)r)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model folder, .gguf file or alias (default: %(default)s)")
+        "demo",
+        help="start a local swarm and chat with it",
+        description="Start a DHT peer and several servers on 127.0.0.1 (separate processes, each hosting "
+        "part of the model's blocks), stream the model's answer to a chat prompt through them, then shut "
+        "everything down. The default model is the bundled SmolLM2-135M-Instruct.",
+    )
+    parser.add_argument(
+        "prompt",
+        nargs="?",
+        default=DEFAULT_PROMPT,
+        metavar="PROMPT",
+        help="what to ask (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model folder, .gguf file or alias (default: %(default)s)"
+    )
     parser.add_argument("--servers", type=int, default=3, help="number of servers (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="keep the peers' logs in this folder")
     add_generation_args(parser)
@@ -37,18 +46,35 @@ def run(args: argparse.Namespace) -> None:
     source = resolve_model(args.model)  # converts a GGUF once, before any server needs it
     num_blocks = ModelConfig.from_folder(source.path).num_hidden_layers
     spans = even_spans(num_blocks, max(1, min(args.servers, num_blocks)))
-    print(f"Starting a local swarm: 1 DHT peer + {len(spans)} servers for {source.name} "
-          f"(blocks {', '.join(f'{a}:{b}' for a, b in spans)})", file=sys.stderr, flush=True)
+    print(
+        f"Starting a local swarm: 1 DHT peer + {len(spans)} servers for {source.name} "
+        f"(blocks {', '.join(f'{a}:{b}' for a, b in spans)})",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
     with LocalSwarm(args.model, spans, workdir=args.workdir) as swarm:
-        print(f"Swarm ready in {time.monotonic() - started:.1f}s; asking: {args.prompt}\n", file=sys.stderr, flush=True)
-        config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers), host="127.0.0.1",
-                                                nat_port_map=False, client_mode=True))
+        print(
+            f"Swarm ready in {time.monotonic() - started:.1f}s; asking: {args.prompt}\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        config = ClientConfig(
+            swarm=SwarmConfig(
+                initial_peers=tuple(swarm.initial_peers),
+                host="127.0.0.1",
+                nat_port_map=False,
+                client_mode=True,
+            )
+        )
         with DistributedModelForCausalLM.from_pretrained(args.model, config=config) as model:
             input_ids = encode_prompt(model.tokenizer, args.prompt, args.system, args.raw)
             generation_started = time.monotonic()
-            answer = stream_completion(model, input_ids, params, sys.stdout)
+            _, num_tokens = stream_completion(model, input_ids, params, sys.stdout)
             elapsed = time.monotonic() - generation_started
-        num_tokens = len(model.tokenizer(answer, add_special_tokens=False).input_ids)
-        print(f"\n[{num_tokens} tokens in {elapsed:.1f}s through {len(spans)} servers; shutting the swarm down]",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n[{num_tokens} tokens in {elapsed:.1f}s through {len(spans)} servers; "
+            "shutting the swarm down]",
+            file=sys.stderr,
+            flush=True,
+        )

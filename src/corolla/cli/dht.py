@@ -15,9 +15,11 @@ logger = logging.getLogger(__name__)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "dht", help="start a DHT bootstrap peer",
+        "dht",
+        help="start a DHT bootstrap peer",
         description="Start a DHT peer that servers and clients use to find each other. It prints the "
-                    "multiaddress to pass to their --initial-peers and runs until SIGINT or SIGTERM.")
+        "multiaddress to pass to their --initial-peers and runs until SIGINT or SIGTERM.",
+    )
     add_swarm_args(parser, default_host="0.0.0.0")
     parser.set_defaults(run=run)
 

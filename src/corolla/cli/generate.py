@@ -15,12 +15,18 @@ from corolla.errors import InvalidRequest
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "generate", help="generate text with a model served by the swarm",
-        description="Generate a completion of PROMPT with MODEL's blocks running on the swarm, printing tokens "
-                    "as they arrive. Chat models get their chat template applied (see --raw).")
-    parser.add_argument("model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers")
+        "generate",
+        help="generate text with a model served by the swarm",
+        description="Generate a completion of PROMPT with MODEL's blocks running on the swarm, printing "
+        "tokens as they arrive. Chat models get their chat template applied (see --raw).",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
+    )
     parser.add_argument("prompt", metavar="PROMPT", help="the user's message (or raw text with --raw)")
-    parser.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")
+    parser.add_argument(
+        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
+    )
     add_generation_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1")
     parser.set_defaults(run=run)
@@ -30,35 +36,54 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation")
     group.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
     group.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    group.add_argument("--temperature", type=float, default=1.0, help="with --do-sample (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=None, help="with --do-sample: keep the k likeliest tokens")
-    group.add_argument("--top-p", type=float, default=1.0, help="with --do-sample: nucleus mass (default: 1.0)")
+    group.add_argument(
+        "--temperature", type=float, default=1.0, help="with --do-sample (default: %(default)s)"
+    )
+    group.add_argument(
+        "--top-k", type=int, default=None, help="with --do-sample: keep the k likeliest tokens"
+    )
+    group.add_argument(
+        "--top-p", type=float, default=1.0, help="with --do-sample: nucleus mass (default: 1.0)"
+    )
     group.add_argument("--repetition-penalty", type=float, default=1.0, help="default: %(default)s")
     group.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                       help="stop before this text (repeatable)")
+    group.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)"
+    )
     group.add_argument("--system", default=None, help="system message for chat models")
     group.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop))
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
 
 
 def encode_prompt(tokenizer: Any, prompt: str, system: str | None, raw: bool) -> list[int]:
     if tokenizer is None:
         raise InvalidRequest("this model folder has no tokenizer, so text prompts cannot be encoded")
     if not raw and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids
 
 
-def stream_completion(model: Any, input_ids: list[int], params: SamplingParams, out: TextIO) -> str:
-    """Generate and print text as it arrives; returns the whole completion (cut before any stop string)."""
+def stream_completion(
+    model: Any, input_ids: list[int], params: SamplingParams, out: TextIO
+) -> tuple[str, int]:
+    """Generate and print text as it arrives; returns the completion (cut before any stop string) and the
+    number of tokens generated."""
     tokenizer, generated, printed = model.tokenizer, [], ""
     for tokens in model.generate_stream(input_ids, params):
         token = int(tokens[0])
@@ -67,14 +92,14 @@ def stream_completion(model: Any, input_ids: list[int], params: SamplingParams, 
         generated.append(token)
         text, stopped = truncate_at_stop(tokenizer.decode(generated, skip_special_tokens=True), params.stop)
         if not text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            out.write(text[len(printed):])
+            out.write(text[len(printed) :])
             out.flush()
             printed = text
         if stopped:
             break
     out.write("\n")
     out.flush()
-    return printed
+    return printed, len(generated)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -82,6 +107,8 @@ def run(args: argparse.Namespace) -> None:
 
     params = sampling_params(args)
     config = ClientConfig(swarm=swarm_config(args, client_mode=True))
-    with DistributedModelForCausalLM.from_pretrained(args.model, dht_prefix=args.dht_prefix, config=config) as model:
+    with DistributedModelForCausalLM.from_pretrained(
+        args.model, dht_prefix=args.dht_prefix, config=config
+    ) as model:
         input_ids = encode_prompt(model.tokenizer, args.prompt, args.system, args.raw)
         stream_completion(model, input_ids, params, sys.stdout)

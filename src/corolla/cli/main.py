@@ -19,8 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run large language models across a swarm of ordinary machines.",
     )
     parser.add_argument("--version", action="version", version=f"corolla {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging verbosity (logs go to stderr; default: %(default)s)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity (logs go to stderr; default: %(default)s)",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)

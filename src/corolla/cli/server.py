@@ -14,38 +14,88 @@ from corolla.server.server import Server, serve
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     defaults = ServerConfig(model="")
     parser = subparsers.add_parser(
-        "server", help="serve a span of a model's blocks",
-        description="Load a contiguous span of MODEL's transformer blocks, announce it on the swarm's DHT and "
-                    "answer inference and forward requests until SIGINT or SIGTERM (then it announces "
-                    "OFFLINE and stops). MODEL is a Hugging Face folder, a .gguf file, a hub id, or "
-                    "`smollm2` (the bundled SmolLM2-135M-Instruct).")
+        "server",
+        help="serve a span of a model's blocks",
+        description="Load a contiguous span of MODEL's transformer blocks, announce it on the swarm's DHT "
+        "and answer inference and forward requests until SIGINT or SIGTERM (then it announces "
+        "OFFLINE and stops). MODEL is a Hugging Face folder, a .gguf file, a hub id, or "
+        "`smollm2` (the bundled SmolLM2-135M-Instruct).",
+    )
     parser.add_argument("model", metavar="MODEL")
     blocks = parser.add_mutually_exclusive_group()
-    blocks.add_argument("--blocks", type=_block_range, default=None, metavar="A:B",
-                        help="host blocks A to B-1 (0-based, end exclusive)")
-    blocks.add_argument("--num-blocks", type=int, default=None, metavar="N",
-                        help="host N blocks where the swarm has the fewest servers (default: all blocks)")
-    parser.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16", "auto"],
-                        help="compute dtype (default: %(default)s)")
-    parser.add_argument("--max-cache-tokens", type=int, default=defaults.max_cache_tokens,
-                        help="attention cache budget, in tokens over all hosted blocks (default: %(default)s)")
-    parser.add_argument("--inference-max-length", type=int, default=defaults.inference_max_length,
-                        help="longest inference session a client may open (default: %(default)s)")
-    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
-                        help="most rows per session or forward request (default: %(default)s)")
-    parser.add_argument("--max-forward-tokens", type=int, default=defaults.max_forward_tokens,
-                        help="most batch x length tokens per forward request (default: %(default)s)")
-    parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout,
-                        help="close a session whose next step does not arrive within this many seconds "
-                             "(default: %(default)s)")
-    parser.add_argument("--session-timeout", type=float, default=defaults.session_timeout,
-                        help="close any session after this many seconds (default: %(default)s)")
-    parser.add_argument("--announce-period", type=float, default=defaults.announce_period,
-                        help="re-announce on the DHT this often, in seconds (default: %(default)s)")
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch compute threads (default: torch's choice; use 1 when several peers share "
-                             "a small machine)")
+    blocks.add_argument(
+        "--blocks",
+        type=_block_range,
+        default=None,
+        metavar="A:B",
+        help="host blocks A to B-1 (0-based, end exclusive)",
+    )
+    blocks.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="host N blocks where the swarm has the fewest servers (default: all blocks)",
+    )
+    parser.add_argument(
+        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=["float32", "float16", "bfloat16", "auto"],
+        help="compute dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-cache-tokens",
+        type=int,
+        default=defaults.max_cache_tokens,
+        help="attention cache budget, in tokens over all hosted blocks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--inference-max-length",
+        type=int,
+        default=defaults.inference_max_length,
+        help="longest inference session a client may open (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="most rows per session or forward request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-forward-tokens",
+        type=int,
+        default=defaults.max_forward_tokens,
+        help="most batch x length tokens per forward request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=defaults.step_timeout,
+        help="close a session whose next step does not arrive within this many seconds "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=defaults.session_timeout,
+        help="close any session after this many seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--announce-period",
+        type=float,
+        default=defaults.announce_period,
+        help="re-announce on the DHT this often, in seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch compute threads (default: torch's choice; use 1 when several peers share "
+        "a small machine)",
+    )
     add_swarm_args(parser, default_host="0.0.0.0")
     parser.set_defaults(run=run)
 
@@ -61,26 +111,45 @@ def _block_range(text: str) -> tuple[int, int]:
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
-    positive = ("max_cache_tokens", "inference_max_length", "max_batch_size", "max_forward_tokens",
-                "step_timeout", "session_timeout", "announce_period")
+    positive = (
+        "max_cache_tokens",
+        "inference_max_length",
+        "max_batch_size",
+        "max_forward_tokens",
+        "step_timeout",
+        "session_timeout",
+        "announce_period",
+    )
     for name in positive:
         if getattr(args, name) <= 0:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise InvalidRequest(f"--num-blocks must be at least 1, got {args.num_blocks}")
     return ServerConfig(
-        model=args.model, swarm=swarm_config(args), dht_prefix=args.dht_prefix, blocks=args.blocks,
-        num_blocks=args.num_blocks, dtype=args.dtype, max_cache_tokens=args.max_cache_tokens,
-        inference_max_length=args.inference_max_length, max_batch_size=args.max_batch_size,
-        max_forward_tokens=args.max_forward_tokens, step_timeout=args.step_timeout,
-        session_timeout=args.session_timeout, announce_period=args.announce_period, num_threads=args.num_threads,
+        model=args.model,
+        swarm=swarm_config(args),
+        dht_prefix=args.dht_prefix,
+        blocks=args.blocks,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        max_cache_tokens=args.max_cache_tokens,
+        inference_max_length=args.inference_max_length,
+        max_batch_size=args.max_batch_size,
+        max_forward_tokens=args.max_forward_tokens,
+        step_timeout=args.step_timeout,
+        session_timeout=args.session_timeout,
+        announce_period=args.announce_period,
+        num_threads=args.num_threads,
     )
 
 
 def _print_ready(server: Server) -> None:
     info = server.handler.info()
-    print(f"corolla server ready: peer_id={server.peer_id} blocks={info.start}:{info.end} "
-          f"dht_prefix={server.dht_prefix}", flush=True)
+    print(
+        f"corolla server ready: peer_id={server.peer_id} blocks={info.start}:{info.end} "
+        f"dht_prefix={server.dht_prefix}",
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> None:

@@ -45,20 +45,30 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-async def generate_tokens(head: ModelHead, session: InferenceSession, input_ids: torch.Tensor,
-                          params: SamplingParams, eos_token_ids: Sequence[int], pad_token_id: int,
-                          tokenizer: Any = None) -> AsyncIterator[torch.Tensor]:
+async def generate_tokens(
+    head: ModelHead,
+    session: InferenceSession,
+    input_ids: torch.Tensor,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    tokenizer: Any = None,
+) -> AsyncIterator[torch.Tensor]:
     """Yield the next token of every row [B], up to params.max_new_tokens steps."""
     batch = input_ids.shape[0]
     inputs = input_ids
     if session.pending_token_ids is not None:
         if session.pending_token_ids.shape[0] != batch:
-            raise InvalidRequest(f"batch size {batch} differs from the session's {session.pending_token_ids.shape[0]}")
+            raise InvalidRequest(
+                f"batch size {batch} differs from the session's {session.pending_token_ids.shape[0]}"
+            )
         inputs = torch.cat([session.pending_token_ids, input_ids], dim=1)
     needed = session.position + inputs.shape[1] + params.max_new_tokens - 1
     if needed > session.max_length:
-        raise InvalidRequest(f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
-                             f"{session.position} exceed the session's max_length={session.max_length}")
+        raise InvalidRequest(
+            f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
+            f"{session.position} exceed the session's max_length={session.max_length}"
+        )
     eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
     stops = StopChecker(params.stop, tokenizer, batch)
     generator = params.make_generator() if params.do_sample else None

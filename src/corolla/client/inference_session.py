@@ -39,8 +39,12 @@ class InferenceSession:
     async def aopen(self) -> InferenceSession:
         hops = await self.swarm.route()
         timeout = self.swarm.config.request_timeout
-        self.spans = [SpanSession(self.swarm.p2p, hop, self.swarm.dht_prefix, self.max_length, timeout,
-                                  self.alloc_timeout) for hop in hops]
+        self.spans = [
+            SpanSession(
+                self.swarm.p2p, hop, self.swarm.dht_prefix, self.max_length, timeout, self.alloc_timeout
+            )
+            for hop in hops
+        ]
         try:
             await asyncio.gather(*(span.open() for span in self.spans))
         except BaseException:
@@ -49,8 +53,13 @@ class InferenceSession:
         self._opened = True
         return self
 
-    async def astep(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None,
-                    hypo_ids: torch.Tensor | None = None, start_from_position: int | None = None) -> torch.Tensor:
+    async def astep(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+        start_from_position: int | None = None,
+    ) -> torch.Tensor:
         """Run hidden states [B, T, H] of the next tokens through every block; returns [B, T, H]."""
         if self.closed or not self._opened:
             raise InvalidRequest("the inference session is closed or was never opened")
@@ -58,8 +67,10 @@ class InferenceSession:
         if not 0 <= position <= self.position:
             raise InvalidRequest(f"start_from_position={position} must lie in [0, {self.position}]")
         if position + hidden.shape[1] > self.max_length:
-            raise InvalidRequest(f"{hidden.shape[1]} more tokens at position {position} exceed the session's "
-                                 f"max_length={self.max_length}")
+            raise InvalidRequest(
+                f"{hidden.shape[1]} more tokens at position {position} exceed the session's "
+                f"max_length={self.max_length}"
+            )
         boundaries = []
         for span in self.spans:
             span_prompts = prompts[span.hop.start : span.hop.end] if prompts is not None else None
@@ -80,8 +91,13 @@ class InferenceSession:
     def open(self) -> InferenceSession:
         return self.runtime.run(self.aopen())
 
-    def step(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None, hypo_ids: torch.Tensor | None = None,
-             start_from_position: int | None = None) -> torch.Tensor:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+        start_from_position: int | None = None,
+    ) -> torch.Tensor:
         return self.runtime.run(self.astep(hidden, prompts, hypo_ids, start_from_position))
 
     def close(self) -> None:

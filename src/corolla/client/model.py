@@ -21,7 +21,7 @@ from corolla.client.remote_forward import remote_forward
 from corolla.client.runtime import LoopThread
 from corolla.client.sampling import SamplingParams
 from corolla.client.swarm import SwarmClient
-from corolla.config import ClientConfig, SwarmConfig
+from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.head import ModelHead
@@ -35,13 +35,26 @@ class CausalLMOutput:
 
 
 class DistributedModelForCausalLM:
-    def __init__(self, source: ModelSource, config: ModelConfig, head: ModelHead, swarm: SwarmClient,
-                 runtime: LoopThread):
+    def __init__(
+        self,
+        source: ModelSource,
+        config: ModelConfig,
+        head: ModelHead,
+        swarm: SwarmClient,
+        runtime: LoopThread,
+    ):
         self.source, self.config, self.head, self.swarm, self.runtime = source, config, head, swarm, runtime
 
     @classmethod
-    def from_pretrained(cls, model: str, initial_peers: Sequence[str] = (), *, dht_prefix: str | None = None,
-                        config: ClientConfig | None = None, **overrides: Any) -> DistributedModelForCausalLM:
+    def from_pretrained(
+        cls,
+        model: str,
+        initial_peers: Sequence[str] = (),
+        *,
+        dht_prefix: str | None = None,
+        config: ClientConfig | None = None,
+        **overrides: Any,
+    ) -> DistributedModelForCausalLM:
         """Load the local parts of `model` and join the swarm through `initial_peers`.
 
         `overrides` are ClientConfig fields (request_timeout, routing_timeout, allowed_servers, ...).
@@ -67,7 +80,9 @@ class DistributedModelForCausalLM:
     @cached_property
     def tokenizer(self) -> Any:
         """The model folder's tokenizer (transformers' AutoTokenizer), or None if the folder has none."""
-        if not any((self.source.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        if not any(
+            (self.source.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+        ):
             return None
         from transformers import AutoTokenizer
 
@@ -95,25 +110,43 @@ class DistributedModelForCausalLM:
         """A session that keeps server-side caches across calls; use it as a context manager."""
         return InferenceSession(self.swarm, self.runtime, max_length, alloc_timeout)
 
-    async def agenerate(self, input_ids: torch.Tensor | Sequence[int], params: SamplingParams | None = None,
-                        session: InferenceSession | None = None, **kwargs: Any) -> AsyncIterator[torch.Tensor]:
+    async def agenerate(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        params: SamplingParams | None = None,
+        session: InferenceSession | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[torch.Tensor]:
         """Yield each step's new tokens [B]; kwargs are SamplingParams fields."""
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
         own = session is None
         if own:
-            session = await InferenceSession(self.swarm, self.runtime,
-                                             input_ids.shape[1] + params.max_new_tokens).aopen()
+            session = await InferenceSession(
+                self.swarm, self.runtime, input_ids.shape[1] + params.max_new_tokens
+            ).aopen()
         try:
-            async for tokens in generate_tokens(self.head, session, input_ids, params, self.eos_token_ids,
-                                                self.pad_token_id, self.tokenizer if params.stop else None):
+            async for tokens in generate_tokens(
+                self.head,
+                session,
+                input_ids,
+                params,
+                self.eos_token_ids,
+                self.pad_token_id,
+                self.tokenizer if params.stop else None,
+            ):
                 yield tokens
         finally:
             if own:
                 await session.aclose()
 
-    def generate_stream(self, input_ids: torch.Tensor | Sequence[int], params: SamplingParams | None = None,
-                        session: InferenceSession | None = None, **kwargs: Any) -> Iterator[torch.Tensor]:
+    def generate_stream(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        params: SamplingParams | None = None,
+        session: InferenceSession | None = None,
+        **kwargs: Any,
+    ) -> Iterator[torch.Tensor]:
         """A synchronous iterator over each step's new tokens [B], yielded as soon as they are sampled."""
         stream = self.agenerate(input_ids, params, session, **kwargs)
         try:
@@ -125,9 +158,14 @@ class DistributedModelForCausalLM:
         finally:
             self.runtime.run(stream.aclose())
 
-    def generate(self, input_ids: torch.Tensor | Sequence[int], params: SamplingParams | None = None,
-                 session: InferenceSession | None = None, streamer: Callable[[torch.Tensor], None] | None = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        params: SamplingParams | None = None,
+        session: InferenceSession | None = None,
+        streamer: Callable[[torch.Tensor], None] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """Generate like transformers' `generate`: returns [B, T + new] (inputs followed by new tokens).
 
         kwargs are SamplingParams fields: max_new_tokens, do_sample, temperature, top_k, top_p,
@@ -148,8 +186,9 @@ class DistributedModelForCausalLM:
         with torch.no_grad():
             hidden = self.head.embed(input_ids)
             for hop in await self.swarm.route():
-                hidden = await remote_forward(self.swarm.p2p, hop, self.swarm.dht_prefix, hidden,
-                                              self.swarm.config.request_timeout)
+                hidden = await remote_forward(
+                    self.swarm.p2p, hop, self.swarm.dht_prefix, hidden, self.swarm.config.request_timeout
+                )
             return CausalLMOutput(self.head.logits(hidden), hidden)
 
     def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
@@ -173,10 +212,13 @@ class DistributedModelForCausalLM:
 
 
 def _as_batch(input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(list(input_ids), dtype=torch.long)
+    ids = (
+        input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(list(input_ids), dtype=torch.long)
+    )
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.int64, torch.int32):
-        raise InvalidRequest(f"input_ids must be a non-empty integer tensor [batch, length], got "
-                             f"{ids.dtype} {list(ids.shape)}")
+        raise InvalidRequest(
+            f"input_ids must be a non-empty integer tensor [batch, length], got {ids.dtype} {list(ids.shape)}"
+        )
     return ids.long()

@@ -37,7 +37,9 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must lie in (0, 1], got {self.top_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise InvalidRequest(f"repetition_penalty must be a positive number, got {self.repetition_penalty}")
+            raise InvalidRequest(
+                f"repetition_penalty must be a positive number, got {self.repetition_penalty}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
 
@@ -71,8 +73,9 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def next_tokens(logits: torch.Tensor, context_ids: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> torch.Tensor:
+def next_tokens(
+    logits: torch.Tensor, context_ids: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """Choose the next token of each row: logits [B, V] (float32), context_ids [B, T] -> [B]."""
     logits = apply_repetition_penalty(logits.float(), context_ids, params.repetition_penalty)
     if not params.do_sample:

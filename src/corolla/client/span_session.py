@@ -26,8 +26,9 @@ CLOSE_TIMEOUT = 5.0
 
 
 class SpanSession:
-    def __init__(self, p2p: P2P, hop: Hop, dht_prefix: str, max_length: int, timeout: float,
-                 alloc_timeout: float = 0.0):
+    def __init__(
+        self, p2p: P2P, hop: Hop, dht_prefix: str, max_length: int, timeout: float, alloc_timeout: float = 0.0
+    ):
         self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
         self.alloc_timeout = alloc_timeout
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
@@ -41,8 +42,9 @@ class SpanSession:
     async def open(self) -> None:
         async with remote_errors(self.hop.peer_id, self.timeout):
             self._stream = await asyncio.wait_for(
-                self.p2p.iterate_protobuf_handler(peer(self.hop.peer_id), RPC_INFERENCE, self._requests(),
-                                                  runtime_pb2.ExpertResponse),
+                self.p2p.iterate_protobuf_handler(
+                    peer(self.hop.peer_id), RPC_INFERENCE, self._requests(), runtime_pb2.ExpertResponse
+                ),
                 self.timeout,
             )
 
@@ -50,22 +52,33 @@ class SpanSession:
         while (request := await self._queue.get()) is not None:
             yield request
 
-    async def step(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None,
-                   hypo_ids: torch.Tensor | None = None, start_from_position: int | None = None) -> torch.Tensor:
-        """Send hidden states [B, T, H] for positions [position, position + T); returns this span's outputs."""
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+        start_from_position: int | None = None,
+    ) -> torch.Tensor:
+        """Send hidden states [B, T, H] for positions [position, position + T); returns the outputs."""
         if self.closed:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
         meta = InferenceStep(step_id=uuid.uuid4().hex, start_from_position=start_from_position)
         if not self._stepped:
-            meta = InferenceStep(step_id=meta.step_id, start_from_position=start_from_position,
-                                 max_length=self.max_length, session_id=self.session_id,
-                                 alloc_timeout=self.alloc_timeout)
+            meta = InferenceStep(
+                step_id=meta.step_id,
+                start_from_position=start_from_position,
+                max_length=self.max_length,
+                session_id=self.session_id,
+                alloc_timeout=self.alloc_timeout,
+            )
         tensors = [
             wire_tensors.serialize(hidden),
             wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty(),
             wire_tensors.serialize(hypo_ids) if hypo_ids is not None else wire_tensors.empty(),
         ]
-        await self._queue.put(runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes()))
+        await self._queue.put(
+            runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
+        )
         self._stepped = True
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
@@ -76,8 +89,10 @@ class SpanSession:
         outputs = wire_tensors.deserialize(response.tensors[0], "outputs") if response.tensors else None
         if outputs is None or outputs.shape != hidden.shape:
             self.closed = True
-            raise ServerUnavailable(f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
-                                    f"{None if outputs is None else list(outputs.shape)}, expected {list(hidden.shape)}")
+            raise ServerUnavailable(
+                f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
+                f"{None if outputs is None else list(outputs.shape)}, expected {list(hidden.shape)}"
+            )
         position = self.position if start_from_position is None else start_from_position
         self.position = position + hidden.shape[1]
         return outputs

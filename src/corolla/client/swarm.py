@@ -10,8 +10,8 @@ import asyncio
 import logging
 import random
 import time
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -62,12 +62,19 @@ class SwarmClient:
             if time.monotonic() - self._refreshed_at > REFRESH_PERIOD or not self.spans:
                 await self.refresh()
             try:
-                return choose_chain(self.spans, start, end, rng=self._rng, allowed=self.config.allowed_servers,
-                                    banned=self.config.blocked_servers)
+                return choose_chain(
+                    self.spans,
+                    start,
+                    end,
+                    rng=self._rng,
+                    allowed=self.config.allowed_servers,
+                    banned=self.config.blocked_servers,
+                )
             except MissingBlocks as e:
                 if time.monotonic() + delay > deadline:
-                    raise MissingBlocks(f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers",
-                                        e.blocks) from None
+                    raise MissingBlocks(
+                        f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers", e.blocks
+                    ) from None
                 logger.debug("Waiting for servers: %s", e.message)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
@@ -89,5 +96,6 @@ async def remote_errors(peer_id: str, timeout: float) -> AsyncIterator[None]:
     except (asyncio.TimeoutError, TimeoutError):
         raise ServerUnavailable(f"server ...{short} did not reply within {timeout:.1f}s") from None
     except (P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError, StopAsyncIteration) as e:
-        raise ServerUnavailable(f"server ...{short} is unreachable or closed the stream "
-                                f"({type(e).__name__}: {e})") from None
+        raise ServerUnavailable(
+            f"server ...{short} is unreachable or closed the stream ({type(e).__name__}: {e})"
+        ) from None

@@ -15,14 +15,16 @@ import torch.nn.functional as F
 
 
 class AttentionContext(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
         """q: [B, heads, T, d]; k, v: [B, kv_heads, T, d] of the new tokens. Returns [B, heads, T, d]."""
         ...
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
-                     window: int | None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None
+) -> torch.Tensor:
     """Attention of queries at positions [q_start, q_start + T) over keys at positions [0, len(k))."""
     num_queries, num_keys = q.shape[2], k.shape[2]
     if num_queries == 1 and (window is None or num_keys <= window):
@@ -43,8 +45,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 class NoCache:
     """A forward pass over whole sequences that start at position 0: nothing is stored."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
         return causal_attention(q, k, v, 0, window)
 
 
@@ -55,8 +58,15 @@ class ContiguousCache:
     and the caller advances `position` once every block has run.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype):
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ):
         # [layers, keys|values, B, kv_heads, max_length, d]; torch.empty leaves pages untouched until used
         self.buffer = torch.empty(num_layers, 2, batch_size, num_kv_heads, max_length, head_dim, dtype=dtype)
         self.max_length = max_length
@@ -66,8 +76,9 @@ class ContiguousCache:
     def batch_size(self) -> int:
         return self.buffer.shape[2]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
         start, end = self.position, self.position + q.shape[2]
         keys, values = self.buffer[layer, 0], self.buffer[layer, 1]
         keys[:, :, start:end] = k

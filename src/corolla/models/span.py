@@ -48,8 +48,14 @@ class Span(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.blocks[0].input_layernorm.weight.dtype
 
-    def forward(self, hidden: torch.Tensor, context: AttentionContext | None = None, position: int = 0,
-                prompts: torch.Tensor | None = None, blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        context: AttentionContext | None = None,
+        position: int = 0,
+        prompts: torch.Tensor | None = None,
+        blocks: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """Run blocks [a, b) of the model (absolute indices, default: the whole span).
 
         hidden: [B, T, hidden] for tokens at positions [position, position + T).

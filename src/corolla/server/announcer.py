@@ -19,8 +19,14 @@ logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(self, dht: DHT, dht_prefix: str, peer_id: str, period: float,
-                 make_record: Callable[[ServerState], ServerAnnouncement]):
+    def __init__(
+        self,
+        dht: DHT,
+        dht_prefix: str,
+        peer_id: str,
+        period: float,
+        make_record: Callable[[ServerState], ServerAnnouncement],
+    ):
         self.dht, self.dht_prefix, self.peer_id, self.period = dht, dht_prefix, peer_id, period
         self.make_record = make_record
         self.state = ServerState.JOINING
@@ -35,8 +41,12 @@ class Announcer:
         record = self.make_record(state)
         ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration)
         if not ok:
-            logger.warning("Could not store the %s announcement for blocks %d:%d on the DHT", state.name,
-                           record.start, record.end)
+            logger.warning(
+                "Could not store the %s announcement for blocks %d:%d on the DHT",
+                state.name,
+                record.start,
+                record.end,
+            )
         return ok
 
     def start(self) -> None:

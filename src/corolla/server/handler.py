@@ -9,6 +9,7 @@ or session ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
-from corolla.errors import InvalidRequest, SessionTimeout
+from corolla.errors import CorollaError, InvalidRequest, SessionTimeout
 from corolla.models.span import Span
 from corolla.server import validation
 from corolla.server.sessions import ServerSession, SessionRegistry
@@ -31,11 +32,13 @@ from corolla.wire.messages import ForwardRequest, InferenceStep, ServerInfo
 logger = logging.getLogger(__name__)
 
 ExpertRequest, ExpertResponse = runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse
+ERROR_DRAIN_SECONDS = 0.5
 
 
 class TransformerConnectionHandler:
-    def __init__(self, span: Span, config: ServerConfig, dht_prefix: str, sessions: SessionRegistry,
-                 version: str):
+    def __init__(
+        self, span: Span, config: ServerConfig, dht_prefix: str, sessions: SessionRegistry, version: str
+    ):
         self.span, self.config, self.dht_prefix, self.sessions = span, config, dht_prefix, sessions
         self.hidden_size = span.config.hidden_size
         self.version = version
@@ -45,7 +48,9 @@ class TransformerConnectionHandler:
         both = dict(stream_input=True, stream_output=True)
         await p2p.add_protobuf_handler(messages.RPC_INFERENCE, self.rpc_inference, ExpertRequest, **both)
         await p2p.add_protobuf_handler(messages.RPC_FORWARD, self.rpc_forward, ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_FORWARD_STREAM, self.rpc_forward_stream, ExpertRequest, **both)
+        await p2p.add_protobuf_handler(
+            messages.RPC_FORWARD_STREAM, self.rpc_forward_stream, ExpertRequest, **both
+        )
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
 
     def shutdown(self) -> None:
@@ -59,13 +64,23 @@ class TransformerConnectionHandler:
 
     def _check_adapter(self, adapter: str | None) -> None:
         if adapter is not None:
-            raise InvalidRequest(f"active_adapter {adapter!r} is not served here (this server has no adapters)")
+            raise InvalidRequest(
+                f"active_adapter {adapter!r} is not served here (this server has no adapters)"
+            )
 
     # --- rpc_inference -------------------------------------------------------------------------------------
 
-    async def rpc_inference(self, requests: AsyncIterator[ExpertRequest],
-                            context: P2PContext) -> AsyncIterator[ExpertResponse]:
+    async def rpc_inference(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertResponse]:
         """One inference session on a chain of this server's blocks; one reply per step."""
+        async with _reading_to_the_end(requests):
+            async for response in self._inference(requests, context):
+                yield response
+
+    async def _inference(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertResponse]:
         request = await _next_request(requests, self.config.step_timeout)
         if request is None:
             return
@@ -75,13 +90,24 @@ class TransformerConnectionHandler:
         blocks = self._blocks(request.uid)
         self._check_adapter(meta.active_adapter)
         if meta.max_length > self.config.inference_max_length:
-            raise InvalidRequest(f"max_length={meta.max_length} exceeds this server's inference_max_length="
-                                 f"{self.config.inference_max_length}")
-        batch_size = validation.read_hidden(request.tensors, self.hidden_size, self.config.max_batch_size).shape[0]
-        async with self.sessions.open(meta.session_id, blocks, batch_size, meta.max_length,
-                                      meta.alloc_timeout) as session:
-            logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d, max_length %d", session.session_id,
-                         str(context.remote_id)[-6:], *blocks, batch_size, meta.max_length)
+            raise InvalidRequest(
+                f"max_length={meta.max_length} exceeds this server's inference_max_length="
+                f"{self.config.inference_max_length}"
+            )
+        batch_size = validation.read_hidden(
+            request.tensors, self.hidden_size, self.config.max_batch_size
+        ).shape[0]
+        async with self.sessions.open(
+            meta.session_id, blocks, batch_size, meta.max_length, meta.alloc_timeout
+        ) as session:
+            logger.debug(
+                "Session %s opened by ...%s: blocks %d:%d, batch %d, max_length %d",
+                session.session_id,
+                str(context.remote_id)[-6:],
+                *blocks,
+                batch_size,
+                meta.max_length,
+            )
             while True:
                 yield await self._inference_step(session, request, meta)
                 request = await _next_request(requests, session.time_left(self.config.step_timeout))
@@ -89,36 +115,52 @@ class TransformerConnectionHandler:
                     return
                 meta = InferenceStep.from_bytes(request.metadata, first=False)
 
-    async def _inference_step(self, session: ServerSession, request: ExpertRequest,
-                              meta: InferenceStep) -> ExpertResponse:
+    async def _inference_step(
+        self, session: ServerSession, request: ExpertRequest, meta: InferenceStep
+    ) -> ExpertResponse:
         hidden = validation.read_hidden(request.tensors, self.hidden_size, self.config.max_batch_size)
         batch, length = hidden.shape[:2]
         if batch != session.batch_size:
-            raise InvalidRequest(f"hidden_states: batch size {batch} differs from the session's {session.batch_size}")
+            raise InvalidRequest(
+                f"hidden_states: batch size {batch} differs from the session's {session.batch_size}"
+            )
         position = session.position
         if meta.start_from_position is not None:
             if meta.start_from_position > position:
-                raise InvalidRequest(f"start_from_position={meta.start_from_position} is after the session's "
-                                     f"current position {position}")
+                raise InvalidRequest(
+                    f"start_from_position={meta.start_from_position} is after the session's "
+                    f"current position {position}"
+                )
             position = meta.start_from_position
         if position + length > session.max_length:
-            raise InvalidRequest(f"step of {length} tokens at position {position} goes past the session's "
-                                 f"max_length={session.max_length}")
-        prompts = validation.read_prompts(request.tensors, session.end - session.start, batch, self.hidden_size,
-                                          session.max_length)
+            raise InvalidRequest(
+                f"step of {length} tokens at position {position} goes past the session's "
+                f"max_length={session.max_length}"
+            )
+        prompts = validation.read_prompts(
+            request.tensors, session.end - session.start, batch, self.hidden_size, session.max_length
+        )
         hypo_ids = validation.read_hypo_ids(request.tensors, batch)
         outputs = await self._run(self._compute_step, session, hidden, prompts, hypo_ids, position)
         session.num_steps += 1
         return ExpertResponse(tensors=[wire_tensors.serialize(outputs)])
 
-    def _compute_step(self, session: ServerSession, hidden: torch.Tensor, prompts: torch.Tensor | None,
-                      hypo_ids: torch.Tensor | None, position: int) -> torch.Tensor:
+    def _compute_step(
+        self,
+        session: ServerSession,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        position: int,
+    ) -> torch.Tensor:
         with torch.inference_mode():
             cache = session.cache
             cache.position = position
             if hypo_ids is not None:
                 cache.reorder(hypo_ids)
-            outputs = self.span(hidden.to(self.span.dtype), cache, position, prompts, (session.start, session.end))
+            outputs = self.span(
+                hidden.to(self.span.dtype), cache, position, prompts, (session.start, session.end)
+            )
             cache.position = position + hidden.shape[1]
             return outputs.to(hidden.dtype)
 
@@ -128,18 +170,21 @@ class TransformerConnectionHandler:
         outputs, compression = await self._forward(request.uid, request.metadata, list(request.tensors))
         return ExpertResponse(tensors=[wire_tensors.serialize(outputs, compression)])
 
-    async def rpc_forward_stream(self, requests: AsyncIterator[ExpertRequest],
-                                 context: P2PContext) -> AsyncIterator[ExpertResponse]:
-        uid, metadata, parts = await self._collect_stream(requests, num_tensors=2)
-        tensors = wire_tensors.combine_tensors(parts, ("hidden_states", "prompts"))
-        outputs, compression = await self._forward(uid, metadata, tensors)
-        for chunk in wire_tensors.split(wire_tensors.serialize(outputs, compression)):
-            yield ExpertResponse(tensors=[chunk])
-        async for _ in requests:  # wait for the caller's end of stream, or the reply's tail may be cut
-            pass
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertResponse]:
+        async with _reading_to_the_end(requests):
+            uid, metadata, parts = await self._collect_stream(requests, num_tensors=2)
+            tensors = wire_tensors.combine_tensors(parts, ("hidden_states", "prompts"))
+            outputs, compression = await self._forward(uid, metadata, tensors)
+            for chunk in wire_tensors.split(wire_tensors.serialize(outputs, compression)):
+                yield ExpertResponse(tensors=[chunk])
+            async for _ in requests:  # wait for the caller's end of stream, or the reply's tail may be cut
+                pass
 
-    async def _collect_stream(self, requests: AsyncIterator[ExpertRequest],
-                              num_tensors: int) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
+    async def _collect_stream(
+        self, requests: AsyncIterator[ExpertRequest], num_tensors: int
+    ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
         uid, metadata, parts, received = "", b"", [], 0
         limit = (2 + self.span.end - self.span.start) * self.config.max_forward_tokens * self.hidden_size * 4
         async for request in requests:
@@ -155,24 +200,30 @@ class TransformerConnectionHandler:
             raise InvalidRequest("the stream carried no tensors")
         return uid, metadata, parts
 
-    async def _forward(self, uid: str, metadata: bytes,
-                       protos: list[runtime_pb2.Tensor]) -> tuple[torch.Tensor, int]:
+    async def _forward(
+        self, uid: str, metadata: bytes, protos: list[runtime_pb2.Tensor]
+    ) -> tuple[torch.Tensor, int]:
         meta = ForwardRequest.from_bytes(metadata)
         blocks = self._blocks(uid)
         self._check_adapter(meta.active_adapter)
         compression = wire_tensors.NONE if meta.output_compression is None else meta.output_compression
         if compression not in (wire_tensors.NONE, wire_tensors.FLOAT16):
-            raise InvalidRequest(f"output_compression={compression} is not supported (use 0 = NONE or 2 = FLOAT16)")
+            raise InvalidRequest(
+                f"output_compression={compression} is not supported (use 0 = NONE or 2 = FLOAT16)"
+            )
         hidden = validation.read_hidden(protos, self.hidden_size, self.config.max_batch_size)
         batch, length = hidden.shape[:2]
         if batch * length > self.config.max_forward_tokens:
-            raise InvalidRequest(f"hidden_states: {batch} x {length} tokens exceed max_forward_tokens="
-                                 f"{self.config.max_forward_tokens}")
+            raise InvalidRequest(
+                f"hidden_states: {batch} x {length} tokens exceed max_forward_tokens="
+                f"{self.config.max_forward_tokens}"
+            )
         prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
         return await self._run(self._compute_forward, hidden, prompts, blocks), compression
 
-    def _compute_forward(self, hidden: torch.Tensor, prompts: torch.Tensor | None,
-                         blocks: tuple[int, int]) -> torch.Tensor:
+    def _compute_forward(
+        self, hidden: torch.Tensor, prompts: torch.Tensor | None, blocks: tuple[int, int]
+    ) -> torch.Tensor:
         with torch.inference_mode():
             return self.span(hidden.to(self.span.dtype), None, 0, prompts, blocks).to(hidden.dtype)
 
@@ -195,6 +246,24 @@ class TransformerConnectionHandler:
             cache_tokens_available=self.sessions.budget.free_bytes // per_token,
             num_sessions=len(self.sessions),
         )
+
+
+@contextlib.asynccontextmanager
+async def _reading_to_the_end(requests: AsyncIterator[ExpertRequest]) -> AsyncIterator[None]:
+    """On an error, read what the caller already sent before the error reply goes out.
+
+    hivemind closes the stream right after sending an error; closing it with unread incoming data resets
+    the connection, and the reset can overtake the error message. Draining first (briefly: a caller that
+    waits for our reply sends nothing more) lets the caller read a precise error instead of a broken pipe.
+    """
+    try:
+        yield
+    except CorollaError:
+        deadline = asyncio.get_running_loop().time() + ERROR_DRAIN_SECONDS
+        with contextlib.suppress(Exception):
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                await asyncio.wait_for(anext(requests), left)
+        raise
 
 
 async def _next_request(requests: AsyncIterator[ExpertRequest], timeout: float) -> ExpertRequest | None:

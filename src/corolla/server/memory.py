@@ -28,8 +28,10 @@ class CacheBudget:
     @contextlib.asynccontextmanager
     async def reserve(self, nbytes: int, timeout: float, what: str) -> AsyncIterator[None]:
         if nbytes > self.total_bytes:
-            raise CacheExhausted(f"{what} needs {nbytes} bytes of cache, more than this server's whole budget "
-                                 f"of {self.total_bytes} bytes")
+            raise CacheExhausted(
+                f"{what} needs {nbytes} bytes of cache, more than this server's whole budget "
+                f"of {self.total_bytes} bytes"
+            )
         if nbytes <= self.free_bytes:  # the common case: no waiting, no timer
             self._used += nbytes
         else:
@@ -47,7 +49,7 @@ class CacheBudget:
                 await asyncio.wait_for(self._changed.wait_for(lambda: nbytes <= self.free_bytes), timeout)
             except (asyncio.TimeoutError, TimeoutError):
                 raise CacheExhausted(
-                    f"{what} needs {nbytes} bytes of cache but only {self.free_bytes} of {self.total_bytes} were "
-                    f"free within alloc_timeout={timeout}s"
+                    f"{what} needs {nbytes} bytes of cache but only {self.free_bytes} of {self.total_bytes} "
+                    f"were free within alloc_timeout={timeout}s"
                 ) from None
             self._used += nbytes

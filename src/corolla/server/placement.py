@@ -20,7 +20,12 @@ def coverage(spans: Iterable[tuple[int, int]], total: int) -> list[int]:
 
 def choose_blocks(spans: Iterable[tuple[int, int]], num_blocks: int, total: int) -> tuple[int, int]:
     counts = coverage(spans, total)
-    best = min(range(total - num_blocks + 1),
-               key=lambda start: (min(counts[start : start + num_blocks]), sum(counts[start : start + num_blocks]),
-                                  start))
+    best = min(
+        range(total - num_blocks + 1),
+        key=lambda start: (
+            min(counts[start : start + num_blocks]),
+            sum(counts[start : start + num_blocks]),
+            start,
+        ),
+    )
     return best, best + num_blocks

@@ -30,6 +30,7 @@ from corolla.wire.records import ServerAnnouncement, ServerState
 
 logger = logging.getLogger(__name__)
 
+
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -57,8 +58,9 @@ class Server:
         self.handler = TransformerConnectionHandler(span, config, self.dht_prefix, sessions, __version__)
         self.p2p = await self.dht.replicate_p2p()
         await self.handler.add_p2p_handlers(self.p2p)
-        self.announcer = Announcer(self.dht, self.dht_prefix, self.peer_id, config.announce_period,
-                                   self._record)
+        self.announcer = Announcer(
+            self.dht, self.dht_prefix, self.peer_id, config.announce_period, self._record
+        )
         await self.announcer.announce(ServerState.ONLINE)
         self.announcer.start()
         logger.info("Serving blocks %d:%d of %s as %s", start, end, self.dht_prefix, self.peer_id)
@@ -68,7 +70,9 @@ class Server:
         if self.config.blocks is not None:
             start, end = self.config.blocks
             if not 0 <= start < end <= total:
-                raise InvalidRequest(f"--blocks {start}:{end} is not a range inside the model's {total} blocks")
+                raise InvalidRequest(
+                    f"--blocks {start}:{end} is not a range inside the model's {total} blocks"
+                )
             return start, end
         num_blocks = min(self.config.num_blocks or total, total)
         spans = await find_spans(self.dht, self.dht_prefix, total)
@@ -77,8 +81,13 @@ class Server:
     def _record(self, state: ServerState) -> ServerAnnouncement:
         info = self.handler.info()
         return ServerAnnouncement(
-            state=state, start=info.start, end=info.end, version=info.version, dtype=info.dtype,
-            inference_max_length=info.inference_max_length, cache_tokens_available=info.cache_tokens_available,
+            state=state,
+            start=info.start,
+            end=info.end,
+            version=info.version,
+            dtype=info.dtype,
+            inference_max_length=info.inference_max_length,
+            cache_tokens_available=info.cache_tokens_available,
             num_sessions=info.num_sessions,
         )
 

@@ -61,8 +61,14 @@ class SessionRegistry:
         return batch_size * max_length * num_blocks * self.bytes_per_token_per_block
 
     @contextlib.asynccontextmanager
-    async def open(self, session_id: str | None, blocks: tuple[int, int], batch_size: int, max_length: int,
-                   alloc_timeout: float) -> AsyncIterator[ServerSession]:
+    async def open(
+        self,
+        session_id: str | None,
+        blocks: tuple[int, int],
+        batch_size: int,
+        max_length: int,
+        alloc_timeout: float,
+    ) -> AsyncIterator[ServerSession]:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._reserved_ids:
             raise InvalidRequest(f"session_id {session_id!r} is already in use on this server")
@@ -70,12 +76,27 @@ class SessionRegistry:
         try:
             start, end = blocks
             nbytes = self.cache_bytes(batch_size, max_length, end - start)
-            what = f"session {session_id} (batch {batch_size} x max_length {max_length}, blocks {start}:{end})"
+            what = (
+                f"session {session_id} (batch {batch_size} x max_length {max_length}, blocks {start}:{end})"
+            )
             async with self.budget.reserve(nbytes, alloc_timeout, what):
-                cache = ContiguousCache(end - start, batch_size, self.model.num_key_value_heads, max_length,
-                                        self.model.head_dim, self.dtype)
-                session = ServerSession(session_id, start, end, batch_size, max_length, cache,
-                                        deadline=time.monotonic() + self.session_timeout)
+                cache = ContiguousCache(
+                    end - start,
+                    batch_size,
+                    self.model.num_key_value_heads,
+                    max_length,
+                    self.model.head_dim,
+                    self.dtype,
+                )
+                session = ServerSession(
+                    session_id,
+                    start,
+                    end,
+                    batch_size,
+                    max_length,
+                    cache,
+                    deadline=time.monotonic() + self.session_timeout,
+                )
                 self.sessions[session_id] = session
                 try:
                     yield session

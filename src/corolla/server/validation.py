@@ -18,7 +18,7 @@ MAX_UID_CHARS = 64 * 1024
 
 
 def parse_uid(uid: str, dht_prefix: str, start: int, end: int) -> tuple[int, int]:
-    """The block range [a, b) named by a space-separated chain of block ids, which must lie in [start, end)."""
+    """The blocks [a, b) named by a space-separated chain of block ids; they must lie in [start, end)."""
     if not uid or len(uid) > MAX_UID_CHARS:
         raise InvalidRequest(f"uid must name 1 or more blocks (got {len(uid)} characters)")
     indices = []
@@ -26,15 +26,18 @@ def parse_uid(uid: str, dht_prefix: str, start: int, end: int) -> tuple[int, int
     for part in uid.split(" "):
         match = pattern.fullmatch(part)
         if match is None:
-            raise InvalidRequest(f"uid: block {part[:100]!r} is not one of this server's blocks "
-                                 f"({dht_prefix}.{start} .. {dht_prefix}.{end - 1})")
+            raise InvalidRequest(
+                f"uid: block {part[:100]!r} is not one of this server's blocks "
+                f"({dht_prefix}.{start} .. {dht_prefix}.{end - 1})"
+            )
         indices.append(int(match.group(1)))
     first = indices[0]
     if indices != list(range(first, first + len(indices))):
         raise InvalidRequest(f"uid: blocks {indices[:16]} are not contiguous and increasing")
     if not start <= first or first + len(indices) > end:
-        raise InvalidRequest(f"uid: blocks {first}:{first + len(indices)} are outside this server's span "
-                             f"{start}:{end}")
+        raise InvalidRequest(
+            f"uid: blocks {first}:{first + len(indices)} are outside this server's span {start}:{end}"
+        )
     return first, first + len(indices)
 
 
@@ -44,7 +47,9 @@ def read_hidden(protos: list[runtime_pb2.Tensor], hidden_size: int, max_batch_si
         raise InvalidRequest("hidden_states: the request carries no tensors")
     hidden = wire_tensors.deserialize(protos[0], "hidden_states")
     if hidden.dim() != 3 or hidden.shape[2] != hidden_size:
-        raise InvalidRequest(f"hidden_states must have shape [batch, length, {hidden_size}], got {list(hidden.shape)}")
+        raise InvalidRequest(
+            f"hidden_states must have shape [batch, length, {hidden_size}], got {list(hidden.shape)}"
+        )
     if hidden.dtype not in wire_tensors.FLOAT_DTYPES:
         raise InvalidRequest(f"hidden_states must be float32, float16 or bfloat16, got {hidden.dtype}")
     batch, length = hidden.shape[:2]
@@ -55,8 +60,9 @@ def read_hidden(protos: list[runtime_pb2.Tensor], hidden_size: int, max_batch_si
     return hidden
 
 
-def read_prompts(protos: list[runtime_pb2.Tensor], num_blocks: int, batch: int, hidden_size: int,
-                 max_length: int) -> torch.Tensor | None:
+def read_prompts(
+    protos: list[runtime_pb2.Tensor], num_blocks: int, batch: int, hidden_size: int, max_length: int
+) -> torch.Tensor | None:
     """Optional deep prompts (tensor 1): empty, or [num_blocks, B or 1, P, hidden] with P <= max_length."""
     if len(protos) < 2:
         return None
@@ -64,10 +70,17 @@ def read_prompts(protos: list[runtime_pb2.Tensor], num_blocks: int, batch: int, 
     if prompts.numel() == 0:
         return None
     shape = list(prompts.shape)
-    if (prompts.dim() != 4 or shape[0] != num_blocks or shape[1] not in (1, batch) or shape[3] != hidden_size
-            or prompts.dtype not in wire_tensors.FLOAT_DTYPES):
-        raise InvalidRequest(f"prompts must be empty or a float tensor [{num_blocks}, {batch}, prefix, "
-                             f"{hidden_size}], got {prompts.dtype} {shape}")
+    if (
+        prompts.dim() != 4
+        or shape[0] != num_blocks
+        or shape[1] not in (1, batch)
+        or shape[3] != hidden_size
+        or prompts.dtype not in wire_tensors.FLOAT_DTYPES
+    ):
+        raise InvalidRequest(
+            f"prompts must be empty or a float tensor [{num_blocks}, {batch}, prefix, "
+            f"{hidden_size}], got {prompts.dtype} {shape}"
+        )
     if shape[2] > max_length:
         raise InvalidRequest(f"prompts: prefix length {shape[2]} exceeds max_length={max_length}")
     return prompts.expand(num_blocks, batch, shape[2], hidden_size)

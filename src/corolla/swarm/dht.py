@@ -54,19 +54,22 @@ class RemoteSpan:
         return self.end - self.start
 
 
-async def announce(dht: DHT, dht_prefix: str, peer_id: str, record: ServerAnnouncement,
-                   expiration: float) -> bool:
+async def announce(
+    dht: DHT, dht_prefix: str, peer_id: str, record: ServerAnnouncement, expiration: float
+) -> bool:
     """Store `record` under every block key of its span; returns whether every store succeeded."""
     keys = [block_key(dht_prefix, i) for i in range(record.start, record.end)]
     store = partial(_store_records, keys=keys, subkey=peer_id, value=record.to_dict(), ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 
 
-async def _store_records(dht: DHT, node: DHTNode, keys: list[str], subkey: str, value: dict,
-                         ttl: float) -> bool:
+async def _store_records(
+    dht: DHT, node: DHTNode, keys: list[str], subkey: str, value: dict, ttl: float
+) -> bool:
     expiration = get_dht_time() + ttl
-    result = await node.store_many(keys, [value] * len(keys), expiration, subkeys=[subkey] * len(keys),
-                                   num_workers=len(keys))
+    result = await node.store_many(
+        keys, [value] * len(keys), expiration, subkeys=[subkey] * len(keys), num_workers=len(keys)
+    )
     return all(result.values())
 
 
@@ -91,8 +94,10 @@ async def find_spans(dht: DHT, dht_prefix: str, num_blocks: int) -> list[RemoteS
                 continue
             blocks_by_peer.setdefault(peer_id, set()).add(index)
             records[peer_id] = record
-    return [_contiguous_span(peer_id, sorted(blocks), records[peer_id]) for peer_id, blocks in
-            blocks_by_peer.items()]
+    return [
+        _contiguous_span(peer_id, sorted(blocks), records[peer_id])
+        for peer_id, blocks in blocks_by_peer.items()
+    ]
 
 
 def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerAnnouncement) -> RemoteSpan:

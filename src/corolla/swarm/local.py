@@ -34,8 +34,9 @@ class PeerProcess:
         self.name, self.log_path = name, log_path
         self.args = [sys.executable, "-m", "corolla", *args]
         with open(log_path, "wb") as log:
-            self.popen = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self.pid = self.popen.pid
         self.peer_id: str | None = None
         self.blocks: tuple[int, int] | None = None
@@ -47,8 +48,10 @@ class PeerProcess:
             if match:
                 return match
             if self.popen.poll() is not None:
-                raise CorollaError(f"{self.name} exited with code {self.popen.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
+                raise CorollaError(
+                    f"{self.name} exited with code {self.popen.returncode} before it was ready:\n"
+                    f"{self.log_tail()}"
+                )
             time.sleep(0.1)
         raise CorollaError(f"{self.name} was not ready within {timeout:.0f}s:\n{self.log_tail()}")
 
@@ -84,9 +87,17 @@ class PeerProcess:
 
 
 class LocalSwarm:
-    def __init__(self, model: str, spans: Sequence[tuple[int, int]], *, dht_prefix: str | None = None,
-                 workdir: str | Path | None = None, num_threads: int = 1, server_args: Sequence[str] = (),
-                 start_timeout: float = 180.0):
+    def __init__(
+        self,
+        model: str,
+        spans: Sequence[tuple[int, int]],
+        *,
+        dht_prefix: str | None = None,
+        workdir: str | Path | None = None,
+        num_threads: int = 1,
+        server_args: Sequence[str] = (),
+        start_timeout: float = 180.0,
+    ):
         self.model, self.spans, self.dht_prefix = model, list(spans), dht_prefix
         self.num_threads, self.server_args, self.start_timeout = num_threads, list(server_args), start_timeout
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="corolla-swarm-")
@@ -95,13 +106,18 @@ class LocalSwarm:
         self.dht: PeerProcess | None = None
         self.servers: list[PeerProcess] = []
         self.initial_peers: list[str] = []
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
-                    "TOKENIZERS_PARALLELISM": "false"}
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(num_threads),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
     def start(self) -> LocalSwarm:
         try:
-            self.dht = PeerProcess("dht", ["dht", "--host", "127.0.0.1", "--no-nat-port-map"],
-                                   self.workdir / "dht.log", self.env)
+            self.dht = PeerProcess(
+                "dht", ["dht", "--host", "127.0.0.1", "--no-nat-port-map"], self.workdir / "dht.log", self.env
+            )
             self.initial_peers = [self.dht.wait_for(READY_DHT, self.start_timeout).group(1)]
             started = [self.add_server(span, wait=False) for span in self.spans]
             for server in started:
@@ -111,15 +127,30 @@ class LocalSwarm:
             raise
         return self
 
-    def add_server(self, blocks: tuple[int, int], extra_args: Sequence[str] = (), wait: bool = True) -> PeerProcess:
+    def add_server(
+        self, blocks: tuple[int, int], extra_args: Sequence[str] = (), wait: bool = True
+    ) -> PeerProcess:
         index = len(self.servers)
-        args = ["server", self.model, "--blocks", f"{blocks[0]}:{blocks[1]}", "--host", "127.0.0.1",
-                "--no-nat-port-map", "--num-threads", str(self.num_threads), "--initial-peers", *self.initial_peers,
-                *self.server_args, *extra_args]
+        args = [
+            "server",
+            self.model,
+            "--blocks",
+            f"{blocks[0]}:{blocks[1]}",
+            "--host",
+            "127.0.0.1",
+            "--no-nat-port-map",
+            "--num-threads",
+            str(self.num_threads),
+            "--initial-peers",
+            *self.initial_peers,
+            *self.server_args,
+            *extra_args,
+        ]
         if self.dht_prefix:
             args += ["--dht-prefix", self.dht_prefix]
-        server = PeerProcess(f"server {index} ({blocks[0]}:{blocks[1]})", args,
-                             self.workdir / f"server{index}.log", self.env)
+        server = PeerProcess(
+            f"server {index} ({blocks[0]}:{blocks[1]})", args, self.workdir / f"server{index}.log", self.env
+        )
         self.servers.append(server)
         if wait:
             self._wait_ready(server)

@@ -41,15 +41,25 @@ def format_blocks(blocks: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-def choose_chain(spans: Sequence[RemoteSpan], start: int, end: int, *, rng: random.Random | None = None,
-                 allowed: Collection[str] | None = None, banned: Collection[str] = ()) -> list[Hop]:
+def choose_chain(
+    spans: Sequence[RemoteSpan],
+    start: int,
+    end: int,
+    *,
+    rng: random.Random | None = None,
+    allowed: Collection[str] | None = None,
+    banned: Collection[str] = (),
+) -> list[Hop]:
     """Fewest-hops chain over blocks [start, end); raises MissingBlocks if some block is not served."""
     rng = rng or random.Random()
     usable = [s for s in spans if s.peer_id not in banned and (allowed is None or s.peer_id in allowed)]
     missing = uncovered_blocks(usable, start, end)
     if missing:
-        raise MissingBlocks(f"no server available for blocks {format_blocks(missing)} "
-                            f"(of {start}:{end}; {len(usable)} usable servers)", missing)
+        raise MissingBlocks(
+            f"no server available for blocks {format_blocks(missing)} "
+            f"(of {start}:{end}; {len(usable)} usable servers)",
+            missing,
+        )
     # fewest hops to reach each block boundary, by dynamic programming from the end
     hops_to_end: dict[int, int] = {end: 0}
     choices: dict[int, list[RemoteSpan]] = {}

@@ -51,8 +51,15 @@ class Fields:
     def error(self, name: str, problem: str) -> InvalidRequest:
         return InvalidRequest(f"{self.where}: field {name!r} {problem}")
 
-    def int(self, name: str, *, default: int | None = None, low: int | None = None, high: int | None = None,
-            required: bool = False) -> int | None:
+    def int(
+        self,
+        name: str,
+        *,
+        default: int | None = None,
+        low: int | None = None,
+        high: int | None = None,
+        required: bool = False,
+    ) -> int | None:
         value = self._get(name, required)
         if value is None:
             return default
@@ -61,8 +68,9 @@ class Fields:
         self._check_range(name, value, low, high)
         return value
 
-    def float(self, name: str, *, default: float | None = None, low: float | None = None,
-              high: float | None = None) -> float | None:
+    def float(
+        self, name: str, *, default: float | None = None, low: float | None = None, high: float | None = None
+    ) -> float | None:
         value = self._get(name, False)
         if value is None:
             return default

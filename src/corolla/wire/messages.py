@@ -40,7 +40,10 @@ class NextServer:
         peer_id, session_id, start, end = item
         if not isinstance(peer_id, str) or not isinstance(session_id, str):
             raise fields.error(f"next_servers[{index}]", "must hold a string peer_id and session_id")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)) or not 0 <= start < end:
+        if (
+            not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end))
+            or not 0 <= start < end
+        ):
             raise fields.error(f"next_servers[{index}]", f"has an invalid block range {start!r}:{end!r}")
         return cls(peer_id, session_id, start, end)
 
@@ -128,8 +131,12 @@ class ForwardRequest:
     def to_bytes(self) -> bytes:
         compression = [self.output_compression] if self.output_compression is not None else None
         return pack(
-            dict(version=PROTOCOL_VERSION, active_adapter=self.active_adapter, points=self.points or None,
-                 output_compression=compression)
+            dict(
+                version=PROTOCOL_VERSION,
+                active_adapter=self.active_adapter,
+                points=self.points or None,
+                output_compression=compression,
+            )
         )
 
 

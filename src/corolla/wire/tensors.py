@@ -67,7 +67,9 @@ def deserialize(proto: runtime_pb2.Tensor, name: str) -> torch.Tensor:
     raise InvalidRequest(f"tensor {name}: compression type {proto.compression} is not supported")
 
 
-def _from_raw(buffer: bytes, dtype: torch.dtype, shape: tuple[int, ...], numel: int, name: str) -> torch.Tensor:
+def _from_raw(
+    buffer: bytes, dtype: torch.dtype, shape: tuple[int, ...], numel: int, name: str
+) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     if dtype == torch.bfloat16 and len(buffer) == 4 * numel and numel > 0:
         # hivemind's legacy bfloat16 mode sends float32 values
@@ -94,7 +96,9 @@ def combine(chunks: Iterable[runtime_pb2.Tensor], name: str) -> runtime_pb2.Tens
         raise InvalidRequest(f"tensor {name}: no chunks received")
     expected = max(chunks[0].chunks, 1)
     if len(chunks) != expected:
-        raise InvalidRequest(f"tensor {name}: received {len(chunks)} chunks, the first chunk announced {expected}")
+        raise InvalidRequest(
+            f"tensor {name}: received {len(chunks)} chunks, the first chunk announced {expected}"
+        )
     whole = runtime_pb2.Tensor()
     whole.CopyFrom(chunks[0])
     whole.buffer = b"".join(chunk.buffer for chunk in chunks)

@@ -18,8 +18,9 @@ def test_repetition_penalty_matches_transformers():
     torch.testing.assert_close(apply_repetition_penalty(logits, context, 1.3), expected)
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, None, 1.0), (1.0, 5, 1.0), (1.3, 10, 0.8),
-                                                             (1.0, None, 0.5)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, None, 1.0), (1.0, 5, 1.0), (1.3, 10, 0.8), (1.0, None, 0.5)]
+)
 def test_warpers_match_transformers(temperature, top_k, top_p):
     logits = torch.randn(4, 64)
     expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
@@ -53,9 +54,14 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(temperature=0), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
-     (dict(max_new_tokens=0), "max_new_tokens"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
-     (dict(stop=("",)), "stop strings")],
+    [
+        (dict(temperature=0), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(stop=("",)), "stop strings"),
+    ],
 )
 def test_invalid_parameters(kwargs, message):
     with pytest.raises(InvalidRequest, match=message):
@@ -69,7 +75,8 @@ class CharTokenizer:
 
 def test_stop_strings_across_token_boundaries():
     checker = StopChecker(["END"], CharTokenizer(), batch_size=2)
-    hits = [checker.update(torch.tensor([ord(a), ord(b)])).tolist() for a, b in zip("xEND", "ENxx")]
+    steps = zip("xEND", "ENxx", strict=True)
+    hits = [checker.update(torch.tensor([ord(a), ord(b)])).tolist() for a, b in steps]
     assert hits == [[False, False], [False, False], [False, False], [True, False]]
     assert truncate_at_stop("Paris.\nUser: hi", ["User:", "\n"]) == ("Paris.", True)
     assert truncate_at_stop("Paris.", ["User:"]) == ("Paris.", False)

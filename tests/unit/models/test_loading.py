@@ -20,18 +20,25 @@ def test_sharded_checkpoint_reads_only_the_blocks_asked_for(tmp_path, monkeypatc
     import corolla.models.checkpoint as checkpoint_module
 
     real_open = checkpoint_module.safe_open
-    monkeypatch.setattr(checkpoint_module, "safe_open",
-                        lambda file, **kw: opened.append(file.name) or real_open(file, **kw))
+    monkeypatch.setattr(
+        checkpoint_module, "safe_open", lambda file, **kw: opened.append(file.name) or real_open(file, **kw)
+    )
     span = Span.load(path, 4, 6)
-    block_files = {index["weight_map"][k] for k in index["weight_map"] if k.startswith(("model.layers.4.",
-                                                                                         "model.layers.5."))}
+    block_files = {
+        index["weight_map"][k]
+        for k in index["weight_map"]
+        if k.startswith(("model.layers.4.", "model.layers.5."))
+    }
     assert set(opened) == block_files
     reference = load_reference(path)
     hidden = torch.randn(1, 4, 64)
     with torch.no_grad():
-        expected = reference.model.layers[5](reference.model.layers[4](
-            hidden, position_embeddings=reference.model.rotary_emb(hidden, torch.arange(4)[None])),
-            position_embeddings=reference.model.rotary_emb(hidden, torch.arange(4)[None]))
+        expected = reference.model.layers[5](
+            reference.model.layers[4](
+                hidden, position_embeddings=reference.model.rotary_emb(hidden, torch.arange(4)[None])
+            ),
+            position_embeddings=reference.model.rotary_emb(hidden, torch.arange(4)[None]),
+        )
     torch.testing.assert_close(span(hidden), expected, atol=1e-5, rtol=0)
 
 
@@ -53,11 +60,23 @@ def test_config_fields_per_family(tiny_models):
 
 
 def test_legacy_rope_scaling_and_unsupported_models():
-    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                num_attention_heads=2, rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    base = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={"type": "linear", "factor": 2.0},
+    )
     config = ModelConfig.from_dict(base)
     assert (config.rope.theta, config.rope.kind, config.rope.factor, config.num_key_value_heads) == (
-        500000.0, "linear", 2.0, 2)
+        500000.0,
+        "linear",
+        2.0,
+        2,
+    )
     with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported"):
         ModelConfig.from_dict({**base, "model_type": "gpt2"})
     with pytest.raises(UnsupportedModel, match="rope type 'yarn'"):

@@ -43,14 +43,16 @@ def test_cached_steps_match_transformers_cache(tiny_models, references, family):
     head = ModelHead.load(path)
     spans = [Span.load(path, 0, 2), Span.load(path, 2, 6)]
     config = ModelConfig.from_folder(path)
-    caches = [ContiguousCache(s.end - s.start, 2, config.num_key_value_heads, 32, config.head_dim, torch.float32)
-              for s in spans]
+    caches = [
+        ContiguousCache(s.end - s.start, 2, config.num_key_value_heads, 32, config.head_dim, torch.float32)
+        for s in spans
+    ]
     reference_cache = DynamicCache(config=reference.config)
     for start, end in [(0, 7), (7, 8), (8, 9), (9, 15), (15, 16), (16, 20)]:
         with torch.no_grad():
             expected = reference(input_ids[:, start:end], cache=reference_cache, use_cache=True).logits
         hidden = head.embed(input_ids[:, start:end])
-        for span, cache in zip(spans, caches):
+        for span, cache in zip(spans, caches, strict=True):
             hidden = span(hidden, cache, position=start)
             cache.position = end
         torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)

@@ -19,14 +19,18 @@ def test_fewest_hops_using_part_of_a_span():
     chain = choose_chain(spans, 0, 6, rng=random.Random(0))
     assert len(chain) == 2
     assert chain[0].start == 0 and chain[-1].end == 6
-    assert all(a.end == b.start for a, b in zip(chain, chain[1:]))
+    assert all(a.end == b.start for a, b in zip(chain, chain[1:], strict=False))
 
 
 def test_allowed_and_banned_servers_shape_the_chain():
     spans = [span("a", 0, 6), span("b", 0, 3), span("c", 3, 6), span("d", 0, 2), span("e", 2, 4)]
     assert choose_chain(spans, 0, 6, allowed={"a"}) == [Hop("a", 0, 6)]
     assert choose_chain(spans, 0, 6, banned={"a"}) == [Hop("b", 0, 3), Hop("c", 3, 6)]
-    assert choose_chain(spans, 0, 6, allowed={"d", "e", "c"}) == [Hop("d", 0, 2), Hop("e", 2, 4), Hop("c", 4, 6)]
+    assert choose_chain(spans, 0, 6, allowed={"d", "e", "c"}) == [
+        Hop("d", 0, 2),
+        Hop("e", 2, 4),
+        Hop("c", 4, 6),
+    ]
 
 
 def test_replicas_are_chosen_at_random():

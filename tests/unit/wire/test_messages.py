@@ -10,8 +10,14 @@ def packed(**fields):
 
 
 def test_first_step_roundtrip():
-    step = InferenceStep(step_id="s1", max_length=128, session_id="abc", alloc_timeout=2.5,
-                         next_servers=(NextServer("peer", "sess", 3, 7),), start_from_position=4)
+    step = InferenceStep(
+        step_id="s1",
+        max_length=128,
+        session_id="abc",
+        alloc_timeout=2.5,
+        next_servers=(NextServer("peer", "sess", 3, 7),),
+        start_from_position=4,
+    )
     parsed = InferenceStep.from_bytes(step.to_bytes(), first=True)
     assert parsed == step
 
@@ -38,7 +44,10 @@ def test_unknown_keys_are_ignored():
         (packed(max_length=8, session_id=5), "'session_id' must be a string"),
         (packed(max_length=8, session_id="x" * 500), "'session_id' has 500 characters, the limit is 128"),
         (packed(max_length=8, start_from_position=-2), "'start_from_position' must be >= 0"),
-        (packed(max_length=8, next_servers=[["p", "s", 5, 2]]), "next_servers[0]' has an invalid block range"),
+        (
+            packed(max_length=8, next_servers=[["p", "s", 5, 2]]),
+            "next_servers[0]' has an invalid block range",
+        ),
         (packed(max_length=8, next_servers="peer"), "'next_servers' must be a list"),
         (packed(max_length=8, version=99), "'version' must be <= 1"),
         (b"\xc1\xff\x00garbage", "not valid msgpack"),
@@ -60,6 +69,16 @@ def test_forward_request_roundtrip_and_compression_type():
 
 
 def test_server_info_roundtrip():
-    info = ServerInfo(version="0.1.0", dht_prefix="m", start=0, end=4, dtype="float32", inference_max_length=64,
-                      max_batch_size=8, cache_tokens_total=100, cache_tokens_available=40, num_sessions=2)
+    info = ServerInfo(
+        version="0.1.0",
+        dht_prefix="m",
+        start=0,
+        end=4,
+        dtype="float32",
+        inference_max_length=64,
+        max_batch_size=8,
+        cache_tokens_total=100,
+        cache_tokens_available=40,
+        num_sessions=2,
+    )
     assert ServerInfo.from_bytes(info.to_bytes()) == info

@@ -5,8 +5,16 @@ from corolla.wire.records import ServerAnnouncement, ServerState, block_uids
 
 
 def record(**changes):
-    base = ServerAnnouncement(state=ServerState.ONLINE, start=2, end=5, version="0.1.0", dtype="float32",
-                              inference_max_length=128, cache_tokens_available=1000, num_sessions=1)
+    base = ServerAnnouncement(
+        state=ServerState.ONLINE,
+        start=2,
+        end=5,
+        version="0.1.0",
+        dtype="float32",
+        inference_max_length=128,
+        cache_tokens_available=1000,
+        num_sessions=1,
+    )
     return {**base.to_dict(), **changes}
 
 

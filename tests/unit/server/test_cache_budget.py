@@ -1,12 +1,12 @@
 import asyncio
 
 import pytest
+import torch
 
 from corolla.errors import CacheExhausted, InvalidRequest
+from corolla.models.config import ModelConfig
 from corolla.server.memory import CacheBudget
 from corolla.server.sessions import SessionRegistry
-from corolla.models.config import ModelConfig
-import torch
 
 
 async def test_reservations_wait_and_time_out():

@@ -1,0 +1,81 @@
+"""Peak memory of a server hosting SmolLM2 blocks 10:20 versus a process that loads and runs the whole model.
+
+Starts a local 3-server swarm, runs one forward pass through it (so every server touches its weights),
+then reads each server's peak RSS (VmHWM) and the unique memory of its helper processes (the DHT
+process and the libp2p daemon); a separate process loads the whole model with transformers and runs the same
+forward pass. Prints JSON.
+
+    python bench/memory.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
+from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
+from corolla.models.source import resolve_model  # noqa: E402
+from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.utils import peak_rss_bytes  # noqa: E402
+
+FULL_MODEL = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from corolla.utils import peak_rss_bytes
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+with torch.no_grad():
+    model(torch.arange(1, 33)[None])
+print(peak_rss_bytes())
+"""
+MIB = 2**20
+
+
+def main() -> None:
+    source = resolve_model("smollm2")
+    servers = {}
+    with LocalSwarm("smollm2", even_spans(30, 3), num_threads=1) as swarm:
+        config = ClientConfig(
+            swarm=SwarmConfig(
+                initial_peers=tuple(swarm.initial_peers),
+                host="127.0.0.1",
+                nat_port_map=False,
+                client_mode=True,
+            )
+        )
+        with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
+            model(torch.arange(1, 33)[None])
+        for server in swarm.servers:
+            helpers = psutil.Process(server.pid).children(recursive=True)
+            servers[f"{server.blocks[0]}:{server.blocks[1]}"] = {
+                "peak_rss_mib": round(peak_rss_bytes(server.pid) / MIB),
+                # unique memory (USS): the DHT process is forked from the server and shares its pages
+                "helper_processes_uss_mib": round(sum(p.memory_full_info().uss for p in helpers) / MIB),
+            }
+    full = subprocess.run(
+        [sys.executable, "-c", FULL_MODEL, str(source.path)], capture_output=True, text=True, check=True
+    )
+    full_peak = int(full.stdout.strip().splitlines()[-1]) / MIB
+    print(
+        json.dumps(
+            {
+                "model": source.name,
+                "servers": servers,
+                "whole_model_process_peak_rss_mib": round(full_peak),
+                "ratio_server_10_20_to_whole_model": round(servers["10:20"]["peak_rss_mib"] / full_peak, 3),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

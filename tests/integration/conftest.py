@@ -1,0 +1,35 @@
+"""Local swarms of real processes on 127.0.0.1, shared by the integration tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.swarm.local import LocalSwarm
+from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, connect
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def smol_swarm(smollm2_path):
+    with LocalSwarm(str(smollm2_path), SMOL_SPANS, server_args=SMOL_LIMITS) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="session")
+def smol_reference(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_client(smollm2_path, smol_swarm):
+    model = connect(smollm2_path, smol_swarm)
+    yield model
+    model.shutdown()

@@ -1,0 +1,328 @@
+"""Malformed requests get precise errors and harm no one; vanished clients free what they held.
+
+A raw hivemind peer sends each bad request to a real server while a well-formed session (through the
+corolla client) keeps stepping on the same server; that session must still produce the reference
+model's logits, and the server's free cache must return to its full size afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from corolla.errors import InvalidRequest
+from corolla.swarm.local import LocalSwarm
+from corolla.wire import tensors
+from corolla.wire.messages import RPC_FORWARD, RPC_INFERENCE, RPC_INFO, ServerInfo
+from swarm_helpers import connect, wait_until
+from tiny_models import load_reference
+
+HIDDEN = 64
+FULL_UID = " ".join(f"tiny-llama.{i}" for i in range(6))  # cache costs are counted over all 6 blocks
+LIMITS = [
+    "--inference-max-length",
+    "64",
+    "--max-batch-size",
+    "4",
+    "--max-cache-tokens",
+    "200",
+    "--max-forward-tokens",
+    "128",
+    "--step-timeout",
+    "4",
+]
+
+
+@pytest.fixture(scope="module")
+def guarded_swarm(tiny_models):
+    with LocalSwarm(str(tiny_models["llama"]), [(0, 6)], server_args=LIMITS) as swarm:
+        yield swarm
+
+
+@pytest.fixture
+async def raw_peer(guarded_swarm):
+    p2p = await P2P.create(
+        initial_peers=guarded_swarm.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
+    )
+    yield p2p, PeerID.from_base58(guarded_swarm.servers[0].peer_id)
+    await p2p.shutdown()
+
+
+def meta(**fields) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def request(uid="tiny-llama.0 tiny-llama.1", hidden=None, metadata=None, extra=()):
+    hidden = torch.randn(1, 2, HIDDEN) if hidden is None else hidden
+    protos = ([tensors.serialize(hidden)] if hidden is not False else []) + list(extra)
+    return runtime_pb2.ExpertRequest(
+        uid=uid, tensors=protos, metadata=meta(max_length=16) if metadata is None else metadata
+    )
+
+
+def corrupted():
+    proto = tensors.serialize(torch.randn(1, 2, HIDDEN))
+    proto.buffer = proto.buffer[:-4]
+    return proto
+
+
+BAD_INFERENCE = {
+    "unknown block uid": ([request(uid="other-model.0")], "is not one of this server's blocks"),
+    "non-contiguous uids": ([request(uid="tiny-llama.0 tiny-llama.2")], "are not contiguous"),
+    "blocks outside the span": ([request(uid="tiny-llama.5 tiny-llama.6")], "outside this server's span 0:6"),
+    "missing max_length": ([request(metadata=meta(session_id="x"))], "'max_length' is required"),
+    "non-integer max_length": ([request(metadata=meta(max_length="ten"))], "'max_length' must be an integer"),
+    "oversized max_length": (
+        [request(metadata=meta(max_length=100_000))],
+        "max_length=100000 exceeds this server's inference_max_length=64",
+    ),
+    "steps past max_length": (
+        [
+            request(metadata=meta(max_length=4), hidden=torch.randn(1, 3, HIDDEN)),
+            request(metadata=meta(), hidden=torch.randn(1, 2, HIDDEN)),
+        ],
+        "goes past the session's max_length=4",
+    ),
+    "wrong tensor rank": ([request(hidden=torch.randn(2, HIDDEN))], "must have shape [batch, length, 64]"),
+    "wrong hidden size": ([request(hidden=torch.randn(1, 2, 32))], "must have shape [batch, length, 64]"),
+    "wrong dtype": (
+        [request(hidden=torch.ones(1, 2, HIDDEN, dtype=torch.int64))],
+        "must be float32, float16 or bfloat16",
+    ),
+    "batch too large": ([request(hidden=torch.randn(5, 1, HIDDEN))], "batch size 5 is outside 1..4"),
+    "garbage metadata": ([request(metadata=b"\xc1\xc1garbage")], "metadata is not valid msgpack"),
+    "truncated metadata": (
+        [request(metadata=meta(max_length=16, session_id="abcdef")[:-3])],
+        "metadata is not valid msgpack",
+    ),
+    "unknown adapter": (
+        [request(metadata=meta(max_length=16, active_adapter="my-lora"))],
+        "active_adapter 'my-lora' is not served here",
+    ),
+    "empty first message": ([request(hidden=False)], "must carry hidden_states"),
+    "corrupted tensor buffer": ([request(hidden=False, extra=[corrupted()])], "buffer has 508 bytes"),
+    "hypo_ids out of range": (
+        [request(extra=[tensors.empty(), tensors.serialize(torch.tensor([3]))])],
+        "hypo_ids values must lie in [0, 1)",
+    ),
+    "rollback past the present": (
+        [request(), request(metadata=meta(start_from_position=9))],
+        "start_from_position=9 is after the session's current position 2",
+    ),
+    "batch changes mid-session": (
+        [request(), request(metadata=meta(), hidden=torch.randn(2, 1, HIDDEN))],
+        "batch size 2 differs from the session's 1",
+    ),
+    "malformed deep prompts": (
+        [request(extra=[tensors.serialize(torch.randn(3, 1, 1, HIDDEN))])],
+        "prompts must be empty or a float tensor [2, 1, prefix, 64]",
+    ),
+    "protocol version from the future": (
+        [request(metadata=meta(max_length=16, version=99))],
+        "'version' must be <= 1",
+    ),
+    "more cache than the whole budget": (
+        [request(FULL_UID, metadata=meta(max_length=64), hidden=torch.randn(4, 1, HIDDEN))],
+        "more than this server's whole budget",
+    ),
+    "cache exhausted after alloc_timeout": (
+        [
+            request(
+                FULL_UID, metadata=meta(max_length=64, alloc_timeout=0.3), hidden=torch.randn(3, 1, HIDDEN)
+            )
+        ],
+        "within alloc_timeout=0.3s",
+    ),
+}
+
+BAD_FORWARD = {
+    "forward with too many tokens": (
+        request(hidden=torch.randn(4, 40, HIDDEN), metadata=meta()),
+        "4 x 40 tokens exceed max_forward_tokens=128",
+    ),
+    "forward with an unknown compression": (
+        request(metadata=meta(output_compression=[3])),
+        "output_compression=3 is not supported",
+    ),
+}
+
+
+async def run_inference(p2p, peer, messages):
+    async def requests():
+        for message in messages:
+            yield message
+
+    stream = await p2p.iterate_protobuf_handler(peer, RPC_INFERENCE, requests(), runtime_pb2.ExpertResponse)
+    return [response async for response in stream]
+
+
+async def server_info(p2p, peer) -> ServerInfo:
+    reply = await p2p.call_protobuf_handler(
+        peer, RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+    )
+    return ServerInfo.from_bytes(reply.serialized_info)
+
+
+async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unharmed(
+    raw_peer, guarded_swarm, tiny_models
+):
+    p2p, peer = raw_peer
+    full = await server_info(p2p, peer)
+    reference = load_reference(tiny_models["llama"])
+    input_ids = torch.randint(
+        3, 300, (1, len(BAD_INFERENCE) + len(BAD_FORWARD) + 1), generator=torch.Generator().manual_seed(0)
+    )
+    model = await asyncio.to_thread(connect, tiny_models["llama"], guarded_swarm)
+    try:
+        session = model.inference_session(max_length=40)
+        await asyncio.to_thread(session.open)
+        outputs, position = [], 0
+
+        async def good_step():
+            nonlocal position
+            hidden = model.head.embed(input_ids[:, position : position + 1])
+            outputs.append(await asyncio.to_thread(session.step, hidden))
+            position += 1
+
+        await good_step()
+        for name, (messages, expected) in BAD_INFERENCE.items():
+            with pytest.raises(P2PHandlerError) as info:
+                await run_inference(p2p, peer, messages)
+            assert expected in str(info.value), f"{name}: {info.value}"
+            await good_step()
+        for name, (message, expected) in BAD_FORWARD.items():
+            with pytest.raises(P2PHandlerError) as info:
+                await p2p.call_protobuf_handler(peer, RPC_FORWARD, message, runtime_pb2.ExpertResponse)
+            assert expected in str(info.value), f"{name}: {info.value}"
+            await good_step()
+        with torch.no_grad():
+            expected_logits = reference(input_ids).logits
+        logits = model.head.logits(torch.cat(outputs, dim=1))
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
+        await asyncio.to_thread(session.close)
+    finally:
+        await asyncio.to_thread(model.shutdown)
+
+    async def cache_is_full():
+        info = await server_info(p2p, peer)
+        return info.cache_tokens_available == full.cache_tokens_total and info.num_sessions == 0
+
+    assert await wait_until(cache_is_full, timeout=5)
+
+
+async def test_reused_session_id_is_refused_while_the_first_session_lives(raw_peer):
+    p2p, peer = raw_peer
+    queue: asyncio.Queue = asyncio.Queue()
+    await queue.put(request(metadata=meta(max_length=8, session_id="shared-id")))
+
+    async def first_requests():
+        while (item := await queue.get()) is not None:
+            yield item
+
+    first = await p2p.iterate_protobuf_handler(
+        peer, RPC_INFERENCE, first_requests(), runtime_pb2.ExpertResponse
+    )
+    assert (await anext(first)).tensors  # the first session is open and stepped
+    with pytest.raises(P2PHandlerError, match="session_id 'shared-id' is already in use"):
+        await run_inference(p2p, peer, [request(metadata=meta(max_length=8, session_id="shared-id"))])
+    await queue.put(None)
+    assert [r async for r in first] == []
+
+
+def test_client_sees_typed_errors(guarded_swarm, tiny_models):
+    with (
+        connect(tiny_models["llama"], guarded_swarm) as model,
+        pytest.raises(InvalidRequest, match="exceeds this server's inference_max_length=64"),
+        model.inference_session(max_length=500) as session,
+    ):
+        session.step(torch.randn(1, 2, HIDDEN))
+
+
+async def test_hung_client_is_dropped_after_step_timeout(raw_peer):
+    p2p, peer = raw_peer
+    full = (await server_info(p2p, peer)).cache_tokens_total
+    queue: asyncio.Queue = asyncio.Queue()
+    await queue.put(request(FULL_UID, metadata=meta(max_length=50)))
+
+    async def requests():
+        while (item := await queue.get()) is not None:
+            yield item
+
+    stream = await p2p.iterate_protobuf_handler(peer, RPC_INFERENCE, requests(), runtime_pb2.ExpertResponse)
+    await anext(stream)
+    started = time.monotonic()
+    assert (await server_info(p2p, peer)).cache_tokens_available == full - 50
+    with pytest.raises(P2PHandlerError, match="no request arrived within step_timeout=4.0s"):
+        await anext(stream)  # we never send the next step
+    assert 3.0 < time.monotonic() - started < 10
+    assert (await server_info(p2p, peer)).cache_tokens_available == full
+    await queue.put(None)
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from swarm_helpers import client_config
+    from corolla.client.model import DistributedModelForCausalLM
+
+    class Swarm:  # what client_config needs from a LocalSwarm
+        initial_peers, servers = sys.argv[2:], []
+
+    model = DistributedModelForCausalLM.from_pretrained(sys.argv[1], config=client_config(Swarm()))
+    session = model.inference_session(max_length=60).open()
+    session.step(torch.randn(1, 3, 64))
+    print("STEPPED", flush=True)
+    time.sleep(600)
+""")
+
+
+async def test_killed_client_frees_its_cache(raw_peer, guarded_swarm, tiny_models, tmp_path):
+    p2p, peer = raw_peer
+    full = (await server_info(p2p, peer)).cache_tokens_total
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    log = open(tmp_path / "client.log", "w+")  # noqa: SIM115 (the child writes to it until the finally)
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT, str(tiny_models["llama"]), *guarded_swarm.initial_peers],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        for _ in range(600):
+            if "STEPPED" in (tmp_path / "client.log").read_text():
+                break
+            assert client.poll() is None, (tmp_path / "client.log").read_text()
+            await asyncio.sleep(0.1)
+        assert (await server_info(p2p, peer)).cache_tokens_available == full - 60
+        os.kill(client.pid, signal.SIGKILL)  # the client process dies without a word
+        killed = time.monotonic()
+
+        async def freed():
+            return (await server_info(p2p, peer)).cache_tokens_available == full
+
+        assert await wait_until(freed, timeout=8)
+        assert time.monotonic() - killed < 8  # well within the session's step timeout + slack
+    finally:
+        try:
+            os.killpg(client.pid, signal.SIGKILL)  # its DHT process and daemon, orphaned by the kill
+        except ProcessLookupError:
+            pass
+        client.wait()
+        log.close()

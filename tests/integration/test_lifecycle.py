@@ -1,0 +1,140 @@
+"""Servers announce themselves, leave gracefully, and clients get clear errors when blocks are missing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from corolla.client.swarm import SwarmClient
+from corolla.errors import MissingBlocks
+from corolla.swarm.local import READY_SERVER, LocalSwarm, PeerProcess
+from corolla.wire.records import ServerState
+from swarm_helpers import client_config, connect
+
+
+@pytest.fixture(scope="module")
+def half_swarm(tiny_models):
+    """Blocks 0:3 only; tests add the other half when they need it."""
+    with LocalSwarm(str(tiny_models["llama"]), [(0, 3)], server_args=["--announce-period", "2"]) as swarm:
+        yield swarm
+
+
+def read_spans(swarm: LocalSwarm):
+    async def read():
+        client = SwarmClient(client_config(swarm), "tiny-llama", 6)
+        await client.start()
+        try:
+            return await client.refresh()
+        finally:
+            await client.shutdown()
+
+    return asyncio.run(read())
+
+
+def test_announcement_carries_span_limits_and_free_cache(half_swarm):
+    (span,) = read_spans(half_swarm)
+    assert (span.peer_id, span.start, span.end) == (half_swarm.servers[0].peer_id, 0, 3)
+    assert span.info.state == ServerState.ONLINE
+    assert span.info.inference_max_length == 4096 and span.info.cache_tokens_available == 16384
+    assert span.info.dtype == "float32" and span.info.num_sessions == 0
+
+
+def test_missing_blocks_are_named_then_served_once_a_server_joins(half_swarm, tiny_models):
+    with connect(tiny_models["llama"], half_swarm, routing_timeout=2.0) as model:
+        started = time.monotonic()
+        with pytest.raises(MissingBlocks, match="no server available for blocks 3-5") as info:
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+        assert info.value.blocks == (3, 4, 5)
+        assert time.monotonic() - started < 10
+        server = half_swarm.add_server((3, 6))
+        try:
+            assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2).shape == (1, 5)
+        finally:
+            server.stop()
+            half_swarm.servers.remove(server)
+
+
+def test_sigterm_announces_offline_and_exits_cleanly(half_swarm):
+    server = half_swarm.add_server((3, 6))
+    assert {s.peer_id for s in read_spans(half_swarm)} >= {server.peer_id}
+    server.signal(signal.SIGTERM)
+    assert server.popen.wait(timeout=20) == 0
+    assert "Shutting down (signal received)" in server.log()
+    assert server.peer_id not in {s.peer_id for s in read_spans(half_swarm)}  # OFFLINE, not just expired
+    server.kill_group()
+    half_swarm.servers.remove(server)
+
+
+def test_num_blocks_fills_the_gap_and_dead_servers_expire(half_swarm, tiny_models):
+    args = [
+        "server",
+        str(tiny_models["llama"]),
+        "--num-blocks",
+        "3",
+        "--host",
+        "127.0.0.1",
+        "--no-nat-port-map",
+        "--num-threads",
+        "1",
+        "--announce-period",
+        "2",
+        "--initial-peers",
+        *half_swarm.initial_peers,
+    ]
+    placed = PeerProcess("placed server", args, half_swarm.workdir / "placed.log", half_swarm.env)
+    try:
+        placed.wait_for(READY_SERVER, 120)
+        spans = {s.peer_id: (s.start, s.end) for s in read_spans(half_swarm)}
+        peer_id = READY_SERVER.search(placed.log()).group(1)
+        assert spans[peer_id] == (3, 6)  # the blocks nobody served
+        time.sleep(6)  # longer than a record's lifetime (2.5 announce periods): re-announced, still there
+        assert peer_id in {s.peer_id for s in read_spans(half_swarm)}
+        os.kill(placed.pid, signal.SIGKILL)  # dies without announcing OFFLINE
+        deadline = time.monotonic() + 15
+        while peer_id in {s.peer_id for s in read_spans(half_swarm)}:
+            assert time.monotonic() < deadline, "a dead server's records did not expire"
+            time.sleep(1)
+    finally:
+        placed.kill_group()
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "corolla", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_help_and_bad_arguments(tiny_models):
+    help_text = run_cli("--help").stdout
+    for command in ("dht", "server", "generate", "demo"):
+        assert command in help_text
+    server_help = run_cli("server", "--help").stdout
+    for option in (
+        "--blocks",
+        "--num-blocks",
+        "--initial-peers",
+        "--max-cache-tokens",
+        "--inference-max-length",
+        "--nat-port-map",
+        "--dtype",
+        "--step-timeout",
+    ):
+        assert option in server_help
+    bad_range = run_cli(
+        "server", str(tiny_models["llama"]), "--blocks", "4:9", "--host", "127.0.0.1", "--no-nat-port-map"
+    )
+    assert (
+        bad_range.returncode == 2
+        and "--blocks 4:9 is not a range inside the model's 6 blocks" in bad_range.stderr
+    )
+    reversed_range = run_cli("server", str(tiny_models["llama"]), "--blocks", "3:1")
+    assert reversed_range.returncode == 2 and "expected A:B with 0 <= A < B" in reversed_range.stderr
+    no_model = run_cli("server", "/no/such/model", "--host", "127.0.0.1", "--no-nat-port-map")
+    assert no_model.returncode == 2 and "neither a folder" in no_model.stderr

@@ -1,0 +1,127 @@
+"""SmolLM2-135M-Instruct through real servers: exact greedy chat, sampling, sessions, stop strings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swarm_helpers import SMOL_CHAINS, connect, reference_generate
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smol_client) -> torch.Tensor:
+    text = smol_client.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    return smol_client.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def expected_chat(smol_reference, chat_ids) -> torch.Tensor:
+    return reference_generate(smol_reference, chat_ids, max_new_tokens=40)
+
+
+@pytest.mark.parametrize("num_servers", [1, 2, 3])
+def test_greedy_chat_matches_transformers(
+    smollm2_path, smol_swarm, smol_reference, chat_ids, expected_chat, num_servers
+):
+    assert expected_chat.shape[1] - chat_ids.shape[1] == 40  # the answer is long: no early EOS
+    with connect(smollm2_path, smol_swarm, SMOL_CHAINS[num_servers]) as model:
+        assert torch.equal(model.generate(chat_ids, max_new_tokens=40), expected_chat)
+
+        with torch.no_grad():
+            hidden_states = smol_reference(chat_ids, output_hidden_states=True).hidden_states
+        with model.inference_session(max_length=64) as session:
+            session.step(model.head.embed(chat_ids))
+            assert len(session.route) == num_servers
+            for hop, outputs in zip(session.route, session.boundary_outputs, strict=True):
+                if hop.end == 30:
+                    outputs, boundary = model.head.norm(outputs), hidden_states[30]
+                else:
+                    boundary = hidden_states[hop.end]
+                torch.testing.assert_close(outputs, boundary, atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(smol_client, chat_ids):
+    params = dict(
+        max_new_tokens=24,
+        do_sample=True,
+        temperature=0.9,
+        top_k=50,
+        top_p=0.95,
+        repetition_penalty=1.1,
+        ignore_eos=True,
+    )
+    first = smol_client.generate(chat_ids, seed=1234, **params)
+    again = smol_client.generate(chat_ids, seed=1234, **params)
+    other = smol_client.generate(chat_ids, seed=4321, **params)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_multi_turn_session_reuses_server_caches(smol_client):
+    tokenizer = smol_client.tokenizer
+    turn1 = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    turn1_ids = tokenizer(turn1, return_tensors="pt", add_special_tokens=False).input_ids
+    turn2_ids = tokenizer(
+        "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n",
+        return_tensors="pt",
+        add_special_tokens=False,
+    ).input_ids
+    with smol_client.inference_session(max_length=200) as session:
+        answer1 = smol_client.generate(turn1_ids, session=session, max_new_tokens=30)[:, turn1_ids.shape[1] :]
+        position_after_turn1 = session.position
+        answer2 = smol_client.generate(turn2_ids, session=session, max_new_tokens=30)[:, turn2_ids.shape[1] :]
+    assert "Paris" in tokenizer.decode(answer1[0])
+    assert session.position > position_after_turn1 > turn1_ids.shape[1]
+    # the same conversation from scratch, without a session, continues identically
+    history = torch.cat([turn1_ids, answer1, turn2_ids], dim=1)
+    fresh = smol_client.generate(history, max_new_tokens=30)[:, history.shape[1] :]
+    assert torch.equal(fresh, answer2)
+    assert "Rome" in tokenizer.decode(answer2[0])
+
+
+def test_stop_strings_and_streaming(smol_client):
+    tokenizer = smol_client.tokenizer
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    streamed = []
+    output = smol_client.generate(ids, max_new_tokens=30, stop=("Paris",), streamer=streamed.append)
+    new = output[0, len(ids) :]
+    assert tokenizer.decode(new).endswith("Paris")  # stopped right at the stop string
+    assert torch.equal(torch.cat(streamed), new)
+    assert len(new) < 10
+
+
+def test_generate_command_prints_the_answer(smol_swarm):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corolla",
+            "generate",
+            "smollm2",
+            "What is the capital of France?",
+            "--initial-peers",
+            *smol_swarm.initial_peers,
+            "--max-new-tokens",
+            "20",
+            "--no-nat-port-map",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "The capital of France is Paris." in result.stdout

@@ -1,0 +1,40 @@
+"""Every family, through chains of 1, 2 and 3 real servers, gives exactly what transformers gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.swarm.local import LocalSwarm
+from swarm_helpers import TINY_CHAINS, TINY_SPANS, connect, reference_generate
+from tiny_models import FAMILIES, load_reference
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_swarm(request, tiny_models):
+    path = tiny_models[request.param]
+    with LocalSwarm(str(path), TINY_SPANS) as swarm:
+        yield path, swarm, load_reference(path)
+
+
+@pytest.mark.parametrize("num_servers", [1, 2, 3])
+def test_greedy_generation_and_boundaries_match_transformers(family_swarm, num_servers):
+    path, swarm, reference = family_swarm
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(num_servers))
+    expected = reference_generate(reference, input_ids, max_new_tokens=24)
+    with connect(path, swarm, TINY_CHAINS[num_servers]) as model:
+        assert torch.equal(model.generate(input_ids, max_new_tokens=24), expected)
+
+        with torch.no_grad():
+            hidden_states = reference(input_ids, output_hidden_states=True).hidden_states
+        with model.inference_session(max_length=16) as session:
+            session.step(model.head.embed(input_ids))
+            assert [hop.end - hop.start for hop in session.route] and len(session.route) == num_servers
+            for hop, outputs in zip(session.route, session.boundary_outputs, strict=True):
+                boundary = hidden_states[hop.end] if hop.end < 6 else None
+                if boundary is None:
+                    boundary, outputs = hidden_states[6], model.head.norm(outputs)
+                torch.testing.assert_close(outputs, boundary, atol=1e-4, rtol=0)
+
+        logits = model(input_ids).logits  # rpc_forward path
+        torch.testing.assert_close(logits, reference(input_ids).logits, atol=1e-4, rtol=0)

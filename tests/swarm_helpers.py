@@ -1,0 +1,58 @@
+"""Helpers for tests that run real local swarms: server layouts, client connections, references."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.config import ClientConfig, SwarmConfig
+from corolla.swarm.local import LocalSwarm
+
+# One swarm offers chains of 1, 2 and 3 servers: a client restricted to some servers (allowed_servers)
+# routes through exactly those, using part of a server's span where needed.
+TINY_SPANS = [(0, 6), (0, 3), (3, 6), (0, 2), (2, 4)]
+TINY_CHAINS = {1: [0], 2: [1, 2], 3: [3, 4, 2]}
+SMOL_SPANS = [(0, 30), (0, 15), (15, 30), (0, 10), (10, 20)]
+SMOL_CHAINS = {1: [0], 2: [1, 2], 3: [3, 4, 2]}
+SMOL_LIMITS = ["--inference-max-length", "1024", "--max-batch-size", "8", "--max-cache-tokens", "8192"]
+
+
+def client_config(swarm: LocalSwarm, servers: list[int] | None = None, **overrides) -> ClientConfig:
+    allowed = tuple(swarm.servers[i].peer_id for i in servers) if servers is not None else None
+    fields = {"allowed_servers": allowed, "routing_timeout": 20.0, **overrides}
+    return ClientConfig(
+        swarm=SwarmConfig(
+            initial_peers=tuple(swarm.initial_peers), host="127.0.0.1", nat_port_map=False, client_mode=True
+        ),
+        **fields,
+    )
+
+
+def connect(
+    model: str | Path, swarm: LocalSwarm, servers: list[int] | None = None, **overrides
+) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        str(model), config=client_config(swarm, servers, **overrides)
+    )
+
+
+def reference_generate(reference, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """transformers' own greedy generate (explicit attention mask: SmolLM2's pad token is its EOS)."""
+    with torch.no_grad():
+        return reference.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, **kwargs
+        )
+
+
+async def wait_until(predicate, timeout: float, interval: float = 0.2):
+    """Poll an async predicate until it returns a truthy value; returns that value or the last one."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await predicate()
+        if value or loop.time() > deadline:
+            return value
+        await asyncio.sleep(interval)
