@@ -21,7 +21,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
 from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
 
@@ -63,14 +62,7 @@ def main() -> None:
     source = resolve_model("smollm2")
     reference = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
     with LocalSwarm("smollm2", even_spans(30, 3), num_threads=1) as swarm:
-        config = ClientConfig(
-            swarm=SwarmConfig(
-                initial_peers=tuple(swarm.initial_peers),
-                host="127.0.0.1",
-                nat_port_map=False,
-                client_mode=True,
-            )
-        )
+        config = swarm.client_config()
         with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
             text = model.tokenizer.apply_chat_template(
                 [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,21 +19,10 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
 from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
-from corolla.utils import peak_rss_bytes  # noqa: E402
+from corolla.utils import peak_rss_bytes, whole_model_peak_rss_bytes  # noqa: E402
 
-FULL_MODEL = """
-import sys, torch
-from transformers import AutoModelForCausalLM
-from corolla.utils import peak_rss_bytes
-torch.set_num_threads(1)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-with torch.no_grad():
-    model(torch.arange(1, 33)[None])
-print(peak_rss_bytes())
-"""
 MIB = 2**20
 
 
@@ -43,14 +30,7 @@ def main() -> None:
     source = resolve_model("smollm2")
     servers = {}
     with LocalSwarm("smollm2", even_spans(30, 3), num_threads=1) as swarm:
-        config = ClientConfig(
-            swarm=SwarmConfig(
-                initial_peers=tuple(swarm.initial_peers),
-                host="127.0.0.1",
-                nat_port_map=False,
-                client_mode=True,
-            )
-        )
+        config = swarm.client_config()
         with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
             model(torch.arange(1, 33)[None])
         for server in swarm.servers:
@@ -60,10 +40,7 @@ def main() -> None:
                 # unique memory (USS): the DHT process is forked from the server and shares its pages
                 "helper_processes_uss_mib": round(sum(p.memory_full_info().uss for p in helpers) / MIB),
             }
-    full = subprocess.run(
-        [sys.executable, "-c", FULL_MODEL, str(source.path)], capture_output=True, text=True, check=True
-    )
-    full_peak = int(full.stdout.strip().splitlines()[-1]) / MIB
+    full_peak = whole_model_peak_rss_bytes(source.path) / MIB
     print(
         json.dumps(
             {

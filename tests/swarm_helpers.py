@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from corolla.client.model import DistributedModelForCausalLM
-from corolla.config import ClientConfig, SwarmConfig
+from corolla.config import ClientConfig
 from corolla.swarm.local import LocalSwarm
 
 # One swarm offers chains of 1, 2 and 3 servers: a client restricted to some servers (allowed_servers)
@@ -22,13 +22,7 @@ SMOL_LIMITS = ["--inference-max-length", "1024", "--max-batch-size", "8", "--max
 
 def client_config(swarm: LocalSwarm, servers: list[int] | None = None, **overrides) -> ClientConfig:
     allowed = tuple(swarm.servers[i].peer_id for i in servers) if servers is not None else None
-    fields = {"allowed_servers": allowed, "routing_timeout": 20.0, **overrides}
-    return ClientConfig(
-        swarm=SwarmConfig(
-            initial_peers=tuple(swarm.initial_peers), host="127.0.0.1", nat_port_map=False, client_mode=True
-        ),
-        **fields,
-    )
+    return swarm.client_config(**{"allowed_servers": allowed, "routing_timeout": 20.0, **overrides})
 
 
 def connect(
@@ -56,3 +50,14 @@ async def wait_until(predicate, timeout: float, interval: float = 0.2):
         if value or loop.time() > deadline:
             return value
         await asyncio.sleep(interval)
+
+
+def assert_boundaries_match(model, session, hidden_states, num_blocks: int) -> None:
+    """Each hop's outputs equal the reference hidden states at that block boundary (fp32: within 1e-4).
+
+    transformers' last hidden state is taken after the final norm, so the last hop is compared normed.
+    """
+    for hop, outputs in zip(session.route, session.boundary_outputs, strict=True):
+        if hop.end == num_blocks:
+            outputs = model.head.norm(outputs)
+        torch.testing.assert_close(outputs, hidden_states[hop.end], atol=1e-4, rtol=0)

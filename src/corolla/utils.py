@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+
+# What a user does to run a model locally: load it whole with transformers and run it, which touches
+# every weight. Run in a fresh process so that nothing else counts towards its peak.
+_WHOLE_MODEL_PROBE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from corolla.utils import peak_rss_bytes
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+with torch.no_grad():
+    model(torch.arange(1, 33)[None])
+print(peak_rss_bytes())
+"""
 
 
 def peak_rss_bytes(pid: int | None = None) -> int:
@@ -12,3 +27,15 @@ def peak_rss_bytes(pid: int | None = None) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise OSError("VmHWM not found in /proc/<pid>/status")
+
+
+def whole_model_peak_rss_bytes(model_path: str | os.PathLike) -> int:
+    """Peak memory of a separate process that loads the whole model with transformers and runs it once."""
+    result = subprocess.run(
+        [sys.executable, "-c", _WHOLE_MODEL_PROBE, str(model_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return int(result.stdout.strip().splitlines()[-1])

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.errors import InvalidRequest
@@ -56,7 +56,16 @@ async def raw_peer(guarded_swarm):
     p2p = await P2P.create(
         initial_peers=guarded_swarm.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
     )
-    yield p2p, PeerID.from_base58(guarded_swarm.servers[0].peer_id)
+    peer = PeerID.from_base58(guarded_swarm.servers[0].peer_id)
+
+    async def reachable() -> bool:  # a fresh daemon finds the server once it has bootstrapped its routing
+        try:
+            return bool(await server_info(p2p, peer))
+        except P2PDaemonError:
+            return False
+
+    assert await wait_until(reachable, timeout=15)
+    yield p2p, peer
     await p2p.shutdown()
 
 
@@ -273,13 +282,12 @@ async def test_hung_client_is_dropped_after_step_timeout(raw_peer):
 
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, time, torch
-    from swarm_helpers import client_config
     from corolla.client.model import DistributedModelForCausalLM
+    from corolla.config import ClientConfig, SwarmConfig
 
-    class Swarm:  # what client_config needs from a LocalSwarm
-        initial_peers, servers = sys.argv[2:], []
-
-    model = DistributedModelForCausalLM.from_pretrained(sys.argv[1], config=client_config(Swarm()))
+    swarm = SwarmConfig(initial_peers=tuple(sys.argv[2:]), host="127.0.0.1", nat_port_map=False,
+                        client_mode=True)
+    model = DistributedModelForCausalLM.from_pretrained(sys.argv[1], config=ClientConfig(swarm=swarm))
     session = model.inference_session(max_length=60).open()
     session.step(torch.randn(1, 3, 64))
     print("STEPPED", flush=True)
@@ -290,18 +298,11 @@ CLIENT_SCRIPT = textwrap.dedent("""
 async def test_killed_client_frees_its_cache(raw_peer, guarded_swarm, tiny_models, tmp_path):
     p2p, peer = raw_peer
     full = (await server_info(p2p, peer)).cache_tokens_total
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
     log = open(tmp_path / "client.log", "w+")  # noqa: SIM115 (the child writes to it until the finally)
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT_SCRIPT, str(tiny_models["llama"]), *guarded_swarm.initial_peers],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env,
         start_new_session=True,
     )
     try:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from swarm_helpers import SMOL_CHAINS, connect, reference_generate
+from swarm_helpers import SMOL_CHAINS, assert_boundaries_match, connect, reference_generate
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
@@ -37,12 +37,7 @@ def test_greedy_chat_matches_transformers(
         with model.inference_session(max_length=64) as session:
             session.step(model.head.embed(chat_ids))
             assert len(session.route) == num_servers
-            for hop, outputs in zip(session.route, session.boundary_outputs, strict=True):
-                if hop.end == 30:
-                    outputs, boundary = model.head.norm(outputs), hidden_states[30]
-                else:
-                    boundary = hidden_states[hop.end]
-                torch.testing.assert_close(outputs, boundary, atol=1e-4, rtol=0)
+            assert_boundaries_match(model, session, hidden_states, num_blocks=30)
 
 
 def test_seeded_sampling_is_reproducible(smol_client, chat_ids):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corolla.swarm.local import LocalSwarm
-from swarm_helpers import TINY_CHAINS, TINY_SPANS, connect, reference_generate
+from swarm_helpers import TINY_CHAINS, TINY_SPANS, assert_boundaries_match, connect, reference_generate
 from tiny_models import FAMILIES, load_reference
 
 
@@ -29,12 +29,8 @@ def test_greedy_generation_and_boundaries_match_transformers(family_swarm, num_s
             hidden_states = reference(input_ids, output_hidden_states=True).hidden_states
         with model.inference_session(max_length=16) as session:
             session.step(model.head.embed(input_ids))
-            assert [hop.end - hop.start for hop in session.route] and len(session.route) == num_servers
-            for hop, outputs in zip(session.route, session.boundary_outputs, strict=True):
-                boundary = hidden_states[hop.end] if hop.end < 6 else None
-                if boundary is None:
-                    boundary, outputs = hidden_states[6], model.head.norm(outputs)
-                torch.testing.assert_close(outputs, boundary, atol=1e-4, rtol=0)
+            assert len(session.route) == num_servers
+            assert_boundaries_match(model, session, hidden_states, num_blocks=6)
 
         logits = model(input_ids).logits  # rpc_forward path
         torch.testing.assert_close(logits, reference(input_ids).logits, atol=1e-4, rtol=0)

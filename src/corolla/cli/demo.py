@@ -7,7 +7,6 @@ import sys
 import time
 
 from corolla.cli.generate import add_generation_args, encode_prompt, sampling_params, stream_completion
-from corolla.config import ClientConfig, SwarmConfig
 from corolla.models.config import ModelConfig
 from corolla.models.source import DEFAULT_MODEL, resolve_model
 from corolla.swarm.local import LocalSwarm, even_spans
@@ -59,14 +58,7 @@ def run(args: argparse.Namespace) -> None:
             file=sys.stderr,
             flush=True,
         )
-        config = ClientConfig(
-            swarm=SwarmConfig(
-                initial_peers=tuple(swarm.initial_peers),
-                host="127.0.0.1",
-                nat_port_map=False,
-                client_mode=True,
-            )
-        )
+        config = swarm.client_config()
         with DistributedModelForCausalLM.from_pretrained(args.model, config=config) as model:
             input_ids = encode_prompt(model.tokenizer, args.prompt, args.system, args.raw)
             generation_started = time.monotonic()

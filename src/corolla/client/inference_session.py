@@ -101,7 +101,7 @@ class InferenceSession:
         return self.runtime.run(self.astep(hidden, prompts, hypo_ids, start_from_position))
 
     def close(self) -> None:
-        if not self.closed:
+        if not self.closed and self.runtime.loop.is_running():
             self.runtime.run(self.aclose())
 
     def __enter__(self) -> InferenceSession:

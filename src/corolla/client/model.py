@@ -156,7 +156,8 @@ class DistributedModelForCausalLM:
                 except StopAsyncIteration:
                     return
         finally:
-            self.runtime.run(stream.aclose())
+            if self.runtime.loop.is_running():  # after shutdown() there is nothing left to close
+                self.runtime.run(stream.aclose())
 
     def generate(
         self,

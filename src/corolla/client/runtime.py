@@ -18,11 +18,14 @@ T = TypeVar("T")
 class LoopThread:
     def __init__(self, name: str = "corolla-client"):
         self.loop = asyncio.new_event_loop()
+        self._running = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._running.wait()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._running.set)
         self.loop.run_forever()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -30,6 +33,9 @@ class LoopThread:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("LoopThread.run() called from its own loop; await the coroutine instead")
+        if not self.loop.is_running():
+            coro.close()
+            raise RuntimeError("the client is shut down")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)

@@ -18,7 +18,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
 
 logger = logging.getLogger(__name__)
@@ -170,6 +172,13 @@ class LocalSwarm:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def client_config(self, **overrides: Any) -> ClientConfig:
+        """A client configuration that joins this swarm over loopback (no NAT port mapping)."""
+        swarm = SwarmConfig(
+            initial_peers=tuple(self.initial_peers), host="127.0.0.1", nat_port_map=False, client_mode=True
+        )
+        return ClientConfig(swarm=swarm, **overrides)
 
     def __enter__(self) -> LocalSwarm:
         return self.start()
