@@ -55,7 +55,13 @@ class ServerConfig:
     blocks: tuple[int, int] | None = None  # [start, end); None: choose from num_blocks
     num_blocks: int | None = None
     dtype: str = "float32"
-    max_cache_tokens: int = 16384  # attention cache budget, in tokens of a session spanning every block
+    # attention cache pool, in tokens of a session spanning every hosted block; None: a quarter of the
+    # memory available at start (see server.py: default_cache_tokens)
+    max_cache_tokens: int | None = None
+    block_size: int = 16  # positions per cache block
+    max_batch_tokens: int = 128  # tokens per engine pass (decode steps + prefill chunks)
+    max_batch_rows: int = 64  # sequence rows per engine pass; 1 turns batching across sessions off
+    max_sessions: int = 256  # open inference sessions at once
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request

@@ -22,7 +22,8 @@ from swarm_helpers import client_config, connect
 @pytest.fixture(scope="module")
 def half_swarm(tiny_models):
     """Blocks 0:3 only; tests add the other half when they need it."""
-    with LocalSwarm(str(tiny_models["llama"]), [(0, 3)], server_args=["--announce-period", "2"]) as swarm:
+    args = ["--announce-period", "2", "--max-cache-tokens", "4096"]
+    with LocalSwarm(str(tiny_models["llama"]), [(0, 3)], server_args=args) as swarm:
         yield swarm
 
 
@@ -42,7 +43,7 @@ def test_announcement_carries_span_limits_and_free_cache(half_swarm):
     (span,) = read_spans(half_swarm)
     assert (span.peer_id, span.start, span.end) == (half_swarm.servers[0].peer_id, 0, 3)
     assert span.info.state == ServerState.ONLINE
-    assert span.info.inference_max_length == 4096 and span.info.cache_tokens_available == 16384
+    assert span.info.inference_max_length == 4096 and span.info.cache_tokens_available == 4096
     assert span.info.dtype == "float32" and span.info.num_sessions == 0
 
 

@@ -46,11 +46,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["float32", "float16", "bfloat16", "auto"],
         help="compute dtype (default: %(default)s)",
     )
-    parser.add_argument(
+    engine = parser.add_argument_group("engine (continuous batching)")
+    engine.add_argument(
         "--max-cache-tokens",
         type=int,
-        default=defaults.max_cache_tokens,
-        help="attention cache budget, in tokens over all hosted blocks (default: %(default)s)",
+        default=None,
+        help="attention cache pool, in tokens over all hosted blocks (default: a quarter of the "
+        "memory available at start, at most 262144)",
+    )
+    engine.add_argument(
+        "--block-size",
+        type=int,
+        default=defaults.block_size,
+        help="positions per cache block (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="tokens per engine pass: decode steps plus prefill chunks (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=defaults.max_batch_rows,
+        help="sequence rows per engine pass; 1 turns batching across sessions off (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-sessions",
+        type=int,
+        default=defaults.max_sessions,
+        help="open inference sessions at once (default: %(default)s)",
     )
     parser.add_argument(
         "--inference-max-length",
@@ -112,7 +138,10 @@ def _block_range(text: str) -> tuple[int, int]:
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
     positive = (
-        "max_cache_tokens",
+        "block_size",
+        "max_batch_tokens",
+        "max_batch_rows",
+        "max_sessions",
         "inference_max_length",
         "max_batch_size",
         "max_forward_tokens",
@@ -123,6 +152,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
+        raise InvalidRequest(f"--max-cache-tokens must hold at least one block of {args.block_size} tokens")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise InvalidRequest(f"--num-blocks must be at least 1, got {args.num_blocks}")
     return ServerConfig(
@@ -133,6 +164,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         max_cache_tokens=args.max_cache_tokens,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_rows=args.max_batch_rows,
+        max_sessions=args.max_sessions,
         inference_max_length=args.inference_max_length,
         max_batch_size=args.max_batch_size,
         max_forward_tokens=args.max_forward_tokens,

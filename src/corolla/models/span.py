@@ -55,29 +55,35 @@ class Span(nn.Module):
         position: int = 0,
         prompts: torch.Tensor | None = None,
         blocks: tuple[int, int] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run blocks [a, b) of the model (absolute indices, default: the whole span).
 
-        hidden: [B, T, hidden] for tokens at positions [position, position + T).
-        prompts: optional deep prompts [b - a, B, P, hidden], added to positions < P at each block's input.
-        The context's cache layer i belongs to block a + i.
+        hidden: [B, T, hidden] for tokens at positions [position, position + T), or at `positions` [T]
+        when given (packed batches of several sequences).
+        prompts: optional deep-prompt additions aligned with hidden, [b - a, B or 1, T, hidden] (see
+        `align_prompts`), added to each block's input. The context's cache layer i belongs to block a + i.
         """
         first, last = blocks or (self.start, self.end)
         context = context or NoCache()
-        positions = torch.arange(position, position + hidden.shape[1])
+        if positions is None:
+            positions = torch.arange(position, position + hidden.shape[1])
         rotary = self.rotary(positions, hidden.dtype)
         for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
-            if prompts is not None and prompts.numel():
-                hidden = _add_prompt(hidden, prompts[layer], position)
+            if prompts is not None:
+                hidden = hidden + prompts[layer].to(hidden.dtype)
             hidden = block(hidden, rotary, context, layer)
         return hidden
 
 
-def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, position: int) -> torch.Tensor:
-    """Add prompt[:, p] to the token at absolute position p, for the positions this step covers."""
-    length = min(prompt.shape[1], position + hidden.shape[1]) - position
-    if length <= 0:
-        return hidden
-    hidden = hidden.clone()
-    hidden[:, :length] += prompt[:, position : position + length].to(hidden.dtype)
-    return hidden
+def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:
+    """Deep prompts [blocks, B, P, H] as additions for positions [position, position + length), or None.
+
+    prompts[:, :, p] is added to the token at absolute position p; positions >= P get nothing.
+    """
+    if prompts is None or prompts.numel() == 0 or position >= prompts.shape[2]:
+        return None
+    aligned = prompts.new_zeros(prompts.shape[0], prompts.shape[1], length, prompts.shape[3])
+    covered = min(prompts.shape[2], position + length) - position
+    aligned[:, :, :covered] = prompts[:, :, position : position + covered]
+    return aligned

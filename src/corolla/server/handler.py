@@ -1,9 +1,9 @@
-"""The server's RPC handlers: decode -> validate -> compute -> encode, and nothing else.
+"""The server's RPC handlers: decode -> validate -> engine -> encode, and nothing else.
 
-Handler names follow Petals ("TransformerConnectionHandler.rpc_*"). Compute runs on one dedicated
-thread so the event loop keeps serving other sessions' messages while a span runs. Any error a request
-causes is raised as a typed `CorollaError`; hivemind sends its text to the caller, and only that request
-or session ends.
+Handler names follow Petals ("TransformerConnectionHandler.rpc_*"). Every step and forward request goes
+to the server's engine, which batches it with the work of every other session. Any error a request causes
+is raised as a typed `CorollaError`; hivemind sends its text to the caller, and only that request or
+session ends.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import Any
+import time
+from collections.abc import AsyncIterator
 
-import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
+from corolla.engine.async_engine import AsyncEngine
+from corolla.engine.sequence import ForwardWork, StepWork
 from corolla.errors import CorollaError, InvalidRequest, SessionTimeout
 from corolla.models.span import Span
 from corolla.server import validation
@@ -36,13 +35,11 @@ ERROR_DRAIN_SECONDS = 0.5
 
 
 class TransformerConnectionHandler:
-    def __init__(
-        self, span: Span, config: ServerConfig, dht_prefix: str, sessions: SessionRegistry, version: str
-    ):
-        self.span, self.config, self.dht_prefix, self.sessions = span, config, dht_prefix, sessions
+    def __init__(self, span: Span, config: ServerConfig, dht_prefix: str, engine: AsyncEngine, version: str):
+        self.span, self.config, self.dht_prefix, self.engine = span, config, dht_prefix, engine
+        self.sessions = SessionRegistry(engine, config.session_timeout)
         self.hidden_size = span.config.hidden_size
         self.version = version
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corolla-compute")
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
         both = dict(stream_input=True, stream_output=True)
@@ -52,12 +49,6 @@ class TransformerConnectionHandler:
             messages.RPC_FORWARD_STREAM, self.rpc_forward_stream, ExpertRequest, **both
         )
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
-
-    def shutdown(self) -> None:
-        self.compute.shutdown(wait=False, cancel_futures=True)
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.compute, partial(fn, *args))
 
     def _blocks(self, uid: str) -> tuple[int, int]:
         return validation.parse_uid(uid, self.dht_prefix, self.span.start, self.span.end)
@@ -97,9 +88,7 @@ class TransformerConnectionHandler:
         batch_size = validation.read_hidden(
             request.tensors, self.hidden_size, self.config.max_batch_size
         ).shape[0]
-        async with self.sessions.open(
-            meta.session_id, blocks, batch_size, meta.max_length, meta.alloc_timeout
-        ) as session:
+        async with self.sessions.open(meta.session_id, blocks, batch_size, meta.max_length) as session:
             logger.debug(
                 "Session %s opened by ...%s: blocks %d:%d, batch %d, max_length %d",
                 session.session_id,
@@ -108,15 +97,16 @@ class TransformerConnectionHandler:
                 batch_size,
                 meta.max_length,
             )
+            admit_deadline = time.monotonic() + meta.alloc_timeout
             while True:
-                yield await self._inference_step(session, request, meta)
+                yield await self._inference_step(session, request, meta, admit_deadline)
                 request = await _next_request(requests, session.time_left(self.config.step_timeout))
                 if request is None or not request.tensors:
                     return
                 meta = InferenceStep.from_bytes(request.metadata, first=False)
 
     async def _inference_step(
-        self, session: ServerSession, request: ExpertRequest, meta: InferenceStep
+        self, session: ServerSession, request: ExpertRequest, meta: InferenceStep, admit_deadline: float
     ) -> ExpertResponse:
         hidden = validation.read_hidden(request.tensors, self.hidden_size, self.config.max_batch_size)
         batch, length = hidden.shape[:2]
@@ -141,28 +131,17 @@ class TransformerConnectionHandler:
             request.tensors, session.end - session.start, batch, self.hidden_size, session.max_length
         )
         hypo_ids = validation.read_hypo_ids(request.tensors, batch)
-        outputs = await self._run(self._compute_step, session, hidden, prompts, hypo_ids, position)
-        session.num_steps += 1
+        work = StepWork(
+            session.engine_session,
+            hidden,
+            prompts,
+            hypo_ids,
+            meta.start_from_position,
+            admit_deadline=admit_deadline,
+        )
+        outputs = await self.engine.run(work, session.stream)
+        session.position, session.num_steps = position + length, session.num_steps + 1
         return ExpertResponse(tensors=[wire_tensors.serialize(outputs)])
-
-    def _compute_step(
-        self,
-        session: ServerSession,
-        hidden: torch.Tensor,
-        prompts: torch.Tensor | None,
-        hypo_ids: torch.Tensor | None,
-        position: int,
-    ) -> torch.Tensor:
-        with torch.inference_mode():
-            cache = session.cache
-            cache.position = position
-            if hypo_ids is not None:
-                cache.reorder(hypo_ids)
-            outputs = self.span(
-                hidden.to(self.span.dtype), cache, position, prompts, (session.start, session.end)
-            )
-            cache.position = position + hidden.shape[1]
-            return outputs.to(hidden.dtype)
 
     # --- rpc_forward ---------------------------------------------------------------------------------------
 
@@ -200,9 +179,7 @@ class TransformerConnectionHandler:
             raise InvalidRequest("the stream carried no tensors")
         return uid, metadata, parts
 
-    async def _forward(
-        self, uid: str, metadata: bytes, protos: list[runtime_pb2.Tensor]
-    ) -> tuple[torch.Tensor, int]:
+    async def _forward(self, uid: str, metadata: bytes, protos: list[runtime_pb2.Tensor]):
         meta = ForwardRequest.from_bytes(metadata)
         blocks = self._blocks(uid)
         self._check_adapter(meta.active_adapter)
@@ -219,13 +196,7 @@ class TransformerConnectionHandler:
                 f"{self.config.max_forward_tokens}"
             )
         prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
-        return await self._run(self._compute_forward, hidden, prompts, blocks), compression
-
-    def _compute_forward(
-        self, hidden: torch.Tensor, prompts: torch.Tensor | None, blocks: tuple[int, int]
-    ) -> torch.Tensor:
-        with torch.inference_mode():
-            return self.span(hidden.to(self.span.dtype), None, 0, prompts, blocks).to(hidden.dtype)
+        return await self.engine.run(ForwardWork(hidden, blocks, prompts)), compression
 
     # --- rpc_info ------------------------------------------------------------------------------------------
 
@@ -233,7 +204,7 @@ class TransformerConnectionHandler:
         return runtime_pb2.ExpertInfo(serialized_info=self.info().to_bytes())
 
     def info(self) -> ServerInfo:
-        per_token = self.sessions.cache_bytes(1, 1, self.span.end - self.span.start)
+        stats = self.engine.stats
         return ServerInfo(
             version=self.version,
             dht_prefix=self.dht_prefix,
@@ -242,9 +213,10 @@ class TransformerConnectionHandler:
             dtype=str(self.span.dtype).replace("torch.", ""),
             inference_max_length=self.config.inference_max_length,
             max_batch_size=self.config.max_batch_size,
-            cache_tokens_total=self.sessions.budget.total_bytes // per_token,
-            cache_tokens_available=self.sessions.budget.free_bytes // per_token,
+            cache_tokens_total=stats.total_cache_tokens,
+            cache_tokens_available=stats.free_cache_tokens,
             num_sessions=len(self.sessions),
+            queued_tokens=stats.queued_tokens,
         )
 
 

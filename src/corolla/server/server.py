@@ -12,19 +12,20 @@ import logging
 import signal
 from collections.abc import Callable
 
+import psutil
 import torch
 
 from corolla import __version__
 from corolla.config import ServerConfig
+from corolla.engine.async_engine import AsyncEngine
+from corolla.engine.engine import Engine, EngineConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.models.span import Span
 from corolla.server.announcer import Announcer
 from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.memory import CacheBudget
 from corolla.server.placement import choose_blocks
-from corolla.server.sessions import SessionRegistry
 from corolla.swarm.dht import find_spans, start_dht
 from corolla.wire.records import ServerAnnouncement, ServerState
 
@@ -37,6 +38,7 @@ class Server:
         self.dht = None
         self.p2p = None
         self.handler: TransformerConnectionHandler | None = None
+        self.engine: AsyncEngine | None = None
         self.announcer: Announcer | None = None
 
     async def start(self) -> None:
@@ -52,10 +54,23 @@ class Server:
         start, end = await self._choose_blocks(model)
         logger.info("Loading blocks %d:%d of %s (%s)", start, end, source.path, dtype)
         span = await asyncio.to_thread(Span.load, source.path, start, end, dtype)
-        bytes_per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * (end - start)
-        budget = CacheBudget(config.max_cache_tokens * bytes_per_token)
-        sessions = SessionRegistry(model, dtype, budget, config.session_timeout)
-        self.handler = TransformerConnectionHandler(span, config, self.dht_prefix, sessions, __version__)
+        engine_config = EngineConfig(
+            max_cache_tokens=config.max_cache_tokens or default_cache_tokens(model, end - start, dtype),
+            block_size=config.block_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_rows=config.max_batch_rows,
+            max_sessions=config.max_sessions,
+        )
+        self.engine = AsyncEngine(Engine(span, engine_config))
+        self.engine.start()
+        logger.info(
+            "Engine: %d cache tokens in blocks of %d, %d tokens and %d rows per pass",
+            engine_config.max_cache_tokens,
+            engine_config.block_size,
+            engine_config.max_batch_tokens,
+            engine_config.max_batch_rows,
+        )
+        self.handler = TransformerConnectionHandler(span, config, self.dht_prefix, self.engine, __version__)
         self.p2p = await self.dht.replicate_p2p()
         await self.handler.add_p2p_handlers(self.p2p)
         self.announcer = Announcer(
@@ -98,13 +113,24 @@ class Server:
                 await asyncio.wait_for(self.announcer.announce(ServerState.OFFLINE), timeout=5)
             except Exception:  # the DHT may already be unreachable; records then expire on their own
                 logger.warning("Could not announce OFFLINE", exc_info=True)
-        if self.handler is not None:
-            self.handler.shutdown()
+        if self.engine is not None:
+            await self.engine.stop()
         if self.p2p is not None:
             await self.p2p.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
         logger.info("Server stopped")
+
+
+def default_cache_tokens(model: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
+    """A quarter of the memory available now, in tokens of cache (with the inputs kept per token).
+
+    The pool is allocated lazily (pages are touched as blocks are first written), so a large default
+    costs memory only when sessions use it. Capped at 2**18 tokens, and at least 1024.
+    """
+    per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * num_blocks + model.hidden_size * 4
+    tokens = int(psutil.virtual_memory().available * 0.25) // per_token
+    return max(1024, min(tokens, 2**18))
 
 
 async def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:

@@ -1,9 +1,9 @@
-"""Inference sessions on one server: their caches, positions, deadlines and their registry.
+"""Inference sessions on one server: ids, positions, deadlines, and their engine sessions.
 
 A session exists from the first `rpc_inference` message to the end of its stream. `SessionRegistry.open`
-checks the session id is free, reserves cache (waiting up to alloc_timeout), allocates the buffers and
-registers the session; leaving the context undoes all of it whatever happened, so a client that errs,
-times out or vanishes leaves nothing behind.
+checks that the session id is free and opens the engine's session; leaving the context closes it whatever
+happened (normal end, error, timeout, vanished client), and the engine frees its cache blocks at its next
+pass. Cache memory is not reserved here: the engine allocates blocks as the session grows.
 """
 
 from __future__ import annotations
@@ -12,31 +12,26 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
-import torch
-
+from corolla.engine.async_engine import AsyncEngine, RequestStream
+from corolla.engine.sequence import EngineSession
 from corolla.errors import InvalidRequest, SessionTimeout
-from corolla.models.attention import ContiguousCache
-from corolla.models.config import ModelConfig
-from corolla.server.memory import CacheBudget
 
 
 @dataclass
 class ServerSession:
     session_id: str
+    engine_session: EngineSession
+    stream: RequestStream  # the results of all this session's steps
     start: int  # absolute block range this session runs
     end: int
     batch_size: int
     max_length: int
-    cache: ContiguousCache
     deadline: float  # monotonic time after which the session is closed
-    opened_at: float = field(default_factory=time.monotonic)
+    position: int = 0  # tokens received so far (the client's view; the engine keeps its own)
     num_steps: int = 0
-
-    @property
-    def position(self) -> int:
-        return self.cache.position
 
     def time_left(self, step_timeout: float) -> float:
         """How long to wait for the next step: the step timeout, cut short by the session's deadline."""
@@ -47,61 +42,41 @@ class ServerSession:
 
 
 class SessionRegistry:
-    def __init__(self, model: ModelConfig, dtype: torch.dtype, budget: CacheBudget, session_timeout: float):
-        self.model, self.dtype, self.budget = model, dtype, budget
-        self.session_timeout = session_timeout
+    def __init__(self, engine: AsyncEngine, session_timeout: float):
+        self.engine, self.session_timeout = engine, session_timeout
         self.sessions: dict[str, ServerSession] = {}
-        self._reserved_ids: set[str] = set()
-        self.bytes_per_token_per_block = model.kv_bytes_per_token_per_block(dtype.itemsize)
+        self._claimed: set[str] = set()  # ids in use, including sessions still being opened
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def cache_bytes(self, batch_size: int, max_length: int, num_blocks: int) -> int:
-        return batch_size * max_length * num_blocks * self.bytes_per_token_per_block
-
     @contextlib.asynccontextmanager
     async def open(
-        self,
-        session_id: str | None,
-        blocks: tuple[int, int],
-        batch_size: int,
-        max_length: int,
-        alloc_timeout: float,
+        self, session_id: str | None, blocks: tuple[int, int], batch_size: int, max_length: int
     ) -> AsyncIterator[ServerSession]:
         session_id = session_id or uuid.uuid4().hex
-        if session_id in self._reserved_ids:
+        if session_id in self._claimed:
             raise InvalidRequest(f"session_id {session_id!r} is already in use on this server")
-        self._reserved_ids.add(session_id)
+        self._claimed.add(session_id)
         try:
-            start, end = blocks
-            nbytes = self.cache_bytes(batch_size, max_length, end - start)
-            what = (
-                f"session {session_id} (batch {batch_size} x max_length {max_length}, blocks {start}:{end})"
+            opener = partial(self.engine.engine.open_session, session_id, blocks, batch_size, max_length)
+            engine_session = await self.engine.call(opener)
+            session = ServerSession(
+                session_id,
+                engine_session,
+                self.engine.stream(),
+                blocks[0],
+                blocks[1],
+                batch_size,
+                max_length,
+                time.monotonic() + self.session_timeout,
             )
-            async with self.budget.reserve(nbytes, alloc_timeout, what):
-                cache = ContiguousCache(
-                    end - start,
-                    batch_size,
-                    self.model.num_key_value_heads,
-                    max_length,
-                    self.model.head_dim,
-                    self.dtype,
-                )
-                session = ServerSession(
-                    session_id,
-                    start,
-                    end,
-                    batch_size,
-                    max_length,
-                    cache,
-                    deadline=time.monotonic() + self.session_timeout,
-                )
-                self.sessions[session_id] = session
-                try:
-                    yield session
-                finally:
-                    # the buffers are freed with the last reference (a step still computing may hold one)
-                    del self.sessions[session_id]
+            self.sessions[session_id] = session
+            try:
+                yield session
+            finally:
+                del self.sessions[session_id]
         finally:
-            self._reserved_ids.discard(session_id)
+            # also when the open itself was cancelled: commands run in order, so this close follows it
+            self.engine.close_session(session_id)
+            self._claimed.discard(session_id)

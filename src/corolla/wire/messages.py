@@ -154,6 +154,7 @@ class ServerInfo:
     cache_tokens_total: int
     cache_tokens_available: int
     num_sessions: int
+    queued_tokens: int = 0  # tokens waiting in the engine's queue
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> ServerInfo:
@@ -169,6 +170,7 @@ class ServerInfo:
             cache_tokens_total=fields.int("cache_tokens_total", required=True, low=0) or 0,
             cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
             num_sessions=fields.int("num_sessions", required=True, low=0) or 0,
+            queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
         )
 
     def to_bytes(self) -> bytes:

@@ -40,6 +40,7 @@ class ServerAnnouncement:
     inference_max_length: int
     cache_tokens_available: int
     num_sessions: int = 0
+    queued_tokens: int = 0  # live load: tokens waiting in the server's engine
     throughput: float | None = None  # blocks-per-second figure; None until measured
     adapters: tuple[str, ...] = ()
 
@@ -71,6 +72,7 @@ class ServerAnnouncement:
             inference_max_length=fields.int("inference_max_length", required=True, low=1) or 1,
             cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
             num_sessions=fields.int("num_sessions", default=0, low=0) or 0,
+            queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
             throughput=fields.float("throughput", low=0.0),
             adapters=tuple(adapters),
         )

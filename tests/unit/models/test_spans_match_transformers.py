@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from corolla.models.attention import ContiguousCache
 from corolla.models.config import ModelConfig
 from corolla.models.head import ModelHead
-from corolla.models.span import Span
+from corolla.models.span import Span, align_prompts
 from tiny_models import FAMILIES, load_reference
 
 SPLITS = [[(0, 6)], [(0, 3), (3, 6)], [(0, 1), (1, 4), (4, 6)]]
@@ -96,7 +96,11 @@ def test_deep_prompts_are_added_at_their_positions(tiny_models):
         manual = manual.clone()
         manual[:, :2] += prompts[i]
         manual = block(manual, span.rotary(torch.arange(6), manual.dtype), _NoCache(), 0)
-    torch.testing.assert_close(span(hidden, prompts=prompts), manual, atol=1e-6, rtol=0)
+    torch.testing.assert_close(span(hidden, prompts=align_prompts(prompts, 0, 6)), manual, atol=1e-6, rtol=0)
+    # a step of 2 tokens at position 1 gets prompt position 1 only
+    step = align_prompts(prompts, 1, 2)
+    assert torch.equal(step[:, :, 0], prompts[:, :, 1]) and not step[:, :, 1].any()
+    assert align_prompts(prompts, 2, 3) is None
 
 
 class _NoCache:

@@ -1,0 +1,191 @@
+"""The engine's asyncio front: a request tracker, a stream per request, and a background loop thread.
+
+Handlers (on the server's event loop) open sessions and submit steps; each request gets a
+`RequestStream` that yields its results as soon as the loop thread delivers them. The loop thread runs
+engine passes while there is work and sleeps when there is none. Commands (new work, aborts, session
+closes) reach it through the tracker and take effect at the start of the next pass, so an aborted
+request or a closed session leaves the running batch and frees its blocks at once. If a pass raises,
+the error reaches every request in flight, never a hang, and the loop keeps serving new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from corolla.engine.engine import Engine, EngineStats
+from corolla.engine.sequence import Completion, ForwardWork, StepWork
+from corolla.errors import CorollaError, ServerUnavailable
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.02  # while work waits for memory, re-check admission deadlines this often
+
+
+class RequestStream:
+    """Results of one request, in order; `next()` waits for the next one or raises its error."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue[Completion] = asyncio.Queue()
+
+    def deliver(self, completion: Completion) -> None:  # called from the loop thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, completion)
+
+    async def next(self) -> torch.Tensor:
+        completion = await self._queue.get()
+        if completion.error is not None:
+            raise completion.error
+        return completion.outputs
+
+
+class RequestTracker:
+    """Commands for the loop thread, queued from any thread, applied at the start of the next pass."""
+
+    def __init__(self) -> None:
+        self._commands: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self.wakeup = threading.Event()
+
+    def submit(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self.wakeup.set()
+
+    def drain(self) -> list[Callable[[], None]]:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        return commands
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tracker = RequestTracker()
+        self.stats: EngineStats = engine.stats()  # a snapshot, replaced after every pass
+        self._streams: dict[int, RequestStream] = {}  # request id -> stream (loop thread only)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="corolla-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.tracker.wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # --- called from the event loop ------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between passes and return its result (or raise its error)."""
+        future = self._loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn()
+            except Exception as e:  # delivered to the caller, who decides what it means
+                self._loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, future, result)
+
+        self.tracker.submit(command)
+        return await future
+
+    def stream(self) -> RequestStream:
+        """A new stream; an inference session keeps one for all its steps' results."""
+        return RequestStream(self._loop)
+
+    def submit(self, work: StepWork | ForwardWork, stream: RequestStream) -> None:
+        def command() -> None:
+            if isinstance(work, StepWork) and work.session.session_id not in self.engine.sessions:
+                stream.deliver(Completion(work.request_id, error=ServerUnavailable("the session is closed")))
+                return
+            self._streams[work.request_id] = stream
+            (self.engine.add_step if isinstance(work, StepWork) else self.engine.add_forward)(work)
+
+        self.tracker.submit(command)
+
+    def abort(self, request_id: int) -> None:
+        def command() -> None:
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+
+        self.tracker.submit(command)
+
+    def close_session(self, session_id: str) -> None:
+        self.tracker.submit(lambda: self._deliver(self.engine.close_session(session_id)))
+
+    async def run(self, work: StepWork | ForwardWork, stream: RequestStream | None = None) -> torch.Tensor:
+        """Submit work and wait for its result; if the caller goes away, the work is aborted."""
+        stream = stream or self.stream()
+        self.submit(work, stream)
+        try:
+            return await stream.next()
+        except asyncio.CancelledError:
+            self.abort(work.request_id)
+            raise
+
+    # --- the loop thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            for command in self.tracker.drain():
+                command()
+            if not self.engine.has_work():
+                self._publish_stats()
+                self.tracker.wakeup.wait()
+                self.tracker.wakeup.clear()
+                continue
+            started = time.perf_counter()
+            try:
+                completions = self.engine.step()
+            except Exception as e:
+                logger.exception("Engine pass failed; failing every request in flight")
+                completions = self._fail_all(e)
+            self._deliver(completions)
+            self._publish_stats()
+            if not completions and time.perf_counter() - started < 1e-3:  # nothing could run: wait a little
+                self.tracker.wakeup.wait(IDLE_POLL_SECONDS)
+                self.tracker.wakeup.clear()
+        self._deliver(self._fail_all(ServerUnavailable("the server is shutting down")))
+
+    def _fail_all(self, cause: Exception) -> list[Completion]:
+        error = (
+            cause
+            if isinstance(cause, CorollaError)
+            else ServerUnavailable(f"the server's engine failed: {type(cause).__name__}: {cause}")
+        )
+        request_ids = self.engine.pending_request_ids()
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        return [Completion(request_id, error=error) for request_id in request_ids]
+
+    def _deliver(self, completions: list[Completion]) -> None:
+        for completion in completions:
+            stream = self._streams.pop(completion.request_id, None)
+            if stream is not None:
+                stream.deliver(completion)
+
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,168 @@
+"""The synchronous engine: sessions and work in, one batched pass per `step()`, completions out.
+
+`step()` reads schedule -> copy blocks -> run -> postprocess. Nothing here knows about networking or
+asyncio; one thread drives it (the async front in async_engine.py), and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from corolla.engine.block_manager import BlockManager
+from corolla.engine.model_runner import KVPool, ModelRunner
+from corolla.engine.scheduler import Scheduler
+from corolla.engine.sequence import Chunk, Completion, EngineSession, ForwardWork, SessionStatus, StepWork
+from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.models.span import Span
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_cache_tokens: int  # the pool: max_cache_tokens // block_size blocks of every hosted layer
+    block_size: int = 16
+    max_batch_tokens: int = 256  # tokens per pass (decodes + prefill chunks)
+    max_batch_rows: int = 64  # sequence rows per pass; 1 disables batching across sessions
+    max_sessions: int = 256
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_sessions: int
+    queued_tokens: int
+    free_cache_tokens: int
+    total_cache_tokens: int
+    num_passes: int = 0
+    batched_rows: int = 0  # rows run in the last pass
+
+
+class Engine:
+    def __init__(self, span: Span, config: EngineConfig):
+        if config.max_cache_tokens < config.block_size:
+            raise InvalidRequest(
+                f"max_cache_tokens={config.max_cache_tokens} is below one block of {config.block_size} tokens"
+            )
+        self.span, self.config = span, config
+        model = span.config
+        num_blocks = config.max_cache_tokens // config.block_size
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.pool = KVPool(
+            span.end - span.start,
+            num_blocks,
+            config.block_size,
+            model.num_key_value_heads,
+            model.head_dim,
+            span.dtype,
+        )
+        self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_rows)
+        self.runner = ModelRunner(span, self.pool)
+        self.num_passes, self.batched_rows = 0, 0
+
+    @property
+    def sessions(self) -> dict[str, EngineSession]:
+        return self.scheduler.sessions
+
+    def stats(self) -> EngineStats:
+        size = self.blocks.block_size
+        return EngineStats(
+            len(self.sessions),
+            self.scheduler.queued_tokens,
+            self.blocks.num_free * size,
+            self.blocks.num_blocks * size,
+            self.num_passes,
+            self.batched_rows,
+        )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- sessions and work ---------------------------------------------------------------------------------
+
+    def open_session(
+        self, session_id: str, blocks: tuple[int, int], batch_size: int, max_length: int
+    ) -> EngineSession:
+        if session_id in self.sessions:
+            raise InvalidRequest(f"session_id {session_id!r} is already open on this engine")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise ServerUnavailable(
+                f"this server already holds max_sessions={self.config.max_sessions} sessions"
+            )
+        session = EngineSession(session_id, blocks[0], blocks[1], batch_size, max_length)
+        self.sessions[session_id] = session
+        return session
+
+    def close_session(self, session_id: str) -> list[Completion]:
+        """End a session now: its blocks go back to the pool and its pending steps fail."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return []
+        for table in session.tables:
+            self.blocks.release_all(table)
+        error = ServerUnavailable(f"session {session_id} was closed")
+        return [Completion(work.request_id, error=error) for work in session.pending]
+
+    def add_step(self, work: StepWork) -> None:
+        work.session.pending.append(work)
+
+    def add_forward(self, work: ForwardWork) -> None:
+        self.scheduler.forwards.append(work)
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request wherever it is; a step's chunks already run stay in its session's cache."""
+        for session in self.sessions.values():
+            for work in session.pending:
+                if work.request_id == request_id:
+                    session.pending.remove(work)
+                    return True
+        for work in self.scheduler.forwards:
+            if work.request_id == request_id:
+                self.scheduler.forwards.remove(work)
+                return True
+        return False
+
+    def pending_request_ids(self) -> list[int]:
+        steps = [w.request_id for s in self.sessions.values() for w in s.pending]
+        return steps + [w.request_id for w in self.scheduler.forwards]
+
+    # --- one pass ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Completion]:
+        plan = self.scheduler.schedule()
+        completions = []
+        for work, error in plan.failed:
+            work.session.pending.remove(work)
+            completions.append(Completion(work.request_id, error=error))
+        self.pool.clear_blocks(self.blocks.take_fresh())
+        if plan.copies:
+            self.pool.copy_blocks(plan.copies)
+        if plan.chunks:
+            outputs = self.runner.run(plan.chunks)
+            completions += [
+                c
+                for chunk, out in zip(plan.chunks, outputs, strict=True)
+                if (c := self._postprocess(chunk, out)) is not None
+            ]
+            self.num_passes += 1
+            self.batched_rows = sum(chunk.num_rows for chunk in plan.chunks)
+        if plan.forward is not None:
+            completions.append(Completion(plan.forward.request_id, self.runner.forward(plan.forward)))
+        return completions
+
+    def _postprocess(self, chunk: Chunk, outputs: torch.Tensor) -> Completion | None:
+        session, work = chunk.session, chunk.work
+        session.num_cached = chunk.position + chunk.num_tokens
+        if work is None:  # a recompute chunk: the cache is rebuilt up to num_cached, outputs are not needed
+            if not session.needs_recompute:
+                session.status = SessionStatus.RUNNING
+            return None
+        self.scheduler.append_inputs(
+            session, work.hidden[:, work.done_tokens : work.done_tokens + chunk.num_tokens]
+        )
+        work.done_tokens += chunk.num_tokens
+        work.outputs.append(outputs.to(work.hidden.dtype))
+        if work.remaining:
+            return None
+        session.pending.popleft()
+        result = work.outputs[0] if len(work.outputs) == 1 else torch.cat(work.outputs, dim=1)
+        return Completion(work.request_id, result)

@@ -1,0 +1,193 @@
+"""Running a span once over a packed batch of sequence chunks, each attending to its own paged cache.
+
+The chunks' rows are packed into one [1, N, H] tensor so that every linear layer runs once for the whole
+batch (the point of batching). Attention is per sequence: the new keys and values are written into the
+pool at each token's slot, then each row attends to its own blocks. Decode rows (one token each) share
+one padded, masked attention call; longer rows get their own causal call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from corolla.engine.sequence import Chunk, ForwardWork
+from corolla.models.attention import causal_attention
+from corolla.models.span import Span, align_prompts
+
+
+class KVPool:
+    """Keys and values of every block of the span: [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ):
+        # torch.empty: pages are touched (and count as memory) only as blocks are first written
+        self.data = torch.empty(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        self.block_size = block_size
+
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero newly allocated blocks: attention masks positions past a row's context, but a masked
+        NaN left in memory would still poison the softmax."""
+        if blocks:
+            self.data[:, :, blocks] = 0
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for source, destination in copies:
+            self.data[:, :, destination] = self.data[:, :, source]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One sequence row of the packed batch: its tokens [offset, offset + length) at [position, ...)."""
+
+    offset: int
+    length: int
+    position: int
+    table: torch.Tensor  # int64 block ids
+
+    @property
+    def context(self) -> int:
+        return self.position + self.length
+
+
+class PagedAttention:
+    """The attention context of one packed pass (see models/attention.py for the protocol)."""
+
+    def __init__(self, pool: KVPool, first_layer: int, rows: list[Row]):
+        self.pool, self.first_layer, self.rows = pool, first_layer, rows
+        size = pool.block_size
+        self.slots = torch.cat(
+            [
+                row.table[torch.arange(row.position, row.context) // size] * size
+                + torch.arange(row.position, row.context) % size
+                for row in rows
+            ]
+        )
+        # two or more one-token rows share one masked call; a lone one takes the unmasked (fastest) path
+        decode_rows = [row for row in rows if row.length == 1]
+        self.decode_rows = decode_rows if len(decode_rows) > 1 else []
+        self.other_rows = [row for row in rows if row.length > 1 or not self.decode_rows]
+        if self.decode_rows:
+            self.decode_index = torch.tensor([row.offset for row in self.decode_rows])
+            width = max(len(row.table) for row in self.decode_rows)
+            # padding repeats a row's own (cleared, finite) first block; the mask hides it
+            self.decode_tables = torch.stack(
+                [
+                    F.pad(row.table, (0, width - len(row.table)), value=int(row.table[0]))
+                    for row in self.decode_rows
+                ]
+            )  # [R, width]
+            self.decode_contexts = torch.tensor([row.context for row in self.decode_rows])
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        keys, values = self.pool.data[self.first_layer + layer]  # each [num_blocks, block_size, kv_heads, d]
+        kv_heads, head_dim = keys.shape[2], keys.shape[3]
+        keys.view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
+        values.view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
+        out = torch.empty_like(q)  # [1, heads, N, d]
+        if self.decode_rows:
+            out[0, :, self.decode_index] = self._attend_decodes(q, keys, values, window)
+        for row in self.other_rows:
+            row_keys, row_values = (_gather(cache, row.table, row.context) for cache in (keys, values))
+            span = slice(row.offset, row.offset + row.length)
+            out[:, :, span] = causal_attention(q[:, :, span], row_keys, row_values, row.position, window)
+        return out
+
+    def _attend_decodes(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """All one-token rows in one call: keys padded to the longest context and masked. [heads, R, d]"""
+        rows = len(self.decode_rows)
+        padded_keys = keys[self.decode_tables].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, width * bs, d]
+        padded_values = values[self.decode_tables].flatten(1, 2).transpose(1, 2)
+        key_positions = torch.arange(padded_keys.shape[2])[None, :]  # [1, L]
+        contexts = self.decode_contexts[:, None]  # [R, 1]
+        mask = key_positions < contexts
+        if window is not None:
+            mask &= key_positions >= contexts - window
+        queries = q[0, :, self.decode_index].transpose(0, 1).unsqueeze(2)  # [R, heads, 1, d]
+        out = F.scaled_dot_product_attention(
+            queries, padded_keys, padded_values, attn_mask=mask.view(rows, 1, 1, -1), enable_gqa=True
+        )
+        return out[:, :, 0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """One row's first `length` positions from the pool: [1, kv_heads, length, d]."""
+    return cache[table].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+
+
+class ModelRunner:
+    def __init__(self, span: Span, pool: KVPool):
+        self.span, self.pool = span, pool
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """One pass over the chunks (all for the same block range); returns each chunk's outputs [B, T, H]."""
+        first = chunks[0].session
+        pieces, positions, rows, prompts, offset = [], [], [], [], 0
+        for chunk in chunks:
+            inputs = _chunk_inputs(chunk).to(self.span.dtype)  # [B, T, H]
+            for row in range(chunk.num_rows):
+                table = torch.tensor(chunk.session.tables[row], dtype=torch.long)
+                rows.append(Row(offset, chunk.num_tokens, chunk.position, table))
+                pieces.append(inputs[row])
+                positions.append(torch.arange(chunk.position, chunk.position + chunk.num_tokens))
+                offset += chunk.num_tokens
+            aligned = align_prompts(chunk.session.prompts, chunk.position, chunk.num_tokens)
+            prompts.append(aligned)
+        hidden = torch.cat(pieces)[None]  # [1, N, H]
+        context = PagedAttention(self.pool, first.start - self.span.start, rows)
+        packed_prompts = _pack_prompts(prompts, chunks, first.num_blocks, hidden)
+        outputs = self.span(
+            hidden,
+            context,
+            prompts=packed_prompts,
+            blocks=(first.start, first.end),
+            positions=torch.cat(positions),
+        )[0]  # [N, H]
+        results, offset = [], 0
+        for chunk in chunks:
+            size = chunk.num_rows * chunk.num_tokens
+            results.append(outputs[offset : offset + size].view(chunk.num_rows, chunk.num_tokens, -1))
+            offset += size
+        return results
+
+    @torch.inference_mode()
+    def forward(self, work: ForwardWork) -> torch.Tensor:
+        """A forward pass without cache (rpc_forward): [B, T, H] -> [B, T, H] in the input's dtype."""
+        aligned = align_prompts(work.prompts, 0, work.hidden.shape[1])
+        outputs = self.span(work.hidden.to(self.span.dtype), None, 0, aligned, work.blocks)
+        return outputs.to(work.hidden.dtype)
+
+
+def _chunk_inputs(chunk: Chunk) -> torch.Tensor:
+    if chunk.work is None:  # recomputing a preempted session's cache from the inputs it kept
+        return chunk.session.inputs[:, chunk.position : chunk.position + chunk.num_tokens]
+    done = chunk.work.done_tokens
+    return chunk.work.hidden[:, done : done + chunk.num_tokens]
+
+
+def _pack_prompts(
+    prompts: list[torch.Tensor | None], chunks: list[Chunk], num_blocks: int, hidden: torch.Tensor
+) -> torch.Tensor | None:
+    """Per-session prompt additions [blocks, B, T, H] laid out like the packed tokens: [blocks, 1, N, H]."""
+    if all(p is None for p in prompts):
+        return None
+    pieces = []
+    for aligned, chunk in zip(prompts, chunks, strict=True):
+        if aligned is None:
+            aligned = hidden.new_zeros(num_blocks, chunk.num_rows, chunk.num_tokens, hidden.shape[2])
+        pieces.append(aligned.expand(num_blocks, chunk.num_rows, -1, -1).flatten(1, 2))
+    return torch.cat(pieces, dim=1)[:, None]

@@ -1,0 +1,185 @@
+"""Which work runs in the next pass: decode steps and prefill chunks under a token budget.
+
+Each pass packs at most `max_batch_tokens` tokens and `max_batch_rows` rows, all for the same block range.
+Order: steps of sessions that hold their cache (oldest step first), then preempted sessions rebuilding
+theirs, then new sessions waiting for admission. A step longer than what is left of the budget runs in
+chunks over several passes, so a long prompt never stalls everyone's decoding for its whole length.
+
+Memory: blocks are allocated as positions are written. A new session waits for free blocks up to its
+admission deadline (alloc_timeout), then fails with CacheExhausted. A session that holds its cache and
+cannot grow takes blocks from the most recently admitted other session (preemption); the victim keeps its
+inputs and recomputes its cache when blocks are free again, so no session fails or gets wrong outputs
+because others grew. Idle sessions (no step pending) are taken from first. Forward requests run only
+when no inference work can, or after waiting a few passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from corolla.engine.block_manager import BlockManager
+from corolla.engine.sequence import Chunk, EngineSession, ForwardWork, SessionStatus, StepWork
+from corolla.errors import CacheExhausted
+
+FORWARD_MAX_SKIPS = 4  # a forward request waits at most this many inference passes
+
+
+@dataclass
+class Plan:
+    chunks: list[Chunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks to copy first
+    forward: ForwardWork | None = None
+    failed: list[tuple[StepWork, Exception]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and self.forward is None and not self.failed
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_rows: int):
+        self.blocks, self.max_batch_tokens, self.max_batch_rows = blocks, max_batch_tokens, max_batch_rows
+        self.sessions: dict[str, EngineSession] = {}
+        self.forwards: deque[ForwardWork] = deque()
+        self._admissions = itertools.count()
+        self._forward_skips = 0
+
+    @property
+    def queued_tokens(self) -> int:
+        steps = sum(w.remaining * s.batch_size for s in self.sessions.values() for w in s.pending)
+        return steps + sum(f.hidden.shape[0] * f.hidden.shape[1] for f in self.forwards)
+
+    def has_work(self) -> bool:
+        return bool(self.forwards) or any(s.pending for s in self.sessions.values())
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        if self.forwards and self._forward_skips >= FORWARD_MAX_SKIPS:  # a starved forward takes this pass
+            plan.forward, self._forward_skips = self.forwards.popleft(), 0
+            return plan
+        self._schedule_steps(plan, time.monotonic())
+        if self.forwards and plan.chunks:
+            self._forward_skips += 1
+        elif self.forwards:
+            plan.forward, self._forward_skips = self.forwards.popleft(), 0
+        return plan
+
+    def _candidates(self) -> list[StepWork]:
+        heads = [s.pending[0] for s in self.sessions.values() if s.pending]
+        rank = {SessionStatus.RUNNING: 0, SessionStatus.PREEMPTED: 1, SessionStatus.WAITING: 2}
+        return sorted(heads, key=lambda w: (rank[w.session.status], w.session.admitted_order, w.arrived_at))
+
+    def _schedule_steps(self, plan: Plan, now: float) -> None:
+        tokens, rows, block_range = self.max_batch_tokens, self.max_batch_rows, None
+        for work in self._candidates():
+            session = work.session
+            if block_range not in (None, (session.start, session.end)) or session.batch_size > rows:
+                continue
+            if not work.started:
+                self._start(work)
+            position = session.num_cached
+            goal = session.position if session.needs_recompute else session.position + work.remaining
+            length = min(goal - position, tokens // session.batch_size)
+            if length <= 0:
+                continue
+            if not self._reserve(session, position, position + length, plan):
+                if self._never_fits(session, session.position + work.remaining):
+                    plan.failed.append((work, self._exhausted(work, ever=True)))
+                elif session.status == SessionStatus.WAITING and now > work.admit_deadline:
+                    plan.failed.append((work, self._exhausted(work)))
+                continue
+            if session.status == SessionStatus.WAITING:
+                session.status, session.admitted_order = SessionStatus.RUNNING, next(self._admissions)
+            chunk_work = None if session.needs_recompute else work
+            plan.chunks.append(Chunk(session, chunk_work, position, length))
+            tokens -= length * session.batch_size
+            rows -= session.batch_size
+            block_range = (session.start, session.end)
+
+    def _start(self, work: StepWork) -> None:
+        """Apply a step's rollback and beam reordering before its first chunk."""
+        session, work.started = work.session, True
+        if not session.tables:
+            session.tables = [[] for _ in range(session.batch_size)]
+        if work.start_from_position is not None and work.start_from_position < session.position:
+            keep = work.start_from_position
+            session.inputs = session.inputs[:, :keep]
+            session.num_cached = min(session.num_cached, keep)
+            for table in session.tables:
+                self.blocks.truncate(table, session.num_cached)
+        if work.hypo_ids is not None:
+            order = work.hypo_ids.tolist()
+            session.tables = self.blocks.fork(session.tables, order)
+            if session.inputs is not None:
+                session.inputs = session.inputs[work.hypo_ids]
+        if work.prompts is not None:
+            session.prompts = work.prompts
+
+    def _reserve(self, session: EngineSession, start: int, end: int, plan: Plan) -> bool:
+        """Allocate blocks for positions [start, end) of every row, preempting others if needed.
+
+        A new session is admitted only if its whole first step fits in free blocks (it takes nothing from
+        others); a session already admitted may take blocks from idle or younger sessions.
+        """
+        needed = sum(self.blocks.blocks_needed(table, start, end) for table in session.tables)
+        if session.status == SessionStatus.WAITING:
+            whole_step = start + session.pending[0].remaining
+            return self._admissible(session, whole_step) and self._allocate(session, start, end, needed, plan)
+        in_pass = {chunk.session for chunk in plan.chunks} | {session}
+        while not self.blocks.can_allocate(needed) and self._preempt_one(in_pass, session.admitted_order):
+            pass
+        return self._allocate(session, start, end, needed, plan)
+
+    def _admissible(self, session: EngineSession, end: int) -> bool:
+        needed = sum(self.blocks.blocks_needed(table, 0, end) for table in session.tables)
+        return self.blocks.can_allocate(needed)
+
+    def _allocate(self, session: EngineSession, start: int, end: int, needed: int, plan: Plan) -> bool:
+        if not self.blocks.can_allocate(needed):
+            return False
+        for table in session.tables:
+            plan.copies.extend(self.blocks.prepare_write(table, start, end))
+        return True
+
+    def _preempt_one(self, exclude: set[EngineSession], admitted_before: int) -> bool:
+        """Free the cache of one session: an idle one if any, else the most recently admitted busy one
+        that came after the session asking. The oldest session with work can thus always proceed."""
+        victims = [
+            s
+            for s in self.sessions.values()
+            if s not in exclude and any(s.tables) and (not s.pending or s.admitted_order > admitted_before)
+        ]
+        if not victims:
+            return False
+        victim = min(victims, key=lambda s: (bool(s.pending), -s.admitted_order))
+        for table in victim.tables:
+            self.blocks.release_all(table)
+        victim.num_cached, victim.status = 0, SessionStatus.PREEMPTED
+        return True
+
+    def _never_fits(self, session: EngineSession, end: int) -> bool:
+        per_row = -(-end // self.blocks.block_size)
+        return per_row * session.batch_size > self.blocks.num_blocks
+
+    def _exhausted(self, work: StepWork, ever: bool = False) -> CacheExhausted:
+        session = work.session
+        need = session.batch_size * (session.position + work.remaining)
+        size = self.blocks.num_blocks * self.blocks.block_size
+        if ever:
+            return CacheExhausted(
+                f"session {session.session_id} needs {need} tokens of cache, more than this "
+                f"server's whole cache of {size} tokens"
+            )
+        free = self.blocks.num_free * self.blocks.block_size
+        return CacheExhausted(
+            f"session {session.session_id} could not get cache for {need} tokens within "
+            f"alloc_timeout (free: {free} of {size} tokens)"
+        )
+
+    def append_inputs(self, session: EngineSession, hidden: torch.Tensor) -> None:
+        session.inputs = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)

@@ -1,0 +1,73 @@
+"""Driving the engine directly in unit tests, and the contiguous-cache reference it must agree with."""
+
+from __future__ import annotations
+
+import torch
+
+from corolla.engine.engine import Engine, EngineConfig
+from corolla.engine.sequence import StepWork
+from corolla.models.attention import ContiguousCache
+from corolla.models.config import ModelConfig
+from corolla.models.span import Span
+
+
+def make_engine(path, **overrides) -> Engine:
+    config = dict(max_cache_tokens=256, block_size=4, max_batch_tokens=64, max_batch_rows=64)
+    return Engine(Span.load(path, 0, 6), EngineConfig(**{**config, **overrides}))
+
+
+def reference_outputs(
+    span: Span, steps: list[torch.Tensor], hypo_ids=None, rollbacks=None
+) -> list[torch.Tensor]:
+    """What each step returns with a plain contiguous cache (hypo_ids / rollbacks: per step, or None)."""
+    config: ModelConfig = span.config
+    batch = steps[0].shape[0]
+    cache = ContiguousCache(
+        span.end - span.start, batch, config.num_key_value_heads, 256, config.head_dim, torch.float32
+    )
+    outputs = []
+    for i, hidden in enumerate(steps):
+        if rollbacks and rollbacks[i] is not None:
+            cache.position = rollbacks[i]
+        if hypo_ids and hypo_ids[i] is not None:
+            cache.reorder(hypo_ids[i])
+        with torch.no_grad():
+            outputs.append(span(hidden, cache, position=cache.position))
+        cache.position += hidden.shape[1]
+    return outputs
+
+
+def run_sessions(engine: Engine, plans: dict[str, list[torch.Tensor]], **step_kwargs) -> dict[str, list]:
+    """Open one session per plan, submit each session's next step when its previous one completes,
+    and step the engine until all are done. Returns each session's outputs (or errors), in order."""
+    sessions = {
+        name: engine.open_session(name, (0, 6), steps[0].shape[0], 256) for name, steps in plans.items()
+    }
+    results: dict[str, list] = {name: [] for name in plans}
+    owners = {}
+
+    def submit(name):
+        index = len(results[name])
+        if index < len(plans[name]):
+            extra = {k: v[name][index] for k, v in step_kwargs.items() if name in v}
+            work = StepWork(sessions[name], plans[name][index], **extra)
+            owners[work.request_id] = name
+            engine.add_step(work)
+
+    for name in plans:
+        submit(name)
+    while engine.has_work():
+        for completion in engine.step():
+            name = owners.pop(completion.request_id)
+            results[name].append(completion.outputs if completion.error is None else completion.error)
+            if completion.error is None:
+                submit(name)
+    return results
+
+
+def assert_close(actual, expected):
+    """Equal up to float32 rounding: batching picks other matmul kernels, whose rounding differs by about
+    1e-7 of the values involved (the tiny random models have activations near 100). A wrong position,
+    mask or cache entry changes outputs by whole units."""
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5 * scale)
