@@ -62,6 +62,9 @@ class ServerConfig:
     max_batch_tokens: int = 128  # tokens per engine pass (decode steps + prefill chunks)
     max_batch_rows: int = 64  # sequence rows per engine pass; 1 turns batching across sessions off
     max_sessions: int = 256  # open inference sessions at once
+    # a pass with fewer than half of the recently active rows pending waits up to this long for more
+    # (bigger batches cost little more than small ones on a CPU); 0 never waits
+    max_batch_wait_ms: float = 100.0
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request

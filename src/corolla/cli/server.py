@@ -73,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="sequence rows per engine pass; 1 turns batching across sessions off (default: %(default)s)",
     )
     engine.add_argument(
+        "--max-batch-wait-ms",
+        type=float,
+        default=defaults.max_batch_wait_ms,
+        help="when fewer than half of the recently active sessions have a step waiting, wait up to this long "
+        "for more before a pass (0: never wait; default: %(default)s)",
+    )
+    engine.add_argument(
         "--max-sessions",
         type=int,
         default=defaults.max_sessions,
@@ -152,6 +159,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_batch_wait_ms < 0:
+        raise InvalidRequest(f"--max-batch-wait-ms must not be negative, got {args.max_batch_wait_ms}")
     if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
         raise InvalidRequest(f"--max-cache-tokens must hold at least one block of {args.block_size} tokens")
     if args.num_blocks is not None and args.num_blocks < 1:
@@ -168,6 +177,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_batch_tokens=args.max_batch_tokens,
         max_batch_rows=args.max_batch_rows,
         max_sessions=args.max_sessions,
+        max_batch_wait_ms=args.max_batch_wait_ms,
         inference_max_length=args.inference_max_length,
         max_batch_size=args.max_batch_size,
         max_forward_tokens=args.max_forward_tokens,

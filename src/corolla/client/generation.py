@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.sampling import SamplingParams, next_tokens
 from corolla.errors import InvalidRequest
-from corolla.models.head import ModelHead
 
 
 class StopChecker:
@@ -46,7 +46,7 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 
 
 async def generate_tokens(
-    head: ModelHead,
+    head: HeadBatcher,
     session: InferenceSession,
     input_ids: torch.Tensor,
     params: SamplingParams,
@@ -75,10 +75,10 @@ async def generate_tokens(
     context = input_ids
     finished = torch.zeros(batch, dtype=torch.bool)
     with torch.no_grad():
-        hidden = head.embed(inputs).to(head.dtype)  # [B, T, H]
+        hidden = head.head.embed(inputs)  # [B, T, H]
         for _ in range(params.max_new_tokens):
             outputs = await session.astep(hidden)
-            logits = head.logits(outputs[:, -1:])[:, -1]  # [B, vocab]
+            logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions' tokens
             tokens = next_tokens(logits, context, params, generator)
             tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)
             session.pending_token_ids = tokens[:, None]
@@ -87,4 +87,4 @@ async def generate_tokens(
             finished |= torch.isin(tokens, eos) | stops.update(tokens)
             if bool(finished.all()):
                 break
-            hidden = head.embed(tokens[:, None])
+            hidden = head.head.embed(tokens[:, None])

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from corolla.client.generation import generate_tokens
+from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.remote_forward import remote_forward
 from corolla.client.runtime import LoopThread
@@ -44,6 +45,7 @@ class DistributedModelForCausalLM:
         runtime: LoopThread,
     ):
         self.source, self.config, self.head, self.swarm, self.runtime = source, config, head, swarm, runtime
+        self.head_batcher = HeadBatcher(head)
 
     @classmethod
     def from_pretrained(
@@ -127,7 +129,7 @@ class DistributedModelForCausalLM:
             ).aopen()
         try:
             async for tokens in generate_tokens(
-                self.head,
+                self.head_batcher,
                 session,
                 input_ids,
                 params,

@@ -147,6 +147,11 @@ class AsyncEngine:
                 self.tracker.wakeup.wait()
                 self.tracker.wakeup.clear()
                 continue
+            delay = self.engine.batch_delay(time.monotonic())
+            if delay > 0:  # let more sessions' steps join this pass (new arrivals wake us early)
+                self.tracker.wakeup.wait(delay)
+                self.tracker.wakeup.clear()
+                continue
             started = time.perf_counter()
             try:
                 completions = self.engine.step()

@@ -6,6 +6,7 @@ asyncio; one thread drives it (the async front in async_engine.py), and tests dr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class EngineConfig:
     max_batch_tokens: int = 256  # tokens per pass (decodes + prefill chunks)
     max_batch_rows: int = 64  # sequence rows per pass; 1 disables batching across sessions
     max_sessions: int = 256
+    # Waiting for the rest of a batch: when fewer than half of the recently active rows have a step
+    # pending, a pass may wait up to this long for more (0 runs every pass at once; see batch_delay)
+    max_batch_wait: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class EngineStats:
     total_cache_tokens: int
     num_passes: int = 0
     batched_rows: int = 0  # rows run in the last pass
+    total_rows: int = 0  # rows run in all passes (total_rows / num_passes: the mean batch)
 
 
 class Engine:
@@ -57,7 +62,7 @@ class Engine:
         )
         self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_rows)
         self.runner = ModelRunner(span, self.pool)
-        self.num_passes, self.batched_rows = 0, 0
+        self.num_passes, self.batched_rows, self.total_rows = 0, 0, 0
 
     @property
     def sessions(self) -> dict[str, EngineSession]:
@@ -72,10 +77,30 @@ class Engine:
             self.blocks.num_blocks * size,
             self.num_passes,
             self.batched_rows,
+            self.total_rows,
         )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def batch_delay(self, now: float) -> float:
+        """How long to wait before the next pass so that more sessions' steps join it (0: run now).
+
+        Sessions cycle through a chain of servers and the client, so their steps reach a server spread
+        out in time; running each pass at once gives many small, expensive passes. When fewer than half
+        of the rows that stepped recently have a step pending, wait (at most max_batch_wait after the
+        oldest pending step arrived) for the others: a lone session never waits.
+        """
+        if self.config.max_batch_wait <= 0 or self.scheduler.forwards:
+            return 0.0
+        pending = [s for s in self.sessions.values() if s.pending]
+        if not pending or any(s.status != SessionStatus.RUNNING for s in pending):
+            return 0.0
+        active = sum(s.batch_size for s in self.sessions.values() if s.pending or now - s.last_step_at < 1.0)
+        if 2 * sum(s.batch_size for s in pending) >= min(active, self.config.max_batch_rows):
+            return 0.0
+        oldest = min(s.pending[0].arrived_at for s in pending)
+        return max(0.0, oldest + self.config.max_batch_wait - now)
 
     # --- sessions and work ---------------------------------------------------------------------------------
 
@@ -145,6 +170,7 @@ class Engine:
             ]
             self.num_passes += 1
             self.batched_rows = sum(chunk.num_rows for chunk in plan.chunks)
+            self.total_rows += self.batched_rows
         if plan.forward is not None:
             completions.append(Completion(plan.forward.request_id, self.runner.forward(plan.forward)))
         return completions
@@ -164,5 +190,6 @@ class Engine:
         if work.remaining:
             return None
         session.pending.popleft()
+        session.last_step_at = time.monotonic()
         result = work.outputs[0] if len(work.outputs) == 1 else torch.cat(work.outputs, dim=1)
         return Completion(work.request_id, result)

@@ -2,8 +2,7 @@
 
 The chunks' rows are packed into one [1, N, H] tensor so that every linear layer runs once for the whole
 batch (the point of batching). Attention is per sequence: the new keys and values are written into the
-pool at each token's slot, then each row attends to its own blocks. Decode rows (one token each) share
-one padded, masked attention call; longer rows get their own causal call.
+pool at each token's slot, then each row attends to its own blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from corolla.engine.sequence import Chunk, ForwardWork
 from corolla.models.attention import causal_attention
@@ -60,7 +58,12 @@ class Row:
 
 
 class PagedAttention:
-    """The attention context of one packed pass (see models/attention.py for the protocol)."""
+    """The attention context of one packed pass (see models/attention.py for the protocol).
+
+    Each row attends to its own gathered blocks with the same call it would make alone: on CPU this is
+    faster than one padded, masked call for all rows (measured: 1.2 vs 2.2 ms for 16 decode rows), and a
+    row's attention does not depend on what it is batched with.
+    """
 
     def __init__(self, pool: KVPool, first_layer: int, rows: list[Row]):
         self.pool, self.first_layer, self.rows = pool, first_layer, rows
@@ -72,21 +75,6 @@ class PagedAttention:
                 for row in rows
             ]
         )
-        # two or more one-token rows share one masked call; a lone one takes the unmasked (fastest) path
-        decode_rows = [row for row in rows if row.length == 1]
-        self.decode_rows = decode_rows if len(decode_rows) > 1 else []
-        self.other_rows = [row for row in rows if row.length > 1 or not self.decode_rows]
-        if self.decode_rows:
-            self.decode_index = torch.tensor([row.offset for row in self.decode_rows])
-            width = max(len(row.table) for row in self.decode_rows)
-            # padding repeats a row's own (cleared, finite) first block; the mask hides it
-            self.decode_tables = torch.stack(
-                [
-                    F.pad(row.table, (0, width - len(row.table)), value=int(row.table[0]))
-                    for row in self.decode_rows
-                ]
-            )  # [R, width]
-            self.decode_contexts = torch.tensor([row.context for row in self.decode_rows])
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
@@ -96,31 +84,11 @@ class PagedAttention:
         keys.view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
         values.view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
         out = torch.empty_like(q)  # [1, heads, N, d]
-        if self.decode_rows:
-            out[0, :, self.decode_index] = self._attend_decodes(q, keys, values, window)
-        for row in self.other_rows:
+        for row in self.rows:
             row_keys, row_values = (_gather(cache, row.table, row.context) for cache in (keys, values))
             span = slice(row.offset, row.offset + row.length)
             out[:, :, span] = causal_attention(q[:, :, span], row_keys, row_values, row.position, window)
         return out
-
-    def _attend_decodes(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None
-    ) -> torch.Tensor:
-        """All one-token rows in one call: keys padded to the longest context and masked. [heads, R, d]"""
-        rows = len(self.decode_rows)
-        padded_keys = keys[self.decode_tables].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, width * bs, d]
-        padded_values = values[self.decode_tables].flatten(1, 2).transpose(1, 2)
-        key_positions = torch.arange(padded_keys.shape[2])[None, :]  # [1, L]
-        contexts = self.decode_contexts[:, None]  # [R, 1]
-        mask = key_positions < contexts
-        if window is not None:
-            mask &= key_positions >= contexts - window
-        queries = q[0, :, self.decode_index].transpose(0, 1).unsqueeze(2)  # [R, heads, 1, d]
-        out = F.scaled_dot_product_attention(
-            queries, padded_keys, padded_values, attn_mask=mask.view(rows, 1, 1, -1), enable_gqa=True
-        )
-        return out[:, :, 0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ class EngineSession:
     num_cached: int = 0  # positions whose keys and values are in the cache
     status: SessionStatus = SessionStatus.WAITING
     admitted_order: int = -1  # for preemption: the most recently admitted session goes first
+    last_step_at: float = float("-inf")  # monotonic time its last step completed
     pending: deque[StepWork] = field(default_factory=deque)
 
     @property

@@ -59,6 +59,7 @@ class Server:
             block_size=config.block_size,
             max_batch_tokens=config.max_batch_tokens,
             max_batch_rows=config.max_batch_rows,
+            max_batch_wait=config.max_batch_wait_ms / 1000,
             max_sessions=config.max_sessions,
         )
         self.engine = AsyncEngine(Engine(span, engine_config))
@@ -115,6 +116,12 @@ class Server:
                 logger.warning("Could not announce OFFLINE", exc_info=True)
         if self.engine is not None:
             await self.engine.stop()
+            stats = self.engine.stats
+            logger.info(
+                "Engine ran %d passes, %.1f rows per pass on average",
+                stats.num_passes,
+                stats.total_rows / max(stats.num_passes, 1),
+            )
         if self.p2p is not None:
             await self.p2p.shutdown()
         if self.dht is not None:
