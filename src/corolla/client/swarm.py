@@ -16,11 +16,13 @@ from contextlib import asynccontextmanager
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
+from hivemind.proto import runtime_pb2
 
 from corolla.config import ClientConfig
 from corolla.errors import MissingBlocks, ServerUnavailable, decode_remote_error
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
 from corolla.swarm.routing import Hop, choose_chain
+from corolla.wire.messages import RPC_INFO, ServerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,18 @@ class SwarmClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
             await self.refresh()
+
+    async def server_info(self, peer_id: str) -> ServerInfo:
+        """A server's own report (rpc_info): its span, limits and live load."""
+        timeout = self.config.request_timeout
+        async with remote_errors(peer_id, timeout):
+            reply = await asyncio.wait_for(
+                self.p2p.call_protobuf_handler(
+                    peer(peer_id), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+                ),
+                timeout,
+            )
+        return ServerInfo.from_bytes(reply.serialized_info)
 
 
 def peer(peer_id: str) -> PeerID:

@@ -217,6 +217,8 @@ class TransformerConnectionHandler:
             cache_tokens_available=stats.free_cache_tokens,
             num_sessions=len(self.sessions),
             queued_tokens=stats.queued_tokens,
+            engine_passes=stats.num_passes,
+            engine_rows=stats.total_rows,
         )
 
 

@@ -155,6 +155,8 @@ class ServerInfo:
     cache_tokens_available: int
     num_sessions: int
     queued_tokens: int = 0  # tokens waiting in the engine's queue
+    engine_passes: int = 0  # engine passes run so far
+    engine_rows: int = 0  # sequence rows run in those passes (rows / passes: the mean batch)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> ServerInfo:
@@ -171,6 +173,8 @@ class ServerInfo:
             cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
             num_sessions=fields.int("num_sessions", required=True, low=0) or 0,
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
+            engine_passes=fields.int("engine_passes", default=0, low=0) or 0,
+            engine_rows=fields.int("engine_rows", default=0, low=0) or 0,
         )
 
     def to_bytes(self) -> bytes:
