@@ -74,17 +74,21 @@ async def generate_tokens(
     generator = params.make_generator() if params.do_sample else None
     context = input_ids
     finished = torch.zeros(batch, dtype=torch.bool)
-    with torch.no_grad():
-        hidden = head.head.embed(inputs)  # [B, T, H]
-        for _ in range(params.max_new_tokens):
-            outputs = await session.astep(hidden)
-            logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions' tokens
-            tokens = next_tokens(logits, context, params, generator)
-            tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)
-            session.pending_token_ids = tokens[:, None]
-            context = torch.cat([context, tokens[:, None]], dim=1)
-            yield tokens
-            finished |= torch.isin(tokens, eos) | stops.update(tokens)
-            if bool(finished.all()):
-                break
-            hidden = head.head.embed(tokens[:, None])
+    head.register()  # lets the head batcher know how many sessions may join a batch
+    try:
+        with torch.no_grad():
+            hidden = head.head.embed(inputs)  # [B, T, H]
+            for _ in range(params.max_new_tokens):
+                outputs = await session.astep(hidden)
+                logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
+                tokens = next_tokens(logits, context, params, generator)
+                tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)
+                session.pending_token_ids = tokens[:, None]
+                context = torch.cat([context, tokens[:, None]], dim=1)
+                yield tokens
+                finished |= torch.isin(tokens, eos) | stops.update(tokens)
+                if bool(finished.all()):
+                    break
+                hidden = head.head.embed(tokens[:, None])
+    finally:
+        head.unregister()

@@ -203,6 +203,7 @@ class DistributedModelForCausalLM:
     # --- lifetime ------------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        self.head_batcher.shutdown()
         if self.runtime.loop.is_running():
             self.runtime.run(self.swarm.shutdown())
         self.runtime.stop()

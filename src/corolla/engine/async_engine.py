@@ -35,8 +35,13 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[Completion] = asyncio.Queue()
 
-    def deliver(self, completion: Completion) -> None:  # called from the loop thread
+    def deliver(self, completion: Completion) -> None:
+        """From any thread."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, completion)
+
+    def put(self, completion: Completion) -> None:
+        """From the event loop's own thread."""
+        self._queue.put_nowait(completion)
 
     async def next(self) -> torch.Tensor:
         completion = await self._queue.get()
@@ -76,6 +81,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._threads = torch.get_num_threads()  # applied in the loop thread: OpenMP settings are per thread
         self._thread = threading.Thread(target=self._run, name="corolla-engine", daemon=True)
         self._thread.start()
 
@@ -139,6 +145,7 @@ class AsyncEngine:
     # --- the loop thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         while not self._stopping:
             for command in self.tracker.drain():
                 command()
@@ -177,13 +184,23 @@ class AsyncEngine:
         return [Completion(request_id, error=error) for request_id in request_ids]
 
     def _deliver(self, completions: list[Completion]) -> None:
-        for completion in completions:
-            stream = self._streams.pop(completion.request_id, None)
-            if stream is not None:
-                stream.deliver(completion)
+        """Hand a pass's results to their streams with one wake-up of the event loop, not one per result
+        (each wake-up is a system call and a hand-over of the interpreter lock between threads)."""
+        ready = [
+            (stream, completion)
+            for completion in completions
+            if (stream := self._streams.pop(completion.request_id, None)) is not None
+        ]
+        if ready:
+            self._loop.call_soon_threadsafe(_put_all, ready)
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.stats()
+
+
+def _put_all(ready: list[tuple[RequestStream, Completion]]) -> None:
+    for stream, completion in ready:
+        stream.put(completion)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -87,9 +87,10 @@ class Engine:
         """How long to wait before the next pass so that more sessions' steps join it (0: run now).
 
         Sessions cycle through a chain of servers and the client, so their steps reach a server spread
-        out in time; running each pass at once gives many small, expensive passes. When fewer than half
-        of the rows that stepped recently have a step pending, wait (at most max_batch_wait after the
-        oldest pending step arrived) for the others: a lone session never waits.
+        out in time; running each pass at once gives many small passes, and on a CPU a pass of 16 rows
+        costs little more than a pass of 4. When fewer than half of the rows that stepped recently have a
+        step pending, wait for the others (at most max_batch_wait after the oldest pending step arrived;
+        every arrival re-checks). A lone session never waits; two desynchronised sessions never wait.
         """
         if self.config.max_batch_wait <= 0 or self.scheduler.forwards:
             return 0.0

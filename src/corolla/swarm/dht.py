@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
+from corolla.swarm import p2p_io
 from corolla.wire.records import ServerAnnouncement, ServerState, block_key
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 def start_dht(config: SwarmConfig) -> DHT:
     """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready."""
+    p2p_io.install()
     return DHT(
         initial_peers=list(config.initial_peers) or None,
         start=True,
