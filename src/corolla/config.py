@@ -64,7 +64,7 @@ class ServerConfig:
     max_sessions: int = 256  # open inference sessions at once
     # a pass with fewer than half of the recently active rows pending waits up to this long for more
     # (bigger batches cost little more than small ones on a CPU); 0 never waits
-    max_batch_wait_ms: float = 100.0
+    max_batch_wait_ms: float = 50.0
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request

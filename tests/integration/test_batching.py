@@ -2,8 +2,9 @@
 
 Batching changes which matrix kernels run (one row or many), so hidden states agree to float32 rounding,
 not bit for bit: within 1e-4 relative to each value and to the hidden states' RMS (SmolLM2's activations
-reach several thousand, where one float32 step is already 2.4e-4). Greedy tokens must match exactly; the test first checks that no chosen token
-was a near tie (top-2 logit gap below 1e-3), where such rounding could legitimately flip the choice.
+reach several thousand, where one float32 step is already 2.4e-4). Greedy tokens must match exactly; the
+test first checks that no chosen token was a near tie (top-2 logit gap below 1e-3), where such rounding
+could legitimately flip the choice.
 """
 
 from __future__ import annotations

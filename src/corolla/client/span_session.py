@@ -71,11 +71,11 @@ class SpanSession:
                 session_id=self.session_id,
                 alloc_timeout=self.alloc_timeout,
             )
-        tensors = [
-            wire_tensors.serialize(hidden),
-            wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty(),
-            wire_tensors.serialize(hypo_ids) if hypo_ids is not None else wire_tensors.empty(),
-        ]
+        tensors = [wire_tensors.serialize(hidden)]  # trailing absent tensors are simply left out
+        if prompts is not None or hypo_ids is not None:
+            tensors.append(wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty())
+        if hypo_ids is not None:
+            tensors.append(wire_tensors.serialize(hypo_ids))
         await self._queue.put(
             runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
         )

@@ -79,21 +79,18 @@ class PagedAttention:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
-        keys, values = self.pool.data[self.first_layer + layer]  # each [num_blocks, block_size, kv_heads, d]
-        kv_heads, head_dim = keys.shape[2], keys.shape[3]
-        keys.view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
-        values.view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
+        cache = self.pool.data[self.first_layer + layer]  # [keys|values, num_blocks, block_size, kv_heads, d]
+        kv_heads, head_dim = cache.shape[3], cache.shape[4]
+        cache[0].view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
+        cache[1].view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
         out = torch.empty_like(q)  # [1, heads, N, d]
         for row in self.rows:
-            row_keys, row_values = (_gather(cache, row.table, row.context) for cache in (keys, values))
+            # keys and values of the row's blocks in one copy: [2, blocks * block_size, kv_heads, d]
+            gathered = cache.index_select(1, row.table).flatten(1, 2)[:, : row.context].transpose(1, 2)
+            keys, values = gathered[0:1], gathered[1:2]  # [1, kv_heads, context, d]
             span = slice(row.offset, row.offset + row.length)
-            out[:, :, span] = causal_attention(q[:, :, span], row_keys, row_values, row.position, window)
+            out[:, :, span] = causal_attention(q[:, :, span], keys, values, row.position, window)
         return out
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """One row's first `length` positions from the pool: [1, kv_heads, length, d]."""
-    return cache[table].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
 
 
 class ModelRunner:
