@@ -38,9 +38,11 @@ test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
 test-integration: $(STAMP) ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
-bench: $(STAMP) ## swarm vs local transformers decode speed (bench/latency.py) and server memory (bench/memory.py)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, throughput, engine overhead; ~10 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/throughput.py
 
 lint: $(STAMP) ## ruff over the sources, tests and benchmarks
 	$(BIN)/ruff check src tests bench

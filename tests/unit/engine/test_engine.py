@@ -138,3 +138,24 @@ def test_hundred_sessions_leave_the_pool_as_full_as_before(tiny_models):
             engine.step()
         engine.close_session(f"s{i}")
     assert engine.blocks.num_free == before and not engine.sessions
+
+
+def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_models):
+    from corolla.engine.scheduler import FORWARD_MAX_SKIPS
+    from corolla.engine.sequence import ForwardWork
+
+    engine = make_engine(tiny_models["llama"], max_batch_tokens=4)
+    session = engine.open_session("chat", (0, 6), 1, 256)
+    engine.add_step(StepWork(session, torch.randn(1, 40, H)))  # 10 passes of 4 tokens
+    forward = ForwardWork(torch.randn(2, 5, H), (0, 6))
+    engine.add_forward(forward)
+    passes_before_forward = 0
+    while True:
+        completions = engine.step()
+        if any(c.request_id == forward.request_id for c in completions):
+            break
+        passes_before_forward += 1
+    assert passes_before_forward == FORWARD_MAX_SKIPS  # inference first, but the forward got its turn
+    assert session.pending  # the long prefill was still going on
+    (result,) = [c for c in completions if c.request_id == forward.request_id]
+    assert_close(result.outputs, engine.span(forward.hidden))
