@@ -63,6 +63,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_rows)
         self.runner = ModelRunner(span, self.pool)
         self.num_passes, self.batched_rows, self.total_rows = 0, 0, 0
+        self.pass_seconds = 0.0  # a moving average of recent passes' duration
 
     @property
     def sessions(self) -> dict[str, EngineSession]:
@@ -88,9 +89,9 @@ class Engine:
 
         Sessions cycle through a chain of servers and the client, so their steps reach a server spread
         out in time; running each pass at once gives many small passes, and on a CPU a pass of 16 rows
-        costs little more than a pass of 4. When fewer than half of the rows that stepped recently have a
-        step pending, wait for the others (at most max_batch_wait after the oldest pending step arrived;
-        every arrival re-checks). A lone session never waits; two desynchronised sessions never wait.
+        costs little more than a pass of 4. So while some recently active rows have no step pending, a
+        pass waits for them, but never longer than a pass takes (a straggler later than that is cheaper
+        to serve in the next pass) nor than max_batch_wait. A lone session never waits.
         """
         if self.config.max_batch_wait <= 0 or self.scheduler.forwards:
             return 0.0
@@ -98,10 +99,10 @@ class Engine:
         if not pending or any(s.status != SessionStatus.RUNNING for s in pending):
             return 0.0
         active = sum(s.batch_size for s in self.sessions.values() if s.pending or now - s.last_step_at < 1.0)
-        if 2 * sum(s.batch_size for s in pending) >= min(active, self.config.max_batch_rows):
+        if sum(s.batch_size for s in pending) >= min(active, self.config.max_batch_rows):
             return 0.0
         oldest = min(s.pending[0].arrived_at for s in pending)
-        return max(0.0, oldest + self.config.max_batch_wait - now)
+        return max(0.0, oldest + min(self.config.max_batch_wait, self.pass_seconds) - now)
 
     # --- sessions and work ---------------------------------------------------------------------------------
 
@@ -163,7 +164,9 @@ class Engine:
         if plan.copies:
             self.pool.copy_blocks(plan.copies)
         if plan.chunks:
+            started = time.perf_counter()
             outputs = self.runner.run(plan.chunks)
+            self.pass_seconds += 0.2 * (time.perf_counter() - started - self.pass_seconds)
             completions += [
                 c
                 for chunk, out in zip(plan.chunks, outputs, strict=True)

@@ -1,5 +1,7 @@
 """The engine with a tiny model: paged caches, chunking, admission, preemption, abort; always correct."""
 
+import time
+
 import pytest
 import torch
 from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions
@@ -159,3 +161,23 @@ def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_mode
     assert session.pending  # the long prefill was still going on
     (result,) = [c for c in completions if c.request_id == forward.request_id]
     assert_close(result.outputs, engine.span(forward.hidden))
+
+
+def test_a_pass_waits_for_active_sessions_but_never_longer_than_a_pass(tiny_models):
+    engine = make_engine(tiny_models["llama"], max_batch_wait=0.5)
+    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
+    for session in (first, second):
+        engine.add_step(StepWork(session, torch.randn(1, 3, H)))
+    while engine.has_work():
+        engine.step()
+    assert engine.pass_seconds > 0
+    engine.add_step(StepWork(first, torch.randn(1, 1, H)))
+    now = time.monotonic()
+    delay = engine.batch_delay(now)
+    assert 0 < delay <= engine.pass_seconds + 1e-6  # the other active session may come: wait, briefly
+    engine.add_step(StepWork(second, torch.randn(1, 1, H)))
+    assert engine.batch_delay(now) == 0  # everyone is here
+    engine.step()
+    engine.close_session("second")
+    engine.add_step(StepWork(first, torch.randn(1, 1, H)))
+    assert engine.batch_delay(time.monotonic()) == 0  # a lone session never waits
