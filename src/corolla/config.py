@@ -82,4 +82,6 @@ class ClientConfig:
     routing_timeout: float = 30.0  # how long to wait for the swarm to cover every block
     allowed_servers: tuple[str, ...] | None = None  # restrict routing to these peer ids
     blocked_servers: tuple[str, ...] = ()
+    max_retries: int = 8  # failed servers replaced per step (or forward call) before giving up
+    ban_time: float = 15.0  # a failed server is avoided this long, doubling on each further failure
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent

@@ -4,19 +4,28 @@ Each hop keeps its own server-side cache, so a step sends only the new tokens' h
 session remembers the last token it sampled but has not yet fed to the servers (`pending_token_ids`), so
 a multi-turn chat continues where the previous `generate` call stopped. Async methods (`astep`,
 `aclose`) run on the client's loop; the plain ones are the synchronous facade.
+
+Failover: when a hop's server fails (error, timeout, lost connection, dead process), the session bans it,
+routes its blocks again (possibly over several servers), replays the inputs that hop had received to the
+replacement so that its cache matches, and retries the step there. At most `max_retries` replacements
+per step; when no server covers some blocks, routing raises MissingBlocks naming them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import torch
 
 from corolla.client.runtime import LoopThread
 from corolla.client.span_session import SpanSession
-from corolla.client.swarm import SwarmClient
-from corolla.errors import InvalidRequest
+from corolla.client.swarm import RETRYABLE, SwarmClient
+from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.swarm.routing import Hop
+
+logger = logging.getLogger(__name__)
 
 
 class InferenceSession:
@@ -29,6 +38,8 @@ class InferenceSession:
         self.position = 0
         self.pending_token_ids: torch.Tensor | None = None  # [B, 1]: sampled, not yet sent to the servers
         self.boundary_outputs: list[torch.Tensor] = []  # each hop's outputs of the last step (for checks)
+        self.num_failovers = 0
+        self._background: set[asyncio.Task] = set()
         self._opened = False
         self.closed = False
 
@@ -37,21 +48,40 @@ class InferenceSession:
         return [span.hop for span in self.spans]
 
     async def aopen(self) -> InferenceSession:
-        hops = await self.swarm.route()
-        timeout = self.swarm.config.request_timeout
-        self.spans = [
-            SpanSession(
-                self.swarm.p2p, hop, self.swarm.dht_prefix, self.max_length, timeout, self.alloc_timeout
-            )
-            for hop in hops
-        ]
-        try:
-            await asyncio.gather(*(span.open() for span in self.spans))
-        except BaseException:
-            await self.aclose()
-            raise
+        self.spans = await self._open_chain(0, self.swarm.num_blocks)
         self._opened = True
         return self
+
+    async def _open_chain(self, start: int, end: int) -> list[SpanSession]:
+        """Span sessions over blocks [start, end), re-routing around servers that fail to open."""
+        for _ in range(self.swarm.config.max_retries + 1):
+            hops = await self.swarm.route(start, end)
+            spans = [
+                SpanSession(
+                    self.swarm.p2p,
+                    hop,
+                    self.swarm.dht_prefix,
+                    self.max_length,
+                    self.swarm.config.request_timeout,
+                    self.alloc_timeout,
+                )
+                for hop in hops
+            ]
+            results = await asyncio.gather(*(span.open() for span in spans), return_exceptions=True)
+            failed = [
+                (span, r) for span, r in zip(spans, results, strict=True) if isinstance(r, BaseException)
+            ]
+            if not failed:
+                return spans
+            await asyncio.gather(*(span.close() for span in spans), return_exceptions=True)
+            for span, error in failed:
+                if not isinstance(error, RETRYABLE):
+                    raise error
+                self.swarm.ban(span.hop.peer_id)
+        raise ServerUnavailable(
+            f"could not open sessions for blocks {start}:{end} after "
+            f"{self.swarm.config.max_retries + 1} tries"
+        )
 
     async def astep(
         self,
@@ -71,14 +101,50 @@ class InferenceSession:
                 f"{hidden.shape[1]} more tokens at position {position} exceed the session's "
                 f"max_length={self.max_length}"
             )
-        boundaries = []
-        for span in self.spans:
+        boundaries, index, failures = [], 0, 0
+        while index < len(self.spans):
+            span = self.spans[index]
             span_prompts = prompts[span.hop.start : span.hop.end] if prompts is not None else None
-            hidden = await span.step(hidden, span_prompts, hypo_ids, start_from_position)
-            boundaries.append(hidden)
+            try:
+                hidden_out = await span.step(hidden, span_prompts, hypo_ids, start_from_position)
+            except RETRYABLE as e:
+                failures += 1
+                if failures > self.swarm.config.max_retries:
+                    raise ServerUnavailable(f"giving up after {failures} failed servers; last: {e}") from e
+                logger.warning("Server ...%s failed (%s); replacing it", span.hop.peer_id[-6:], e)
+                await self._replace(index)
+                continue
+            boundaries.append(hidden_out)
+            hidden, index = hidden_out, index + 1
         self.boundary_outputs = boundaries
         self.position = position + hidden.shape[1]
         return hidden
+
+    async def _replace(self, index: int) -> None:
+        """Swap the failed hop for a new chain over its blocks, brought to the same state."""
+        failed = self.spans[index]
+        self.swarm.ban(failed.hop.peer_id)
+        closing = asyncio.create_task(failed.close())  # its server is gone or broken: do not wait for it
+        self._background.add(closing)
+        closing.add_done_callback(self._background.discard)
+        started = time.perf_counter()
+        replacement = await self._open_chain(failed.hop.start, failed.hop.end)
+        inputs = failed.inputs
+        for span in replacement:
+            if inputs is not None:
+                prompts = failed.prompts
+                if prompts is not None:
+                    prompts = prompts[span.hop.start - failed.hop.start : span.hop.end - failed.hop.start]
+                inputs = await span.replay(inputs, prompts)
+        self.spans[index : index + 1] = replacement
+        self.num_failovers += 1
+        logger.info(
+            "Replaced server ...%s with %s in %.2fs (replayed %d positions)",
+            failed.hop.peer_id[-6:],
+            ", ".join(f"...{s.hop.peer_id[-6:]}" for s in replacement),
+            time.perf_counter() - started,
+            failed.position,
+        )
 
     async def aclose(self) -> None:
         if self.closed:

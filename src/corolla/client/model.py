@@ -21,7 +21,7 @@ from corolla.client.inference_session import InferenceSession
 from corolla.client.remote_forward import remote_forward
 from corolla.client.runtime import LoopThread
 from corolla.client.sampling import SamplingParams
-from corolla.client.swarm import SwarmClient
+from corolla.client.swarm import RETRYABLE, SwarmClient
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
@@ -186,12 +186,23 @@ class DistributedModelForCausalLM:
 
     async def aforward(self, input_ids: torch.Tensor) -> CausalLMOutput:
         input_ids = _as_batch(input_ids)
+        config = self.swarm.config
         with torch.no_grad():
             hidden = self.head.embed(input_ids)
-            for hop in await self.swarm.route():
-                hidden = await remote_forward(
-                    self.swarm.p2p, hop, self.swarm.dht_prefix, hidden, self.swarm.config.request_timeout
-                )
+            hops, index, failures = await self.swarm.route(), 0, 0
+            while index < len(hops):
+                try:
+                    hidden_out = await remote_forward(
+                        self.swarm.p2p, hops[index], self.swarm.dht_prefix, hidden, config.request_timeout
+                    )
+                except RETRYABLE:
+                    failures += 1
+                    if failures > config.max_retries:
+                        raise
+                    self.swarm.ban(hops[index].peer_id)
+                    hops[index : index + 1] = await self.swarm.route(hops[index].start, hops[index].end)
+                    continue
+                hidden, index = hidden_out, index + 1
             return CausalLMOutput(self.head.logits(hidden), hidden)
 
     def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:

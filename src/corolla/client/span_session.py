@@ -3,6 +3,9 @@
 The first message carries the session parameters (max_length, session_id, alloc_timeout, adapter) with
 the first step's tensors; every message gets exactly one reply, whose shape is checked. Closing sends
 the end of stream and waits for the server to finish, so the server frees the cache at once.
+
+A span session keeps the inputs it has sent (after rollbacks and beam reordering), so that if its server
+fails, a replacement can be brought to the same state by replaying them (`replay`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from corolla.wire.messages import RPC_INFERENCE, InferenceStep
 from corolla.wire.records import block_uids
 
 CLOSE_TIMEOUT = 5.0
+REPLAY_CHUNK = 512  # tokens per message when replaying a failed server's inputs to its replacement
 
 
 class SpanSession:
@@ -34,6 +38,8 @@ class SpanSession:
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
         self.position = 0
+        self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
+        self.prompts: torch.Tensor | None = None  # the deep prompts last sent
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._stream: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
         self._stepped = False
@@ -95,7 +101,33 @@ class SpanSession:
             )
         position = self.position if start_from_position is None else start_from_position
         self.position = position + hidden.shape[1]
+        self._remember(hidden, prompts, hypo_ids, start_from_position)
         return outputs
+
+    def _remember(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        start_from_position: int | None,
+    ) -> None:
+        kept = self.inputs
+        if kept is not None and start_from_position is not None:
+            kept = kept[:, :start_from_position]
+        if kept is not None and hypo_ids is not None:
+            kept = kept[hypo_ids]
+        self.inputs = hidden if kept is None or kept.shape[1] == 0 else torch.cat([kept, hidden], dim=1)
+        if prompts is not None:
+            self.prompts = prompts
+
+    async def replay(self, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
+        """Rebuild another server's state here: send its inputs [B, T, H] from position 0, in chunks;
+        returns this span's outputs for them (the next span's inputs)."""
+        outputs = []
+        for start in range(0, inputs.shape[1], REPLAY_CHUNK):
+            chunk_prompts = prompts if start == 0 else None
+            outputs.append(await self.step(inputs[:, start : start + REPLAY_CHUNK], chunk_prompts))
+        return torch.cat(outputs, dim=1)
 
     async def close(self) -> None:
         self.closed = True

@@ -19,7 +19,14 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from hivemind.proto import runtime_pb2
 
 from corolla.config import ClientConfig
-from corolla.errors import MissingBlocks, ServerUnavailable, decode_remote_error
+from corolla.errors import (
+    CacheExhausted,
+    MissingBlocks,
+    RemoteError,
+    ServerUnavailable,
+    SessionTimeout,
+    decode_remote_error,
+)
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
 from corolla.swarm.routing import Hop, choose_chain
 from corolla.wire.messages import RPC_INFO, ServerInfo
@@ -27,6 +34,8 @@ from corolla.wire.messages import RPC_INFO, ServerInfo
 logger = logging.getLogger(__name__)
 
 REFRESH_PERIOD = 10.0  # re-read the DHT at least this often when routing
+# errors another server may not repeat; InvalidRequest (our own mistake) and MissingBlocks are final
+RETRYABLE = (ServerUnavailable, SessionTimeout, CacheExhausted, RemoteError)
 
 
 class SwarmClient:
@@ -35,6 +44,7 @@ class SwarmClient:
         self.dht: DHT | None = None
         self.p2p: P2P | None = None
         self.spans: list[RemoteSpan] = []
+        self._bans: dict[str, tuple[float, int]] = {}  # peer id -> (banned until, failures so far)
         self._refreshed_at = 0.0
         self._rng = random.Random()
 
@@ -70,7 +80,7 @@ class SwarmClient:
                     end,
                     rng=self._rng,
                     allowed=self.config.allowed_servers,
-                    banned=self.config.blocked_servers,
+                    banned=self.banned(),
                 )
             except MissingBlocks as e:
                 if time.monotonic() + delay > deadline:
@@ -81,6 +91,17 @@ class SwarmClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
             await self.refresh()
+
+    def ban(self, peer_id: str) -> None:
+        """Avoid a server that failed: for ban_time, doubling with each failure in a row (at most 16x)."""
+        _, failures = self._bans.get(peer_id, (0.0, 0))
+        duration = self.config.ban_time * 2 ** min(failures, 4)
+        self._bans[peer_id] = (time.monotonic() + duration, failures + 1)
+        logger.info("Avoiding server ...%s for %.0fs after a failure", peer_id[-6:], duration)
+
+    def banned(self) -> set[str]:
+        now = time.monotonic()
+        return set(self.config.blocked_servers) | {p for p, (until, _) in self._bans.items() if until > now}
 
     async def server_info(self, peer_id: str) -> ServerInfo:
         """A server's own report (rpc_info): its span, limits and live load."""

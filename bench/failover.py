@@ -1,0 +1,97 @@
+"""Recovery from a server killed mid-generation: how long the user's token stream stalls.
+
+A local SmolLM2 swarm with two servers per third of the model. Each run generates 64 tokens greedily and,
+after 32, SIGKILLs the process group of the server serving one hop (first, middle or last), as when a
+machine disappears; the client bans it, re-routes, replays the dead server's inputs to the replica, and
+continues. Every run must end with exactly the uninterrupted run's tokens. Reports the stall (the gap
+between the tokens around the kill) and the normal step time, as medians over --repeats runs per hop.
+
+    python bench/failover.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
+from corolla.swarm.local import LocalSwarm  # noqa: E402
+
+SPANS = [(0, 10), (10, 20), (20, 30)]
+NEW_TOKENS, KILL_AT = 64, 32
+SERVER_ARGS = ["--announce-period", "2"]
+
+
+def run(model: DistributedModelForCausalLM, swarm: LocalSwarm, prompt: list[int], hop: int | None) -> dict:
+    stamps: list[float] = []
+    victims = []
+    with model.inference_session(max_length=len(prompt) + NEW_TOKENS) as session:
+
+        def on_token(_: torch.Tensor) -> None:
+            stamps.append(time.perf_counter())
+            if hop is not None and len(stamps) == KILL_AT:
+                victim = next(s for s in swarm.servers if s.peer_id == session.route[hop].peer_id)
+                victim.kill_group()
+                victims.append(victim)
+
+        tokens = model.generate(
+            prompt, session=session, max_new_tokens=NEW_TOKENS, ignore_eos=True, streamer=on_token
+        )
+    for victim in victims:  # restore two replicas per span
+        swarm.servers.remove(victim)
+        swarm.add_server(victim.blocks, extra_args=SERVER_ARGS)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"tokens": tokens, "stall": gaps[KILL_AT - 1], "step": statistics.median(gaps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {}
+    with (
+        LocalSwarm("smollm2", SPANS + SPANS, num_threads=1, server_args=SERVER_ARGS) as swarm,
+        DistributedModelForCausalLM.from_pretrained("smollm2", config=swarm.client_config()) as model,
+    ):
+        text = model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Tell me about the ocean."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        prompt = model.tokenizer(text, add_special_tokens=False).input_ids
+        reference = run(model, swarm, prompt, hop=None)
+        for hop, name in [(0, "first"), (1, "middle"), (2, "last")]:
+            runs = [run(model, swarm, prompt, hop) for _ in range(args.repeats)]
+            results[name] = {
+                "runs": len(runs),
+                "all_tokens_exact": all(torch.equal(r["tokens"], reference["tokens"]) for r in runs),
+                "median_stall_s": round(statistics.median(r["stall"] for r in runs), 3),
+                "max_stall_s": round(max(r["stall"] for r in runs), 3),
+                "median_step_s": round(statistics.median(r["step"] for r in runs), 3),
+            }
+    print(
+        json.dumps(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "servers": "2 per span of 10 blocks",
+                "new_tokens": NEW_TOKENS,
+                "killed_after": KILL_AT,
+                "hops": results,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

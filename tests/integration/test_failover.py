@@ -1,0 +1,89 @@
+"""Servers die mid-generation (SIGKILL to the whole process group, as when a machine vanishes); the
+client routes around them, replays what the dead server had received to a replica, and the generation
+finishes with exactly the tokens of an uninterrupted run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from corolla.errors import MissingBlocks
+from corolla.swarm.local import LocalSwarm
+from swarm_helpers import connect
+
+SPANS = [(0, 10), (10, 20), (20, 30)]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def replicated_swarm(smollm2_path):
+    """Two servers for each third of SmolLM2."""
+    with LocalSwarm(str(smollm2_path), SPANS + SPANS, server_args=["--announce-period", "2"]) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a short poem about the sea."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def generate_with_kill(model, swarm: LocalSwarm, prompt: list[int], hop: int | None):
+    """Greedy generation; halfway through, SIGKILL the server serving `hop` of the chain (None: no kill)."""
+    stamps: list[float] = []
+    killed: list = []
+    with model.inference_session(max_length=len(prompt) + NEW_TOKENS) as session:
+
+        def on_token(_):
+            stamps.append(time.perf_counter())
+            if hop is not None and len(stamps) == NEW_TOKENS // 2:
+                victim = next(s for s in swarm.servers if s.peer_id == session.route[hop].peer_id)
+                victim.kill_group()
+                killed.append(victim)
+
+        tokens = model.generate(
+            prompt, session=session, max_new_tokens=NEW_TOKENS, ignore_eos=True, streamer=on_token
+        )
+        failovers = session.num_failovers
+    return tokens, stamps, killed, failovers
+
+
+@pytest.mark.parametrize("hop", [1, 0, 2], ids=["middle", "first", "last"])
+def test_generation_survives_a_killed_server(smollm2_path, replicated_swarm, prompt, hop):
+    with connect(smollm2_path, replicated_swarm) as model:
+        expected, *_ = generate_with_kill(model, replicated_swarm, prompt, hop=None)
+        tokens, stamps, killed, failovers = generate_with_kill(model, replicated_swarm, prompt, hop=hop)
+    assert torch.equal(tokens, expected)
+    assert failovers == 1 and len(killed) == 1
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    stall = gaps[NEW_TOKENS // 2 - 1]
+    print(f"hop {hop}: stall {stall:.2f}s against a median step of {sorted(gaps)[len(gaps) // 2]:.3f}s")
+    assert stall < 10
+    (victim,) = killed  # bring the swarm back to two replicas per span for the next test
+    replicated_swarm.servers.remove(victim)
+    replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
+
+
+def test_without_a_replica_the_client_names_the_missing_blocks(smollm2_path, replicated_swarm, prompt):
+    with connect(smollm2_path, replicated_swarm, routing_timeout=3.0) as model:
+        victims = [s for s in replicated_swarm.servers if s.blocks == (10, 20)]
+        for victim in victims:
+            victim.kill_group()
+            replicated_swarm.servers.remove(victim)
+        started = time.monotonic()
+        with pytest.raises(MissingBlocks, match="no server available for blocks 10-19") as info:
+            model.generate(prompt, max_new_tokens=4)
+        assert info.value.blocks == tuple(range(10, 20))
+        assert time.monotonic() - started < 3.0 + 5.0  # the routing timeout, plus one DHT read
+        for victim in victims:
+            replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
+        assert model.generate(prompt, max_new_tokens=4).shape[1] == len(prompt) + 4
