@@ -71,6 +71,7 @@ class ServerConfig:
     step_timeout: float = 300.0  # an inference session waiting longer than this for its next step is closed
     session_timeout: float = 1800.0  # no session lives longer than this
     announce_period: float = 30.0  # re-announce this often; records expire after 2.5 periods
+    drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
 
 

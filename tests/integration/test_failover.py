@@ -4,6 +4,7 @@ finishes with exactly the tokens of an uninterrupted run."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -87,3 +88,33 @@ def test_without_a_replica_the_client_names_the_missing_blocks(smollm2_path, rep
         for victim in victims:
             replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
         assert model.generate(prompt, max_new_tokens=4).shape[1] == len(prompt) + 4
+
+
+def test_sigterm_drains_open_sessions_and_sends_new_ones_elsewhere(smollm2_path, replicated_swarm, prompt):
+    with connect(smollm2_path, replicated_swarm) as model:
+        expected, *_ = generate_with_kill(model, replicated_swarm, prompt, hop=None)
+        routes: list = []
+        with model.inference_session(max_length=len(prompt) + NEW_TOKENS) as session:
+            victim = []
+
+            def on_token(_):
+                if len(routes) == 0 and session.position >= len(prompt) + NEW_TOKENS // 2:
+                    middle = session.route[1].peer_id
+                    server = next(s for s in replicated_swarm.servers if s.peer_id == middle)
+                    server.signal(signal.SIGTERM)
+                    victim.append(server)
+                    with model.inference_session(max_length=len(prompt) + 4) as other:  # a new session now
+                        model.generate(prompt, session=other, max_new_tokens=4)
+                        routes.append([hop.peer_id for hop in other.route])
+
+            tokens = model.generate(prompt, session=session, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                    streamer=on_token)
+            assert session.num_failovers == 0  # the draining server finished our session
+        (server,) = victim
+        assert server.peer_id not in routes[0]
+    assert torch.equal(tokens, expected)
+    assert server.popen.wait(timeout=30) == 0  # the session ended, so the drain ended
+    assert "draining open ones" in server.log()
+    server.kill_group()
+    replicated_swarm.servers.remove(server)
+    replicated_swarm.add_server(server.blocks, extra_args=["--announce-period", "2"])

@@ -123,6 +123,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="re-announce on the DHT this often, in seconds (default: %(default)s)",
     )
     parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=defaults.drain_timeout,
+        help="on SIGTERM/SIGINT, announce OFFLINE, refuse new sessions and give open ones this long to "
+        "finish (a second signal stops at once; default: %(default)s)",
+    )
+    parser.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -159,6 +166,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.drain_timeout < 0:
+        raise InvalidRequest(f"--drain-timeout must not be negative, got {args.drain_timeout}")
     if args.max_batch_wait_ms < 0:
         raise InvalidRequest(f"--max-batch-wait-ms must not be negative, got {args.max_batch_wait_ms}")
     if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
@@ -183,6 +192,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_forward_tokens=args.max_forward_tokens,
         step_timeout=args.step_timeout,
         session_timeout=args.session_timeout,
+        drain_timeout=args.drain_timeout,
         announce_period=args.announce_period,
         num_threads=args.num_threads,
     )

@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 from corolla.config import ServerConfig
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import ForwardWork, StepWork
-from corolla.errors import CorollaError, InvalidRequest, SessionTimeout
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionTimeout
 from corolla.models.span import Span
 from corolla.server import validation
 from corolla.server.sessions import ServerSession, SessionRegistry
@@ -40,6 +40,7 @@ class TransformerConnectionHandler:
         self.sessions = SessionRegistry(engine, config.session_timeout)
         self.hidden_size = span.config.hidden_size
         self.version = version
+        self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
         both = dict(stream_input=True, stream_output=True)
@@ -75,6 +76,8 @@ class TransformerConnectionHandler:
         request = await _next_request(requests, self.config.step_timeout)
         if request is None:
             return
+        if self.draining:
+            raise ServerUnavailable("this server is shutting down and takes no new sessions")
         if not request.tensors:
             raise InvalidRequest("the first rpc_inference message must carry hidden_states (it was empty)")
         meta = InferenceStep.from_bytes(request.metadata, first=True)

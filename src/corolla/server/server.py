@@ -107,6 +107,32 @@ class Server:
             num_sessions=info.num_sessions,
         )
 
+    async def drain(self, timeout: float, hurry: asyncio.Event) -> None:
+        """Stop taking new sessions and wait (up to `timeout`, or until `hurry`) for the open ones to end.
+
+        OFFLINE is announced first, so clients route new sessions elsewhere; a client that still opens a
+        session here gets ServerUnavailable and fails over.
+        """
+        if self.handler is None:
+            return
+        self.handler.draining = True
+        if self.announcer is not None:
+            await self.announcer.stop()
+            await asyncio.wait_for(self.announcer.announce(ServerState.OFFLINE), timeout=5)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(self.handler.sessions) and not hurry.is_set():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                logger.warning("Drain timeout: closing %d sessions", len(self.handler.sessions))
+                return
+            logger.info(
+                "Draining: waiting for %d sessions (at most %.0fs more)", len(self.handler.sessions), left
+            )
+            try:
+                await asyncio.wait_for(hurry.wait(), min(left, 1.0))
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+
     async def stop(self) -> None:
         if self.announcer is not None:
             await self.announcer.stop()
@@ -141,17 +167,31 @@ def default_cache_tokens(model: ModelConfig, num_blocks: int, dtype: torch.dtype
 
 
 async def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:
-    """Run a server until SIGINT or SIGTERM, then shut it down gracefully."""
-    stop = asyncio.Event()
+    """Run a server until SIGINT or SIGTERM, drain its sessions, then shut it down.
+
+    A second signal during the drain stops at once.
+    """
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     server = Server(config)
     try:
         await server.start()
         if on_ready is not None:
             on_ready(server)
         await stop.wait()
-        logger.info("Shutting down (signal received)")
+        logger.info(
+            "Shutting down (signal received): no new sessions, draining open ones for up to %.0fs",
+            config.drain_timeout,
+        )
+        try:
+            await server.drain(config.drain_timeout, hurry)
+        except Exception:  # a failed OFFLINE announcement must not keep the server up
+            logger.warning("Drain failed; stopping now", exc_info=True)
     finally:
         await server.stop()
