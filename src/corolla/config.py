@@ -73,6 +73,7 @@ class ServerConfig:
     announce_period: float = 30.0  # re-announce this often; records expire after 2.5 periods
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
+    simulate_slow_ms: float = 0.0  # testing aid: sleep this long after every engine pass
 
 
 @dataclass(frozen=True)
@@ -85,4 +86,5 @@ class ClientConfig:
     blocked_servers: tuple[str, ...] = ()
     max_retries: int = 8  # failed servers replaced per step (or forward call) before giving up
     ban_time: float = 15.0  # a failed server is avoided this long, doubling on each further failure
+    refresh_period: float = 10.0  # re-read the DHT and ping the servers this often
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent

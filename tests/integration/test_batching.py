@@ -59,7 +59,7 @@ def test_sixteen_staggered_sessions_get_exactly_their_solo_tokens(smollm2_path, 
             solo.append(model.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)[0, len(ids) :])
             with model.inference_session(max_length=len(ids)) as session:
                 session.step(model.head.embed(torch.tensor([ids])))
-                solo_prefill.append(session.boundary_outputs)
+                solo_prefill.append(boundaries(session))
         assert_no_near_ties(smol_reference, prompts, solo)
 
         batched: list = [None] * len(prompts)
@@ -70,7 +70,7 @@ def test_sixteen_staggered_sessions_get_exactly_their_solo_tokens(smollm2_path, 
             ids = prompts[index]
             async with model.inference_session(max_length=len(ids) + NEW_TOKENS) as session:
                 await session.astep(model.head.embed(torch.tensor([ids])))
-                batched_prefill[index] = session.boundary_outputs
+                batched_prefill[index] = boundaries(session)
             tokens = [t async for t in model.agenerate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
             batched[index] = torch.cat(tokens)
 
@@ -85,8 +85,15 @@ def test_sixteen_staggered_sessions_get_exactly_their_solo_tokens(smollm2_path, 
             assert (new.engine_rows - old.engine_rows) / (new.engine_passes - old.engine_passes) > 2
         for index in range(len(prompts)):
             assert torch.equal(batched[index], solo[index]), f"session {index} ({QUESTIONS[index]!r}) differs"
-            for alone, together in zip(solo_prefill[index], batched_prefill[index], strict=True):
-                assert_hidden_close(together, alone)
+            common = solo_prefill[index].keys() & batched_prefill[index].keys()
+            assert {10, 30} <= common  # the chains may split blocks 10-29 differently, never block 10 or 30
+            for end in common:
+                assert_hidden_close(batched_prefill[index][end], solo_prefill[index][end])
+
+
+def boundaries(session) -> dict[int, torch.Tensor]:
+    """Each hop's outputs of the last step, by the block where the hop ended."""
+    return {hop.end: out for hop, out in zip(session.route, session.boundary_outputs, strict=True)}
 
 
 def assert_hidden_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

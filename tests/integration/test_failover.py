@@ -107,8 +107,9 @@ def test_sigterm_drains_open_sessions_and_sends_new_ones_elsewhere(smollm2_path,
                         model.generate(prompt, session=other, max_new_tokens=4)
                         routes.append([hop.peer_id for hop in other.route])
 
-            tokens = model.generate(prompt, session=session, max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                    streamer=on_token)
+            tokens = model.generate(
+                prompt, session=session, max_new_tokens=NEW_TOKENS, ignore_eos=True, streamer=on_token
+            )
             assert session.num_failovers == 0  # the draining server finished our session
         (server,) = victim
         assert server.peer_id not in routes[0]

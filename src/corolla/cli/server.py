@@ -130,6 +130,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "finish (a second signal stops at once; default: %(default)s)",
     )
     parser.add_argument(
+        "--simulate-slow-ms",
+        type=float,
+        default=0.0,
+        help="testing aid: make this server slow by sleeping this long after every engine pass",
+    )
+    parser.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -166,6 +172,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.simulate_slow_ms < 0:
+        raise InvalidRequest(f"--simulate-slow-ms must not be negative, got {args.simulate_slow_ms}")
     if args.drain_timeout < 0:
         raise InvalidRequest(f"--drain-timeout must not be negative, got {args.drain_timeout}")
     if args.max_batch_wait_ms < 0:
@@ -193,6 +201,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         step_timeout=args.step_timeout,
         session_timeout=args.session_timeout,
         drain_timeout=args.drain_timeout,
+        simulate_slow_ms=args.simulate_slow_ms,
         announce_period=args.announce_period,
         num_threads=args.num_threads,
     )

@@ -54,16 +54,19 @@ class InferenceSession:
 
     async def _open_chain(self, start: int, end: int) -> list[SpanSession]:
         """Span sessions over blocks [start, end), re-routing around servers that fail to open."""
-        for _ in range(self.swarm.config.max_retries + 1):
-            hops = await self.swarm.route(start, end)
+        swarm = self.swarm
+        for _ in range(swarm.config.max_retries + 1):
+            hops = await swarm.route(start, end)
+            swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
             spans = [
                 SpanSession(
-                    self.swarm.p2p,
+                    swarm.p2p,
                     hop,
-                    self.swarm.dht_prefix,
+                    swarm.dht_prefix,
                     self.max_length,
-                    self.swarm.config.request_timeout,
+                    swarm.config.request_timeout,
                     self.alloc_timeout,
+                    swarm.estimates.observe_step,
                 )
                 for hop in hops
             ]
@@ -73,14 +76,14 @@ class InferenceSession:
             ]
             if not failed:
                 return spans
+            swarm.estimates.release(hops)
             await asyncio.gather(*(span.close() for span in spans), return_exceptions=True)
             for span, error in failed:
                 if not isinstance(error, RETRYABLE):
                     raise error
-                self.swarm.ban(span.hop.peer_id)
+                swarm.ban(span.hop.peer_id)
         raise ServerUnavailable(
-            f"could not open sessions for blocks {start}:{end} after "
-            f"{self.swarm.config.max_retries + 1} tries"
+            f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
         )
 
     async def astep(
@@ -124,6 +127,7 @@ class InferenceSession:
         """Swap the failed hop for a new chain over its blocks, brought to the same state."""
         failed = self.spans[index]
         self.swarm.ban(failed.hop.peer_id)
+        self.swarm.estimates.release([failed.hop])
         closing = asyncio.create_task(failed.close())  # its server is gone or broken: do not wait for it
         self._background.add(closing)
         closing.add_done_callback(self._background.discard)
@@ -150,6 +154,7 @@ class InferenceSession:
         if self.closed:
             return
         self.closed = True
+        self.swarm.estimates.release(span.hop for span in self.spans)
         await asyncio.gather(*(span.close() for span in self.spans), return_exceptions=True)
 
     # --- synchronous facade ---------------------------------------------------------------------------------

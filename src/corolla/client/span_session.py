@@ -11,8 +11,9 @@ fails, a replacement can be brought to the same state by replaying them (`replay
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 from hivemind.p2p import P2P
@@ -30,11 +31,19 @@ REPLAY_CHUNK = 512  # tokens per message when replaying a failed server's inputs
 
 
 class SpanSession:
-    def __init__(
-        self, p2p: P2P, hop: Hop, dht_prefix: str, max_length: int, timeout: float, alloc_timeout: float = 0.0
+    def __init__(  # noqa: PLR0913
+        self,
+        p2p: P2P,
+        hop: Hop,
+        dht_prefix: str,
+        max_length: int,
+        timeout: float,
+        alloc_timeout: float = 0.0,
+        observe: Callable[[str, float, int], None] | None = None,
     ):
         self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
         self.alloc_timeout = alloc_timeout
+        self.observe = observe  # told how long each decode step took: (peer_id, seconds, num_blocks)
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
         self.position = 0
@@ -86,6 +95,7 @@ class SpanSession:
             runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
         )
         self._stepped = True
+        started = time.perf_counter()
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
                 response = await asyncio.wait_for(anext(self._stream), self.timeout)
@@ -99,6 +109,8 @@ class SpanSession:
                 f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
                 f"{None if outputs is None else list(outputs.shape)}, expected {list(hidden.shape)}"
             )
+        if self.observe is not None and hidden.shape[1] == 1:
+            self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
         position = self.position if start_from_position is None else start_from_position
         self.position = position + hidden.shape[1]
         self._remember(hidden, prompts, hypo_ids, start_from_position)

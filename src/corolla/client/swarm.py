@@ -1,7 +1,9 @@
 """The client's view of the swarm: its DHT peer, the servers it has seen, and chains through them.
 
-Routing waits (up to `routing_timeout`) for the swarm to cover the blocks it needs, re-reading the DHT
-with backoff; past that it raises `MissingBlocks` naming the uncovered blocks instead of retrying forever.
+A background task re-reads the DHT and pings every server (rpc_info: round-trip time and live load)
+every `refresh_period`. Routing picks the cheapest chain under those estimates (see client/estimates.py
+and swarm/routing.py), avoiding banned servers; it waits (up to `routing_timeout`) for the swarm to
+cover the blocks it needs, then raises `MissingBlocks` naming the uncovered blocks.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from corolla.client.estimates import ServerEstimates
 from corolla.config import ClientConfig
 from corolla.errors import (
     CacheExhausted,
+    CorollaError,
     MissingBlocks,
     RemoteError,
     ServerUnavailable,
@@ -33,7 +37,7 @@ from corolla.wire.messages import RPC_INFO, ServerInfo
 
 logger = logging.getLogger(__name__)
 
-REFRESH_PERIOD = 10.0  # re-read the DHT at least this often when routing
+PING_TIMEOUT = 2.0
 # errors another server may not repeat; InvalidRequest (our own mistake) and MissingBlocks are final
 RETRYABLE = (ServerUnavailable, SessionTimeout, CacheExhausted, RemoteError)
 
@@ -44,15 +48,29 @@ class SwarmClient:
         self.dht: DHT | None = None
         self.p2p: P2P | None = None
         self.spans: list[RemoteSpan] = []
+        self.estimates = ServerEstimates()
         self._bans: dict[str, tuple[float, int]] = {}  # peer id -> (banned until, failures so far)
         self._refreshed_at = 0.0
         self._rng = random.Random()
+        self._refresher: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.dht = await asyncio.to_thread(start_dht, self.config.swarm)
         self.p2p = await self.dht.replicate_p2p()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="corolla-swarm-refresh")
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_period)
+            try:
+                await self.refresh()
+            except Exception:  # a DHT hiccup; the next round tries again
+                logger.debug("Background refresh failed", exc_info=True)
 
     async def shutdown(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
         if self.p2p is not None:
             await self.p2p.shutdown()  # a replica: closes our connection to the daemon, not the daemon
             self.p2p = None
@@ -61,9 +79,22 @@ class SwarmClient:
             self.dht = None
 
     async def refresh(self) -> list[RemoteSpan]:
+        """Re-read the DHT and ping every server found (round-trip time, live load)."""
         self.spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks)
         self._refreshed_at = time.monotonic()
+        banned = self.banned()
+        await asyncio.gather(*(self._ping(s.peer_id) for s in self.spans if s.peer_id not in banned))
         return self.spans
+
+    async def _ping(self, peer_id: str) -> None:
+        # a server met for the first time gets a few pings: one round trip alone is noise
+        for _ in range(1 if self.estimates.has_rtt(peer_id) else 3):
+            started = time.perf_counter()
+            try:
+                info = await asyncio.wait_for(self.server_info(peer_id), PING_TIMEOUT)
+            except (CorollaError, asyncio.TimeoutError, TimeoutError):
+                return  # unreachable now: its steps will fail over if it is used anyway
+            self.estimates.ping(peer_id, time.perf_counter() - started, info)
 
     async def route(self, start: int = 0, end: int | None = None) -> list[Hop]:
         """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage."""
@@ -71,13 +102,14 @@ class SwarmClient:
         deadline = time.monotonic() + self.config.routing_timeout
         delay = 0.2
         while True:
-            if time.monotonic() - self._refreshed_at > REFRESH_PERIOD or not self.spans:
+            if time.monotonic() - self._refreshed_at > self.config.refresh_period or not self.spans:
                 await self.refresh()
             try:
                 return choose_chain(
                     self.spans,
                     start,
                     end,
+                    estimates=self.estimates.estimates(self.spans),
                     rng=self._rng,
                     allowed=self.config.allowed_servers,
                     banned=self.banned(),

@@ -70,8 +70,9 @@ class RequestTracker:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, pass_delay: float = 0.0):
         self.engine = engine
+        self.pass_delay = pass_delay  # testing aid: simulate a slower machine by sleeping after each pass
         self.tracker = RequestTracker()
         self.stats: EngineStats = engine.stats()  # a snapshot, replaced after every pass
         self._streams: dict[int, RequestStream] = {}  # request id -> stream (loop thread only)
@@ -165,6 +166,8 @@ class AsyncEngine:
             except Exception as e:
                 logger.exception("Engine pass failed; failing every request in flight")
                 completions = self._fail_all(e)
+            if self.pass_delay > 0:
+                time.sleep(self.pass_delay)
             self._deliver(completions)
             self._publish_stats()
             if not completions and time.perf_counter() - started < 1e-3:  # nothing could run: wait a little

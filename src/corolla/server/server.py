@@ -26,6 +26,7 @@ from corolla.models.span import Span
 from corolla.server.announcer import Announcer
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.placement import choose_blocks
+from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import find_spans, start_dht
 from corolla.wire.records import ServerAnnouncement, ServerState
 
@@ -39,6 +40,7 @@ class Server:
         self.p2p = None
         self.handler: TransformerConnectionHandler | None = None
         self.engine: AsyncEngine | None = None
+        self.throughput: float | None = None
         self.announcer: Announcer | None = None
 
     async def start(self) -> None:
@@ -62,7 +64,8 @@ class Server:
             max_batch_wait=config.max_batch_wait_ms / 1000,
             max_sessions=config.max_sessions,
         )
-        self.engine = AsyncEngine(Engine(span, engine_config))
+        self.throughput = await asyncio.to_thread(measure_throughput, span)
+        self.engine = AsyncEngine(Engine(span, engine_config), pass_delay=config.simulate_slow_ms / 1000)
         self.engine.start()
         logger.info(
             "Engine: %d cache tokens in blocks of %d, %d tokens and %d rows per pass",
@@ -105,6 +108,8 @@ class Server:
             inference_max_length=info.inference_max_length,
             cache_tokens_available=info.cache_tokens_available,
             num_sessions=info.num_sessions,
+            queued_tokens=info.queued_tokens,
+            throughput=self.throughput,
         )
 
     async def drain(self, timeout: float, hurry: asyncio.Event) -> None:

@@ -5,7 +5,7 @@ import pytest
 from corolla.errors import MissingBlocks
 from corolla.server.placement import choose_blocks, coverage
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Hop, choose_chain, format_blocks
+from corolla.swarm.routing import Estimate, Hop, choose_chain, format_blocks
 from corolla.wire.records import ServerAnnouncement, ServerState
 
 
@@ -26,11 +26,9 @@ def test_allowed_and_banned_servers_shape_the_chain():
     spans = [span("a", 0, 6), span("b", 0, 3), span("c", 3, 6), span("d", 0, 2), span("e", 2, 4)]
     assert choose_chain(spans, 0, 6, allowed={"a"}) == [Hop("a", 0, 6)]
     assert choose_chain(spans, 0, 6, banned={"a"}) == [Hop("b", 0, 3), Hop("c", 3, 6)]
-    assert choose_chain(spans, 0, 6, allowed={"d", "e", "c"}) == [
-        Hop("d", 0, 2),
-        Hop("e", 2, 4),
-        Hop("c", 4, 6),
-    ]
+    chain = choose_chain(spans, 0, 6, allowed={"d", "e", "c"})
+    assert [hop.peer_id for hop in chain] == ["d", "e", "c"]
+    assert chain[0] == Hop("d", 0, 2) and chain[1].start == 2 and chain[-1].end == 6
 
 
 def test_replicas_are_chosen_at_random():
@@ -53,3 +51,22 @@ def test_placement_fills_holes_first():
     assert choose_blocks([(0, 10), (10, 20)], 10, 30) == (20, 30)
     assert choose_blocks([(0, 10), (0, 10), (10, 30)], 10, 30) == (10, 20)
     assert choose_blocks([], 30, 30) == (0, 30)
+
+
+def test_costs_steer_the_chain_to_fast_lightly_loaded_servers():
+    spans = [span("slow", 0, 4), span("fast", 0, 4), span("busy", 0, 4)]
+    estimates = {
+        "slow": Estimate(seconds_per_block=0.05),
+        "fast": Estimate(seconds_per_block=0.01),
+        "busy": Estimate(seconds_per_block=0.01, load=30),
+    }
+    picks = {
+        choose_chain(spans, 0, 4, estimates=estimates, rng=random.Random(seed))[0].peer_id
+        for seed in range(20)
+    }
+    assert picks == {"fast"}
+    # one distant fast server versus two close ones: a round trip costs as much as some compute
+    spans = [span("far", 0, 4), span("near1", 0, 2), span("near2", 2, 4)]
+    far = {"far": Estimate(rtt=0.2), "near1": Estimate(rtt=0.001), "near2": Estimate(rtt=0.001)}
+    assert [h.peer_id for h in choose_chain(spans, 0, 4, estimates=far)] == ["near1", "near2"]
+    assert [h.peer_id for h in choose_chain(spans, 0, 4)] == ["far"]  # by default: fewer hops

@@ -1,0 +1,71 @@
+"""What a client knows of each server, turned into routing estimates.
+
+Four sources, freshest first: step times this client observed itself (a server that is slow in practice
+is seen as slow whatever it announces), round-trip times of its pings (rpc_info, which also reports live
+load), the server's own DHT announcement (throughput, sessions), and how many of this client's sessions
+run there right now (known at once, so a burst of new sessions spreads over replicas).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.routing import DEFAULT_RTT, DEFAULT_SECONDS_PER_BLOCK, Estimate, Hop
+from corolla.wire.messages import ServerInfo
+
+SMOOTHING = 0.3  # weight of a new observation in the moving averages
+RTT_FLOOR = 0.003
+
+
+class ServerEstimates:
+    def __init__(self) -> None:
+        self.rtt: dict[str, float] = {}
+        self.observed: dict[str, float] = {}  # seconds per block per decode step, as this client saw it
+        self.infos: dict[str, ServerInfo] = {}
+        self.mine: Counter[str] = Counter()  # this client's open span sessions per server
+        self._recent_rtts: dict[str, deque[float]] = {}
+
+    def has_rtt(self, peer_id: str) -> bool:
+        return peer_id in self.rtt
+
+    def ping(self, peer_id: str, seconds: float, info: ServerInfo) -> None:
+        # the least of the recent round trips: queueing on a busy machine only ever adds to the network's
+        recent = self._recent_rtts.setdefault(peer_id, deque(maxlen=8))
+        recent.append(seconds)
+        # below RTT_FLOOR, differences are the noise of a busy machine, not distance
+        self.rtt[peer_id] = max(min(recent), RTT_FLOOR)
+        self.infos[peer_id] = info
+
+    def observe_step(self, peer_id: str, seconds: float, num_blocks: int) -> None:
+        """A decode step's round trip on `num_blocks` blocks of this server."""
+        compute = max(seconds - self.rtt.get(peer_id, 0.0), 0.0) / num_blocks
+        self.observed[peer_id] = _smooth(self.observed.get(peer_id), compute)
+
+    def acquire(self, hops: Iterable[Hop]) -> None:
+        self.mine.update(hop.peer_id for hop in hops)
+
+    def release(self, hops: Iterable[Hop]) -> None:
+        self.mine.subtract(hop.peer_id for hop in hops)
+
+    def estimate(self, span: RemoteSpan) -> Estimate:
+        peer_id = span.peer_id
+        seconds_per_block = self.observed.get(peer_id)
+        if seconds_per_block is None:
+            throughput = span.info.throughput
+            seconds_per_block = 1 / throughput if throughput else DEFAULT_SECONDS_PER_BLOCK
+        info = self.infos.get(peer_id)
+        others = info.num_sessions if info is not None else span.info.num_sessions
+        return Estimate(
+            rtt=self.rtt.get(peer_id, DEFAULT_RTT),
+            seconds_per_block=seconds_per_block,
+            load=others + max(self.mine[peer_id], 0),
+        )
+
+    def estimates(self, spans: Iterable[RemoteSpan]) -> dict[str, Estimate]:
+        return {span.peer_id: self.estimate(span) for span in spans}
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else old + SMOOTHING * (new - old)

@@ -1,0 +1,99 @@
+"""How fast this machine runs a block: measured once at start, cached per machine and model shape.
+
+The figure announced on the DHT is blocks per second for one decode step of one sequence (with a
+128-token context): clients use it to estimate a chain's step time before they have timed the server
+themselves, and servers use it to weigh the swarm's coverage when they choose blocks. Measuring takes
+about a second, so the result is cached in the corolla cache folder, keyed by everything that changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from corolla.models.attention import ContiguousCache
+from corolla.models.source import cache_dir
+from corolla.models.span import Span
+
+logger = logging.getLogger(__name__)
+
+CONTEXT, STEPS = 128, 16
+
+
+def measure_throughput(span: Span, use_cache: bool = True) -> float:
+    """Blocks per second for one decode step of one sequence, on this machine, for this model's blocks."""
+    key = _cache_key(span)
+    path = cache_dir() / "throughput.json"
+    cached = _read(path)
+    if use_cache and key in cached:
+        return float(cached[key])
+    throughput = _measure(span)
+    cached[key] = throughput
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
+    except OSError:
+        logger.warning("Could not cache the throughput measurement in %s", path)
+    logger.info("Measured %.1f blocks/s for one decode step (cached in %s)", throughput, path)
+    return throughput
+
+
+def _measure(span: Span) -> float:
+    config, block = span.config, span.blocks[0]
+    cache = ContiguousCache(
+        1, 1, config.num_key_value_heads, CONTEXT + STEPS + 1, config.head_dim, span.dtype
+    )
+    times = []
+    with torch.inference_mode():
+        hidden = torch.randn(1, CONTEXT, config.hidden_size, dtype=span.dtype)
+        block(hidden, span.rotary(torch.arange(CONTEXT), span.dtype), cache, 0)
+        cache.position = CONTEXT
+        for step in range(STEPS):
+            position = torch.arange(CONTEXT + step, CONTEXT + step + 1)
+            token = torch.randn(1, 1, config.hidden_size, dtype=span.dtype)
+            started = time.perf_counter()
+            block(token, span.rotary(position, span.dtype), cache, 0)
+            times.append(time.perf_counter() - started)
+            cache.position += 1
+    return 1.0 / statistics.median(times[2:])
+
+
+def _cache_key(span: Span) -> str:
+    config = span.config
+    shape = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        str(span.dtype),
+        torch.get_num_threads(),
+        torch.__version__,
+        _cpu_name(),
+    )
+    return hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
