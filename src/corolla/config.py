@@ -87,4 +87,5 @@ class ClientConfig:
     max_retries: int = 8  # failed servers replaced per step (or forward call) before giving up
     ban_time: float = 15.0  # a failed server is avoided this long, doubling on each further failure
     refresh_period: float = 10.0  # re-read the DHT and ping the servers this often
+    use_push: bool = True  # ask each server to push its outputs straight to the next one
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import torch
 
@@ -24,6 +25,7 @@ from corolla.client.span_session import SpanSession
 from corolla.client.swarm import RETRYABLE, SwarmClient
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.swarm.routing import Hop
+from corolla.wire.messages import NextServer
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +107,19 @@ class InferenceSession:
                 f"max_length={self.max_length}"
             )
         boundaries, index, failures = [], 0, 0
+        step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
+        push = self.swarm.config.use_push and prompts is None and hypo_ids is None
         while index < len(self.spans):
             span = self.spans[index]
             span_prompts = prompts[span.hop.start : span.hop.end] if prompts is not None else None
+            later = self.spans[index + 1 :] if push else []
+            next_servers = tuple(
+                NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later
+            )
             try:
-                hidden_out = await span.step(hidden, span_prompts, hypo_ids, start_from_position)
+                hidden_out = await span.step(
+                    hidden, span_prompts, hypo_ids, start_from_position, step_id, next_servers
+                )
             except RETRYABLE as e:
                 failures += 1
                 if failures > self.swarm.config.max_retries:

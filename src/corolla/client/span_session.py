@@ -23,7 +23,7 @@ from corolla.client.swarm import peer, remote_errors
 from corolla.errors import ServerUnavailable
 from corolla.swarm.routing import Hop
 from corolla.wire import tensors as wire_tensors
-from corolla.wire.messages import RPC_INFERENCE, InferenceStep
+from corolla.wire.messages import RPC_INFERENCE, InferenceStep, NextServer
 from corolla.wire.records import block_uids
 
 CLOSE_TIMEOUT = 5.0
@@ -67,25 +67,35 @@ class SpanSession:
         while (request := await self._queue.get()) is not None:
             yield request
 
-    async def step(
+    async def step(  # noqa: PLR0913
         self,
         hidden: torch.Tensor,
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
         start_from_position: int | None = None,
+        step_id: str | None = None,
+        next_servers: tuple[NextServer, ...] = (),
     ) -> torch.Tensor:
-        """Send hidden states [B, T, H] for positions [position, position + T); returns the outputs."""
+        """Send hidden states [B, T, H] for positions [position, position + T); returns the outputs.
+
+        `step_id` names the step across the chain; with `next_servers`, this server also pushes its outputs
+        straight to the next one (which then runs the step once, whichever copy arrives first).
+        """
         if self.closed:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
-        meta = InferenceStep(step_id=uuid.uuid4().hex, start_from_position=start_from_position)
-        if not self._stepped:
-            meta = InferenceStep(
-                step_id=meta.step_id,
-                start_from_position=start_from_position,
-                max_length=self.max_length,
-                session_id=self.session_id,
-                alloc_timeout=self.alloc_timeout,
+        first = (
+            {}
+            if self._stepped
+            else dict(
+                max_length=self.max_length, session_id=self.session_id, alloc_timeout=self.alloc_timeout
             )
+        )
+        meta = InferenceStep(
+            step_id=step_id or uuid.uuid4().hex,
+            start_from_position=start_from_position,
+            next_servers=next_servers,
+            **first,
+        )
         tensors = [wire_tensors.serialize(hidden)]  # trailing absent tensors are simply left out
         if prompts is not None or hypo_ids is not None:
             tensors.append(wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty())

@@ -14,15 +14,17 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import ForwardWork, StepWork
-from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionTimeout
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionNotFound, SessionTimeout
 from corolla.models.span import Span
 from corolla.server import validation
+from corolla.server.push import Pusher
 from corolla.server.sessions import ServerSession, SessionRegistry
 from corolla.wire import messages
 from corolla.wire import tensors as wire_tensors
@@ -41,6 +43,8 @@ class TransformerConnectionHandler:
         self.hidden_size = span.config.hidden_size
         self.version = version
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
+        self.pusher: Pusher | None = None  # set once the server's p2p is up
+        self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
         both = dict(stream_input=True, stream_output=True)
@@ -50,6 +54,7 @@ class TransformerConnectionHandler:
             messages.RPC_FORWARD_STREAM, self.rpc_forward_stream, ExpertRequest, **both
         )
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
+        await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, ExpertRequest)
 
     def _blocks(self, uid: str) -> tuple[int, int]:
         return validation.parse_uid(uid, self.dht_prefix, self.span.start, self.span.end)
@@ -111,7 +116,44 @@ class TransformerConnectionHandler:
     async def _inference_step(
         self, session: ServerSession, request: ExpertRequest, meta: InferenceStep, admit_deadline: float
     ) -> ExpertResponse:
-        hidden = validation.read_hidden(request.tensors, self.hidden_size, self.config.max_batch_size)
+        outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
+        return ExpertResponse(tensors=[wire_tensors.serialize(outputs)])
+
+    async def _step_once(
+        self, session: ServerSession, tensors: list, meta: InferenceStep, admit_deadline: float
+    ) -> torch.Tensor:
+        """Run a step unless it already ran: a step may arrive both by push and from the client.
+
+        The first copy computes it (and pushes it on); the second waits for the same outputs. If a pushed
+        copy fails (a pusher may be wrong), the client's copy computes the step itself.
+        """
+        earlier = session.results.get(meta.step_id) if meta.step_id else None
+        if earlier is not None:
+            try:
+                return await asyncio.shield(earlier)
+            except CorollaError:
+                if meta.pushed:
+                    raise
+        future = session.remember(meta.step_id)
+        position = session.position if meta.start_from_position is None else meta.start_from_position
+        try:
+            outputs = await self._run_step(session, tensors, meta, admit_deadline)
+        except BaseException as e:
+            session.forget(meta.step_id, future, e)
+            raise
+        future.set_result(outputs)
+        if meta.pushed:
+            self.steps_from_push += 1
+        else:
+            self.steps_from_client += 1
+        if meta.next_servers and self.pusher is not None:
+            self.pusher.push(outputs, meta, position)
+        return outputs
+
+    async def _run_step(
+        self, session: ServerSession, tensors: list, meta: InferenceStep, admit_deadline: float
+    ) -> torch.Tensor:
+        hidden = validation.read_hidden(tensors, self.hidden_size, self.config.max_batch_size)
         batch, length = hidden.shape[:2]
         if batch != session.batch_size:
             raise InvalidRequest(
@@ -131,9 +173,9 @@ class TransformerConnectionHandler:
                 f"max_length={session.max_length}"
             )
         prompts = validation.read_prompts(
-            request.tensors, session.end - session.start, batch, self.hidden_size, session.max_length
+            tensors, session.end - session.start, batch, self.hidden_size, session.max_length
         )
-        hypo_ids = validation.read_hypo_ids(request.tensors, batch)
+        hypo_ids = validation.read_hypo_ids(tensors, batch)
         work = StepWork(
             session.engine_session,
             hidden,
@@ -144,7 +186,24 @@ class TransformerConnectionHandler:
         )
         outputs = await self.engine.run(work, session.stream)
         session.position, session.num_steps = position + length, session.num_steps + 1
-        return ExpertResponse(tensors=[wire_tensors.serialize(outputs)])
+        return outputs
+
+    # --- rpc_push ------------------------------------------------------------------------------------------
+
+    async def rpc_push(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
+        """A step pushed by the previous server of a chain, for one of this server's open sessions."""
+        meta = InferenceStep.from_push_bytes(request.metadata)
+        session = self.sessions.sessions.get(meta.session_id)
+        if session is None:
+            raise SessionNotFound(f"session {meta.session_id} is not open here (yet)")
+        if self._blocks(request.uid) != (session.start, session.end):
+            raise InvalidRequest(
+                f"uid: the pushed step's blocks differ from the session's {session.start}:{session.end}"
+            )
+        if meta.start_from_position != session.position:  # stale, early, or a rollback: the client decides
+            return ExpertResponse()
+        await self._step_once(session, list(request.tensors), meta, time.monotonic())
+        return ExpertResponse()
 
     # --- rpc_forward ---------------------------------------------------------------------------------------
 
@@ -222,6 +281,8 @@ class TransformerConnectionHandler:
             queued_tokens=stats.queued_tokens,
             engine_passes=stats.num_passes,
             engine_rows=stats.total_rows,
+            steps_from_client=self.steps_from_client,
+            steps_from_push=self.steps_from_push,
         )
 
 

@@ -26,6 +26,7 @@ from corolla.models.span import Span
 from corolla.server.announcer import Announcer
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.placement import choose_blocks
+from corolla.server.push import Pusher
 from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import find_spans, start_dht
 from corolla.wire.records import ServerAnnouncement, ServerState
@@ -76,6 +77,7 @@ class Server:
         )
         self.handler = TransformerConnectionHandler(span, config, self.dht_prefix, self.engine, __version__)
         self.p2p = await self.dht.replicate_p2p()
+        self.handler.pusher = Pusher(self.p2p, self.dht_prefix)
         await self.handler.add_p2p_handlers(self.p2p)
         self.announcer = Announcer(
             self.dht, self.dht_prefix, self.peer_id, config.announce_period, self._record
@@ -145,6 +147,8 @@ class Server:
                 await asyncio.wait_for(self.announcer.announce(ServerState.OFFLINE), timeout=5)
             except Exception:  # the DHT may already be unreachable; records then expire on their own
                 logger.warning("Could not announce OFFLINE", exc_info=True)
+        if self.handler is not None and self.handler.pusher is not None:
+            await self.handler.pusher.close()
         if self.engine is not None:
             await self.engine.stop()
             stats = self.engine.stats

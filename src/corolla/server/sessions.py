@@ -8,16 +8,20 @@ pass. Cache memory is not reserved here: the engine allocates blocks as the sess
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from corolla.engine.async_engine import AsyncEngine, RequestStream
 from corolla.engine.sequence import EngineSession
-from corolla.errors import InvalidRequest, SessionTimeout
+from corolla.errors import InvalidRequest, ServerUnavailable, SessionTimeout
+
+REMEMBERED_STEPS = 8
 
 
 @dataclass
@@ -32,6 +36,26 @@ class ServerSession:
     deadline: float  # monotonic time after which the session is closed
     position: int = 0  # tokens received so far (the client's view; the engine keeps its own)
     num_steps: int = 0
+    # the latest steps by step_id: a step arriving twice (pushed, and from the client) runs once
+    results: OrderedDict[str, asyncio.Future] = field(default_factory=OrderedDict)
+
+    def remember(self, step_id: str | None) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        if step_id:
+            self.results[step_id] = future
+            while len(self.results) > REMEMBERED_STEPS:
+                self.results.popitem(last=False)
+        return future
+
+    def forget(self, step_id: str | None, future: asyncio.Future, error: BaseException) -> None:
+        """A failed step is not remembered, so that another copy of it may still run."""
+        if step_id and self.results.get(step_id) is future:
+            del self.results[step_id]
+        if not future.done():
+            future.set_exception(
+                error if isinstance(error, Exception) else ServerUnavailable("step cancelled")
+            )
+            future.exception()  # marks it retrieved: nobody may be waiting
 
     def time_left(self, step_timeout: float) -> float:
         """How long to wait for the next step: the step timeout, cut short by the session's deadline."""

@@ -22,6 +22,7 @@ RPC_INFERENCE = f"{HANDLER_PREFIX}.rpc_inference"
 RPC_FORWARD = f"{HANDLER_PREFIX}.rpc_forward"
 RPC_FORWARD_STREAM = f"{HANDLER_PREFIX}.rpc_forward_stream"
 RPC_INFO = f"{HANDLER_PREFIX}.rpc_info"
+RPC_PUSH = f"{HANDLER_PREFIX}.rpc_push"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +70,18 @@ class InferenceStep:
     points: float = 0.0
 
     @classmethod
+    def from_push_bytes(cls, raw: bytes) -> InferenceStep:
+        """A step pushed by the previous server: receiver's session_id, step_id and position are required."""
+        fields = unpack(raw, "rpc_push")
+        fields.str("step_id", required=True)
+        fields.int("start_from_position", required=True, low=0)
+        step = {**cls._step_fields(fields), "pushed": True}
+        return cls(**step, session_id=fields.str("session_id", required=True))
+
+    @classmethod
     def from_bytes(cls, raw: bytes, *, first: bool) -> InferenceStep:
         fields = unpack(raw, "rpc_inference")
-        _check_version(fields)
-        hops = fields.list("next_servers", max_items=MAX_HOPS)
-        step = dict(
-            step_id=fields.str("step_id"),
-            start_from_position=fields.int("start_from_position", low=0),
-            next_servers=tuple(NextServer.parse(item, fields, i) for i, item in enumerate(hops)),
-            pushed=fields.bool("pushed"),
-        )
+        step = cls._step_fields(fields)
         if not first:
             return cls(**step)
         return cls(
@@ -88,6 +91,17 @@ class InferenceStep:
             alloc_timeout=fields.float("alloc_timeout", default=0.0, low=0.0, high=MAX_TIMEOUT),
             active_adapter=fields.str("active_adapter") or None,
             points=fields.float("points", default=0.0, low=0.0),
+        )
+
+    @staticmethod
+    def _step_fields(fields: Fields) -> dict:
+        _check_version(fields)
+        hops = fields.list("next_servers", max_items=MAX_HOPS)
+        return dict(
+            step_id=fields.str("step_id"),
+            start_from_position=fields.int("start_from_position", low=0),
+            next_servers=tuple(NextServer.parse(item, fields, i) for i, item in enumerate(hops)),
+            pushed=fields.bool("pushed"),
         )
 
     def to_bytes(self) -> bytes:
@@ -157,6 +171,8 @@ class ServerInfo:
     queued_tokens: int = 0  # tokens waiting in the engine's queue
     engine_passes: int = 0  # engine passes run so far
     engine_rows: int = 0  # sequence rows run in those passes (rows / passes: the mean batch)
+    steps_from_client: int = 0  # inference steps computed from the client's copy ...
+    steps_from_push: int = 0  # ... and from a copy pushed by the previous server
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> ServerInfo:
@@ -175,6 +191,8 @@ class ServerInfo:
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
             engine_passes=fields.int("engine_passes", default=0, low=0) or 0,
             engine_rows=fields.int("engine_rows", default=0, low=0) or 0,
+            steps_from_client=fields.int("steps_from_client", default=0, low=0) or 0,
+            steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
         )
 
     def to_bytes(self) -> bytes:
