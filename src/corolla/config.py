@@ -52,8 +52,10 @@ class ServerConfig:
     model: str  # a folder, a GGUF file, a hub id or the bundled alias (see models/source.py)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     dht_prefix: str | None = None  # default: derived from the model's name
-    blocks: tuple[int, int] | None = None  # [start, end); None: choose from num_blocks
-    num_blocks: int | None = None
+    blocks: tuple[int, int] | None = None  # [start, end); None: the server places itself and rebalances
+    num_blocks: int | None = None  # None: as many as memory_budget holds
+    memory_budget: int | None = None  # bytes for block weights + cache; None: half the available memory
+    balance_period: float = 120.0  # how often a self-placed server checks whether moving would help
     dtype: str = "float32"
     # attention cache pool, in tokens of a session spanning every hosted block; None: a quarter of the
     # memory available at start (see server.py: default_cache_tokens)

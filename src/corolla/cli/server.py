@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 
 from corolla.cli.common import add_swarm_args, swarm_config
 from corolla.config import ServerConfig
@@ -29,6 +30,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="A:B",
         help="host blocks A to B-1 (0-based, end exclusive)",
+    )
+    blocks.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="without --blocks: host as many blocks as fit in SIZE (e.g. 2GB, 500MB) with 4096 tokens of "
+        "cache each (default: half the available memory)",
     )
     blocks.add_argument(
         "--num-blocks",
@@ -123,6 +132,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="re-announce on the DHT this often, in seconds (default: %(default)s)",
     )
     parser.add_argument(
+        "--balance-period",
+        type=float,
+        default=defaults.balance_period,
+        help="without --blocks: check this often (seconds) whether moving to other blocks would help the "
+        "swarm, and move if so (0: never move; default: %(default)s)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=defaults.drain_timeout,
@@ -144,6 +160,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_swarm_args(parser, default_host="0.0.0.0")
     parser.set_defaults(run=run)
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?B?)\s*", text.upper())
+    if match is None or match.group(2) not in units:
+        raise argparse.ArgumentTypeError(f"expected a size such as 500MB or 2GB, got {text!r}")
+    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def _block_range(text: str) -> tuple[int, int]:
@@ -172,6 +196,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.balance_period < 0:
+        raise InvalidRequest(f"--balance-period must not be negative, got {args.balance_period}")
     if args.simulate_slow_ms < 0:
         raise InvalidRequest(f"--simulate-slow-ms must not be negative, got {args.simulate_slow_ms}")
     if args.drain_timeout < 0:
@@ -188,6 +214,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         dht_prefix=args.dht_prefix,
         blocks=args.blocks,
         num_blocks=args.num_blocks,
+        memory_budget=args.memory_budget,
+        balance_period=args.balance_period,
         dtype=args.dtype,
         max_cache_tokens=args.max_cache_tokens,
         block_size=args.block_size,

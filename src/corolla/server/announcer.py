@@ -30,6 +30,7 @@ class Announcer:
         self.dht, self.dht_prefix, self.peer_id, self.period = dht, dht_prefix, peer_id, period
         self.make_record = make_record
         self.state = ServerState.JOINING
+        self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
         self._task: asyncio.Task | None = None
 
     @property
@@ -39,7 +40,7 @@ class Announcer:
     async def announce(self, state: ServerState) -> bool:
         self.state = state
         record = self.make_record(state)
-        ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration)
+        ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration, self.leaving)
         if not ok:
             logger.warning(
                 "Could not store the %s announcement for blocks %d:%d on the DHT",

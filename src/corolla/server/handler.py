@@ -19,13 +19,12 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
-from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import ForwardWork, StepWork
 from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionNotFound, SessionTimeout
-from corolla.models.span import Span
 from corolla.server import validation
+from corolla.server.backend import SpanBackend
 from corolla.server.push import Pusher
-from corolla.server.sessions import ServerSession, SessionRegistry
+from corolla.server.sessions import ServerSession
 from corolla.wire import messages
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import ForwardRequest, InferenceStep, ServerInfo
@@ -37,10 +36,10 @@ ERROR_DRAIN_SECONDS = 0.5
 
 
 class TransformerConnectionHandler:
-    def __init__(self, span: Span, config: ServerConfig, dht_prefix: str, engine: AsyncEngine, version: str):
-        self.span, self.config, self.dht_prefix, self.engine = span, config, dht_prefix, engine
-        self.sessions = SessionRegistry(engine, config.session_timeout)
-        self.hidden_size = span.config.hidden_size
+    def __init__(self, backends: list[SpanBackend], config: ServerConfig, dht_prefix: str, version: str):
+        self.backends = backends  # shared with the server, which adds one while it moves to other blocks
+        self.config, self.dht_prefix = config, dht_prefix
+        self.hidden_size = backends[0].span.config.hidden_size
         self.version = version
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.pusher: Pusher | None = None  # set once the server's p2p is up
@@ -56,8 +55,34 @@ class TransformerConnectionHandler:
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
         await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, ExpertRequest)
 
-    def _blocks(self, uid: str) -> tuple[int, int]:
-        return validation.parse_uid(uid, self.dht_prefix, self.span.start, self.span.end)
+    @property
+    def primary(self) -> SpanBackend:
+        """The backend that takes new sessions (the newest one while moving)."""
+        return next((b for b in self.backends if b.accepting), self.backends[0])
+
+    def _select(self, uid: str, new_session: bool) -> tuple[SpanBackend, tuple[int, int]]:
+        """The backend hosting the blocks named by `uid`; new sessions go only to an accepting one."""
+        error: InvalidRequest | None = None
+        for backend in sorted(self.backends, key=lambda b: not b.accepting):
+            try:
+                blocks = validation.parse_uid(uid, self.dht_prefix, *backend.blocks)
+            except InvalidRequest as e:
+                error = error or e
+                continue
+            if new_session and not backend.accepting:
+                raise ServerUnavailable(f"this server is moving away from blocks {blocks[0]}:{blocks[1]}")
+            return backend, blocks
+        raise error
+
+    def _find_session(self, session_id: str) -> ServerSession | None:
+        for backend in self.backends:
+            if session_id in backend.sessions.sessions:
+                return backend.sessions.sessions[session_id]
+        return None
+
+    @property
+    def num_sessions(self) -> int:
+        return sum(len(backend.sessions) for backend in self.backends)
 
     def _check_adapter(self, adapter: str | None) -> None:
         if adapter is not None:
@@ -86,7 +111,7 @@ class TransformerConnectionHandler:
         if not request.tensors:
             raise InvalidRequest("the first rpc_inference message must carry hidden_states (it was empty)")
         meta = InferenceStep.from_bytes(request.metadata, first=True)
-        blocks = self._blocks(request.uid)
+        backend, blocks = self._select(request.uid, new_session=True)
         self._check_adapter(meta.active_adapter)
         if meta.max_length > self.config.inference_max_length:
             raise InvalidRequest(
@@ -96,7 +121,7 @@ class TransformerConnectionHandler:
         batch_size = validation.read_hidden(
             request.tensors, self.hidden_size, self.config.max_batch_size
         ).shape[0]
-        async with self.sessions.open(meta.session_id, blocks, batch_size, meta.max_length) as session:
+        async with backend.sessions.open(meta.session_id, blocks, batch_size, meta.max_length) as session:
             logger.debug(
                 "Session %s opened by ...%s: blocks %d:%d, batch %d, max_length %d",
                 session.session_id,
@@ -184,7 +209,7 @@ class TransformerConnectionHandler:
             meta.start_from_position,
             admit_deadline=admit_deadline,
         )
-        outputs = await self.engine.run(work, session.stream)
+        outputs = await session.engine.run(work, session.stream)
         session.position, session.num_steps = position + length, session.num_steps + 1
         return outputs
 
@@ -193,10 +218,10 @@ class TransformerConnectionHandler:
     async def rpc_push(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         """A step pushed by the previous server of a chain, for one of this server's open sessions."""
         meta = InferenceStep.from_push_bytes(request.metadata)
-        session = self.sessions.sessions.get(meta.session_id)
+        session = self._find_session(meta.session_id)
         if session is None:
             raise SessionNotFound(f"session {meta.session_id} is not open here (yet)")
-        if self._blocks(request.uid) != (session.start, session.end):
+        if self._select(request.uid, new_session=False)[1] != (session.start, session.end):
             raise InvalidRequest(
                 f"uid: the pushed step's blocks differ from the session's {session.start}:{session.end}"
             )
@@ -227,7 +252,8 @@ class TransformerConnectionHandler:
         self, requests: AsyncIterator[ExpertRequest], num_tensors: int
     ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
         uid, metadata, parts, received = "", b"", [], 0
-        limit = (2 + self.span.end - self.span.start) * self.config.max_forward_tokens * self.hidden_size * 4
+        longest = max(b.blocks[1] - b.blocks[0] for b in self.backends)
+        limit = (2 + longest) * self.config.max_forward_tokens * self.hidden_size * 4
         async for request in requests:
             if not parts:
                 uid, metadata = request.uid, request.metadata
@@ -243,7 +269,7 @@ class TransformerConnectionHandler:
 
     async def _forward(self, uid: str, metadata: bytes, protos: list[runtime_pb2.Tensor]):
         meta = ForwardRequest.from_bytes(metadata)
-        blocks = self._blocks(uid)
+        backend, blocks = self._select(uid, new_session=False)
         self._check_adapter(meta.active_adapter)
         compression = wire_tensors.NONE if meta.output_compression is None else meta.output_compression
         if compression not in (wire_tensors.NONE, wire_tensors.FLOAT16):
@@ -258,7 +284,7 @@ class TransformerConnectionHandler:
                 f"{self.config.max_forward_tokens}"
             )
         prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
-        return await self.engine.run(ForwardWork(hidden, blocks, prompts)), compression
+        return await backend.engine.run(ForwardWork(hidden, blocks, prompts)), compression
 
     # --- rpc_info ------------------------------------------------------------------------------------------
 
@@ -266,21 +292,22 @@ class TransformerConnectionHandler:
         return runtime_pb2.ExpertInfo(serialized_info=self.info().to_bytes())
 
     def info(self) -> ServerInfo:
-        stats = self.engine.stats
+        primary = self.primary
+        stats = primary.engine.stats
         return ServerInfo(
             version=self.version,
             dht_prefix=self.dht_prefix,
-            start=self.span.start,
-            end=self.span.end,
-            dtype=str(self.span.dtype).replace("torch.", ""),
+            start=primary.blocks[0],
+            end=primary.blocks[1],
+            dtype=str(primary.span.dtype).replace("torch.", ""),
             inference_max_length=self.config.inference_max_length,
             max_batch_size=self.config.max_batch_size,
             cache_tokens_total=stats.total_cache_tokens,
             cache_tokens_available=stats.free_cache_tokens,
-            num_sessions=len(self.sessions),
-            queued_tokens=stats.queued_tokens,
-            engine_passes=stats.num_passes,
-            engine_rows=stats.total_rows,
+            num_sessions=self.num_sessions,
+            queued_tokens=sum(b.engine.stats.queued_tokens for b in self.backends),
+            engine_passes=sum(b.engine.stats.num_passes for b in self.backends),
+            engine_rows=sum(b.engine.stats.total_rows for b in self.backends),
             steps_from_client=self.steps_from_client,
             steps_from_push=self.steps_from_push,
         )

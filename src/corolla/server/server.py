@@ -3,29 +3,35 @@
 Start order: DHT first (its child process forks from a small parent), then the span's weights, then the
 RPC handlers, then the ONLINE announcement, so a client never finds a server that cannot answer yet.
 Stop order is the reverse, with an OFFLINE announcement first so clients stop routing here.
+
+A server started without --blocks places itself (server/placement.py) and, every balance period, checks
+whether moving would clearly help the swarm; a move loads and announces the new blocks first, lets the
+sessions on the old blocks finish (up to the drain timeout), and only then unloads them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import torch
 
 from corolla import __version__
 from corolla.config import ServerConfig
-from corolla.engine.async_engine import AsyncEngine
-from corolla.engine.engine import Engine, EngineConfig
+from corolla.engine.engine import EngineConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.models.span import Span
 from corolla.server.announcer import Announcer
+from corolla.server.backend import SpanBackend
 from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.placement import choose_blocks
+from corolla.server.placement import blocks_for_budget, choose_blocks, my_move
 from corolla.server.push import Pusher
 from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import find_spans, start_dht
@@ -33,49 +39,39 @@ from corolla.wire.records import ServerAnnouncement, ServerState
 
 logger = logging.getLogger(__name__)
 
+BUDGET_CACHE_TOKENS = 4096  # attention cache set aside per block when a memory budget sizes the span
+
 
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.dht = None
         self.p2p = None
+        self.backends: list[SpanBackend] = []
         self.handler: TransformerConnectionHandler | None = None
-        self.engine: AsyncEngine | None = None
         self.throughput: float | None = None
         self.announcer: Announcer | None = None
+        self._balancer: asyncio.Task | None = None
+        self._retiring: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
-        model = ModelConfig.from_folder(source.path)
-        dtype = parse_dtype(config.dtype, model)
+        self.folder, self.model = source.path, ModelConfig.from_folder(source.path)
+        self.dtype = parse_dtype(config.dtype, self.model)
         self.dht_prefix = config.dht_prefix or dht_prefix_for(source.name)
         self.dht = start_dht(config.swarm)
         self.peer_id = str(self.dht.peer_id)
-        start, end = await self._choose_blocks(model)
-        logger.info("Loading blocks %d:%d of %s (%s)", start, end, source.path, dtype)
-        span = await asyncio.to_thread(Span.load, source.path, start, end, dtype)
-        engine_config = EngineConfig(
-            max_cache_tokens=config.max_cache_tokens or default_cache_tokens(model, end - start, dtype),
-            block_size=config.block_size,
-            max_batch_tokens=config.max_batch_tokens,
-            max_batch_rows=config.max_batch_rows,
-            max_batch_wait=config.max_batch_wait_ms / 1000,
-            max_sessions=config.max_sessions,
-        )
-        self.throughput = await asyncio.to_thread(measure_throughput, span)
-        self.engine = AsyncEngine(Engine(span, engine_config), pass_delay=config.simulate_slow_ms / 1000)
-        self.engine.start()
-        logger.info(
-            "Engine: %d cache tokens in blocks of %d, %d tokens and %d rows per pass",
-            engine_config.max_cache_tokens,
-            engine_config.block_size,
-            engine_config.max_batch_tokens,
-            engine_config.max_batch_rows,
-        )
-        self.handler = TransformerConnectionHandler(span, config, self.dht_prefix, self.engine, __version__)
+        # measured on one block before choosing blocks: placement weighs the swarm by throughput
+        probe = await asyncio.to_thread(Span.load, self.folder, 0, 1, self.dtype)
+        self.throughput = await asyncio.to_thread(measure_throughput, probe)
+        del probe
+        blocks = await self._choose_blocks()
+        logger.info("Loading blocks %d:%d of %s (%s)", *blocks, self.folder, self.dtype)
+        self.backends.append(await self._backend(blocks))
+        self.handler = TransformerConnectionHandler(self.backends, config, self.dht_prefix, __version__)
         self.p2p = await self.dht.replicate_p2p()
         self.handler.pusher = Pusher(self.p2p, self.dht_prefix)
         await self.handler.add_p2p_handlers(self.p2p)
@@ -84,10 +80,43 @@ class Server:
         )
         await self.announcer.announce(ServerState.ONLINE)
         self.announcer.start()
-        logger.info("Serving blocks %d:%d of %s as %s", start, end, self.dht_prefix, self.peer_id)
+        if config.blocks is None and config.balance_period > 0:
+            self._balancer = asyncio.create_task(self._balance_forever(), name="corolla-balancer")
+        logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
 
-    async def _choose_blocks(self, model: ModelConfig) -> tuple[int, int]:
-        total = model.num_hidden_layers
+    async def _backend(self, blocks: tuple[int, int]) -> SpanBackend:
+        config = self.config
+        cache_tokens = config.max_cache_tokens or (
+            BUDGET_CACHE_TOKENS
+            if config.memory_budget
+            else default_cache_tokens(self.model, blocks[1] - blocks[0], self.dtype)
+        )
+        engine_config = EngineConfig(
+            max_cache_tokens=cache_tokens,
+            block_size=config.block_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_rows=config.max_batch_rows,
+            max_batch_wait=config.max_batch_wait_ms / 1000,
+            max_sessions=config.max_sessions,
+        )
+        logger.info(
+            "Engine: %d cache tokens in blocks of %d, %d tokens and %d rows per pass",
+            cache_tokens,
+            engine_config.block_size,
+            engine_config.max_batch_tokens,
+            engine_config.max_batch_rows,
+        )
+        return await SpanBackend.create(
+            Path(self.folder),
+            blocks,
+            self.dtype,
+            engine_config,
+            config.session_timeout,
+            config.simulate_slow_ms / 1000,
+        )
+
+    async def _choose_blocks(self) -> tuple[int, int]:
+        total = self.model.num_hidden_layers
         if self.config.blocks is not None:
             start, end = self.config.blocks
             if not 0 <= start < end <= total:
@@ -95,9 +124,77 @@ class Server:
                     f"--blocks {start}:{end} is not a range inside the model's {total} blocks"
                 )
             return start, end
-        num_blocks = min(self.config.num_blocks or total, total)
-        spans = await find_spans(self.dht, self.dht_prefix, total)
-        return choose_blocks([(s.start, s.end) for s in spans], num_blocks, total)
+        num_blocks = self.config.num_blocks or self._blocks_in_budget()
+        if num_blocks < 1:
+            raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
+        return choose_blocks(await self._others(), min(num_blocks, total), total, self.throughput or 1.0)
+
+    def _blocks_in_budget(self) -> int:
+        budget = self.config.memory_budget or int(psutil.virtual_memory().available * 0.5)
+        cache = self.config.max_cache_tokens or BUDGET_CACHE_TOKENS
+        num_blocks = blocks_for_budget(self.model, self.dtype.itemsize, budget, cache)
+        logger.info(
+            "A memory budget of %.0f MB holds %d blocks (with %d cache tokens)",
+            budget / 2**20,
+            num_blocks,
+            cache,
+        )
+        return num_blocks
+
+    async def _others(self) -> list[tuple[int, int, float]]:
+        """Every other ONLINE server's span, weighted by its throughput (1.0 when it announced none)."""
+        spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
+        return [(s.start, s.end, s.info.throughput or 1.0) for s in spans if s.peer_id != self.peer_id]
+
+    # --- rebalancing ---------------------------------------------------------------------------------------
+
+    async def _balance_forever(self) -> None:
+        while True:
+            # servers decide from the same view which one of them moves (placement.my_move); the jitter
+            # spreads their DHT reads
+            await asyncio.sleep(self.config.balance_period * random.uniform(0.8, 1.2))
+            try:
+                if len(self.backends) == 1 and not self.handler.draining:
+                    spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
+                    servers = {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans}
+                    servers[self.peer_id] = (*self.backends[0].blocks, self.throughput or 1.0)
+                    target = my_move(servers, self.peer_id, self.model.num_hidden_layers)
+                    if target is not None:
+                        await self._move_to(target)
+            except Exception:  # a failed check or move is retried at the next period
+                logger.warning("Rebalancing failed", exc_info=True)
+
+    async def _move_to(self, blocks: tuple[int, int]) -> None:
+        """Serve `blocks` instead: new blocks first, the old ones retire once their sessions end."""
+        old = self.backends[0]
+        logger.info("Moving from blocks %d:%d to %d:%d to balance the swarm", *old.blocks, *blocks)
+        new = await self._backend(blocks)
+        old.accepting = False
+        self.backends.insert(0, new)
+        self.announcer.leaving = range(*old.blocks)  # our records there now point clients elsewhere
+        await self.announcer.announce(ServerState.ONLINE)
+        task = asyncio.create_task(self._retire(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, old: SpanBackend) -> None:
+        deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
+        if len(old.sessions):
+            logger.info("Blocks %d:%d retire once their %d sessions end (at most %.0fs)", *old.blocks,
+                        len(old.sessions), self.config.drain_timeout)
+        while len(old.sessions) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.5)
+        if len(old.sessions):
+            logger.warning(
+                "%d sessions on blocks %d:%d outlived the move's drain timeout; they will fail over",
+                len(old.sessions),
+                *old.blocks,
+            )
+        self.backends.remove(old)
+        await old.stop()
+        logger.info("Unloaded blocks %d:%d", *old.blocks)
+
+    # --- announcements and shutdown ------------------------------------------------------------------------
 
     def _record(self, state: ServerState) -> ServerAnnouncement:
         info = self.handler.info()
@@ -127,13 +224,13 @@ class Server:
             await self.announcer.stop()
             await asyncio.wait_for(self.announcer.announce(ServerState.OFFLINE), timeout=5)
         deadline = asyncio.get_running_loop().time() + timeout
-        while len(self.handler.sessions) and not hurry.is_set():
+        while self.handler.num_sessions and not hurry.is_set():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                logger.warning("Drain timeout: closing %d sessions", len(self.handler.sessions))
+                logger.warning("Drain timeout: closing %d sessions", self.handler.num_sessions)
                 return
             logger.info(
-                "Draining: waiting for %d sessions (at most %.0fs more)", len(self.handler.sessions), left
+                "Draining: waiting for %d sessions (at most %.0fs more)", self.handler.num_sessions, left
             )
             try:
                 await asyncio.wait_for(hurry.wait(), min(left, 1.0))
@@ -141,6 +238,9 @@ class Server:
                 pass
 
     async def stop(self) -> None:
+        for task in [self._balancer, *self._retiring]:
+            if task is not None:
+                task.cancel()
         if self.announcer is not None:
             await self.announcer.stop()
             try:
@@ -149,9 +249,9 @@ class Server:
                 logger.warning("Could not announce OFFLINE", exc_info=True)
         if self.handler is not None and self.handler.pusher is not None:
             await self.handler.pusher.close()
-        if self.engine is not None:
-            await self.engine.stop()
-            stats = self.engine.stats
+        for backend in self.backends:
+            await backend.stop()
+            stats = backend.engine.stats
             logger.info(
                 "Engine ran %d passes, %.1f rows per pass on average",
                 stats.num_passes,

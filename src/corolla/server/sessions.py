@@ -27,6 +27,7 @@ REMEMBERED_STEPS = 8
 @dataclass
 class ServerSession:
     session_id: str
+    engine: AsyncEngine
     engine_session: EngineSession
     stream: RequestStream  # the results of all this session's steps
     start: int  # absolute block range this session runs
@@ -87,6 +88,7 @@ class SessionRegistry:
             engine_session = await self.engine.call(opener)
             session = ServerSession(
                 session_id,
+                self.engine,
                 engine_session,
                 self.engine.stream(),
                 blocks[0],

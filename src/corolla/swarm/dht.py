@@ -8,7 +8,7 @@ so they are module-level (picklable) and return plain data. Every record read ba
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -57,10 +57,17 @@ class RemoteSpan:
 
 
 async def announce(
-    dht: DHT, dht_prefix: str, peer_id: str, record: ServerAnnouncement, expiration: float
+    dht: DHT,
+    dht_prefix: str,
+    peer_id: str,
+    record: ServerAnnouncement,
+    expiration: float,
+    also: Iterable[int] = (),
 ) -> bool:
-    """Store `record` under every block key of its span; returns whether every store succeeded."""
-    keys = [block_key(dht_prefix, i) for i in range(record.start, record.end)]
+    """Store `record` under every block key of its span (and of the blocks `also`: a server that moves
+    overwrites its records for the blocks it leaves); returns whether every store succeeded."""
+    indices = sorted(set(range(record.start, record.end)) | set(also))
+    keys = [block_key(dht_prefix, i) for i in indices]
     store = partial(_store_records, keys=keys, subkey=peer_id, value=record.to_dict(), ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 

@@ -130,14 +130,15 @@ class LocalSwarm:
         return self
 
     def add_server(
-        self, blocks: tuple[int, int], extra_args: Sequence[str] = (), wait: bool = True
+        self, blocks: tuple[int, int] | None, extra_args: Sequence[str] = (), wait: bool = True
     ) -> PeerProcess:
+        """Start a server for `blocks` (None: it places itself; its blocks are known once it is ready)."""
         index = len(self.servers)
+        placement = ["--blocks", f"{blocks[0]}:{blocks[1]}"] if blocks else []
         args = [
             "server",
             self.model,
-            "--blocks",
-            f"{blocks[0]}:{blocks[1]}",
+            *placement,
             "--host",
             "127.0.0.1",
             "--no-nat-port-map",
@@ -150,9 +151,8 @@ class LocalSwarm:
         ]
         if self.dht_prefix:
             args += ["--dht-prefix", self.dht_prefix]
-        server = PeerProcess(
-            f"server {index} ({blocks[0]}:{blocks[1]})", args, self.workdir / f"server{index}.log", self.env
-        )
+        name = f"server {index} ({blocks[0]}:{blocks[1]})" if blocks else f"server {index} (self-placed)"
+        server = PeerProcess(name, args, self.workdir / f"server{index}.log", self.env)
         self.servers.append(server)
         if wait:
             self._wait_ready(server)

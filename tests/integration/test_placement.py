@@ -1,0 +1,104 @@
+"""Servers without --blocks place themselves on SmolLM2's 30 blocks and rebalance when one leaves; a
+session running across a move completes with the right tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from corolla.server.placement import coverage
+from corolla.swarm.local import LocalSwarm
+from swarm_helpers import connect
+
+BUDGET_12_BLOCKS = "250000000"  # 12 x (14.2 MB of weights + 4096 tokens x 1.5 KB of cache) for SmolLM2
+ARGS = ["--memory-budget", BUDGET_12_BLOCKS, "--announce-period", "1", "--balance-period", "2"]
+
+
+def current_spans(model) -> dict[str, tuple[int, int]]:
+    spans = model.runtime.run(model.swarm.refresh())
+    return {s.peer_id: (s.start, s.end) for s in spans}
+
+
+def wait_for(condition, timeout: float, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def test_self_placement_and_rebalancing(smollm2_path):
+    with LocalSwarm(str(smollm2_path), []) as swarm:
+        first_three = [swarm.add_server(None, extra_args=ARGS) for _ in range(3)]
+        assert [server.blocks[1] - server.blocks[0] for server in first_three] == [12, 12, 12]
+        before = coverage([(*s.blocks, 1.0) for s in first_three], 30)
+        assert min(before) == 1  # all 30 blocks covered by three servers of 12
+
+        fourth = swarm.add_server(None, extra_args=ARGS)
+        lowest = min(before)
+        assert all(before[i] == lowest for i in range(*fourth.blocks))  # it went where coverage is thinnest
+
+        # the server to remove: the only one covering some blocks; the server that will move: of the two
+        # holding the same blocks, the one with the smaller peer id (placement.my_move breaks ties so)
+        def unique(server):
+            rest = coverage([(*o.blocks, 1.0) for o in swarm.servers if o is not server], 30)
+            return any(rest[i] == 0 for i in range(*server.blocks))
+
+        alone = next(s for s in swarm.servers if unique(s))
+        twins = [s for s in swarm.servers if [o.blocks for o in swarm.servers].count(s.blocks) == 2]
+        mover = min(twins, key=lambda s: s.peer_id)
+        keep = [i for i, s in enumerate(swarm.servers) if s is not alone and s not in twins]
+        pinned = [
+            swarm.servers.index(mover),
+            swarm.servers.index(alone),
+            *keep,
+        ]  # the session runs on the mover
+        with connect(smollm2_path, swarm, pinned, routing_timeout=60.0) as model:
+            prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2]
+            expected = model.generate(prompt, max_new_tokens=40, ignore_eos=True)
+            results = {}
+            session_ready = threading.Event()
+
+            def long_generation():
+                with model.inference_session(max_length=len(prompt) + 40) as session:
+                    results["tokens"] = model.generate(
+                        prompt,
+                        session=session,
+                        max_new_tokens=40,
+                        ignore_eos=True,
+                        streamer=lambda _: session_ready.set() or time.sleep(0.2),
+                    )
+                    results["route"] = [hop.peer_id for hop in session.route]
+                results["ended"] = time.time()
+
+            worker = threading.Thread(target=long_generation)
+            worker.start()
+            assert session_ready.wait(60)
+            alone.kill_group()
+            swarm.servers.remove(alone)
+            worker.join(timeout=180)
+
+            assert torch.equal(results["tokens"], expected)  # through the departure and the move
+            assert results["route"][0] == mover.peer_id  # its first hop stayed on the mover's old blocks
+            covered = wait_for(
+                lambda: min(coverage([(*b, 1.0) for b in current_spans(model).values()], 30)) > 0, timeout=60
+            )
+            assert covered, f"blocks left uncovered: {current_spans(model)}"
+        assert [s for s in swarm.servers if "Moving from blocks" in s.log()] == [mover]
+        moved = log_lines(mover, "Moving from blocks")
+        unloaded = wait_for(lambda: log_lines(mover, "Unloaded blocks"), 10)  # soon after our session ends
+        assert unloaded, "the mover never unloaded its old blocks:\n" + mover.log_tail(25)
+        waited = seconds_of_day(unloaded[0]) - seconds_of_day(moved[0])
+        assert waited >= 2, f"old blocks unloaded {waited}s after the move, while our session still used them"
+
+
+def log_lines(server, text: str) -> list[str]:
+    return [line for line in server.log().splitlines() if text in line]
+
+
+def seconds_of_day(log_line: str) -> int:
+    hours, minutes, seconds = (int(part) for part in log_line.split()[0].split(":"))
+    return 3600 * hours + 60 * minutes + seconds
