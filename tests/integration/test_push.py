@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -11,7 +13,9 @@ from swarm_helpers import connect
 
 @pytest.fixture(scope="module")
 def chain(tiny_models):
-    with LocalSwarm(str(tiny_models["llama"]), [(0, 2), (2, 4), (4, 6)]) as swarm:
+    with LocalSwarm(
+        str(tiny_models["llama"]), [(0, 2), (2, 4), (4, 6)], server_args=["--announce-period", "1"]
+    ) as swarm:
         yield swarm
 
 
@@ -38,3 +42,16 @@ def test_most_steps_arrive_by_push_and_results_do_not_change(chain, tiny_models)
     for server in (1, 2):  # every step ran once; most of them by push
         assert client_steps[server] + pushed_steps[server] == 32
         assert pushed_steps[server] > 16, f"server {server}: {pushed_steps[server]} of 32 steps by push"
+
+
+def test_servers_announce_their_links_to_the_next_servers(chain, tiny_models):
+    first, second, third = (s.peer_id for s in chain.servers)
+    with connect(tiny_models["llama"], chain) as model:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            links = {s.peer_id: dict(s.info.next_pings) for s in model.runtime.run(model.swarm.refresh())}
+            if second in links.get(first, {}) and third in links.get(second, {}):
+                break
+            time.sleep(1)
+    assert set(links[first]) == {second} and set(links[second]) == {third} and not links[third]
+    assert all(0 < rtt < 1 for rtt in [*links[first].values(), *links[second].values()])

@@ -24,7 +24,6 @@ from corolla.client.estimates import ServerEstimates
 from corolla.config import ClientConfig
 from corolla.errors import (
     CacheExhausted,
-    CorollaError,
     MissingBlocks,
     RemoteError,
     ServerUnavailable,
@@ -32,6 +31,7 @@ from corolla.errors import (
     decode_remote_error,
 )
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
+from corolla.swarm.ping import ping
 from corolla.swarm.routing import Hop, choose_chain
 from corolla.wire.messages import RPC_INFO, ServerInfo
 
@@ -89,12 +89,10 @@ class SwarmClient:
     async def _ping(self, peer_id: str) -> None:
         # a server met for the first time gets a few pings: one round trip alone is noise
         for _ in range(1 if self.estimates.has_rtt(peer_id) else 3):
-            started = time.perf_counter()
-            try:
-                info = await asyncio.wait_for(self.server_info(peer_id), PING_TIMEOUT)
-            except (CorollaError, asyncio.TimeoutError, TimeoutError):
+            answer = await ping(self.p2p, peer_id, PING_TIMEOUT)
+            if answer is None:
                 return  # unreachable now: its steps will fail over if it is used anyway
-            self.estimates.ping(peer_id, time.perf_counter() - started, info)
+            self.estimates.ping(peer_id, *answer)
 
     async def route(self, start: int = 0, end: int | None = None) -> list[Hop]:
         """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage."""
@@ -110,6 +108,8 @@ class SwarmClient:
                     start,
                     end,
                     estimates=self.estimates.estimates(self.spans),
+                    links={s.peer_id: dict(s.info.next_pings) for s in self.spans},
+                    push=self.config.use_push,
                     rng=self._rng,
                     allowed=self.config.allowed_servers,
                     banned=self.banned(),

@@ -35,11 +35,13 @@ from corolla.server.placement import blocks_for_budget, choose_blocks, my_move
 from corolla.server.push import Pusher
 from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import find_spans, start_dht
+from corolla.swarm.ping import ping
 from corolla.wire.records import ServerAnnouncement, ServerState
 
 logger = logging.getLogger(__name__)
 
 BUDGET_CACHE_TOKENS = 4096  # attention cache set aside per block when a memory budget sizes the span
+MAX_LINKS = 8  # next servers pinged for push-aware routing
 
 
 class Server:
@@ -52,6 +54,8 @@ class Server:
         self.throughput: float | None = None
         self.announcer: Announcer | None = None
         self._balancer: asyncio.Task | None = None
+        self._linker: asyncio.Task | None = None
+        self.next_pings: dict[str, float] = {}  # round trips to servers that can take our outputs (push)
         self._retiring: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -82,6 +86,7 @@ class Server:
         self.announcer.start()
         if config.blocks is None and config.balance_period > 0:
             self._balancer = asyncio.create_task(self._balance_forever(), name="corolla-balancer")
+        self._linker = asyncio.create_task(self._measure_links_forever(), name="corolla-links")
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
 
     async def _backend(self, blocks: tuple[int, int]) -> SpanBackend:
@@ -146,6 +151,22 @@ class Server:
         spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
         return [(s.start, s.end, s.info.throughput or 1.0) for s in spans if s.peer_id != self.peer_id]
 
+    # --- links to the next servers, for push-aware routing -------------------------------------------------
+
+    async def _measure_links_forever(self) -> None:
+        while True:
+            try:
+                end = self.backends[0].blocks[1]
+                spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
+                nexts = [s.peer_id for s in spans if s.peer_id != self.peer_id and s.start <= end < s.end]
+                answers = await asyncio.gather(*(ping(self.p2p, peer, 2.0) for peer in nexts[:MAX_LINKS]))
+                self.next_pings = {
+                    peer: a[0] for peer, a in zip(nexts, answers, strict=False) if a is not None
+                }
+            except Exception:  # a DHT hiccup: keep the last figures
+                logger.debug("Measuring the links to the next servers failed", exc_info=True)
+            await asyncio.sleep(self.config.announce_period)
+
     # --- rebalancing ---------------------------------------------------------------------------------------
 
     async def _balance_forever(self) -> None:
@@ -180,8 +201,12 @@ class Server:
     async def _retire(self, old: SpanBackend) -> None:
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
         if len(old.sessions):
-            logger.info("Blocks %d:%d retire once their %d sessions end (at most %.0fs)", *old.blocks,
-                        len(old.sessions), self.config.drain_timeout)
+            logger.info(
+                "Blocks %d:%d retire once their %d sessions end (at most %.0fs)",
+                *old.blocks,
+                len(old.sessions),
+                self.config.drain_timeout,
+            )
         while len(old.sessions) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.5)
         if len(old.sessions):
@@ -209,6 +234,7 @@ class Server:
             num_sessions=info.num_sessions,
             queued_tokens=info.queued_tokens,
             throughput=self.throughput,
+            next_pings=tuple(self.next_pings.items()),
         )
 
     async def drain(self, timeout: float, hurry: asyncio.Event) -> None:
@@ -238,7 +264,7 @@ class Server:
                 pass
 
     async def stop(self) -> None:
-        for task in [self._balancer, *self._retiring]:
+        for task in [self._balancer, self._linker, *self._retiring]:
             if task is not None:
                 task.cancel()
         if self.announcer is not None:

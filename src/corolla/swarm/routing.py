@@ -9,6 +9,7 @@ only part of a server's span. When some block has no server, `MissingBlocks` nam
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,9 +39,6 @@ class Estimate:
     seconds_per_block: float = DEFAULT_SECONDS_PER_BLOCK
     load: float = 0.0  # sessions on the server (announced, plus this client's own)
 
-    def hop_cost(self, num_blocks: int) -> float:
-        return (self.rtt + num_blocks * self.seconds_per_block) * (1 + LOAD_WEIGHT * self.load)
-
 
 def uncovered_blocks(spans: Sequence[RemoteSpan], start: int, end: int) -> tuple[int, ...]:
     covered = set()
@@ -61,18 +59,26 @@ def format_blocks(blocks: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-def choose_chain(
+def choose_chain(  # noqa: PLR0913
     spans: Sequence[RemoteSpan],
     start: int,
     end: int,
     *,
     estimates: Mapping[str, Estimate] | None = None,
+    links: Mapping[str, Mapping[str, float]] | None = None,
+    push: bool = False,
     rng: random.Random | None = None,
     allowed: Collection[str] | None = None,
     banned: Collection[str] = (),
 ) -> list[Hop]:
-    """The cheapest chain over blocks [start, end); raises MissingBlocks if some block is not served."""
-    rng, estimates = rng or random.Random(), estimates or {}
+    """The cheapest chain over blocks [start, end); raises MissingBlocks if some block is not served.
+
+    Without push every hop costs a round trip from the client plus its compute. With push (servers pass
+    each step along) a step costs half a round trip to the first server, the compute and half a ping
+    between each pair of consecutive servers (`links[a][b]`, measured by the servers, or estimated from
+    the client's round trips), and half a round trip back from the last one.
+    """
+    rng, estimates, links = rng or random.Random(), estimates or {}, links or {}
     usable = [s for s in spans if s.peer_id not in banned and (allowed is None or s.peer_id in allowed)]
     missing = uncovered_blocks(usable, start, end)
     if missing:
@@ -82,21 +88,35 @@ def choose_chain(
             missing,
         )
     noise = {s.peer_id: 1 + JITTER * rng.random() for s in usable}
-    # cheapest way from each block boundary to `end`, by dynamic programming from the end
-    best: dict[int, tuple[float, Hop | None]] = {end: (0.0, None)}
-    for position in range(end - 1, start - 1, -1):
+    estimate = {s.peer_id: estimates.get(s.peer_id, Estimate()) for s in usable}
+    # a hop ends at its server's last block or where another server's span starts or ends
+    boundaries = sorted({end} | {b for s in usable for b in (s.start, s.end) if start < b < end})
+
+    def link(previous: str | None, peer_id: str) -> float:
+        if not push:
+            return estimate[peer_id].rtt
+        if previous is None:
+            return estimate[peer_id].rtt / 2
+        measured = links.get(previous, {}).get(peer_id)
+        return (
+            measured if measured is not None else (estimate[previous].rtt + estimate[peer_id].rtt) / 2
+        ) / 2
+
+    @functools.cache
+    def best(position: int, previous: str | None) -> tuple[float, tuple[Hop, ...]]:
+        """The cheapest way from `position` to `end`, coming from `previous` (by dynamic programming)."""
+        if position == end:
+            return (estimate[previous].rtt / 2 if push else 0.0), ()
         options = []
         for span in usable:
             if not span.start <= position < span.end:
                 continue
-            estimate = estimates.get(span.peer_id, Estimate())
-            for stop in range(position + 1, min(span.end, end) + 1):
-                cost = estimate.hop_cost(stop - position) * noise[span.peer_id] + best[stop][0]
-                options.append((cost, Hop(span.peer_id, position, stop)))
-        best[position] = min(options, key=lambda option: option[0])
-    chain, position = [], start
-    while position < end:
-        hop = best[position][1]
-        chain.append(hop)
-        position = hop.end
-    return chain
+            load = 1 + LOAD_WEIGHT * estimate[span.peer_id].load
+            for stop in (b for b in boundaries if position < b <= min(span.end, end)):
+                compute = (stop - position) * estimate[span.peer_id].seconds_per_block
+                cost = (link(previous, span.peer_id) + compute) * load * noise[span.peer_id]
+                rest_cost, rest = best(stop, span.peer_id)
+                options.append((cost + rest_cost, (Hop(span.peer_id, position, stop), *rest)))
+        return min(options, key=lambda option: option[0])
+
+    return list(best(start, None)[1])

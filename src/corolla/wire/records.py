@@ -14,6 +14,8 @@ from typing import Any
 from corolla.errors import InvalidRequest
 from corolla.wire.fields import Fields
 
+MAX_PINGS = 64
+
 
 class ServerState(enum.IntEnum):
     OFFLINE = 0
@@ -43,11 +45,13 @@ class ServerAnnouncement:
     queued_tokens: int = 0  # live load: tokens waiting in the server's engine
     throughput: float | None = None  # blocks-per-second figure; None until measured
     adapters: tuple[str, ...] = ()
+    next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
 
     def to_dict(self) -> dict[str, Any]:
         record = {name: getattr(self, name) for name in self.__slots__}
         record["state"] = int(self.state)
         record["adapters"] = list(self.adapters)
+        record["next_pings"] = {peer: round(rtt, 6) for peer, rtt in self.next_pings}
         return {k: v for k, v in record.items() if v is not None}
 
     @classmethod
@@ -63,6 +67,21 @@ class ServerAnnouncement:
         adapters = fields.list("adapters", max_items=256)
         if not all(isinstance(a, str) for a in adapters):
             raise fields.error("adapters", "must be a list of strings")
+        pings = data.get("next_pings") or {}
+        if (
+            not isinstance(pings, dict)
+            or len(pings) > MAX_PINGS
+            or not all(
+                isinstance(k, str)
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and 0 <= v < 3600
+                for k, v in pings.items()
+            )
+        ):
+            raise fields.error(
+                "next_pings", f"must map at most {MAX_PINGS} peer ids to round trips in seconds"
+            )
         return cls(
             state=ServerState(state),
             start=start,
@@ -75,4 +94,5 @@ class ServerAnnouncement:
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
             throughput=fields.float("throughput", low=0.0),
             adapters=tuple(adapters),
+            next_pings=tuple((peer, float(rtt)) for peer, rtt in pings.items()),
         )

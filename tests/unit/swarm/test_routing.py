@@ -128,3 +128,20 @@ def test_only_one_server_moves_into_a_hole():
     servers["a"] = (*moves["a"], 1.0)
     assert min(coverage(servers.values(), 30)) == 1
     assert all(my_move(servers, peer, 30) is None for peer in servers)  # then everyone stays put
+
+
+def test_with_push_the_links_between_servers_count():
+    spans = [span("a", 0, 2), span("b1", 2, 4), span("b2", 2, 4)]
+    estimates = {peer: Estimate(rtt=0.05) for peer in ("a", "b1", "b2")}
+    links = {"a": {"b1": 0.08, "b2": 0.002}}  # b2 sits next to a; b1 is far from it
+    for seed in range(10):
+        chain = choose_chain(
+            spans, 0, 4, estimates=estimates, links=links, push=True, rng=random.Random(seed)
+        )
+        assert [h.peer_id for h in chain] == ["a", "b2"]
+    # without push the servers never talk to each other: the link does not matter, replicas alternate
+    picks = {
+        choose_chain(spans, 0, 4, estimates=estimates, links=links, rng=random.Random(seed))[1].peer_id
+        for seed in range(20)
+    }
+    assert picks == {"b1", "b2"}

@@ -39,3 +39,12 @@ def test_malformed_records_are_rejected(data, message):
 
 def test_block_uids():
     assert block_uids("m", 2, 5) == "m.2 m.3 m.4"
+
+
+def test_next_pings_roundtrip_and_validation():
+    data = record(next_pings={"peerB": 0.0123})
+    assert ServerAnnouncement.from_dict(data).next_pings == (("peerB", 0.0123),)
+    with pytest.raises(InvalidRequest, match="next_pings"):
+        ServerAnnouncement.from_dict(record(next_pings={"peerB": "fast"}))
+    with pytest.raises(InvalidRequest, match="next_pings"):
+        ServerAnnouncement.from_dict(record(next_pings={f"p{i}": 0.1 for i in range(100)}))

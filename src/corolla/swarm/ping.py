@@ -1,0 +1,31 @@
+"""Pinging a server: one `rpc_info` round trip, which also returns its live load.
+
+Used by clients (to weigh servers when routing) and by servers (to measure the links to the servers that
+take their outputs, which they announce for push-aware routing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from corolla.wire.messages import RPC_INFO, ServerInfo
+
+
+async def ping(p2p: P2P, peer_id: str, timeout: float) -> tuple[float, ServerInfo] | None:
+    """(round-trip seconds, the server's report), or None if it did not answer properly in time."""
+    started = time.perf_counter()
+    try:
+        reply = await asyncio.wait_for(
+            p2p.call_protobuf_handler(
+                PeerID.from_base58(peer_id), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+            ),
+            timeout,
+        )
+        info = ServerInfo.from_bytes(reply.serialized_info)
+    except Exception:  # unreachable, dead, timed out or a garbled reply: all mean "no answer"
+        return None
+    return time.perf_counter() - started, info
