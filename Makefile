@@ -38,11 +38,13 @@ test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
 test-integration: $(STAMP) ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, throughput, engine overhead; ~10 min)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push; ~15 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/throughput.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/failover.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/push.py
 
 lint: $(STAMP) ## ruff over the sources, tests and benchmarks
 	$(BIN)/ruff check src tests bench
