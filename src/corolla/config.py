@@ -87,6 +87,7 @@ class ClientConfig:
     allowed_servers: tuple[str, ...] | None = None  # restrict routing to these peer ids
     blocked_servers: tuple[str, ...] = ()
     max_retries: int = 8  # failed servers replaced per step (or forward call) before giving up
+    failover_timeout: float = 120.0  # and no step keeps replacing servers for longer than this
     ban_time: float = 15.0  # a failed server is avoided this long, doubling on each further failure
     refresh_period: float = 10.0  # re-read the DHT and ping the servers this often
     use_push: bool = True  # ask each server to push its outputs straight to the next one

@@ -15,7 +15,7 @@ from corolla.swarm.local import LocalSwarm
 from swarm_helpers import connect
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
-NEW_TOKENS = 48
+NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")

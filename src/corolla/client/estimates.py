@@ -57,10 +57,12 @@ class ServerEstimates:
             seconds_per_block = 1 / throughput if throughput else DEFAULT_SECONDS_PER_BLOCK
         info = self.infos.get(peer_id)
         others = info.num_sessions if info is not None else span.info.num_sessions
+        free = info.cache_tokens_available if info is not None else span.info.cache_tokens_available
         return Estimate(
             rtt=self.rtt.get(peer_id, DEFAULT_RTT),
             seconds_per_block=seconds_per_block,
             load=others + max(self.mine[peer_id], 0),
+            free_cache=free,
         )
 
     def estimates(self, spans: Iterable[RemoteSpan]) -> dict[str, Estimate]:

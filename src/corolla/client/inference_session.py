@@ -58,7 +58,7 @@ class InferenceSession:
         """Span sessions over blocks [start, end), re-routing around servers that fail to open."""
         swarm = self.swarm
         for _ in range(swarm.config.max_retries + 1):
-            hops = await swarm.route(start, end)
+            hops = await swarm.route(start, end, needed_cache=self.max_length)
             swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
             spans = [
                 SpanSession(
@@ -107,6 +107,7 @@ class InferenceSession:
                 f"max_length={self.max_length}"
             )
         boundaries, index, failures = [], 0, 0
+        deadline = time.monotonic() + self.swarm.config.failover_timeout
         step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
         push = self.swarm.config.use_push and prompts is None and hypo_ids is None
         while index < len(self.spans):
@@ -122,7 +123,7 @@ class InferenceSession:
                 )
             except RETRYABLE as e:
                 failures += 1
-                if failures > self.swarm.config.max_retries:
+                if failures > self.swarm.config.max_retries or time.monotonic() > deadline:
                     raise ServerUnavailable(f"giving up after {failures} failed servers; last: {e}") from e
                 logger.warning("Server ...%s failed (%s); replacing it", span.hop.peer_id[-6:], e)
                 await self._replace(index)

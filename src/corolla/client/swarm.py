@@ -94,7 +94,7 @@ class SwarmClient:
                 return  # unreachable now: its steps will fail over if it is used anyway
             self.estimates.ping(peer_id, *answer)
 
-    async def route(self, start: int = 0, end: int | None = None) -> list[Hop]:
+    async def route(self, start: int = 0, end: int | None = None, needed_cache: int = 0) -> list[Hop]:
         """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage."""
         end = self.num_blocks if end is None else end
         deadline = time.monotonic() + self.config.routing_timeout
@@ -110,6 +110,7 @@ class SwarmClient:
                     estimates=self.estimates.estimates(self.spans),
                     links={s.peer_id: dict(s.info.next_pings) for s in self.spans},
                     push=self.config.use_push,
+                    needed_cache=needed_cache,
                     rng=self._rng,
                     allowed=self.config.allowed_servers,
                     banned=self.banned(),

@@ -38,6 +38,7 @@ class Estimate:
     rtt: float = DEFAULT_RTT
     seconds_per_block: float = DEFAULT_SECONDS_PER_BLOCK
     load: float = 0.0  # sessions on the server (announced, plus this client's own)
+    free_cache: int | None = None  # tokens of attention cache it has left (announced)
 
 
 def uncovered_blocks(spans: Sequence[RemoteSpan], start: int, end: int) -> tuple[int, ...]:
@@ -67,6 +68,7 @@ def choose_chain(  # noqa: PLR0913
     estimates: Mapping[str, Estimate] | None = None,
     links: Mapping[str, Mapping[str, float]] | None = None,
     push: bool = False,
+    needed_cache: int = 0,
     rng: random.Random | None = None,
     allowed: Collection[str] | None = None,
     banned: Collection[str] = (),
@@ -76,7 +78,8 @@ def choose_chain(  # noqa: PLR0913
     Without push every hop costs a round trip from the client plus its compute. With push (servers pass
     each step along) a step costs half a round trip to the first server, the compute and half a ping
     between each pair of consecutive servers (`links[a][b]`, measured by the servers, or estimated from
-    the client's round trips), and half a round trip back from the last one.
+    the client's round trips), and half a round trip back from the last one. A server with less free
+    cache than `needed_cache` tokens counts double: it can take the session, but may have to wait.
     """
     rng, estimates, links = rng or random.Random(), estimates or {}, links or {}
     usable = [s for s in spans if s.peer_id not in banned and (allowed is None or s.peer_id in allowed)]
@@ -111,7 +114,7 @@ def choose_chain(  # noqa: PLR0913
         for span in usable:
             if not span.start <= position < span.end:
                 continue
-            load = 1 + LOAD_WEIGHT * estimate[span.peer_id].load
+            load = _slowdown(estimate[span.peer_id], needed_cache)
             for stop in (b for b in boundaries if position < b <= min(span.end, end)):
                 compute = (stop - position) * estimate[span.peer_id].seconds_per_block
                 cost = (link(previous, span.peer_id) + compute) * load * noise[span.peer_id]
@@ -120,3 +123,11 @@ def choose_chain(  # noqa: PLR0913
         return min(options, key=lambda option: option[0])
 
     return list(best(start, None)[1])
+
+
+def _slowdown(estimate: Estimate, needed_cache: int) -> float:
+    """How much a server's load is expected to stretch a step there."""
+    slowdown = 1 + LOAD_WEIGHT * estimate.load
+    if estimate.free_cache is not None and estimate.free_cache < needed_cache:
+        slowdown *= 2
+    return slowdown

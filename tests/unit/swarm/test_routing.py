@@ -145,3 +145,13 @@ def test_with_push_the_links_between_servers_count():
         for seed in range(20)
     }
     assert picks == {"b1", "b2"}
+
+
+def test_a_server_short_of_cache_is_avoided_when_another_has_room():
+    spans = [span("full", 0, 4), span("roomy", 0, 4)]
+    estimates = {"full": Estimate(free_cache=100), "roomy": Estimate(free_cache=100_000)}
+    picks = {
+        choose_chain(spans, 0, 4, estimates=estimates, needed_cache=2048, rng=random.Random(seed))[0].peer_id
+        for seed in range(20)
+    }
+    assert picks == {"roomy"}
