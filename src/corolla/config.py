@@ -76,6 +76,8 @@ class ServerConfig:
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
     simulate_slow_ms: float = 0.0  # testing aid: sleep this long after every engine pass
+    metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port (None: do not)
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ def setup_logging(level: str) -> None:
     logging.getLogger("corolla").setLevel(level)
 
 
-def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str) -> None:
+def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen_flag: str = "") -> None:
+    """The swarm options; `listen_flag` prefixes --host/--port (e.g. "p2p-") when a command needs those
+    names for something else."""
     group = parser.add_argument_group("swarm")
     group.add_argument(
         "--initial-peers",
@@ -29,8 +31,19 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str) -> Non
         metavar="MADDR",
         help="multiaddresses of peers already in the swarm (printed by `corolla dht`)",
     )
-    group.add_argument("--host", default=default_host, help="address to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    group.add_argument(
+        f"--{listen_flag}host",
+        dest="host",
+        default=default_host,
+        help="address to listen on for the swarm (default: %(default)s)",
+    )
+    group.add_argument(
+        f"--{listen_flag}port",
+        dest="port",
+        type=int,
+        default=0,
+        help="TCP port to listen on for the swarm (default: any free port)",
+    )
     group.add_argument(
         "--announce-host",
         default=None,

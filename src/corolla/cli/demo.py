@@ -34,6 +34,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--servers", type=int, default=3, help="number of servers (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="keep the peers' logs in this folder")
+    parser.add_argument(
+        "--api",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="after the answer, keep the swarm up and serve the OpenAI API and the swarm dashboard at "
+        "http://127.0.0.1:PORT until Ctrl-C",
+    )
     add_generation_args(parser)
     parser.set_defaults(run=run)
 
@@ -64,9 +72,23 @@ def run(args: argparse.Namespace) -> None:
             generation_started = time.monotonic()
             _, num_tokens = stream_completion(model, input_ids, params, sys.stdout)
             elapsed = time.monotonic() - generation_started
-        print(
-            f"\n[{num_tokens} tokens in {elapsed:.1f}s through {len(spans)} servers; "
-            "shutting the swarm down]",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"\n[{num_tokens} tokens in {elapsed:.1f}s through {len(spans)} servers]", file=sys.stderr)
+        if args.api is not None:
+            serve_api(swarm, args.api)
+        print("[shutting the swarm down]", file=sys.stderr, flush=True)
+
+
+def serve_api(swarm: LocalSwarm, port: int) -> None:
+    api = swarm.add_api(port)
+    print(
+        f"OpenAI API: {api.url}/v1 (model {resolve_model(swarm.model).name}), dashboard: {api.url}/, "
+        f"metrics: {api.url}/metrics. Logs: {swarm.workdir}. Ctrl-C stops everything.",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while api.alive and all(server.alive for server in swarm.servers):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return
+    print(f"A peer exited unexpectedly:\n{api.log_tail()}", file=sys.stderr)

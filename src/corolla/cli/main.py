@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from corolla import __version__
-from corolla.cli import demo, dht, generate, server
+from corolla.cli import api, demo, dht, generate, server, status
 from corolla.cli.common import setup_logging
 from corolla.errors import CorollaError
 
-SUBCOMMANDS = (dht, server, generate, demo)
+SUBCOMMANDS = (dht, server, generate, api, status, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -146,6 +146,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "finish (a second signal stops at once; default: %(default)s)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics (sessions, batch sizes, queue depth, free cache, pass times) at "
+        "http://METRICS_HOST:PORT/metrics (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=defaults.metrics_host,
+        help="address for --metrics-port (default: %(default)s)",
+    )
+    parser.add_argument(
         "--simulate-slow-ms",
         type=float,
         default=0.0,
@@ -206,6 +218,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise InvalidRequest(f"--max-batch-wait-ms must not be negative, got {args.max_batch_wait_ms}")
     if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
         raise InvalidRequest(f"--max-cache-tokens must hold at least one block of {args.block_size} tokens")
+    if args.metrics_port is not None and not 0 < args.metrics_port <= 65535:
+        raise InvalidRequest(f"--metrics-port must lie in 1..65535, got {args.metrics_port}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise InvalidRequest(f"--num-blocks must be at least 1, got {args.num_blocks}")
     return ServerConfig(
@@ -232,6 +246,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         simulate_slow_ms=args.simulate_slow_ms,
         announce_period=args.announce_period,
         num_threads=args.num_threads,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 

@@ -1,22 +1,33 @@
 """Token generation over an inference session: embed -> swarm -> head -> sample, one token per step.
 
-`generate_tokens` is an async generator yielding each step's new tokens [B] as soon as they are chosen,
-so callers stream them. Rows that hit an EOS token or a stop string are finished and padded until every
-row is done. The last sampled token is left in `session.pending_token_ids`, so a later call on the same
-session continues the conversation without recomputing anything.
+`generate_steps` is an async generator yielding each step's new tokens [B] (with their log-probabilities
+when asked for) as soon as they are chosen, so callers stream them; `generate_tokens` yields the tokens.
+Rows that hit an EOS token or a stop string are finished and padded until every row is done. The last
+sampled token is left in `session.pending_token_ids`, so a later call on the same session continues the
+conversation without recomputing anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
-from corolla.client.sampling import SamplingParams, next_tokens
+from corolla.client.sampling import SamplingParams, next_tokens, top_logprobs
 from corolla.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class GenerationStep:
+    tokens: torch.Tensor  # [B] the chosen tokens (pad_token_id in rows that had already finished)
+    finished: torch.Tensor  # [B] bool: rows done after this step (EOS or a stop string)
+    logprobs: torch.Tensor | None = None  # [B] the chosen tokens' log-probabilities (params.logprobs set)
+    top_values: torch.Tensor | None = None  # [B, k] the k most likely tokens' log-probabilities
+    top_ids: torch.Tensor | None = None  # [B, k] and their ids
 
 
 class StopChecker:
@@ -45,7 +56,13 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-async def generate_tokens(
+async def generate_tokens(*args: Any, **kwargs: Any) -> AsyncIterator[torch.Tensor]:
+    """Yield the next token of every row [B]: `generate_steps` without the log-probabilities."""
+    async for step in generate_steps(*args, **kwargs):
+        yield step.tokens
+
+
+async def generate_steps(  # noqa: PLR0913
     head: HeadBatcher,
     session: InferenceSession,
     input_ids: torch.Tensor,
@@ -53,8 +70,8 @@ async def generate_tokens(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     tokenizer: Any = None,
-) -> AsyncIterator[torch.Tensor]:
-    """Yield the next token of every row [B], up to params.max_new_tokens steps."""
+) -> AsyncIterator[GenerationStep]:
+    """Yield every row's next token, up to params.max_new_tokens steps."""
     batch = input_ids.shape[0]
     inputs = input_ids
     if session.pending_token_ids is not None:
@@ -72,7 +89,7 @@ async def generate_tokens(
     eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
     stops = StopChecker(params.stop, tokenizer, batch)
     generator = params.make_generator() if params.do_sample else None
-    context = input_ids
+    context, prompt_length = input_ids, input_ids.shape[1]
     finished = torch.zeros(batch, dtype=torch.bool)
     head.register()  # lets the head batcher know how many sessions may join a batch
     try:
@@ -81,12 +98,15 @@ async def generate_tokens(
             for _ in range(params.max_new_tokens):
                 outputs = await session.astep(hidden)
                 logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
-                tokens = next_tokens(logits, context, params, generator)
+                tokens = next_tokens(logits, context, params, generator, context[:, prompt_length:])
                 tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)
                 session.pending_token_ids = tokens[:, None]
                 context = torch.cat([context, tokens[:, None]], dim=1)
-                yield tokens
-                finished |= torch.isin(tokens, eos) | stops.update(tokens)
+                finished = finished | torch.isin(tokens, eos) | stops.update(tokens)
+                if params.logprobs is None:
+                    yield GenerationStep(tokens, finished)
+                else:
+                    yield GenerationStep(tokens, finished, *top_logprobs(logits, tokens, params.logprobs))
                 if bool(finished.all()):
                     break
                 hidden = head.head.embed(tokens[:, None])

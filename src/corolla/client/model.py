@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from corolla.client.generation import generate_tokens
+from corolla.client.generation import GenerationStep, generate_steps
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.remote_forward import remote_forward
@@ -120,6 +120,21 @@ class DistributedModelForCausalLM:
         **kwargs: Any,
     ) -> AsyncIterator[torch.Tensor]:
         """Yield each step's new tokens [B]; kwargs are SamplingParams fields."""
+        async for step in self.agenerate_steps(input_ids, params, session, **kwargs):
+            yield step.tokens
+
+    async def agenerate_steps(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        params: SamplingParams | None = None,
+        session: InferenceSession | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationStep]:
+        """Like `agenerate`, with each row's finished flag and (params.logprobs) log-probabilities.
+
+        Without `session`, one is opened for max_length = prompt + max_new_tokens and closed on every
+        server of its chain as soon as the generation ends, fails or is cancelled.
+        """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
         own = session is None
@@ -128,7 +143,7 @@ class DistributedModelForCausalLM:
                 self.swarm, self.runtime, input_ids.shape[1] + params.max_new_tokens
             ).aopen()
         try:
-            async for tokens in generate_tokens(
+            async for step in generate_steps(
                 self.head_batcher,
                 session,
                 input_ids,
@@ -137,7 +152,7 @@ class DistributedModelForCausalLM:
                 self.pad_token_id,
                 self.tokenizer if params.stop else None,
             ):
-                yield tokens
+                yield step
         finally:
             if own:
                 await session.aclose()

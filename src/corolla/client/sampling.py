@@ -2,7 +2,10 @@
 
 Processing order and semantics follow transformers' `generate`: repetition penalty, then temperature,
 top-k and top-p, then a draw from the resulting distribution (greedy takes the argmax after the
-repetition penalty). A seed makes sampling reproducible: each request owns its `torch.Generator`.
+penalties). OpenAI's presence and frequency penalties and logit bias come first: they subtract
+`presence * (count > 0) + frequency * count` from each token's logit, counting only the tokens generated
+so far (not the prompt), as OpenAI documents. A seed makes sampling reproducible: each request owns its
+`torch.Generator`. Log-probabilities, when asked for, are those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per earlier occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -42,6 +49,16 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise InvalidRequest(f"{name} must lie in [-2, 2], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"logprobs must lie in 0..20, got {self.logprobs}")
+
+    @property
+    def penalizes_output(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def make_generator(self) -> torch.Generator:
         generator = torch.Generator()
@@ -56,6 +73,27 @@ def apply_repetition_penalty(logits: torch.Tensor, context_ids: torch.Tensor, pe
     scores = torch.gather(logits, 1, context_ids)
     scores = torch.where(scores < 0, scores * penalty, scores / penalty)
     return logits.scatter(1, context_ids, scores)
+
+
+def apply_openai_penalties(
+    logits: torch.Tensor, output_ids: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """logits [B, V]; output_ids [B, t]: the tokens generated so far. Adds logit_bias, subtracts penalties."""
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        logits = logits.index_add(
+            1, torch.tensor(ids), torch.tensor(biases, dtype=logits.dtype)[None].expand(len(logits), -1)
+        )
+    if params.penalizes_output and output_ids.shape[1]:
+        counts = torch.zeros_like(logits).scatter_add_(
+            1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype)
+        )
+        logits = (
+            logits
+            - params.frequency_penalty * counts
+            - params.presence_penalty * (counts > 0).to(logits.dtype)
+        )
+    return logits
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -74,11 +112,32 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def next_tokens(
-    logits: torch.Tensor, context_ids: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    context_ids: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    output_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Choose the next token of each row: logits [B, V] (float32), context_ids [B, T] -> [B]."""
-    logits = apply_repetition_penalty(logits.float(), context_ids, params.repetition_penalty)
+    """Choose the next token of each row: logits [B, V] (float32), context_ids [B, T] -> [B].
+
+    `output_ids` [B, t] are the generated tokens among context_ids (default: none), for OpenAI's penalties.
+    """
+    logits = logits.float()
+    if params.logit_bias or params.penalizes_output:
+        none = context_ids[:, :0]
+        logits = apply_openai_penalties(logits, none if output_ids is None else output_ids, params)
+    logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
     if not params.do_sample:
         return logits.argmax(dim=-1)
     probs = warp(logits, params).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw model log-probabilities: of the chosen tokens [B], and the k best (values, ids) [B, k]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    best = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
+    return chosen, best[0], best[1]

@@ -75,6 +75,8 @@ class AsyncEngine:
         self.pass_delay = pass_delay  # testing aid: simulate a slower machine by sleeping after each pass
         self.tracker = RequestTracker()
         self.stats: EngineStats = engine.stats()  # a snapshot, replaced after every pass
+        # called on the loop thread after every pass with (rows run, seconds): metrics, never engine state
+        self.pass_listeners: list[Callable[[int, float], None]] = []
         self._streams: dict[int, RequestStream] = {}  # request id -> stream (loop thread only)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -160,12 +162,15 @@ class AsyncEngine:
                 self.tracker.wakeup.wait(delay)
                 self.tracker.wakeup.clear()
                 continue
-            started = time.perf_counter()
+            started, passes = time.perf_counter(), self.engine.num_passes
             try:
                 completions = self.engine.step()
             except Exception as e:
                 logger.exception("Engine pass failed; failing every request in flight")
                 completions = self._fail_all(e)
+            if self.engine.num_passes != passes:
+                for listener in self.pass_listeners:
+                    listener(self.engine.batched_rows, time.perf_counter() - started)
             if self.pass_delay > 0:
                 time.sleep(self.pass_delay)
             self._deliver(completions)

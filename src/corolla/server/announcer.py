@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from hivemind import DHT
 
-from corolla.swarm.dht import announce
+from corolla.swarm.dht import announce, announce_model
 from corolla.wire.records import ServerAnnouncement, ServerState
 
 logger = logging.getLogger(__name__)
@@ -26,8 +26,10 @@ class Announcer:
         peer_id: str,
         period: float,
         make_record: Callable[[ServerState], ServerAnnouncement],
+        num_blocks: int,
     ):
         self.dht, self.dht_prefix, self.peer_id, self.period = dht, dht_prefix, peer_id, period
+        self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
         self.make_record = make_record
         self.state = ServerState.JOINING
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
@@ -41,6 +43,8 @@ class Announcer:
         self.state = state
         record = self.make_record(state)
         ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration, self.leaving)
+        if state == ServerState.ONLINE:
+            ok &= await announce_model(self.dht, self.dht_prefix, self.num_blocks, self.expiration)
         if not ok:
             logger.warning(
                 "Could not store the %s announcement for blocks %d:%d on the DHT",

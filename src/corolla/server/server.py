@@ -23,7 +23,7 @@ import torch
 
 from corolla import __version__
 from corolla.config import ServerConfig
-from corolla.engine.engine import EngineConfig
+from corolla.engine.engine import EngineConfig, EngineStats
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.source import dht_prefix_for, resolve_model
@@ -31,6 +31,7 @@ from corolla.models.span import Span
 from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
 from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.metrics import ServerMetrics
 from corolla.server.placement import blocks_for_budget, choose_blocks, my_move
 from corolla.server.push import Pusher
 from corolla.server.throughput import measure_throughput
@@ -57,6 +58,9 @@ class Server:
         self._linker: asyncio.Task | None = None
         self.next_pings: dict[str, float] = {}  # round trips to servers that can take our outputs (push)
         self._retiring: set[asyncio.Task] = set()
+        self.metrics: ServerMetrics | None = None
+        if config.metrics_port is not None:
+            self.metrics = ServerMetrics(self._live_figures)
 
     async def start(self) -> None:
         config = self.config
@@ -78,9 +82,16 @@ class Server:
         self.handler = TransformerConnectionHandler(self.backends, config, self.dht_prefix, __version__)
         self.p2p = await self.dht.replicate_p2p()
         self.handler.pusher = Pusher(self.p2p, self.dht_prefix)
+        if self.metrics is not None:
+            self.metrics.serve(config.metrics_host, config.metrics_port)
         await self.handler.add_p2p_handlers(self.p2p)
         self.announcer = Announcer(
-            self.dht, self.dht_prefix, self.peer_id, config.announce_period, self._record
+            self.dht,
+            self.dht_prefix,
+            self.peer_id,
+            config.announce_period,
+            self._record,
+            self.model.num_hidden_layers,
         )
         await self.announcer.announce(ServerState.ONLINE)
         self.announcer.start()
@@ -111,7 +122,7 @@ class Server:
             engine_config.max_batch_tokens,
             engine_config.max_batch_rows,
         )
-        return await SpanBackend.create(
+        backend = await SpanBackend.create(
             Path(self.folder),
             blocks,
             self.dtype,
@@ -119,6 +130,9 @@ class Server:
             config.session_timeout,
             config.simulate_slow_ms / 1000,
         )
+        if self.metrics is not None:
+            backend.engine.pass_listeners.append(self.metrics.observe_pass)
+        return backend
 
     async def _choose_blocks(self) -> tuple[int, int]:
         total = self.model.num_hidden_layers
@@ -283,11 +297,18 @@ class Server:
                 stats.num_passes,
                 stats.total_rows / max(stats.num_passes, 1),
             )
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.p2p is not None:
             await self.p2p.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
         logger.info("Server stopped")
+
+    def _live_figures(self) -> tuple[list[EngineStats], int]:
+        """For metrics scrapes (another thread): the engines' last snapshots and the open sessions."""
+        sessions = self.handler.num_sessions if self.handler is not None else 0
+        return [backend.engine.stats for backend in list(self.backends)], sessions
 
 
 def default_cache_tokens(model: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:

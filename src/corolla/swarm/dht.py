@@ -8,7 +8,7 @@ so they are module-level (picklable) and return plain data. Every record read ba
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -21,6 +21,9 @@ from corolla.swarm import p2p_io
 from corolla.wire.records import ServerAnnouncement, ServerState, block_key
 
 logger = logging.getLogger(__name__)
+
+MODELS_KEY = "corolla.models"  # subkey = a model's DHT prefix, value = {"num_blocks": N}
+MAX_MODEL_BLOCKS = 1024
 
 
 def start_dht(config: SwarmConfig) -> DHT:
@@ -72,6 +75,25 @@ async def announce(
     return await dht.run_coroutine(store, return_future=True)
 
 
+async def announce_model(dht: DHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
+    """List the model under MODELS_KEY, so that tools (`corolla status`) find it without being told."""
+    store = partial(
+        _store_records, keys=[MODELS_KEY], subkey=dht_prefix, value={"num_blocks": num_blocks}, ttl=expiration
+    )
+    return await dht.run_coroutine(store, return_future=True)
+
+
+async def find_models(dht: DHT) -> dict[str, int]:
+    """The models servers have announced recently: DHT prefix -> number of blocks."""
+    found = await dht.run_coroutine(partial(_read_records, keys=[MODELS_KEY]), return_future=True)
+    models = {}
+    for prefix, value in found.get(MODELS_KEY, {}).items():
+        blocks = value.get("num_blocks") if isinstance(value, dict) else None
+        if isinstance(blocks, int) and not isinstance(blocks, bool) and 0 < blocks <= MAX_MODEL_BLOCKS:
+            models[prefix] = blocks
+    return dict(sorted(models.items()))
+
+
 async def _store_records(
     dht: DHT, node: DHTNode, keys: list[str], subkey: str, value: dict, ttl: float
 ) -> bool:
@@ -82,8 +104,10 @@ async def _store_records(
     return all(result.values())
 
 
-async def find_spans(dht: DHT, dht_prefix: str, num_blocks: int) -> list[RemoteSpan]:
-    """Every server that announced ONLINE for some block of the model, with its announced span.
+async def find_spans(
+    dht: DHT, dht_prefix: str, num_blocks: int, states: Collection[ServerState] = (ServerState.ONLINE,)
+) -> list[RemoteSpan]:
+    """Every server that announced one of `states` for some block of the model, with its announced span.
 
     A server counts only for the blocks under which its record was actually found, so a stale or lying
     announcement cannot claim blocks it never stored.
@@ -99,7 +123,7 @@ async def find_spans(dht: DHT, dht_prefix: str, num_blocks: int) -> list[RemoteS
             except InvalidRequest as e:
                 logger.debug("Skipping a malformed record of %s under %s: %s", peer_id, key, e)
                 continue
-            if record.state != ServerState.ONLINE or not record.start <= index < record.end:
+            if record.state not in states or not record.start <= index < record.end:
                 continue
             blocks_by_peer.setdefault(peer_id, set()).add(index)
             records[peer_id] = record

@@ -1,4 +1,5 @@
-"""A whole swarm on 127.0.0.1 in child processes: one DHT peer and N servers (demo, tests, benchmarks).
+"""A whole swarm on 127.0.0.1 in child processes: one DHT peer, N servers and optionally API servers
+(demo, tests, benchmarks).
 
 Every child runs `python -m corolla ...` in its own process group with NAT port mapping off, writes its
 logs to a file in the work folder, and reports readiness with one line on stdout. Stopping sends SIGTERM
@@ -12,10 +13,12 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ class PeerProcess:
         self.pid = self.popen.pid
         self.peer_id: str | None = None
         self.blocks: tuple[int, int] | None = None
+        self.url: str | None = None  # an HTTP server's address
 
     def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
         deadline = time.monotonic() + timeout
@@ -107,6 +111,8 @@ class LocalSwarm:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.dht: PeerProcess | None = None
         self.servers: list[PeerProcess] = []
+        self.apis: list[PeerProcess] = []
+        self._started = 0
         self.initial_peers: list[str] = []
         self.env = {
             **os.environ,
@@ -133,7 +139,8 @@ class LocalSwarm:
         self, blocks: tuple[int, int] | None, extra_args: Sequence[str] = (), wait: bool = True
     ) -> PeerProcess:
         """Start a server for `blocks` (None: it places itself; its blocks are known once it is ready)."""
-        index = len(self.servers)
+        index = self._started  # not len(servers): callers remove servers they kill, and logs must not clash
+        self._started += 1
         placement = ["--blocks", f"{blocks[0]}:{blocks[1]}"] if blocks else []
         args = [
             "server",
@@ -158,11 +165,40 @@ class LocalSwarm:
             self._wait_ready(server)
         return server
 
+    def add_api(self, port: int | None = None, extra_args: Sequence[str] = ()) -> PeerProcess:
+        """Start `corolla api` for this swarm's model on 127.0.0.1; ready once /health answers.
+
+        Its URL is `process.url` (e.g. http://127.0.0.1:PORT); it is stopped with the swarm.
+        """
+        port = port or free_port()
+        args = [
+            "api",
+            self.model,
+            "--port",
+            str(port),
+            "--no-nat-port-map",
+            "--initial-peers",
+            *self.initial_peers,
+        ]
+        if self.dht_prefix:
+            args += ["--dht-prefix", self.dht_prefix]
+        api = PeerProcess(f"api :{port}", [*args, *extra_args], self.workdir / f"api{port}.log", self.env)
+        api.url = f"http://127.0.0.1:{port}"
+        self.apis.append(api)
+        deadline = time.monotonic() + self.start_timeout
+        while not _answers(f"{api.url}/health"):
+            if not api.alive or time.monotonic() > deadline:
+                raise CorollaError(f"{api.name} did not start:\n{api.log_tail()}")
+            time.sleep(0.2)
+        return api
+
     def _wait_ready(self, server: PeerProcess) -> None:
         match = server.wait_for(READY_SERVER, self.start_timeout)
         server.peer_id, server.blocks = match.group(1), (int(match.group(2)), int(match.group(3)))
 
     def stop(self) -> None:
+        for api in self.apis:
+            api.stop()
         for server in self.servers:
             server.signal(signal.SIGTERM)  # all at once: their shutdowns overlap
         for server in self.servers:
@@ -185,6 +221,21 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def even_spans(num_blocks: int, num_servers: int) -> list[tuple[int, int]]:

@@ -8,7 +8,14 @@ from transformers.generation.logits_process import (
 )
 
 from corolla.client.generation import StopChecker, truncate_at_stop
-from corolla.client.sampling import SamplingParams, apply_repetition_penalty, next_tokens, warp
+from corolla.client.sampling import (
+    SamplingParams,
+    apply_openai_penalties,
+    apply_repetition_penalty,
+    next_tokens,
+    top_logprobs,
+    warp,
+)
 from corolla.errors import InvalidRequest
 
 
@@ -82,3 +89,41 @@ def test_stop_strings_across_token_boundaries():
     assert truncate_at_stop("Paris.", ["User:"]) == ("Paris.", False)
     with pytest.raises(InvalidRequest, match="need a tokenizer"):
         StopChecker(["x"], None, 1)
+
+
+def test_openai_penalties_count_generated_tokens_only():
+    logits = torch.zeros(1, 6)
+    context = torch.tensor([[5, 5, 1, 1, 1, 2]])  # the prompt is [5, 5]; generated: 1, 1, 1, 2
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_openai_penalties(logits, context[:, 2:], params)
+    assert out[0].tolist() == [0.0, -(0.5 + 3 * 0.25), -(0.5 + 0.25), 0.0, 0.0, 0.0]
+
+
+def test_penalties_and_logit_bias_change_the_greedy_choice():
+    logits = torch.tensor([[0.0, 3.0, 2.9]])
+    context = torch.tensor([[1, 1]])
+    assert next_tokens(logits, context, SamplingParams(), None).item() == 1
+    penalized = SamplingParams(frequency_penalty=0.1)
+    assert next_tokens(logits, context, penalized, None, output_ids=context).item() == 2
+    assert next_tokens(logits, context, penalized, None, output_ids=context[:, :0]).item() == 1  # prompt only
+    biased = SamplingParams(logit_bias=((0, 100.0),))
+    assert next_tokens(logits, context, biased, None).item() == 0
+
+
+def test_logprobs_are_those_of_the_raw_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 5.0]])
+    chosen, values, ids = top_logprobs(logits, torch.tensor([0, 2]), 2)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(chosen, torch.stack([expected[0, 0], expected[1, 2]]))
+    assert ids[0].tolist() == [2, 1] and ids[1, 0].item() == 2
+    assert torch.allclose(values[:, 0], expected.max(dim=-1).values)
+    _, none, _ = top_logprobs(logits, torch.tensor([0, 2]), 0)
+    assert none.shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("logprobs", 21)]
+)
+def test_out_of_range_openai_fields_are_refused(field, value):
+    with pytest.raises(InvalidRequest, match=field):
+        SamplingParams(**{field: value})

@@ -1,0 +1,153 @@
+"""HTTP routes: parse and validate the request, call serving, map its result to an HTTP response.
+
+Bodies are parsed here (not by FastAPI's injection) so that every bad request, malformed JSON included,
+gets OpenAI's error shape with the offending field named. Generating routes race the client's
+disconnect: a client that goes away cancels its request, which aborts the generation and closes its
+sessions on the servers (see tracker.py). A stream's end, however it comes, does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from corolla.api.serving import EventStream, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE whose event stream is always closed when the response ends, even if the client left."""
+
+    def __init__(self, events: EventStream):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+
+
+def build_app(serving: OpenAIServing) -> FastAPI:  # noqa: C901 (a table of small routes)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        serving.tracker.abort_all()  # the server stops: no generation outlives it
+
+    app = FastAPI(title="corolla", summary="OpenAI-compatible API over a corolla swarm", lifespan=lifespan)
+    metrics = serving.metrics
+
+    def answer(endpoint: str, result: Any) -> Response:
+        if isinstance(result, ErrorResponse):
+            response: Response = JSONResponse(result.model_dump(), status_code=result.status)
+            metrics.errors.labels(result.error.type).inc()
+        elif isinstance(result, EventStream):
+            response = EventStreamResponse(result)
+        else:
+            response = JSONResponse(result.model_dump(exclude_none=False))
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    async def generate(
+        request: Request, endpoint: str, model: type[BaseModel], handler: Callable[[Any], Awaitable[Any]]
+    ) -> Response:
+        parsed = await parse(request, model)
+        if isinstance(parsed, ErrorResponse):
+            return answer(endpoint, parsed)
+        if parsed.model != serving.name:
+            error = ErrorResponse.make(
+                404,
+                f"model {parsed.model!r} does not exist; this server serves {serving.name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+            return answer(endpoint, error)
+        return answer(endpoint, await until_disconnected(request, handler(parsed)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions", CompletionRequest, serving.create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat", ChatCompletionRequest, serving.create_chat_completion)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return answer("models", serving.models())
+
+    @app.get("/v1/swarm")
+    async def swarm() -> Response:
+        return JSONResponse(await serving.overview())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse(
+            {"status": "ok", "model": serving.name, "active_requests": serving.tracker.num_active}
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(files("corolla.api").joinpath("dashboard.html").read_text())
+
+    return app
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel | ErrorResponse:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        return ErrorResponse.make(413, f"the body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return ErrorResponse.make(400, f"the body is not valid JSON: {e}", "invalid_request_error")
+    if not isinstance(data, dict):
+        return ErrorResponse.make(400, "the body must be a JSON object", "invalid_request_error")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5]
+        )
+        return ErrorResponse.make(400, message, "invalid_request_error", param)
+
+
+async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`, cancelling it if the client disconnects first (then there is nobody to answer)."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return ErrorResponse.make(499, "the client closed the request", "client_closed")
+    return task.result()

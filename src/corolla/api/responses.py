@@ -1,0 +1,191 @@
+"""How generated choices become OpenAI responses and stream chunks, for completions and for chat."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from corolla.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from corolla.api.serving import Choice
+
+Step = tuple[int, float | None, list[tuple[int, float]]]  # token, its logprob, [(alternative, logprob)]
+Moved = tuple["Choice", str, Step | None]  # a choice, the text it released, the token that released it
+
+
+def _steps(step: Step | None) -> list[Step]:
+    return [] if step is None else [step]
+
+
+class ResponseFormat:
+    id_prefix = ""
+    prompt_param = "prompt"
+    limit_param = "max_tokens"
+
+    def __init__(self, tokenizer: Any, request_id: str, model: str, request: Any, prompt_tokens: int):
+        self.tokenizer, self.id, self.model, self.request = tokenizer, request_id, model, request
+        self.prompt_tokens = prompt_tokens
+
+    def usage(self, choices: list[Choice]) -> Usage:
+        completion = sum(len(choice.text.token_ids) for choice in choices)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @staticmethod
+    def sse(payload: Any) -> str:
+        data = payload.model_dump(exclude_none=False) if hasattr(payload, "model_dump") else payload
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def first_chunks(self, num_choices: int) -> list[Any]:
+        return []
+
+    def usage_chunk(self, choices: list[Choice]) -> Any:
+        raise NotImplementedError
+
+    def chunks(self, moved: list[Moved]) -> list[Any]:
+        raise NotImplementedError
+
+    def response(self, choices: list[Choice]) -> Any:
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix = "cmpl"
+
+    def logprobs(self, steps: list[Step], offset: int = 0) -> CompletionLogprobs | None:
+        if self.request.logprobs is None:  # type: ignore[attr-defined]
+            return None
+        result = CompletionLogprobs()
+        for token, logprob, top in steps:
+            text = self.token_text(token)
+            result.tokens.append(text)
+            result.token_logprobs.append(logprob)
+            result.top_logprobs.append({self.token_text(t): lp for t, lp in top})
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    def response(self, choices: list[Choice]) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id,
+            model=self.model,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text.text,
+                    logprobs=self.logprobs(c.steps),
+                    finish_reason=c.text.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=self.usage(choices),
+        )
+
+    def chunks(self, moved: list[Moved]) -> list[CompletionResponse]:
+        return [
+            CompletionResponse(
+                id=self.id,
+                model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=choice.index,
+                        text=delta,
+                        logprobs=self.logprobs(_steps(step), len(choice.text.text) - len(delta)),
+                        finish_reason=choice.text.finish_reason,
+                    )
+                ],
+            )
+            for choice, delta, step in moved
+        ]
+
+    def usage_chunk(self, choices: list[Choice]) -> CompletionResponse:
+        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=self.usage(choices))
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix = "chatcmpl"
+    prompt_param = "messages"
+
+    def logprobs(self, steps: list[Step]) -> ChatLogprobs | None:
+        if not self.request.logprobs:  # type: ignore[attr-defined]
+            return None
+        return ChatLogprobs(
+            content=[
+                TokenLogprob(
+                    **self._top(token, logprob),
+                    top_logprobs=[TopLogprob(**self._top(t, lp)) for t, lp in top],
+                )
+                for token, logprob, top in steps
+            ]
+        )
+
+    def _top(self, token: int, logprob: float | None) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def response(self, choices: list[Choice]) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.id,
+            model=self.model,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text.text),
+                    logprobs=self.logprobs(c.steps),
+                    finish_reason=c.text.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=self.usage(choices),
+        )
+
+    def first_chunks(self, num_choices: int) -> list[ChatCompletionChunk]:
+        return [
+            ChatCompletionChunk(
+                id=self.id,
+                model=self.model,
+                choices=[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+            )
+            for i in range(num_choices)
+        ]
+
+    def chunks(self, moved: list[Moved]) -> list[ChatCompletionChunk]:
+        return [
+            ChatCompletionChunk(
+                id=self.id,
+                model=self.model,
+                choices=[
+                    ChatChunkChoice(
+                        index=choice.index,
+                        delta=DeltaMessage(content=delta),
+                        logprobs=self.logprobs(_steps(step)),
+                        finish_reason=choice.text.finish_reason,
+                    )
+                ],
+            )
+            for choice, delta, step in moved
+        ]
+
+    def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=self.usage(choices))

@@ -1,0 +1,313 @@
+"""The OpenAI API's logic: requests in, responses, stream chunks or errors out; no HTTP here.
+
+Each generation runs as a job of the request tracker on the model's loop and streams `GenerationStep`s
+back; `ChoiceText` turns each choice's tokens into text that never shows a stop string. A streaming
+request waits for its first token before answering, so that errors found while opening the session
+(no server for some blocks, a limit a server enforces) still get a proper status code; later errors end
+the stream with an error event. A stream that ends early (the client went away) aborts its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from corolla.api.metrics import ApiMetrics
+from corolla.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    new_id,
+)
+from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat, Step
+from corolla.api.text import ChoiceText
+from corolla.api.tracker import RequestTracker
+from corolla.client.generation import GenerationStep
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.errors import CorollaError, InvalidRequest, MissingBlocks
+from corolla.swarm.overview import read_overview
+
+logger = logging.getLogger(__name__)
+
+Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of SSE events
+
+
+@dataclass
+class Choice:
+    index: int
+    text: ChoiceText
+    steps: list[tuple[int, float | None, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+def error_for(e: BaseException) -> ErrorResponse:
+    """The OpenAI-shaped error for an exception raised while generating."""
+    if isinstance(e, MissingBlocks):
+        return ErrorResponse.make(503, str(e), "service_unavailable", code="missing_blocks")
+    if isinstance(e, (InvalidRequest, ValueError)):
+        return ErrorResponse.make(400, str(e), "invalid_request_error")
+    if isinstance(e, CorollaError):  # the swarm could not serve it: servers failed, full, or timed out
+        return ErrorResponse.make(503, str(e), "service_unavailable", code=type(e).__name__)
+    logger.error("Generation failed", exc_info=e)
+    return ErrorResponse.make(500, f"{type(e).__name__}: {e}", "server_error")
+
+
+class OpenAIServing:
+    def __init__(
+        self, model: DistributedModelForCausalLM, name: str, max_model_len: int, metrics: ApiMetrics
+    ):
+        if model.tokenizer is None:
+            raise InvalidRequest("the API needs a model folder with a tokenizer")
+        self.model, self.name, self.metrics = model, name, metrics
+        self.max_model_len = min(max_model_len, model.config.max_position_embeddings)
+        self.tracker = RequestTracker(model.runtime.loop)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.name, max_model_len=self.max_model_len)])
+
+    async def overview(self) -> dict:
+        swarm = self.model.swarm
+        job = read_overview(swarm.dht, swarm.dht_prefix, swarm.num_blocks)
+        overview = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(job, self.model.runtime.loop))
+        return {**overview.to_dict(), "served_model": self.name}
+
+    # --- endpoints -----------------------------------------------------------------------------------------
+
+    async def create_completion(self, request: CompletionRequest) -> Result:
+        tokenizer = self.model.tokenizer
+        prompts = [p if isinstance(p, list) else tokenizer(p).input_ids for p in request.prompts()]
+        vocab = self.model.config.vocab_size
+        for ids in prompts:
+            if any(not 0 <= t < self.model.config.vocab_size for t in ids):
+                return _invalid(f"prompt holds token ids outside the vocabulary of {vocab}", "prompt")
+        return await self._generate(request, prompts, request.max_tokens, request.logprobs, CompletionFormat)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Result:
+        tokenizer = self.model.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            return _invalid("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                request.template_messages(), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # templates may reject orders of roles (e.g. two system messages)
+            return _invalid(f"the chat template rejected the messages: {e}", "messages")
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        top = request.top_logprobs or 0
+        logprobs = top if request.logprobs else None
+        return await self._generate(request, [ids], request.token_limit, logprobs, ChatFormat)
+
+    # --- generation ----------------------------------------------------------------------------------------
+
+    async def _generate(  # noqa: C901
+        self,
+        request: SamplingRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        fmt: type[ResponseFormat],
+    ) -> Result:
+        longest = max(len(ids) for ids in prompts)
+        if longest >= self.max_model_len:
+            return _invalid(
+                f"the prompt has {longest} tokens; this model's context is {self.max_model_len}",
+                fmt.prompt_param,
+            )
+        if max_tokens is None:
+            max_tokens = self.max_model_len - longest
+        if longest + max_tokens > self.max_model_len:
+            return _invalid(
+                f"max_tokens={max_tokens} plus the prompt's {longest} tokens exceed this model's context of "
+                f"{self.max_model_len} tokens",
+                fmt.limit_param,
+            )
+        try:
+            params = request.to_sampling_params(max_tokens, logprobs, self.model.config.vocab_size)
+        except (InvalidRequest, ValueError) as e:
+            return _invalid(str(e))
+        request_id, started = new_id(fmt.id_prefix), time.perf_counter()
+        tokenizer, eos = self.model.tokenizer, self.model.eos_token_ids
+        choices = [
+            Choice(i, ChoiceText(tokenizer, params.stop, eos, params.ignore_eos))
+            for i in range(len(prompts) * request.n)
+        ]
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        output = fmt(tokenizer, request_id, self.name, request, num_prompt_tokens)
+        stream = self.tracker.add(request_id, self._job(prompts, request.n, params))
+        self.metrics.active_requests.inc()
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        events = self._events(stream, choices, started, max_tokens)
+        end = self._ender(request_id, events)
+        try:
+            first = await anext(events, None)
+            if not request.stream:
+                async for _ in events:
+                    pass
+        except Exception as e:
+            await end()
+            self.metrics.errors.labels(type(e).__name__).inc()
+            return error_for(e)
+        except BaseException:
+            await end()
+            raise
+        if not request.stream:
+            await end()
+            return output.response(choices)
+        return EventStream(self._sse(events, first, output, choices), end)
+
+    def _job(self, prompts: list[list[int]], n: int, params: Any) -> Callable[[], AsyncIterator[Any]]:
+        """Generations of every prompt (n rows each), run concurrently; yields (prompt index, step)."""
+        model = self.model
+
+        async def one(index: int, ids: list[int]) -> AsyncIterator[tuple[int, GenerationStep]]:
+            async for step in model.agenerate_steps(torch.tensor([ids] * n), params):
+                yield index, step
+
+        def job() -> AsyncIterator[Any]:
+            return merge([one(i, ids) for i, ids in enumerate(prompts)])
+
+        return job
+
+    async def _events(
+        self, stream: Any, choices: list[Choice], started: float, max_tokens: int
+    ) -> AsyncIterator[list[Moved]]:
+        """Per step, (choice, released text, token) for each choice that moved; a choice's last entry
+        comes with its finish_reason set."""
+        last = None
+        async for prompt_index, step in stream:
+            now = time.perf_counter()
+            if last is None:
+                self.metrics.time_to_first_token.observe(now - started)
+            else:
+                self.metrics.time_per_token.observe(now - last)
+            last = now
+            moved = []
+            rows = step.tokens.shape[0]
+            for row in range(rows):
+                choice = choices[prompt_index * rows + row]
+                if choice.text.finish_reason is not None:
+                    continue
+                token = int(step.tokens[row])
+                delta = choice.text.add(token)
+                if bool(step.finished[row]):
+                    delta += choice.text.finish("stop")  # no-op unless the generator saw a stop string first
+                elif len(choice.text.token_ids) >= max_tokens:
+                    delta += choice.text.finish("length")
+                entry = _step_logprobs(step, row, token)
+                choice.steps.append(entry)
+                moved.append((choice, delta, entry))
+            self.metrics.generated_tokens.inc(len(moved))
+            yield moved
+        unfinished = [(c, c.text.finish("length"), None) for c in choices if c.text.finish_reason is None]
+        if unfinished:
+            yield unfinished
+
+    def _sse(
+        self,
+        events: AsyncIterator[list[Moved]],
+        first: list[Moved] | None,
+        output: ResponseFormat,
+        choices: list[Choice],
+    ) -> AsyncIterator[str]:
+        async def sse() -> AsyncIterator[str]:
+            try:
+                for chunk in output.first_chunks(len(choices)):
+                    yield output.sse(chunk)
+                moved = first
+                while moved is not None:
+                    for chunk in output.chunks(moved):
+                        yield output.sse(chunk)
+                    moved = await anext(events, None)
+                if output.request.include_usage:
+                    yield output.sse(output.usage_chunk(choices))
+            except Exception as e:  # the stream has begun: the error becomes its last event
+                self.metrics.errors.labels(type(e).__name__).inc()
+                yield output.sse(error_for(e).model_dump())
+            yield "data: [DONE]\n\n"
+
+        return sse()
+
+    def _ender(self, request_id: str, events: AsyncIterator[Any]) -> Callable[[], Awaitable[None]]:
+        """What ends a request, once: abort its generation if it still runs (the client went away)."""
+        ended = False
+
+        async def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            self.metrics.active_requests.dec()
+            if self.tracker.abort(request_id):
+                self.metrics.aborted.inc()
+            await events.aclose()
+
+        return end
+
+
+class EventStream:
+    """A streaming answer: the SSE events, and what to call when the response ends, however it ends."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+        self.events, self.on_close = events, on_close
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    async def aclose(self) -> None:
+        try:
+            await self.events.aclose()
+        finally:
+            await self.on_close()
+
+
+def _invalid(message: str, param: str | None = None) -> ErrorResponse:
+    return ErrorResponse.make(400, message, "invalid_request_error", param)
+
+
+def _step_logprobs(step: GenerationStep, row: int, token: int) -> Step:
+    if step.logprobs is None:
+        return token, None, []
+    top = list(zip(step.top_ids[row].tolist(), step.top_values[row].tolist(), strict=True))
+    return token, float(step.logprobs[row]), top
+
+
+async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Items of several async iterators as they come; closing this closes (and cancels) them all."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(iterator: AsyncIterator[Any]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put(item)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(drain(it)) for it in iterators]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+                for task in tasks:
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,85 @@
+"""`corolla api MODEL --initial-peers ...`: serve the OpenAI HTTP API, a dashboard and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.config import ClientConfig
+from corolla.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "api",
+        help="serve the OpenAI HTTP API (and a swarm dashboard) backed by the swarm",
+        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not) with "
+        "MODEL's blocks running on the swarm, plus /health, /metrics (Prometheus), /v1/swarm (JSON) and "
+        "a dashboard of the swarm at /.",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
+    )
+    parser.add_argument(
+        "--host", dest="http_host", default="127.0.0.1", help="HTTP address (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", dest="http_port", type=int, default=8000, help="HTTP port (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients pass in requests (default: the model's name, e.g. SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="longest prompt + completion a request may ask for, capped by the model's context "
+        "(default: %(default)s, the servers' default session limit)",
+    )
+    parser.add_argument(
+        "--routing-timeout",
+        type=float,
+        default=ClientConfig.routing_timeout,
+        help="how long a request waits for servers to cover every block before it gets a 503 naming the "
+        "missing ones (default: %(default)ss)",
+    )
+    parser.add_argument(
+        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
+    )
+    add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from corolla.api.app import build_app
+    from corolla.api.metrics import ApiMetrics
+    from corolla.api.serving import OpenAIServing
+    from corolla.client.model import DistributedModelForCausalLM
+
+    if not 0 < args.http_port <= 65535:
+        raise InvalidRequest(f"--port must lie in 1..65535, got {args.http_port}")
+    if args.max_model_len < 2:
+        raise InvalidRequest(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if args.routing_timeout < 0:
+        raise InvalidRequest(f"--routing-timeout must not be negative, got {args.routing_timeout}")
+    config = ClientConfig(swarm=swarm_config(args, client_mode=True), routing_timeout=args.routing_timeout)
+    with DistributedModelForCausalLM.from_pretrained(
+        args.model, dht_prefix=args.dht_prefix, config=config
+    ) as model:
+        name = args.served_model_name or model.source.name
+        serving = OpenAIServing(model, name, args.max_model_len, ApiMetrics())
+        logger.info("Serving %s at http://%s:%d/v1 (dashboard at /)", name, args.http_host, args.http_port)
+        uvicorn.run(
+            build_app(serving),
+            host=args.http_host,
+            port=args.http_port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )

@@ -1,0 +1,87 @@
+"""A server's Prometheus metrics, served on an optional port (`corolla server --metrics-port`).
+
+Live figures (sessions, queued tokens, free cache, passes) are read from the engines' stats snapshots
+when Prometheus scrapes, so they cost nothing in between; batch sizes and pass times are histograms fed
+by each engine after every pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from corolla.engine.engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _LiveFigures(Collector):
+    def __init__(self, read: Callable[[], tuple[list[EngineStats], int]]):
+        self.read = read  # -> (every hosted span's engine stats, open inference sessions)
+
+    def collect(self) -> Iterable:
+        stats, sessions = self.read()
+        yield _gauge("corolla_server_sessions", "open inference sessions", sessions)
+        yield _gauge(
+            "corolla_server_queued_tokens",
+            "tokens waiting in the engines",
+            sum(s.queued_tokens for s in stats),
+        )
+        yield _gauge(
+            "corolla_server_free_cache_tokens",
+            "attention cache left, in tokens (of the primary span)",
+            stats[0].free_cache_tokens if stats else 0,
+        )
+        yield _gauge(
+            "corolla_server_cache_tokens",
+            "attention cache size, in tokens",
+            stats[0].total_cache_tokens if stats else 0,
+        )
+        passes = CounterMetricFamily("corolla_server_engine_passes", "engine passes run")
+        passes.add_metric([], sum(s.num_passes for s in stats))
+        yield passes
+        rows = CounterMetricFamily("corolla_server_engine_rows", "sequence rows run, over all passes")
+        rows.add_metric([], sum(s.total_rows for s in stats))
+        yield rows
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, read: Callable[[], tuple[list[EngineStats], int]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_LiveFigures(read))
+        self.batch_rows = Histogram(
+            "corolla_server_batch_rows", "rows per engine pass", buckets=ROW_BUCKETS, registry=self.registry
+        )
+        self.pass_seconds = Histogram(
+            "corolla_server_pass_seconds",
+            "duration of an engine pass",
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self._http = None
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """Called by an engine's loop thread after each pass (prometheus-client is thread-safe)."""
+        self.batch_rows.observe(rows)
+        self.pass_seconds.observe(seconds)
+
+    def serve(self, host: str, port: int) -> None:
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        logger.info("Metrics at http://%s:%d/metrics", host, port)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,121 @@
+"""What the swarm looks like for one model: every server's span and figures, and each block's coverage.
+
+Built from the DHT records (`find_spans`), so it shows what clients see. The API's dashboard draws it
+(`to_dict` is its JSON) and `corolla status` prints it (`format_table`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from hivemind import DHT
+
+from corolla.swarm.dht import RemoteSpan, find_spans
+from corolla.wire.records import ServerState
+
+SHOWN_STATES = (ServerState.JOINING, ServerState.ONLINE)
+
+
+@dataclass(frozen=True)
+class ServerRow:
+    peer_id: str
+    start: int
+    end: int
+    state: str  # "online" or "joining"
+    throughput: float | None  # announced figure (None until measured)
+    num_sessions: int
+    queued_tokens: int
+    free_cache_tokens: int
+    inference_max_length: int
+    dtype: str
+    version: str
+
+
+@dataclass(frozen=True)
+class SwarmOverview:
+    model: str  # the DHT prefix
+    num_blocks: int
+    servers: tuple[ServerRow, ...]
+    coverage: tuple[int, ...]  # ONLINE servers per block
+    taken_at: float
+
+    @property
+    def uncovered(self) -> tuple[int, ...]:
+        return tuple(i for i, count in enumerate(self.coverage) if count == 0)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "uncovered": list(self.uncovered)}
+
+
+def build_overview(model: str, num_blocks: int, spans: Sequence[RemoteSpan]) -> SwarmOverview:
+    coverage = [0] * num_blocks
+    rows = []
+    for span in sorted(spans, key=lambda s: (s.start, s.end, s.peer_id)):
+        info = span.info
+        if info.state == ServerState.ONLINE:
+            for index in range(span.start, min(span.end, num_blocks)):
+                coverage[index] += 1
+        rows.append(
+            ServerRow(
+                peer_id=span.peer_id,
+                start=span.start,
+                end=span.end,
+                state=info.state.name.lower(),
+                throughput=info.throughput,
+                num_sessions=info.num_sessions,
+                queued_tokens=info.queued_tokens,
+                free_cache_tokens=info.cache_tokens_available,
+                inference_max_length=info.inference_max_length,
+                dtype=info.dtype,
+                version=info.version,
+            )
+        )
+    return SwarmOverview(model, num_blocks, tuple(rows), tuple(coverage), time.time())
+
+
+async def read_overview(dht: DHT, model: str, num_blocks: int) -> SwarmOverview:
+    return build_overview(model, num_blocks, await find_spans(dht, model, num_blocks, SHOWN_STATES))
+
+
+def format_table(overview: SwarmOverview) -> str:
+    """A terminal table: a coverage line per block range, then one line per server."""
+    lines = [f"model {overview.model}: {overview.num_blocks} blocks, {len(overview.servers)} servers"]
+    counts = "".join(_coverage_char(c) for c in overview.coverage)
+    lines.append(f"coverage (servers per block, 0-{overview.num_blocks - 1}): {counts}")
+    uncovered = overview.uncovered
+    lines.append(f"uncovered blocks: {_ranges(uncovered)}" if uncovered else "every block is covered")
+    header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "dtype")
+    rows = [
+        (
+            f"...{row.peer_id[-8:]}",
+            f"{row.start}:{row.end}",
+            row.state,
+            "-" if row.throughput is None else f"{row.throughput:.1f}",
+            str(row.num_sessions),
+            str(row.queued_tokens),
+            str(row.free_cache_tokens),
+            row.dtype,
+        )
+        for row in overview.servers
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    for cells in (header, *rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _coverage_char(count: int) -> str:
+    return str(count) if count < 10 else "+"
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """(3, 4, 5, 9) -> "3-5, 9"."""
+    parts, first = [], None
+    for i, index in enumerate(indices):
+        first = index if first is None else first
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            parts.append(str(first) if first == index else f"{first}-{index}")
+            first = None
+    return ", ".join(parts)
