@@ -1,0 +1,176 @@
+"""The serving layer with a fake model (scripted tokens on a real loop thread): response shapes, SSE,
+usage, stop strings, and the request lifecycle (a closed stream cancels its generation)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from corolla.api.metrics import ApiMetrics
+from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from corolla.api.serving import EventStream, OpenAIServing
+from corolla.client.generation import GenerationStep
+from corolla.client.runtime import LoopThread
+from corolla.errors import MissingBlocks
+
+EOS = 3
+
+
+class Tokenizer:
+    """One character per token (id = code point); EOS (3) is special."""
+
+    chat_template = "{{ messages }}"
+
+    def __call__(self, text, add_special_tokens=True):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join("" if t == EOS and skip_special_tokens else chr(t) for t in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeModel:
+    """Generates a scripted text per row; `hang` blocks after the first token until cancelled."""
+
+    def __init__(self, script: str, hang: bool = False, error: Exception | None = None):
+        self.tokenizer, self.eos_token_ids = Tokenizer(), (EOS,)
+        self.config = SimpleNamespace(vocab_size=1000, max_position_embeddings=256)
+        self.runtime = LoopThread("fake-model")
+        self.script, self.hang, self.error = script, hang, error
+        self.cancelled = threading.Event()
+        self.prompts: list[torch.Tensor] = []
+
+    async def agenerate_steps(self, input_ids, params):
+        self.prompts.append(input_ids)
+        if self.error is not None:
+            raise self.error
+        rows = input_ids.shape[0]
+        try:
+            for i, char in enumerate(self.script[: params.max_new_tokens]):
+                tokens = torch.full((rows,), ord(char) if char != "$" else EOS)
+                finished = tokens == EOS
+                if params.logprobs is None:
+                    yield GenerationStep(tokens, finished)
+                else:
+                    k = params.logprobs
+                    yield GenerationStep(
+                        tokens,
+                        finished,
+                        torch.full((rows,), -0.5),
+                        torch.full((rows, k), -0.5),
+                        tokens[:, None].repeat(1, k),
+                    )
+                if bool(finished.all()):
+                    return
+                if self.hang and i == 0:
+                    await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@pytest.fixture
+def serving_for():
+    made = []
+
+    def make(script: str, **kwargs) -> OpenAIServing:
+        model = FakeModel(script, **kwargs)
+        made.append(model)
+        return OpenAIServing(model, "fake", 128, ApiMetrics())
+
+    yield make
+    for model in made:
+        model.runtime.stop()
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, **fields}
+    )
+
+
+async def read_sse(stream: EventStream) -> list:
+    events = [line async for line in stream]
+    await stream.aclose()
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
+
+async def test_chat_response_usage_and_finish_reasons(serving_for):
+    serving = serving_for("Hello$")
+    answer = await serving.create_chat_completion(chat(max_tokens=10))
+    assert answer.choices[0].message.content == "Hello" and answer.choices[0].finish_reason == "stop"
+    prompt = len("<user>hi<assistant>")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt, 6)  # EOS counts
+    short = await serving.create_chat_completion(chat(max_tokens=3))
+    assert short.choices[0].message.content == "Hel" and short.choices[0].finish_reason == "length"
+
+
+async def test_stream_has_one_chunk_per_token_and_holds_back_stop_strings(serving_for):
+    serving = serving_for("one two three")
+    stream = await serving.create_chat_completion(
+        chat(max_tokens=20, stream=True, stop=["two"], stream_options={"include_usage": True})
+    )
+    chunks = await read_sse(stream)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    assert len(deltas) == len("one two")  # one chunk per generated token, up to the end of the stop string
+    assert "".join(deltas) == "one " and "t" not in "".join(deltas)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len("one two")
+
+
+async def test_n_choices_and_multiple_prompts(serving_for):
+    serving = serving_for("abc")
+    request = CompletionRequest.model_validate(
+        {"model": "fake", "prompt": ["x", "yy"], "n": 2, "max_tokens": 3, "temperature": 0}
+    )
+    answer = await serving.create_completion(request)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert all(c.text == "abc" and c.finish_reason == "length" for c in answer.choices)
+    assert answer.usage.prompt_tokens == 3 and answer.usage.completion_tokens == 12
+    assert sorted(tuple(p.shape) for p in serving.model.prompts) == [(2, 1), (2, 2)]  # n rows per prompt
+
+
+async def test_logprobs_shapes(serving_for):
+    serving = serving_for("ab")
+    answer = await serving.create_chat_completion(chat(max_tokens=2, logprobs=True, top_logprobs=2))
+    content = answer.choices[0].logprobs.content
+    assert [c.token for c in content] == ["a", "b"] and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].bytes == [ord("a")]
+
+
+async def test_limits_and_swarm_errors_become_openai_errors(serving_for):
+    serving = serving_for("ab")
+    too_long = await serving.create_chat_completion(chat(max_tokens=500))
+    assert (
+        isinstance(too_long, ErrorResponse)
+        and too_long.status == 400
+        and too_long.error.param == "max_tokens"
+    )
+    bad_ids = await serving.create_completion(
+        CompletionRequest.model_validate({"model": "fake", "prompt": [5000]})
+    )
+    assert bad_ids.status == 400 and bad_ids.error.param == "prompt"
+    missing = serving_for("ab", error=MissingBlocks("no server covers blocks 3-5", (3, 4, 5)))
+    error = await missing.create_chat_completion(chat(stream=True))
+    assert error.status == 503 and error.error.code == "missing_blocks" and "3-5" in error.error.message
+    assert missing.tracker.num_active == 0
+
+
+async def test_closing_a_stream_cancels_its_generation(serving_for):
+    serving = serving_for("abcdef", hang=True)
+    stream = await serving.create_chat_completion(chat(max_tokens=6, stream=True))
+    events = aiter(stream)
+    assert "role" in await anext(events) and '"a"' in await anext(events)
+    await stream.aclose()  # what the HTTP layer does when the client goes away
+    assert await asyncio.to_thread(serving.model.cancelled.wait, 5)
+    assert serving.metrics.aborted._value.get() == 1
+    assert serving.metrics.active_requests._value.get() == 0
