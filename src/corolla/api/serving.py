@@ -38,6 +38,7 @@ from corolla.swarm.overview import read_overview
 
 logger = logging.getLogger(__name__)
 
+OVERVIEW_TTL = 1.0  # seconds
 Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of SSE events
 
 
@@ -69,15 +70,22 @@ class OpenAIServing:
         self.model, self.name, self.metrics = model, name, metrics
         self.max_model_len = min(max_model_len, model.config.max_position_embeddings)
         self.tracker = RequestTracker(model.runtime.loop)
+        self._overview: tuple[float, dict] | None = None
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.name, max_model_len=self.max_model_len)])
 
     async def overview(self) -> dict:
-        swarm = self.model.swarm
-        job = read_overview(swarm.dht, swarm.dht_prefix, swarm.num_blocks)
-        overview = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(job, self.model.runtime.loop))
-        return {**overview.to_dict(), "served_model": self.name}
+        """The swarm as the DHT shows it; read at most once per OVERVIEW_TTL however many dashboards poll."""
+        cached = self._overview
+        if cached is None or time.monotonic() - cached[0] > OVERVIEW_TTL:
+            swarm = self.model.swarm
+            job = read_overview(swarm.dht, swarm.dht_prefix, swarm.num_blocks)
+            overview = await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(job, self.model.runtime.loop)
+            )
+            cached = self._overview = time.monotonic(), {**overview.to_dict(), "served_model": self.name}
+        return cached[1]
 
     # --- endpoints -----------------------------------------------------------------------------------------
 

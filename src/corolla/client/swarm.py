@@ -53,6 +53,7 @@ class SwarmClient:
         self._refreshed_at = 0.0
         self._rng = random.Random()
         self._refresher: asyncio.Task | None = None
+        self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
 
     async def start(self) -> None:
         self.dht = await asyncio.to_thread(start_dht, self.config.swarm)
@@ -68,9 +69,10 @@ class SwarmClient:
                 logger.debug("Background refresh failed", exc_info=True)
 
     async def shutdown(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        for task in (self._refresher, self._refreshing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.p2p is not None:
             await self.p2p.shutdown()  # a replica: closes our connection to the daemon, not the daemon
             self.p2p = None
@@ -79,7 +81,16 @@ class SwarmClient:
             self.dht = None
 
     async def refresh(self) -> list[RemoteSpan]:
-        """Re-read the DHT and ping every server found (round-trip time, live load)."""
+        """Re-read the DHT and ping every server found (round-trip time, live load).
+
+        Concurrent callers (a burst of new sessions) share one refresh: parallel rounds of pings would
+        queue behind each other and inflate the very round trips they measure.
+        """
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> list[RemoteSpan]:
         self.spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks)
         self._refreshed_at = time.monotonic()
         banned = self.banned()
