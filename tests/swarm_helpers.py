@@ -26,10 +26,18 @@ def client_config(swarm: LocalSwarm, servers: list[int] | None = None, **overrid
 
 
 def connect(
-    model: str | Path, swarm: LocalSwarm, servers: list[int] | None = None, **overrides
+    model: str | Path,
+    swarm: LocalSwarm,
+    servers: list[int] | None = None,
+    tuning_mode: str | None = None,
+    pre_seq_len: int = 0,
+    **overrides,
 ) -> DistributedModelForCausalLM:
     return DistributedModelForCausalLM.from_pretrained(
-        str(model), config=client_config(swarm, servers, **overrides)
+        str(model),
+        config=client_config(swarm, servers, **overrides),
+        tuning_mode=tuning_mode,
+        pre_seq_len=pre_seq_len,
     )
 
 

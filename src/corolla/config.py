@@ -76,6 +76,7 @@ class ServerConfig:
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
     simulate_slow_ms: float = 0.0  # testing aid: sleep this long after every engine pass
+    adapters: tuple[str, ...] = ()  # PEFT LoRA folders served for this span (NAME=PATH or PATH)
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port (None: do not)
     metrics_host: str = "127.0.0.1"
 
@@ -93,4 +94,6 @@ class ClientConfig:
     ban_time: float = 15.0  # a failed server is avoided this long, doubling on each further failure
     refresh_period: float = 10.0  # re-read the DHT and ping the servers this often
     use_push: bool = True  # ask each server to push its outputs straight to the next one
+    active_adapter: str | None = None  # a LoRA adapter by its name on servers; only servers with it are used
+    max_request_tokens: int = 4096  # rows * length per forward/backward request (bigger batches are split)
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent

@@ -146,6 +146,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "finish (a second signal stops at once; default: %(default)s)",
     )
     parser.add_argument(
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="PEFT LoRA adapter folders to serve for this span (named after the folder unless NAME= is "
+        "given); a request selects one by name with active_adapter",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -246,6 +254,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         simulate_slow_ms=args.simulate_slow_ms,
         announce_period=args.announce_period,
         num_threads=args.num_threads,
+        adapters=tuple(args.adapters),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )

@@ -69,6 +69,7 @@ class InferenceSession:
                     swarm.config.request_timeout,
                     self.alloc_timeout,
                     swarm.estimates.observe_step,
+                    swarm.config.active_adapter,
                 )
                 for hop in hops
             ]

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from corolla.client.autograd import RemoteChain, chain_forward
 from corolla.client.generation import GenerationStep, generate_steps
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
-from corolla.client.remote_forward import remote_forward
+from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
 from corolla.client.sampling import SamplingParams
-from corolla.client.swarm import RETRYABLE, SwarmClient
+from corolla.client.swarm import SwarmClient
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
@@ -33,6 +34,7 @@ from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, vocab]
     hidden_states: torch.Tensor  # [B, T, hidden], the last block's outputs (before the final norm)
+    loss: torch.Tensor | None = None  # next-token cross-entropy, when labels were given
 
 
 class DistributedModelForCausalLM:
@@ -43,9 +45,11 @@ class DistributedModelForCausalLM:
         head: ModelHead,
         swarm: SwarmClient,
         runtime: LoopThread,
+        ptune: PromptTuning | None = None,
     ):
         self.source, self.config, self.head, self.swarm, self.runtime = source, config, head, swarm, runtime
         self.head_batcher = HeadBatcher(head)
+        self.ptune = ptune  # trainable prompts (tuning_mode), or None
 
     @classmethod
     def from_pretrained(
@@ -55,11 +59,15 @@ class DistributedModelForCausalLM:
         *,
         dht_prefix: str | None = None,
         config: ClientConfig | None = None,
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
         **overrides: Any,
     ) -> DistributedModelForCausalLM:
         """Load the local parts of `model` and join the swarm through `initial_peers`.
 
-        `overrides` are ClientConfig fields (request_timeout, routing_timeout, allowed_servers, ...).
+        `tuning_mode` "ptune" adds `pre_seq_len` trainable input embeddings, "deep_ptune" also a trainable
+        prompt per block (see client/ptune.py). `overrides` are ClientConfig fields (request_timeout,
+        routing_timeout, allowed_servers, ...).
         """
         config = replace(config or ClientConfig(), **overrides)
         if initial_peers:
@@ -75,7 +83,10 @@ class DistributedModelForCausalLM:
         except BaseException:
             runtime.stop()
             raise
-        return cls(source, model_config, head, swarm, runtime)
+        ptune = None
+        if tuning_mode is not None:
+            ptune = PromptTuning(tuning_mode, pre_seq_len, model_config.num_hidden_layers, head.embed_tokens)
+        return cls(source, model_config, head, swarm, runtime, ptune)
 
     # --- tokenizer and special tokens ----------------------------------------------------------------------
 
@@ -199,32 +210,61 @@ class DistributedModelForCausalLM:
 
     # --- forward pass --------------------------------------------------------------------------------------
 
-    async def aforward(self, input_ids: torch.Tensor) -> CausalLMOutput:
-        input_ids = _as_batch(input_ids)
-        config = self.swarm.config
-        with torch.no_grad():
-            hidden = self.head.embed(input_ids)
-            hops, index, failures = await self.swarm.route(), 0, 0
-            while index < len(hops):
-                try:
-                    hidden_out = await remote_forward(
-                        self.swarm.p2p, hops[index], self.swarm.dht_prefix, hidden, config.request_timeout
-                    )
-                except RETRYABLE:
-                    failures += 1
-                    if failures > config.max_retries:
-                        raise
-                    self.swarm.ban(hops[index].peer_id)
-                    hops[index : index + 1] = await self.swarm.route(hops[index].start, hops[index].end)
-                    continue
-                hidden, index = hidden_out, index + 1
-            return CausalLMOutput(self.head.logits(hidden), hidden)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """Logits for every position of input_ids [B, T] (one pass through the swarm, no cache).
 
-    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
-        """Logits for every position of input_ids [B, T] (one pass through the swarm, no cache)."""
-        return self.runtime.run(self.aforward(input_ids))
+        Differentiable: with grad enabled, `loss.backward()` (or `logits`' gradients) flows through every
+        server's blocks (rpc_backward) to the trainable prompts and any client parameter that requires
+        grad (`model.head.requires_grad_(True)` trains the embeddings and LM head). With `labels` [B, T]
+        (-100 = ignored; pad on the right), `loss` is the next-token cross-entropy.
+        """
+        input_ids = _as_batch(input_ids)
+        hidden, prompts = self._chain_inputs(input_ids)
+        if torch.is_grad_enabled() and (hidden.requires_grad or prompts.requires_grad):
+            outputs = RemoteChain.apply(hidden, prompts, self.swarm, self.runtime)
+        else:
+            with torch.no_grad():
+                deep = prompts if prompts.numel() else None
+                outputs = self.runtime.run(chain_forward(self.swarm, hidden, deep))[0]
+        return self._outputs(outputs, labels)
 
     __call__ = forward
+
+    async def aforward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        """`forward` without gradients, as a coroutine on the model's loop."""
+        input_ids = _as_batch(input_ids)
+        with torch.no_grad():
+            hidden, prompts = self._chain_inputs(input_ids)
+            outputs, _ = await chain_forward(self.swarm, hidden, prompts if prompts.numel() else None)
+            return self._outputs(outputs, None)
+
+    def _chain_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first block's inputs [B, (P +) T, H] and the deep prompts (or an empty tensor)."""
+        hidden = self.head.embed(input_ids)
+        if self.ptune is None:
+            return hidden, hidden.new_empty(0)
+        hidden = torch.cat([self.ptune.prefix(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
+        return hidden, self.ptune.block_prompts()
+
+    def _outputs(self, outputs: torch.Tensor, labels: torch.Tensor | None) -> CausalLMOutput:
+        if self.ptune is not None:
+            outputs = outputs[:, self.ptune.pre_seq_len :]
+        logits = self.head.logits(outputs)
+        loss = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise InvalidRequest(f"labels must have the inputs' shape {list(logits.shape[:2])}")
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().long(), ignore_index=-100
+            )
+        return CausalLMOutput(logits, outputs, loss)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What training can update: the trainable prompts and the head's parameters that require grad."""
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        if self.ptune is not None:
+            params += list(self.ptune.parameters())
+        return params
 
     # --- lifetime ------------------------------------------------------------------------------------------
 

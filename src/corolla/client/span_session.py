@@ -40,9 +40,10 @@ class SpanSession:
         timeout: float,
         alloc_timeout: float = 0.0,
         observe: Callable[[str, float, int], None] | None = None,
+        active_adapter: str | None = None,
     ):
         self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
-        self.alloc_timeout = alloc_timeout
+        self.alloc_timeout, self.active_adapter = alloc_timeout, active_adapter
         self.observe = observe  # told how long each decode step took: (peer_id, seconds, num_blocks)
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
@@ -87,7 +88,10 @@ class SpanSession:
             {}
             if self._stepped
             else dict(
-                max_length=self.max_length, session_id=self.session_id, alloc_timeout=self.alloc_timeout
+                max_length=self.max_length,
+                session_id=self.session_id,
+                alloc_timeout=self.alloc_timeout,
+                active_adapter=self.active_adapter,
             )
         )
         meta = InferenceStep(

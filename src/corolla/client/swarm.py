@@ -113,9 +113,11 @@ class SwarmClient:
         while True:
             if time.monotonic() - self._refreshed_at > self.config.refresh_period or not self.spans:
                 await self.refresh()
+            adapter = self.config.active_adapter
+            spans = [s for s in self.spans if adapter is None or adapter in s.info.adapters]
             try:
                 return choose_chain(
-                    self.spans,
+                    spans,
                     start,
                     end,
                     estimates=self.estimates.estimates(self.spans),
@@ -128,8 +130,10 @@ class SwarmClient:
                 )
             except MissingBlocks as e:
                 if time.monotonic() + delay > deadline:
+                    with_adapter = f" with adapter {adapter!r}" if adapter is not None else ""
                     raise MissingBlocks(
-                        f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers", e.blocks
+                        f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers{with_adapter}",
+                        e.blocks,
                     ) from None
                 logger.debug("Waiting for servers: %s", e.message)
             await asyncio.sleep(delay)

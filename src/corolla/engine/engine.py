@@ -107,7 +107,12 @@ class Engine:
     # --- sessions and work ---------------------------------------------------------------------------------
 
     def open_session(
-        self, session_id: str, blocks: tuple[int, int], batch_size: int, max_length: int
+        self,
+        session_id: str,
+        blocks: tuple[int, int],
+        batch_size: int,
+        max_length: int,
+        adapter: str | None = None,
     ) -> EngineSession:
         if session_id in self.sessions:
             raise InvalidRequest(f"session_id {session_id!r} is already open on this engine")
@@ -115,7 +120,7 @@ class Engine:
             raise ServerUnavailable(
                 f"this server already holds max_sessions={self.config.max_sessions} sessions"
             )
-        session = EngineSession(session_id, blocks[0], blocks[1], batch_size, max_length)
+        session = EngineSession(session_id, blocks[0], blocks[1], batch_size, max_length, adapter)
         self.sessions[session_id] = session
         return session
 
@@ -176,7 +181,9 @@ class Engine:
             self.batched_rows = sum(chunk.num_rows for chunk in plan.chunks)
             self.total_rows += self.batched_rows
         if plan.forward is not None:
-            completions.append(Completion(plan.forward.request_id, self.runner.forward(plan.forward)))
+            work = plan.forward
+            run = self.runner.forward if work.grad_outputs is None else self.runner.backward
+            completions.append(Completion(work.request_id, run(work)))
         return completions
 
     def _postprocess(self, chunk: Chunk, outputs: torch.Tensor) -> Completion | None:

@@ -13,6 +13,7 @@ import torch
 
 from corolla.engine.sequence import Chunk, ForwardWork
 from corolla.models.attention import causal_attention
+from corolla.models.lora import use_adapters
 from corolla.models.span import Span, align_prompts
 
 
@@ -115,13 +116,14 @@ class ModelRunner:
         hidden = torch.cat(pieces)[None]  # [1, N, H]
         context = PagedAttention(self.pool, first.start - self.span.start, rows)
         packed_prompts = _pack_prompts(prompts, chunks, first.num_blocks, hidden)
-        outputs = self.span(
-            hidden,
-            context,
-            prompts=packed_prompts,
-            blocks=(first.start, first.end),
-            positions=torch.cat(positions),
-        )[0]  # [N, H]
+        with use_adapters(_adapter_ranges(chunks)):
+            outputs = self.span(
+                hidden,
+                context,
+                prompts=packed_prompts,
+                blocks=(first.start, first.end),
+                positions=torch.cat(positions),
+            )[0]  # [N, H]
         results, offset = [], 0
         for chunk in chunks:
             size = chunk.num_rows * chunk.num_tokens
@@ -133,8 +135,38 @@ class ModelRunner:
     def forward(self, work: ForwardWork) -> torch.Tensor:
         """A forward pass without cache (rpc_forward): [B, T, H] -> [B, T, H] in the input's dtype."""
         aligned = align_prompts(work.prompts, 0, work.hidden.shape[1])
-        outputs = self.span(work.hidden.to(self.span.dtype), None, 0, aligned, work.blocks)
+        with use_adapters(work.adapter):
+            outputs = self.span(work.hidden.to(self.span.dtype), None, 0, aligned, work.blocks)
         return outputs.to(work.hidden.dtype)
+
+    def backward(self, work: ForwardWork) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of sum(outputs * grad_outputs) wrt the inputs [B, T, H] and the deep prompts
+        [blocks, B, P, H] (None without prompts), recomputing the span's forward with autograd. The
+        weights stay frozen (requires_grad is off), so no weight gradient is ever computed."""
+        with torch.enable_grad(), use_adapters(work.adapter):
+            hidden = work.hidden.to(self.span.dtype).detach().requires_grad_()
+            prompts = None
+            if work.prompts is not None:
+                prompts = work.prompts.to(self.span.dtype).detach().requires_grad_()
+            aligned = align_prompts(prompts, 0, hidden.shape[1])
+            outputs = self.span(hidden, None, 0, aligned, work.blocks)
+            wrt = [hidden] if aligned is None else [hidden, prompts]
+            grads = torch.autograd.grad(outputs, wrt, work.grad_outputs.to(outputs.dtype))
+        grad_prompts = grads[1].to(work.prompts.dtype) if len(grads) > 1 else None
+        return grads[0].to(work.hidden.dtype), grad_prompts
+
+
+def _adapter_ranges(chunks: list[Chunk]) -> tuple[tuple[int, int, str | None], ...] | str | None:
+    """Which packed tokens run with which LoRA adapter (one name when every chunk uses the same one)."""
+    adapters = {chunk.session.adapter for chunk in chunks}
+    if len(adapters) == 1:
+        return adapters.pop()
+    ranges, offset = [], 0
+    for chunk in chunks:
+        size = chunk.num_rows * chunk.num_tokens
+        ranges.append((offset, offset + size, chunk.session.adapter))
+        offset += size
+    return tuple(ranges)
 
 
 def _chunk_inputs(chunk: Chunk) -> torch.Tensor:

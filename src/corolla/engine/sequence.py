@@ -32,6 +32,7 @@ class EngineSession:
     end: int
     batch_size: int
     max_length: int
+    adapter: str | None = None  # the LoRA adapter its steps run with
     tables: list[list[int]] = field(default_factory=list)  # per row: block ids
     inputs: torch.Tensor | None = None  # [B, position, H]: the hidden states received so far
     prompts: torch.Tensor | None = None  # deep prompts [blocks, B, P, H], if the session has them
@@ -79,9 +80,14 @@ class StepWork:
 
 @dataclass(eq=False)
 class ForwardWork:
+    """A cache-free pass over `blocks` (rpc_forward); with `grad_outputs`, a backward pass (rpc_backward)
+    whose result is (grad wrt hidden, grad wrt prompts or None)."""
+
     hidden: torch.Tensor  # [B, T, H]
     blocks: tuple[int, int]
     prompts: torch.Tensor | None = None
+    grad_outputs: torch.Tensor | None = None  # [B, T, H]
+    adapter: str | None = None  # the LoRA adapter to run with
     request_id: int = field(default_factory=lambda: next(_ids))
     arrived_at: float = field(default_factory=time.monotonic)
 

@@ -8,6 +8,7 @@ move never drops a live session.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.engine import Engine, EngineConfig
+from corolla.models import lora
 from corolla.models.span import Span
 from corolla.server.sessions import SessionRegistry
 
@@ -35,8 +37,13 @@ class SpanBackend:
         engine_config: EngineConfig,
         session_timeout: float,
         pass_delay: float = 0.0,
+        adapters: Sequence[tuple[str, str]] = (),
     ) -> SpanBackend:
+        """`adapters`: (name, PEFT folder) pairs whose LoRA weights for these blocks are loaded too."""
         span = await asyncio.to_thread(Span.load, folder, blocks[0], blocks[1], dtype)
+        for name, path in adapters:
+            adapter = await asyncio.to_thread(lora.load_adapter, path, range(*blocks), name)
+            lora.attach(span.blocks, span.start, adapter)
         engine = AsyncEngine(Engine(span, engine_config), pass_delay=pass_delay)
         engine.start()
         return cls(span, engine, SessionRegistry(engine, session_timeout))

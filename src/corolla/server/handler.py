@@ -44,6 +44,7 @@ class TransformerConnectionHandler:
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.pusher: Pusher | None = None  # set once the server's p2p is up
         self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
+        self.adapters: frozenset[str] = frozenset()  # LoRA adapters every hosted span serves
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
         both = dict(stream_input=True, stream_output=True)
@@ -51,6 +52,10 @@ class TransformerConnectionHandler:
         await p2p.add_protobuf_handler(messages.RPC_FORWARD, self.rpc_forward, ExpertRequest)
         await p2p.add_protobuf_handler(
             messages.RPC_FORWARD_STREAM, self.rpc_forward_stream, ExpertRequest, **both
+        )
+        await p2p.add_protobuf_handler(messages.RPC_BACKWARD, self.rpc_backward, ExpertRequest)
+        await p2p.add_protobuf_handler(
+            messages.RPC_BACKWARD_STREAM, self.rpc_backward_stream, ExpertRequest, **both
         )
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
         await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, ExpertRequest)
@@ -85,10 +90,9 @@ class TransformerConnectionHandler:
         return sum(len(backend.sessions) for backend in self.backends)
 
     def _check_adapter(self, adapter: str | None) -> None:
-        if adapter is not None:
-            raise InvalidRequest(
-                f"active_adapter {adapter!r} is not served here (this server has no adapters)"
-            )
+        if adapter is not None and adapter not in self.adapters:
+            served = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidRequest(f"active_adapter {adapter!r} is not served here (adapters here: {served})")
 
     # --- rpc_inference -------------------------------------------------------------------------------------
 
@@ -121,7 +125,9 @@ class TransformerConnectionHandler:
         batch_size = validation.read_hidden(
             request.tensors, self.hidden_size, self.config.max_batch_size
         ).shape[0]
-        async with backend.sessions.open(meta.session_id, blocks, batch_size, meta.max_length) as session:
+        async with backend.sessions.open(
+            meta.session_id, blocks, batch_size, meta.max_length, meta.active_adapter
+        ) as session:
             logger.debug(
                 "Session %s opened by ...%s: blocks %d:%d, batch %d, max_length %d",
                 session.session_id,
@@ -248,6 +254,44 @@ class TransformerConnectionHandler:
             async for _ in requests:  # wait for the caller's end of stream, or the reply's tail may be cut
                 pass
 
+    # --- rpc_backward --------------------------------------------------------------------------------------
+
+    async def rpc_backward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
+        grads, compression = await self._backward(request.uid, request.metadata, list(request.tensors))
+        return ExpertResponse(tensors=[wire_tensors.serialize(g, compression) for g in grads])
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertResponse]:
+        async with _reading_to_the_end(requests):
+            uid, metadata, parts = await self._collect_stream(requests, num_tensors=3)
+            tensors = wire_tensors.combine_tensors(parts, ("inputs", "grad_outputs", "prompts"))
+            grads, compression = await self._backward(uid, metadata, tensors)
+            for grad in grads:
+                for chunk in wire_tensors.split(wire_tensors.serialize(grad, compression)):
+                    yield ExpertResponse(tensors=[chunk])
+            async for _ in requests:  # wait for the caller's end of stream, or the reply's tail may be cut
+                pass
+
+    async def _backward(
+        self, uid: str, metadata: bytes, protos: list[runtime_pb2.Tensor]
+    ) -> tuple[list[torch.Tensor], int]:
+        """Tensors: inputs [B, T, H], grad_outputs [B, T, H], prompts (empty or [blocks, B or 1, P, H]).
+        Returns [grad wrt inputs, grad wrt prompts (empty without prompts)]."""
+        meta = ForwardRequest.from_bytes(metadata)
+        backend, blocks = self._select(uid, new_session=False)
+        self._check_adapter(meta.active_adapter)
+        compression = self._compression(meta)
+        inputs = self._read_forward_inputs(protos)
+        grad_outputs = validation.read_grad_outputs(protos, inputs)
+        batch, length = inputs.shape[:2]
+        prompts = validation.read_prompts(
+            protos, blocks[1] - blocks[0], batch, self.hidden_size, length, index=2, expand=False
+        )
+        work = ForwardWork(inputs, blocks, prompts, grad_outputs, meta.active_adapter)
+        grad_inputs, grad_prompts = await backend.engine.run(work)
+        return [grad_inputs, grad_prompts if grad_prompts is not None else torch.empty(0)], compression
+
     async def _collect_stream(
         self, requests: AsyncIterator[ExpertRequest], num_tensors: int
     ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
@@ -271,11 +315,23 @@ class TransformerConnectionHandler:
         meta = ForwardRequest.from_bytes(metadata)
         backend, blocks = self._select(uid, new_session=False)
         self._check_adapter(meta.active_adapter)
+        compression = self._compression(meta)
+        hidden = self._read_forward_inputs(protos)
+        batch, length = hidden.shape[:2]
+        prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
+        work = ForwardWork(hidden, blocks, prompts, adapter=meta.active_adapter)
+        return await backend.engine.run(work), compression
+
+    @staticmethod
+    def _compression(meta: ForwardRequest) -> int:
         compression = wire_tensors.NONE if meta.output_compression is None else meta.output_compression
         if compression not in (wire_tensors.NONE, wire_tensors.FLOAT16):
             raise InvalidRequest(
                 f"output_compression={compression} is not supported (use 0 = NONE or 2 = FLOAT16)"
             )
+        return compression
+
+    def _read_forward_inputs(self, protos: list[runtime_pb2.Tensor]) -> torch.Tensor:
         hidden = validation.read_hidden(protos, self.hidden_size, self.config.max_batch_size)
         batch, length = hidden.shape[:2]
         if batch * length > self.config.max_forward_tokens:
@@ -283,8 +339,7 @@ class TransformerConnectionHandler:
                 f"hidden_states: {batch} x {length} tokens exceed max_forward_tokens="
                 f"{self.config.max_forward_tokens}"
             )
-        prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
-        return await backend.engine.run(ForwardWork(hidden, blocks, prompts)), compression
+        return hidden
 
     # --- rpc_info ------------------------------------------------------------------------------------------
 

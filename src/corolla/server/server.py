@@ -59,6 +59,7 @@ class Server:
         self.next_pings: dict[str, float] = {}  # round trips to servers that can take our outputs (push)
         self._retiring: set[asyncio.Task] = set()
         self.metrics: ServerMetrics | None = None
+        self.adapters = adapter_names(config.adapters)  # (name, folder) pairs
         if config.metrics_port is not None:
             self.metrics = ServerMetrics(self._live_figures)
 
@@ -80,6 +81,7 @@ class Server:
         logger.info("Loading blocks %d:%d of %s (%s)", *blocks, self.folder, self.dtype)
         self.backends.append(await self._backend(blocks))
         self.handler = TransformerConnectionHandler(self.backends, config, self.dht_prefix, __version__)
+        self.handler.adapters = frozenset(name for name, _ in self.adapters)
         self.p2p = await self.dht.replicate_p2p()
         self.handler.pusher = Pusher(self.p2p, self.dht_prefix)
         if self.metrics is not None:
@@ -129,6 +131,7 @@ class Server:
             engine_config,
             config.session_timeout,
             config.simulate_slow_ms / 1000,
+            self.adapters,
         )
         if self.metrics is not None:
             backend.engine.pass_listeners.append(self.metrics.observe_pass)
@@ -249,6 +252,7 @@ class Server:
             queued_tokens=info.queued_tokens,
             throughput=self.throughput,
             next_pings=tuple(self.next_pings.items()),
+            adapters=tuple(name for name, _ in self.adapters),
         )
 
     async def drain(self, timeout: float, hurry: asyncio.Event) -> None:
@@ -309,6 +313,18 @@ class Server:
         """For metrics scrapes (another thread): the engines' last snapshots and the open sessions."""
         sessions = self.handler.num_sessions if self.handler is not None else 0
         return [backend.engine.stats for backend in list(self.backends)], sessions
+
+
+def adapter_names(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`NAME=PATH` or `PATH` (named after its folder) -> (name, path) pairs, names unique."""
+    pairs = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        pairs.append((name or Path(path).name, path))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise InvalidRequest(f"--adapters: two adapters share a name among {names}")
+    return tuple(pairs)
 
 
 def default_cache_tokens(model: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:

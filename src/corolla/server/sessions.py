@@ -77,14 +77,21 @@ class SessionRegistry:
 
     @contextlib.asynccontextmanager
     async def open(
-        self, session_id: str | None, blocks: tuple[int, int], batch_size: int, max_length: int
+        self,
+        session_id: str | None,
+        blocks: tuple[int, int],
+        batch_size: int,
+        max_length: int,
+        adapter: str | None = None,
     ) -> AsyncIterator[ServerSession]:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._claimed:
             raise InvalidRequest(f"session_id {session_id!r} is already in use on this server")
         self._claimed.add(session_id)
         try:
-            opener = partial(self.engine.engine.open_session, session_id, blocks, batch_size, max_length)
+            opener = partial(
+                self.engine.engine.open_session, session_id, blocks, batch_size, max_length, adapter
+            )
             engine_session = await self.engine.call(opener)
             session = ServerSession(
                 session_id,

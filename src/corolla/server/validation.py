@@ -60,13 +60,37 @@ def read_hidden(protos: list[runtime_pb2.Tensor], hidden_size: int, max_batch_si
     return hidden
 
 
-def read_prompts(
-    protos: list[runtime_pb2.Tensor], num_blocks: int, batch: int, hidden_size: int, max_length: int
-) -> torch.Tensor | None:
-    """Optional deep prompts (tensor 1): empty, or [num_blocks, B or 1, P, hidden] with P <= max_length."""
+def read_grad_outputs(protos: list[runtime_pb2.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Tensor 1 of a backward request: the gradient of the span's outputs, shaped like its inputs."""
     if len(protos) < 2:
+        raise InvalidRequest("grad_outputs: a backward request carries inputs, grad_outputs and prompts")
+    grad = wire_tensors.deserialize(protos[1], "grad_outputs")
+    if grad.shape != like.shape or grad.dtype not in wire_tensors.FLOAT_DTYPES:
+        raise InvalidRequest(
+            f"grad_outputs must be a float tensor shaped like the inputs {list(like.shape)}, "
+            f"got {grad.dtype} {list(grad.shape)}"
+        )
+    if not bool(torch.isfinite(grad).all()):
+        raise InvalidRequest("grad_outputs holds NaN or infinite values")
+    return grad
+
+
+def read_prompts(
+    protos: list[runtime_pb2.Tensor],
+    num_blocks: int,
+    batch: int,
+    hidden_size: int,
+    max_length: int,
+    index: int = 1,
+    expand: bool = True,
+) -> torch.Tensor | None:
+    """Optional deep prompts (tensor `index`): empty, or [num_blocks, B or 1, P, hidden], P <= max_length.
+
+    Expanded to the batch unless `expand` is off (a backward pass then returns gradients of the shape sent).
+    """
+    if len(protos) <= index:
         return None
-    prompts = wire_tensors.deserialize(protos[1], "prompts")
+    prompts = wire_tensors.deserialize(protos[index], "prompts")
     if prompts.numel() == 0:
         return None
     shape = list(prompts.shape)
@@ -83,7 +107,7 @@ def read_prompts(
         )
     if shape[2] > max_length:
         raise InvalidRequest(f"prompts: prefix length {shape[2]} exceeds max_length={max_length}")
-    return prompts.expand(num_blocks, batch, shape[2], hidden_size)
+    return prompts.expand(num_blocks, batch, shape[2], hidden_size) if expand else prompts
 
 
 def read_hypo_ids(protos: list[runtime_pb2.Tensor], batch: int) -> torch.Tensor | None:

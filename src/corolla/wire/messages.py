@@ -21,6 +21,8 @@ HANDLER_PREFIX = "TransformerConnectionHandler"
 RPC_INFERENCE = f"{HANDLER_PREFIX}.rpc_inference"
 RPC_FORWARD = f"{HANDLER_PREFIX}.rpc_forward"
 RPC_FORWARD_STREAM = f"{HANDLER_PREFIX}.rpc_forward_stream"
+RPC_BACKWARD = f"{HANDLER_PREFIX}.rpc_backward"
+RPC_BACKWARD_STREAM = f"{HANDLER_PREFIX}.rpc_backward_stream"
 RPC_INFO = f"{HANDLER_PREFIX}.rpc_info"
 RPC_PUSH = f"{HANDLER_PREFIX}.rpc_push"
 

@@ -1,0 +1,186 @@
+"""Autograd through the swarm: a chain of servers as one differentiable function.
+
+Forward sends the hidden states down a chain of servers (`rpc_forward`), keeping each hop's inputs.
+Backward walks the chain in reverse with `rpc_backward`: each server returns the gradient wrt its inputs
+(and its blocks' deep prompts) given the gradient of its outputs, recomputing its forward with its
+weights frozen. Big batches are split into requests of at most `max_request_tokens` tokens.
+
+A server that fails is banned and its blocks re-routed, in forward and in backward alike. In backward,
+the replacement chain gets the failed hop's kept inputs: its forward is recomputed hop by hop to obtain
+the inputs of each replacement hop, then their backward runs. The user never sees the failure, and the
+gradients are the same (the replacement has the same weights).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from corolla.client.remote_passes import remote_backward, remote_forward
+from corolla.client.runtime import LoopThread
+from corolla.client.swarm import RETRYABLE, SwarmClient
+from corolla.errors import ServerUnavailable
+from corolla.swarm.routing import Hop
+
+
+@dataclass
+class _Retries:
+    swarm: SwarmClient
+    failures: int = 0
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.swarm.config.failover_timeout
+
+    async def replace(self, hop: Hop, error: Exception) -> list[Hop]:
+        """Ban `hop`'s server and route its blocks again, or give up."""
+        self.failures += 1
+        if self.failures > self.swarm.config.max_retries or time.monotonic() > self.deadline:
+            raise ServerUnavailable(
+                f"giving up after {self.failures} failed servers; last: {error}"
+            ) from error
+        self.swarm.ban(hop.peer_id)
+        return await self.swarm.route(hop.start, hop.end)
+
+
+def _prompts_for(prompts: torch.Tensor | None, hop: Hop) -> torch.Tensor | None:
+    return None if prompts is None else prompts[hop.start : hop.end]
+
+
+async def chain_forward(
+    swarm: SwarmClient, hidden: torch.Tensor, prompts: torch.Tensor | None
+) -> tuple[torch.Tensor, list[tuple[Hop, torch.Tensor]]]:
+    """Outputs of every block for hidden [B, T, H]; also each hop with the inputs it got."""
+    retries, hops, index, trace = _Retries(swarm), await swarm.route(), 0, []
+    while index < len(hops):
+        hop = hops[index]
+        try:
+            outputs = await _forward_rows(swarm, hop, hidden, prompts)
+        except RETRYABLE as e:
+            hops[index : index + 1] = await retries.replace(hop, e)
+            continue
+        trace.append((hop, hidden))
+        hidden, index = outputs, index + 1
+    return hidden, trace
+
+
+async def chain_backward(
+    swarm: SwarmClient,
+    trace: list[tuple[Hop, torch.Tensor]],
+    grad_outputs: torch.Tensor,
+    prompts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients wrt the chain's inputs and (when given) the deep prompts [blocks, B or 1, P, H]."""
+    retries, pending, grad = _Retries(swarm), list(trace), grad_outputs
+    grad_prompts = torch.zeros_like(prompts) if prompts is not None else None
+    while pending:
+        hop, inputs = pending.pop()
+        try:
+            grad_inputs, hop_grad_prompts = await _backward_rows(swarm, hop, inputs, grad, prompts)
+        except RETRYABLE as e:
+            pending.extend(await _recompute(swarm, retries, await retries.replace(hop, e), inputs, prompts))
+            continue
+        grad = grad_inputs
+        if grad_prompts is not None and hop_grad_prompts is not None:
+            grad_prompts[hop.start : hop.end] += hop_grad_prompts
+    return grad, grad_prompts
+
+
+async def _recompute(
+    swarm: SwarmClient, retries: _Retries, hops: list[Hop], inputs: torch.Tensor, prompts: torch.Tensor | None
+) -> list[tuple[Hop, torch.Tensor]]:
+    """The inputs of each hop of a replacement chain, from the inputs of the chain it replaces."""
+    trace, index = [], 0
+    while index < len(hops):
+        hop = hops[index]
+        if index == len(hops) - 1:  # the last hop's outputs are not needed
+            trace.append((hop, inputs))
+            break
+        try:
+            outputs = await _forward_rows(swarm, hop, inputs, prompts)
+        except RETRYABLE as e:
+            hops[index : index + 1] = await retries.replace(hop, e)
+            continue
+        trace.append((hop, inputs))
+        inputs, index = outputs, index + 1
+    return trace
+
+
+def _row_groups(hidden: torch.Tensor, max_tokens: int) -> list[slice]:
+    rows = max(1, max_tokens // hidden.shape[1])
+    return [slice(i, i + rows) for i in range(0, hidden.shape[0], rows)]
+
+
+def _rows(prompts: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return prompts if prompts is None or prompts.shape[1] == 1 else prompts[:, rows]
+
+
+async def _forward_rows(
+    swarm: SwarmClient, hop: Hop, hidden: torch.Tensor, prompts: torch.Tensor | None
+) -> torch.Tensor:
+    config, hop_prompts = swarm.config, _prompts_for(prompts, hop)
+    outputs = [
+        await remote_forward(
+            swarm.p2p,
+            hop,
+            swarm.dht_prefix,
+            hidden[rows],
+            config.request_timeout,
+            _rows(hop_prompts, rows),
+            config.active_adapter,
+        )
+        for rows in _row_groups(hidden, config.max_request_tokens)
+    ]
+    return torch.cat(outputs)
+
+
+async def _backward_rows(
+    swarm: SwarmClient, hop: Hop, inputs: torch.Tensor, grad: torch.Tensor, prompts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    config, hop_prompts = swarm.config, _prompts_for(prompts, hop)
+    grads, grad_prompts = [], None
+    for rows in _row_groups(inputs, config.max_request_tokens):
+        grad_inputs, part = await remote_backward(
+            swarm.p2p,
+            hop,
+            swarm.dht_prefix,
+            inputs[rows],
+            grad[rows],
+            config.request_timeout,
+            _rows(hop_prompts, rows),
+            config.active_adapter,
+        )
+        grads.append(grad_inputs)
+        if part is not None:
+            if hop_prompts.shape[1] == 1:
+                grad_prompts = part if grad_prompts is None else grad_prompts + part
+            else:
+                grad_prompts = part if grad_prompts is None else torch.cat([grad_prompts, part], dim=1)
+    return torch.cat(grads), grad_prompts
+
+
+class RemoteChain(torch.autograd.Function):
+    """hidden [B, T, H] and deep prompts ([blocks, B or 1, P, H], or an empty tensor) -> the last block's
+    outputs [B, T, H], differentiable wrt both."""
+
+    @staticmethod
+    def forward(ctx, hidden, prompts, swarm: SwarmClient, runtime: LoopThread):  # noqa: ANN001
+        deep = prompts if prompts.numel() else None
+        outputs, trace = runtime.run(
+            chain_forward(swarm, hidden.detach(), None if deep is None else deep.detach())
+        )
+        ctx.swarm, ctx.runtime, ctx.trace, ctx.has_prompts = swarm, runtime, trace, deep is not None
+        ctx.save_for_backward(prompts)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_outputs):  # noqa: ANN001
+        (prompts,) = ctx.saved_tensors
+        deep = prompts.detach() if ctx.has_prompts else None
+        grad_hidden, grad_prompts = ctx.runtime.run(
+            chain_backward(ctx.swarm, ctx.trace, grad_outputs.contiguous(), deep)
+        )
+        if grad_prompts is None:
+            grad_prompts = torch.zeros_like(prompts)
+        return grad_hidden, grad_prompts, None, None

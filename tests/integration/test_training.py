@@ -1,0 +1,167 @@
+"""Fine-tuning through the swarm: gradients through 1, 2 and 3 real servers equal local autograd.
+
+The reference is transformers' own model with the same trainable parts: the input prefix goes through
+`inputs_embeds`, and each deep prompt is added to its decoder layer's input by a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.client.autograd import RemoteChain
+from corolla.swarm.local import LocalSwarm
+from swarm_helpers import SMOL_CHAINS, TINY_CHAINS, TINY_SPANS, connect
+from tiny_models import FAMILIES, load_reference
+
+PREFIX = 3
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_swarm(request, tiny_models):
+    path = tiny_models[request.param]
+    with LocalSwarm(str(path), TINY_SPANS) as swarm:
+        yield path, swarm, load_reference(path)
+
+
+def reference_loss(reference, input_ids, labels, prefix, deep_prompts):
+    """transformers' loss with a trainable input prefix [P, H] and deep prompts [blocks, P, H]."""
+    hooks = []
+    for index, layer in enumerate(reference.model.layers):
+
+        def add_prompt(module, args, kwargs, index=index):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = torch.cat([hidden[:, :PREFIX] + deep_prompts[index], hidden[:, PREFIX:]], dim=1)
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        hooks.append(layer.register_forward_pre_hook(add_prompt, with_kwargs=True))
+    try:
+        embeds = reference.model.embed_tokens(input_ids)
+        inputs = torch.cat([prefix[None].expand(len(input_ids), -1, -1), embeds], dim=1)
+        logits = reference(inputs_embeds=inputs).logits[:, PREFIX:]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    )
+
+
+def check_gradients(model, reference, input_ids, labels, atol=1e-4):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.ptune.deep_prompts.normal_(std=0.05)  # not zero, so that every path carries gradient
+    model.head.requires_grad_(True)
+    loss = model(input_ids, labels=labels).loss
+    loss.backward()
+
+    reference.zero_grad()
+    prefix = model.ptune.prompt_embeddings.detach().clone().requires_grad_()
+    deep = model.ptune.deep_prompts.detach().clone().requires_grad_()
+    expected = reference_loss(reference, input_ids, labels, prefix, deep)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=atol, rtol=0)
+    torch.testing.assert_close(model.ptune.prompt_embeddings.grad, prefix.grad, atol=atol, rtol=atol)
+    torch.testing.assert_close(model.ptune.deep_prompts.grad, deep.grad, atol=atol, rtol=atol)
+    torch.testing.assert_close(
+        model.head.norm.weight.grad, reference.model.norm.weight.grad, atol=atol, rtol=atol
+    )
+    torch.testing.assert_close(
+        model.head.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad, atol=atol, rtol=atol
+    )
+    assert deep.grad.abs().sum() > 0 and prefix.grad.abs().sum() > 0
+    reference.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("num_servers", [1, 2, 3])
+def test_gradients_match_local_autograd(family_swarm, num_servers):
+    path, swarm, reference = family_swarm
+    generator = torch.Generator().manual_seed(num_servers)
+    input_ids = torch.randint(3, 300, (2, 7), generator=generator)
+    labels = input_ids.clone()
+    labels[1, -2:] = -100  # padding
+    with connect(
+        path, swarm, TINY_CHAINS[num_servers], tuning_mode="deep_ptune", pre_seq_len=PREFIX
+    ) as model:
+        check_gradients(model, reference, input_ids, labels)
+
+        # the gradient wrt the chain's own inputs, for an arbitrary output gradient
+        hidden = torch.randn(3, 5, 64, generator=generator, requires_grad=True)
+        grad_outputs = torch.randn(3, 5, 64, generator=generator)
+        RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime).backward(grad_outputs)
+        local = hidden.detach().clone().requires_grad_()
+        out = local
+        position_ids = torch.arange(5)[None]
+        rotary = reference.model.rotary_emb(out, position_ids)
+        mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+        for layer in reference.model.layers:
+            out = layer(out, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
+        out.backward(grad_outputs)
+        torch.testing.assert_close(hidden.grad, local.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_smollm2_gradients_match_local_autograd(smollm2_path, smol_swarm, smol_reference):
+    tokenizer_ids = torch.tensor(
+        [[1, 504, 3458, 282, 4649, 314, 7042, 30], [1, 2683, 314, 260, 1326, 2, 2, 2]]
+    )
+    labels = tokenizer_ids.clone()
+    labels[1, -3:] = -100
+    with connect(
+        smollm2_path, smol_swarm, SMOL_CHAINS[3], tuning_mode="deep_ptune", pre_seq_len=PREFIX
+    ) as model:
+        check_gradients(model, smol_reference, tokenizer_ids, labels)
+
+
+@pytest.fixture
+def replicated_tiny(tiny_models):
+    with LocalSwarm(str(tiny_models["llama"]), [(0, 3), (3, 6), (0, 3), (3, 6)]) as swarm:
+        yield swarm
+
+
+@pytest.mark.parametrize("victim", ["first", "last"])
+def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, replicated_tiny, victim):
+    input_ids = torch.randint(3, 300, (4, 9), generator=torch.Generator().manual_seed(7))
+    with connect(
+        tiny_models["llama"], replicated_tiny, tuning_mode="deep_ptune", pre_seq_len=PREFIX
+    ) as model:
+        with torch.no_grad():
+            model.ptune.deep_prompts.normal_(std=0.05)
+        model(input_ids, labels=input_ids).loss.backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+
+        # forward, then SIGKILL a server of the chain it used, then backward: the backward fails over
+        hidden, prompts = model._chain_inputs(input_ids)
+        outputs = RemoteChain.apply(hidden, prompts, model.swarm, model.runtime)
+        trace_hops = [hop.peer_id for hop, _ in outputs.grad_fn.trace]
+        dead = trace_hops[0 if victim == "first" else -1]
+        server = next(s for s in replicated_tiny.servers if s.peer_id == dead)
+        server.kill_group()
+        replicated_tiny.servers.remove(server)
+        model._outputs(outputs, input_ids).loss.backward()
+        for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert dead in model.swarm.banned()
+
+        # a forward over a chain whose server has just died (the DHT still lists it) fails over too: the
+        # first route is pinned to a chain through the dead server, every later routing decision is real
+        for p in model.parameters():
+            p.grad = None
+        route = model.runtime.run(model.swarm.route())
+        hop = route[-1] if victim == "first" else route[0]  # the span that still has two servers
+        server = next(s for s in replicated_tiny.servers if s.peer_id == hop.peer_id)
+        server.kill_group()
+        replicated_tiny.servers.remove(server)
+        real_route, pinned = model.swarm.route, [route]
+
+        async def route_once(*args, **kwargs):
+            return pinned.pop() if pinned else await real_route(*args, **kwargs)
+
+        model.swarm.route = route_once
+        model(input_ids, labels=input_ids).loss.backward()
+        for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert hop.peer_id in model.swarm.banned()
