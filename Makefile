@@ -9,7 +9,7 @@ API_PORT ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install browser demo api test test-unit test-integration bench lint clean
+.PHONY: help install browser example demo api test test-unit test-integration bench lint clean
 
 help: ## show this help
 	@echo "corolla: run large language models across a swarm of ordinary machines"
@@ -33,6 +33,9 @@ browser: ## install headless Chromium for the dashboard test (Debian's package; 
 	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
 	  else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi; }
 
+example: $(STAMP) ## deep prompt tuning of SmolLM2 through a local 3-server swarm (examples/prompt_tuning.py, ~4 min)
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/prompt_tuning.py
+
 demo: $(STAMP) ## start a local 3-server swarm serving SmolLM2-135M-Instruct and stream a chat answer
 	$(BIN)/corolla demo $(if $(PROMPT),"$(PROMPT)")
 
@@ -48,16 +51,18 @@ test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
 test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push; ~15 min)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, training; ~25 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/throughput.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/failover.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/api.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/training.py
 
 lint: $(STAMP) ## ruff over the sources, tests and benchmarks
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench examples
 
 clean: ## remove the virtualenv and caches (the converted-model cache in ~/.cache/corolla stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -67,6 +67,7 @@ class ServerConfig:
     # a pass with fewer than half of the recently active rows pending waits up to this long for more
     # (bigger batches cost little more than small ones on a CPU); 0 never waits
     max_batch_wait_ms: float = 50.0
+    forward_slice_tokens: int = 64  # forward/backward work per pass between inference passes (whole rows)
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request

@@ -25,7 +25,7 @@ from hivemind.proto import runtime_pb2
 from corolla.errors import InvalidRequest
 from corolla.swarm.local import LocalSwarm
 from corolla.wire import tensors
-from corolla.wire.messages import RPC_FORWARD, RPC_INFERENCE, RPC_INFO, ServerInfo
+from corolla.wire.messages import RPC_BACKWARD, RPC_FORWARD, RPC_INFERENCE, RPC_INFO, ServerInfo
 from swarm_helpers import connect, wait_until
 from tiny_models import load_reference
 
@@ -168,6 +168,29 @@ BAD_FORWARD = {
 }
 
 
+BAD_BACKWARD = {
+    "backward without grad_outputs": (request(metadata=meta()), "carries inputs, grad_outputs and prompts"),
+    "backward with mis-shaped grad_outputs": (
+        request(metadata=meta(), extra=[tensors.serialize(torch.randn(1, 3, HIDDEN))]),
+        "grad_outputs must be a float tensor shaped like the inputs [1, 2, 64]",
+    ),
+    "backward with NaN grad_outputs": (
+        request(metadata=meta(), extra=[tensors.serialize(torch.full((1, 2, HIDDEN), float("nan")))]),
+        "grad_outputs holds NaN",
+    ),
+    "backward with mis-shaped prompts": (
+        request(
+            metadata=meta(),
+            extra=[
+                tensors.serialize(torch.randn(1, 2, HIDDEN)),
+                tensors.serialize(torch.randn(3, 1, 2, HIDDEN)),
+            ],
+        ),
+        "prompts must be empty or a float tensor [2, 1, prefix, 64]",
+    ),
+}
+
+
 async def run_inference(p2p, peer, messages):
     async def requests():
         for message in messages:
@@ -191,7 +214,10 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
     full = await server_info(p2p, peer)
     reference = load_reference(tiny_models["llama"])
     input_ids = torch.randint(
-        3, 300, (1, len(BAD_INFERENCE) + len(BAD_FORWARD) + 1), generator=torch.Generator().manual_seed(0)
+        3,
+        300,
+        (1, len(BAD_INFERENCE) + len(BAD_FORWARD) + len(BAD_BACKWARD) + 1),
+        generator=torch.Generator().manual_seed(0),
     )
     model = await asyncio.to_thread(connect, tiny_models["llama"], guarded_swarm)
     try:
@@ -214,6 +240,11 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
         for name, (message, expected) in BAD_FORWARD.items():
             with pytest.raises(P2PHandlerError) as info:
                 await p2p.call_protobuf_handler(peer, RPC_FORWARD, message, runtime_pb2.ExpertResponse)
+            assert expected in str(info.value), f"{name}: {info.value}"
+            await good_step()
+        for name, (message, expected) in BAD_BACKWARD.items():
+            with pytest.raises(P2PHandlerError) as info:
+                await p2p.call_protobuf_handler(peer, RPC_BACKWARD, message, runtime_pb2.ExpertResponse)
             assert expected in str(info.value), f"{name}: {info.value}"
             await good_step()
         with torch.no_grad():

@@ -82,6 +82,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="sequence rows per engine pass; 1 turns batching across sessions off (default: %(default)s)",
     )
     engine.add_argument(
+        "--forward-slice-tokens",
+        type=int,
+        default=defaults.forward_slice_tokens,
+        help="forward/backward (training) work runs this many tokens (whole rows) per pass, between "
+        "inference passes: smaller keeps chat latency steady under training, bigger trains faster "
+        "(default: %(default)s)",
+    )
+    engine.add_argument(
         "--max-batch-wait-ms",
         type=float,
         default=defaults.max_batch_wait_ms,
@@ -205,6 +213,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "block_size",
         "max_batch_tokens",
         "max_batch_rows",
+        "forward_slice_tokens",
         "max_sessions",
         "inference_max_length",
         "max_batch_size",
@@ -245,6 +254,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_batch_rows=args.max_batch_rows,
         max_sessions=args.max_sessions,
         max_batch_wait_ms=args.max_batch_wait_ms,
+        forward_slice_tokens=args.forward_slice_tokens,
         inference_max_length=args.inference_max_length,
         max_batch_size=args.max_batch_size,
         max_forward_tokens=args.max_forward_tokens,

@@ -173,8 +173,8 @@ class AsyncEngine:
                     listener(self.engine.batched_rows, time.perf_counter() - started)
             if self.pass_delay > 0:
                 time.sleep(self.pass_delay)
+            self._publish_stats()  # before the results: a client that asks right after sees this pass
             self._deliver(completions)
-            self._publish_stats()
             if not completions and time.perf_counter() - started < 1e-3:  # nothing could run: wait a little
                 self.tracker.wakeup.wait(IDLE_POLL_SECONDS)
                 self.tracker.wakeup.clear()

@@ -29,6 +29,9 @@ class EngineConfig:
     # Waiting for the rest of a batch: when fewer than half of the recently active rows have a step
     # pending, a pass may wait up to this long for more (0 runs every pass at once; see batch_delay)
     max_batch_wait: float = 0.0
+    # forward/backward requests run this many tokens (whole rows, at least one) per pass, between inference
+    # passes; smaller slices keep inference latency steady under training load, bigger ones train faster
+    forward_slice_tokens: int = 64
 
 
 @dataclass(frozen=True)
@@ -180,11 +183,31 @@ class Engine:
             self.num_passes += 1
             self.batched_rows = sum(chunk.num_rows for chunk in plan.chunks)
             self.total_rows += self.batched_rows
-        if plan.forward is not None:
-            work = plan.forward
-            run = self.runner.forward if work.grad_outputs is None else self.runner.backward
-            completions.append(Completion(work.request_id, run(work)))
+        if plan.forward is not None and (done := self._forward_slice(plan.forward)) is not None:
+            completions.append(done)
         return completions
+
+    def _forward_slice(self, work: ForwardWork) -> Completion | None:
+        """Run the next rows of a forward or backward request (at most forward_slice_tokens tokens, so an
+        inference step never waits long behind training work); the completion once every row is done."""
+        rows = max(1, self.config.forward_slice_tokens // work.hidden.shape[1])
+        end = min(work.done_rows + rows, work.hidden.shape[0])
+        part = work.rows(work.done_rows, end)
+        work.results.append(
+            self.runner.forward(part) if work.grad_outputs is None else self.runner.backward(part)
+        )
+        work.done_rows = end
+        if end < work.hidden.shape[0]:
+            self.scheduler.forwards.appendleft(work)  # the rest goes on at its next turn
+            return None
+        if work.grad_outputs is None:
+            return Completion(work.request_id, torch.cat(work.results))
+        grad_inputs = torch.cat([g for g, _ in work.results])
+        grad_prompts = None
+        if work.prompts is not None:
+            parts = [p for _, p in work.results]
+            grad_prompts = sum(parts) if work.prompts.shape[1] == 1 else torch.cat(parts, dim=1)
+        return Completion(work.request_id, (grad_inputs, grad_prompts))
 
     def _postprocess(self, chunk: Chunk, outputs: torch.Tensor) -> Completion | None:
         session, work = chunk.session, chunk.work

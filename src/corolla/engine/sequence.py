@@ -90,6 +90,16 @@ class ForwardWork:
     adapter: str | None = None  # the LoRA adapter to run with
     request_id: int = field(default_factory=lambda: next(_ids))
     arrived_at: float = field(default_factory=time.monotonic)
+    done_rows: int = 0  # rows run so far: big requests run a slice of rows at a time, between inference
+    results: list = field(default_factory=list)  # each slice's result
+
+    def rows(self, first: int, end: int) -> ForwardWork:
+        """The same work for rows [first, end) only."""
+        prompts = self.prompts
+        if prompts is not None and prompts.shape[1] != 1:
+            prompts = prompts[:, first:end]
+        grad = None if self.grad_outputs is None else self.grad_outputs[first:end]
+        return ForwardWork(self.hidden[first:end], self.blocks, prompts, grad, self.adapter, self.request_id)
 
 
 @dataclass(frozen=True, slots=True)

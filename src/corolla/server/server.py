@@ -115,6 +115,7 @@ class Server:
             max_batch_tokens=config.max_batch_tokens,
             max_batch_rows=config.max_batch_rows,
             max_batch_wait=config.max_batch_wait_ms / 1000,
+            forward_slice_tokens=config.forward_slice_tokens,
             max_sessions=config.max_sessions,
         )
         logger.info(
