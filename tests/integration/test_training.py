@@ -75,6 +75,17 @@ def check_gradients(model, reference, input_ids, labels, atol=1e-4):
     reference.zero_grad(set_to_none=True)
 
 
+def run_blocks(reference, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' decoder layers alone over hidden [B, T, H] (causal, positions from 0)."""
+    length = hidden.shape[1]
+    position_ids = torch.arange(length)[None]
+    rotary = reference.model.rotary_emb(hidden, position_ids)
+    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    for layer in reference.model.layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
+    return hidden
+
+
 @pytest.mark.parametrize("num_servers", [1, 2, 3])
 def test_gradients_match_local_autograd(family_swarm, num_servers):
     path, swarm, reference = family_swarm
@@ -92,13 +103,7 @@ def test_gradients_match_local_autograd(family_swarm, num_servers):
         grad_outputs = torch.randn(3, 5, 64, generator=generator)
         RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime).backward(grad_outputs)
         local = hidden.detach().clone().requires_grad_()
-        out = local
-        position_ids = torch.arange(5)[None]
-        rotary = reference.model.rotary_emb(out, position_ids)
-        mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
-        for layer in reference.model.layers:
-            out = layer(out, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
-        out.backward(grad_outputs)
+        run_blocks(reference, local).backward(grad_outputs)
         torch.testing.assert_close(hidden.grad, local.grad, atol=1e-4, rtol=1e-4)
 
 
@@ -165,3 +170,38 @@ def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, rep
         for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert hop.peer_id in model.swarm.banned()
+
+
+def test_generation_uses_the_trained_prompts(tiny_models, replicated_tiny):
+    input_ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(3))
+    with connect(
+        tiny_models["llama"], replicated_tiny, tuning_mode="deep_ptune", pre_seq_len=PREFIX
+    ) as model:
+        with torch.no_grad():
+            model.ptune.deep_prompts.normal_(std=0.3)
+            expected = input_ids
+            for _ in range(8):  # greedy decoding by full forward passes, which use the prompts
+                expected = torch.cat([expected, model(expected).logits[:, -1:].argmax(dim=-1)], dim=1)
+        assert torch.equal(model.generate(input_ids, max_new_tokens=8), expected)
+        with torch.no_grad():
+            model.ptune.deep_prompts.zero_()
+            model.ptune.prompt_embeddings.normal_(std=1.0)
+        assert not torch.equal(model.generate(input_ids, max_new_tokens=8), expected)
+
+
+def test_big_batches_go_over_the_stream_rpcs(tiny_models, replicated_tiny):
+    """64 x 100 tokens: inputs + output gradients are 3.3 MB, over the unary limit (rpc_backward_stream)."""
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(64, 100, 64, generator=generator, requires_grad=True)
+    grad_outputs = torch.randn(64, 100, 64, generator=generator)
+    with connect(tiny_models["llama"], replicated_tiny, max_request_tokens=6400) as model:
+        outputs = RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime)
+        outputs.backward(grad_outputs)
+    reference = load_reference(tiny_models["llama"])
+    local = hidden.detach().clone().requires_grad_()
+    expected = run_blocks(reference, local)
+    expected.backward(grad_outputs)
+    torch.testing.assert_close(outputs, expected, atol=1e-4, rtol=1e-4)
+    # 64 x 100 positions of random output gradients make big input gradients: compare relative to their scale
+    error = (hidden.grad - local.grad).abs().max() / local.grad.abs().max()
+    assert error < 1e-4, f"relative error {error:.2e}, gradient scale {local.grad.abs().max():.1f}"

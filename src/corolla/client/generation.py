@@ -70,8 +70,14 @@ async def generate_steps(  # noqa: PLR0913
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     tokenizer: Any = None,
+    tuned: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> AsyncIterator[GenerationStep]:
-    """Yield every row's next token, up to params.max_new_tokens steps."""
+    """Yield every row's next token, up to params.max_new_tokens steps.
+
+    `tuned` (a new session only): trained prompts, (input prefix [B, P, H], deep prompts or None); the
+    prefix goes before the first step's inputs and the deep prompts to the servers with it (they keep
+    them for the session).
+    """
     batch = input_ids.shape[0]
     inputs = input_ids
     if session.pending_token_ids is not None:
@@ -80,7 +86,10 @@ async def generate_steps(  # noqa: PLR0913
                 f"batch size {batch} differs from the session's {session.pending_token_ids.shape[0]}"
             )
         inputs = torch.cat([session.pending_token_ids, input_ids], dim=1)
-    needed = session.position + inputs.shape[1] + params.max_new_tokens - 1
+    prefix_length = 0 if tuned is None else tuned[0].shape[1]
+    if tuned is not None and session.position > 0:
+        raise InvalidRequest("trained prompts apply from a session's start; this session has already begun")
+    needed = session.position + prefix_length + inputs.shape[1] + params.max_new_tokens - 1
     if needed > session.max_length:
         raise InvalidRequest(
             f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
@@ -95,8 +104,12 @@ async def generate_steps(  # noqa: PLR0913
     try:
         with torch.no_grad():
             hidden = head.head.embed(inputs)  # [B, T, H]
+            deep = None
+            if tuned is not None:
+                hidden, deep = torch.cat([tuned[0].to(hidden.dtype), hidden], dim=1), tuned[1]
             for _ in range(params.max_new_tokens):
-                outputs = await session.astep(hidden)
+                outputs = await session.astep(hidden, deep)
+                deep = None  # the servers keep the session's deep prompts
                 logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
                 tokens = next_tokens(logits, context, params, generator, context[:, prompt_length:])
                 tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)

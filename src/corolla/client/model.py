@@ -143,15 +143,21 @@ class DistributedModelForCausalLM:
     ) -> AsyncIterator[GenerationStep]:
         """Like `agenerate`, with each row's finished flag and (params.logprobs) log-probabilities.
 
-        Without `session`, one is opened for max_length = prompt + max_new_tokens and closed on every
-        server of its chain as soon as the generation ends, fails or is cancelled.
+        Without `session`, one is opened for max_length = prompt + max_new_tokens (+ the trained prefix)
+        and closed on every server of its chain as soon as the generation ends, fails or is cancelled.
+        With a tuning_mode, a new session starts with the trained prompts, as `forward` uses them.
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
         own = session is None
+        tuned = None
+        if self.ptune is not None and (own or session.position == 0):
+            deep = self.ptune.block_prompts().detach()
+            tuned = (self.ptune.prefix(input_ids.shape[0]).detach(), deep if deep.numel() else None)
         if own:
+            prefix = 0 if tuned is None else self.ptune.pre_seq_len
             session = await InferenceSession(
-                self.swarm, self.runtime, input_ids.shape[1] + params.max_new_tokens
+                self.swarm, self.runtime, prefix + input_ids.shape[1] + params.max_new_tokens
             ).aopen()
         try:
             async for step in generate_steps(
@@ -162,6 +168,7 @@ class DistributedModelForCausalLM:
                 self.eos_token_ids,
                 self.pad_token_id,
                 self.tokenizer if params.stop else None,
+                tuned,
             ):
                 yield step
         finally:
