@@ -52,9 +52,25 @@ async def chain_forward(
     swarm: SwarmClient, hidden: torch.Tensor, prompts: torch.Tensor | None
 ) -> tuple[torch.Tensor, list[tuple[Hop, torch.Tensor]]]:
     """Outputs of every block for hidden [B, T, H]; also each hop with the inputs it got."""
-    retries, hops, index, trace = _Retries(swarm), await swarm.route(), 0, []
+    return await _through(swarm, _Retries(swarm), await swarm.route(), hidden, prompts)
+
+
+async def _through(
+    swarm: SwarmClient,
+    retries: _Retries,
+    hops: list[Hop],
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+    last_outputs: bool = True,
+) -> tuple[torch.Tensor | None, list[tuple[Hop, torch.Tensor]]]:
+    """Run `hops` in order (replacing any that fail); returns the outputs (None without last_outputs:
+    the last hop is then not run) and each hop with its inputs."""
+    trace, index = [], 0
     while index < len(hops):
         hop = hops[index]
+        if not last_outputs and index == len(hops) - 1:
+            trace.append((hop, hidden))
+            return None, trace
         try:
             outputs = await _forward_rows(swarm, hop, hidden, prompts)
         except RETRYABLE as e:
@@ -79,32 +95,16 @@ async def chain_backward(
         try:
             grad_inputs, hop_grad_prompts = await _backward_rows(swarm, hop, inputs, grad, prompts)
         except RETRYABLE as e:
-            pending.extend(await _recompute(swarm, retries, await retries.replace(hop, e), inputs, prompts))
+            # the replacement chain's inputs, recomputed from the failed hop's; then its backward runs
+            replacement = await retries.replace(hop, e)
+            pending.extend(
+                (await _through(swarm, retries, replacement, inputs, prompts, last_outputs=False))[1]
+            )
             continue
         grad = grad_inputs
         if grad_prompts is not None and hop_grad_prompts is not None:
             grad_prompts[hop.start : hop.end] += hop_grad_prompts
     return grad, grad_prompts
-
-
-async def _recompute(
-    swarm: SwarmClient, retries: _Retries, hops: list[Hop], inputs: torch.Tensor, prompts: torch.Tensor | None
-) -> list[tuple[Hop, torch.Tensor]]:
-    """The inputs of each hop of a replacement chain, from the inputs of the chain it replaces."""
-    trace, index = [], 0
-    while index < len(hops):
-        hop = hops[index]
-        if index == len(hops) - 1:  # the last hop's outputs are not needed
-            trace.append((hop, inputs))
-            break
-        try:
-            outputs = await _forward_rows(swarm, hop, inputs, prompts)
-        except RETRYABLE as e:
-            hops[index : index + 1] = await retries.replace(hop, e)
-            continue
-        trace.append((hop, inputs))
-        inputs, index = outputs, index + 1
-    return trace
 
 
 def _row_groups(hidden: torch.Tensor, max_tokens: int) -> list[slice]:
