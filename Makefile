@@ -9,7 +9,7 @@ API_PORT ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install browser example demo api test test-unit test-integration bench lint clean
+.PHONY: help install browser example demo api test test-unit test-integration bench bench-wan lint clean
 
 help: ## show this help
 	@echo "corolla: run large language models across a swarm of ordinary machines"
@@ -60,6 +60,9 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/api.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/training.py
+
+bench-wan: $(STAMP) ## push on/off across an emulated 50 ms internet (../shared/tools/wan; needs root + iptables)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py
 
 lint: $(STAMP) ## ruff over the sources, tests and benchmarks
 	$(BIN)/ruff check src tests bench examples

@@ -35,9 +35,12 @@ READY_SERVER = re.compile(r"corolla server ready: peer_id=(\S+) blocks=(\d+):(\d
 class PeerProcess:
     """One child process (a DHT peer or a server) and its log file."""
 
-    def __init__(self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str]):
+    def __init__(
+        self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], wrapper: Sequence[str] = ()
+    ):
+        """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace."""
         self.name, self.log_path = name, log_path
-        self.args = [sys.executable, "-m", "corolla", *args]
+        self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
         with open(log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
