@@ -97,22 +97,21 @@ def test_swarm_json_lists_the_servers(api, smol_swarm):
     assert all(s["state"] == "online" and s["free_cache_tokens"] > 0 for s in swarm["servers"])
 
 
+def corolla_status(initial_peers: list[str]) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "corolla",
+        "status",
+        "--no-nat-port-map",
+        "--initial-peers",
+        *initial_peers,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+
+
 def test_status_prints_every_server_span(smol_swarm):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "corolla",
-            "status",
-            "--no-nat-port-map",
-            "--initial-peers",
-            *smol_swarm.initial_peers,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = corolla_status(smol_swarm.initial_peers)
     assert "30 blocks, 5 servers" in out and "every block is covered" in out
     for server in smol_swarm.servers:
         line = next(line for line in out.splitlines() if line.startswith(f"...{server.peer_id[-8:]}"))
@@ -133,19 +132,5 @@ def test_uncovered_blocks_get_a_503_naming_them(smollm2_path):
         assert info.value.code == 503
         error = json.loads(info.value.read())["error"]
         assert error["code"] == "missing_blocks" and "10-29" in error["message"]
-        status = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "corolla",
-                "status",
-                "--no-nat-port-map",
-                "--initial-peers",
-                *swarm.initial_peers,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+        status = corolla_status(swarm.initial_peers)
         assert "uncovered blocks: 10-29" in status

@@ -125,6 +125,18 @@ def replicated_tiny(tiny_models):
         yield swarm
 
 
+def kill(swarm: LocalSwarm, peer_id: str) -> None:
+    """SIGKILL a server (and its DHT process and daemon)."""
+    server = next(s for s in swarm.servers if s.peer_id == peer_id)
+    server.kill_group()
+    swarm.servers.remove(server)
+
+
+def assert_grads_equal(model, expected: list[torch.Tensor]) -> None:
+    for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("victim", ["first", "last"])
 def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, replicated_tiny, victim):
     input_ids = torch.randint(3, 300, (4, 9), generator=torch.Generator().manual_seed(7))
@@ -143,12 +155,9 @@ def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, rep
         outputs = RemoteChain.apply(hidden, prompts, model.swarm, model.runtime)
         trace_hops = [hop.peer_id for hop, _ in outputs.grad_fn.trace]
         dead = trace_hops[0 if victim == "first" else -1]
-        server = next(s for s in replicated_tiny.servers if s.peer_id == dead)
-        server.kill_group()
-        replicated_tiny.servers.remove(server)
+        kill(replicated_tiny, dead)
         model._outputs(outputs, input_ids).loss.backward()
-        for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_grads_equal(model, expected)
         assert dead in model.swarm.banned()
 
         # a forward over a chain whose server has just died (the DHT still lists it) fails over too: the
@@ -157,9 +166,7 @@ def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, rep
             p.grad = None
         route = model.runtime.run(model.swarm.route())
         hop = route[-1] if victim == "first" else route[0]  # the span that still has two servers
-        server = next(s for s in replicated_tiny.servers if s.peer_id == hop.peer_id)
-        server.kill_group()
-        replicated_tiny.servers.remove(server)
+        kill(replicated_tiny, hop.peer_id)
         real_route, pinned = model.swarm.route, [route]
 
         async def route_once(*args, **kwargs):
@@ -167,8 +174,7 @@ def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, rep
 
         model.swarm.route = route_once
         model(input_ids, labels=input_ids).loss.backward()
-        for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_grads_equal(model, expected)
         assert hop.peer_id in model.swarm.banned()
 
 

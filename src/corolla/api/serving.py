@@ -39,6 +39,7 @@ from corolla.swarm.overview import read_overview
 logger = logging.getLogger(__name__)
 
 OVERVIEW_TTL = 1.0  # seconds
+MAX_CHOICES = 64  # prompts x n per request: each choice is a row of a generation on the swarm
 Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of SSE events
 
 
@@ -123,6 +124,12 @@ class OpenAIServing:
         logprobs: int | None,
         fmt: type[ResponseFormat],
     ) -> Result:
+        if len(prompts) * request.n > MAX_CHOICES:
+            return _invalid(
+                f"{len(prompts)} prompts x n={request.n} make {len(prompts) * request.n} choices; "
+                f"at most {MAX_CHOICES} per request",
+                "n" if len(prompts) == 1 else fmt.prompt_param,
+            )
         longest = max(len(ids) for ids in prompts)
         if longest >= self.max_model_len:
             return _invalid(

@@ -41,15 +41,7 @@ async def remote_forward(
     adapter: str | None = None,
 ) -> torch.Tensor:
     """Run blocks [hop.start, hop.end) on hop.peer_id over hidden states [B, T, H]."""
-    tensors = [
-        wire_tensors.serialize(hidden),
-        wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty(),
-    ]
-    request = runtime_pb2.ExpertRequest(
-        uid=block_uids(dht_prefix, hop.start, hop.end),
-        tensors=tensors,
-        metadata=ForwardRequest(active_adapter=adapter).to_bytes(),
-    )
+    request = _request(hop, dht_prefix, [hidden, prompts], adapter)
     reply = await _call(p2p, hop.peer_id, (RPC_FORWARD, RPC_FORWARD_STREAM), request, ("outputs",), timeout)
     outputs = wire_tensors.deserialize(reply[0], "outputs") if reply else None
     if outputs is None or outputs.shape != hidden.shape:
@@ -69,16 +61,7 @@ async def remote_backward(  # noqa: PLR0913
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients wrt the inputs [B, T, H] of blocks [hop.start, hop.end) and wrt their deep prompts
     (None without prompts), given the gradient of the outputs."""
-    tensors = [
-        wire_tensors.serialize(inputs),
-        wire_tensors.serialize(grad_outputs),
-        wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty(),
-    ]
-    request = runtime_pb2.ExpertRequest(
-        uid=block_uids(dht_prefix, hop.start, hop.end),
-        tensors=tensors,
-        metadata=ForwardRequest(active_adapter=adapter).to_bytes(),
-    )
+    request = _request(hop, dht_prefix, [inputs, grad_outputs, prompts], adapter)
     names = ("grad_inputs", "grad_prompts")
     reply = await _call(p2p, hop.peer_id, (RPC_BACKWARD, RPC_BACKWARD_STREAM), request, names, timeout)
     grads = [wire_tensors.deserialize(proto, name) for proto, name in zip(reply, names, strict=False)]
@@ -89,6 +72,17 @@ async def remote_backward(  # noqa: PLR0913
     if grads[1].shape[0] != prompts.shape[0] or grads[1].shape[2:] != prompts.shape[2:]:
         raise ServerUnavailable(f"server ...{hop.peer_id[-6:]} returned malformed prompt gradients")
     return grads[0], grads[1]
+
+
+def _request(
+    hop: Hop, dht_prefix: str, tensors: list[torch.Tensor | None], adapter: str | None
+) -> runtime_pb2.ExpertRequest:
+    """A forward/backward request for the hop's blocks; an absent tensor (None) is sent empty."""
+    return runtime_pb2.ExpertRequest(
+        uid=block_uids(dht_prefix, hop.start, hop.end),
+        tensors=[wire_tensors.serialize(t) if t is not None else wire_tensors.empty() for t in tensors],
+        metadata=ForwardRequest(active_adapter=adapter).to_bytes(),
+    )
 
 
 async def _call(
@@ -125,9 +119,7 @@ async def _stream(
         await received_all.wait()  # keep our side open until the whole reply is here
 
     parts: list[runtime_pb2.Tensor] = []
-    stream = await p2p.iterate_protobuf_handler(
-        peer(peer_id), rpc, requests(), runtime_pb2.ExpertResponse
-    )
+    stream = await p2p.iterate_protobuf_handler(peer(peer_id), rpc, requests(), runtime_pb2.ExpertResponse)
     try:
         async for response in stream:
             parts.extend(response.tensors)

@@ -174,3 +174,13 @@ async def test_closing_a_stream_cancels_its_generation(serving_for):
     assert await asyncio.to_thread(serving.model.cancelled.wait, 5)
     assert serving.metrics.aborted._value.get() == 1
     assert serving.metrics.active_requests._value.get() == 0
+
+
+async def test_too_many_choices_in_one_request_are_refused(serving_for):
+    serving = serving_for("ab")
+    request = CompletionRequest.model_validate(
+        {"model": "fake", "prompt": ["a"] * 5, "n": 16, "max_tokens": 2}
+    )
+    error = await serving.create_completion(request)
+    assert error.status == 400 and error.error.param == "prompt" and "at most 64" in error.error.message
+    assert serving.model.prompts == []  # nothing reached the swarm
