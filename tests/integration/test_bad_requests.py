@@ -25,7 +25,7 @@ from hivemind.proto import runtime_pb2
 from corolla.errors import InvalidRequest
 from corolla.swarm.local import LocalSwarm
 from corolla.wire import tensors
-from corolla.wire.messages import RPC_BACKWARD, RPC_FORWARD, RPC_INFERENCE, RPC_INFO, ServerInfo
+from corolla.wire.messages import RPC_BACKWARD, RPC_FORWARD, RPC_INFERENCE, RPC_INFO, RPC_PUSH, ServerInfo
 from swarm_helpers import connect, wait_until
 from tiny_models import load_reference
 
@@ -191,12 +191,42 @@ BAD_BACKWARD = {
 }
 
 
+PUSH_SESSION = "push-target"  # a session opened on blocks 0:2 and stepped to position 2 by the test
+BAD_PUSH = {
+    "push with garbage metadata": (
+        request(metadata=b"\xc1garbage"),
+        "rpc_push: metadata is not valid msgpack",
+    ),
+    "push without a step_id": (
+        request(metadata=meta(session_id=PUSH_SESSION, start_from_position=2)),
+        "'step_id' is required",
+    ),
+    "push without a session_id": (
+        request(metadata=meta(step_id="s", start_from_position=2)),
+        "'session_id' is required",
+    ),
+    "push for other blocks than the session's": (
+        request(FULL_UID, metadata=meta(session_id=PUSH_SESSION, step_id="s", start_from_position=2)),
+        "the pushed step's blocks differ from the session's 0:2",
+    ),
+}
+
+
 async def run_inference(p2p, peer, messages):
     async def requests():
         for message in messages:
             yield message
 
     stream = await p2p.iterate_protobuf_handler(peer, RPC_INFERENCE, requests(), runtime_pb2.ExpertResponse)
+    return [response async for response in stream]
+
+
+async def run_push(p2p, peer, messages):
+    async def requests():
+        for message in messages:
+            yield message
+
+    stream = await p2p.iterate_protobuf_handler(peer, RPC_PUSH, requests(), runtime_pb2.ExpertResponse)
     return [response async for response in stream]
 
 
@@ -260,6 +290,54 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
         return info.cache_tokens_available == full.cache_tokens_total and info.num_sessions == 0
 
     assert await wait_until(cache_is_full, timeout=5)
+
+
+async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_once(raw_peer):
+    p2p, peer = raw_peer
+    queue: asyncio.Queue = asyncio.Queue()
+    hidden = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(5))
+    await queue.put(request(hidden=hidden[:, :2], metadata=meta(max_length=8, session_id=PUSH_SESSION)))
+
+    async def session_requests():
+        while (item := await queue.get()) is not None:
+            yield item
+
+    session = await p2p.iterate_protobuf_handler(
+        peer, RPC_INFERENCE, session_requests(), runtime_pb2.ExpertResponse
+    )
+    outputs = [tensors.deserialize((await anext(session)).tensors[0], "outputs")]
+    for name, (message, expected) in BAD_PUSH.items():
+        with pytest.raises(P2PHandlerError) as info:
+            await run_push(p2p, peer, [message])
+        assert expected in str(info.value), f"{name}: {info.value}"
+
+    def push(step_id, hidden, session_id=PUSH_SESSION, position=2):
+        fields = meta(session_id=session_id, step_id=step_id, start_from_position=position, pushed=True)
+        return request(hidden=hidden, metadata=fields)
+
+    before = await server_info(p2p, peer)
+    skipped = [
+        push("a", hidden[:, 2:3], session_id="no-such-session"),  # not open here: skipped
+        push("b", hidden[:, 2:3], position=1),  # not the session's position: skipped
+        push("c", False, position=2),  # no tensors: this copy fails, the client's copy of "c" runs it
+    ]
+    assert await run_push(p2p, peer, skipped) == []  # the stream stays open across them
+    await queue.put(request(hidden=hidden[:, 2:3], metadata=meta(step_id="c")))
+    outputs.append(tensors.deserialize((await anext(session)).tensors[0], "outputs"))
+    assert await run_push(p2p, peer, [push("d", hidden[:, 3:4], position=3)]) == []  # runs the step
+    await queue.put(request(hidden=hidden[:, 3:4], metadata=meta(step_id="d")))  # waits for the pushed run
+    outputs.append(tensors.deserialize((await anext(session)).tensors[0], "outputs"))
+    after = await server_info(p2p, peer)
+    assert after.steps_from_push - before.steps_from_push == 1  # "d", by push; "c" from the client
+    assert after.steps_from_client - before.steps_from_client == 1
+    await queue.put(None)
+    assert [r async for r in session] == []
+
+    forward = request(hidden=hidden, metadata=meta())
+    whole = await p2p.call_protobuf_handler(peer, RPC_FORWARD, forward, runtime_pb2.ExpertResponse)
+    torch.testing.assert_close(
+        torch.cat(outputs, dim=1), tensors.deserialize(whole.tensors[0], "outputs"), atol=1e-4, rtol=0
+    )
 
 
 async def test_reused_session_id_is_refused_while_the_first_session_lives(raw_peer):

@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
 from corolla.engine.sequence import ForwardWork, StepWork
-from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionNotFound, SessionTimeout
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionTimeout
 from corolla.server import validation
 from corolla.server.backend import SpanBackend
 from corolla.server.push import Pusher
@@ -58,7 +58,7 @@ class TransformerConnectionHandler:
             messages.RPC_BACKWARD_STREAM, self.rpc_backward_stream, ExpertRequest, **both
         )
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
-        await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, ExpertRequest)
+        await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, ExpertRequest, **both)
 
     @property
     def primary(self) -> SpanBackend:
@@ -137,26 +137,31 @@ class TransformerConnectionHandler:
                 meta.max_length,
             )
             admit_deadline = time.monotonic() + meta.alloc_timeout
-            while True:
-                yield await self._inference_step(session, request, meta, admit_deadline)
-                request = await _next_request(requests, session.time_left(self.config.step_timeout))
-                if request is None or not request.tensors:
-                    return
-                meta = InferenceStep.from_bytes(request.metadata, first=False)
+            try:
+                while True:
+                    yield await self._inference_step(session, request, meta, admit_deadline)
+                    request = await _next_request(requests, session.time_left(self.config.step_timeout))
+                    if request is None or not request.tensors:
+                        return
+                    meta = InferenceStep.from_bytes(request.metadata, first=False)
+            finally:
+                if self.pusher is not None:
+                    self.pusher.end_session(session.session_id)
 
     async def _inference_step(
         self, session: ServerSession, request: ExpertRequest, meta: InferenceStep, admit_deadline: float
     ) -> ExpertResponse:
         outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
-        return ExpertResponse(tensors=[wire_tensors.serialize(outputs)])
+        return ExpertResponse(tensors=[outputs])
 
     async def _step_once(
         self, session: ServerSession, tensors: list, meta: InferenceStep, admit_deadline: float
-    ) -> torch.Tensor:
+    ) -> runtime_pb2.Tensor:
         """Run a step unless it already ran: a step may arrive both by push and from the client.
 
         The first copy computes it (and pushes it on); the second waits for the same outputs. If a pushed
-        copy fails (a pusher may be wrong), the client's copy computes the step itself.
+        copy fails (a pusher may be wrong), the client's copy computes the step itself. Returns the outputs
+        serialized once, for the reply and the push alike.
         """
         earlier = session.results.get(meta.step_id) if meta.step_id else None
         if earlier is not None:
@@ -168,7 +173,7 @@ class TransformerConnectionHandler:
         future = session.remember(meta.step_id)
         position = session.position if meta.start_from_position is None else meta.start_from_position
         try:
-            outputs = await self._run_step(session, tensors, meta, admit_deadline)
+            outputs = wire_tensors.serialize(await self._run_step(session, tensors, meta, admit_deadline))
         except BaseException as e:
             session.forget(meta.step_id, future, e)
             raise
@@ -178,7 +183,7 @@ class TransformerConnectionHandler:
         else:
             self.steps_from_client += 1
         if meta.next_servers and self.pusher is not None:
-            self.pusher.push(outputs, meta, position)
+            await self.pusher.push(outputs, meta, position, session.session_id)  # leaves before the reply
         return outputs
 
     async def _run_step(
@@ -221,20 +226,29 @@ class TransformerConnectionHandler:
 
     # --- rpc_push ------------------------------------------------------------------------------------------
 
-    async def rpc_push(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
-        """A step pushed by the previous server of a chain, for one of this server's open sessions."""
-        meta = InferenceStep.from_push_bytes(request.metadata)
-        session = self._find_session(meta.session_id)
-        if session is None:
-            raise SessionNotFound(f"session {meta.session_id} is not open here (yet)")
-        if self._select(request.uid, new_session=False)[1] != (session.start, session.end):
-            raise InvalidRequest(
-                f"uid: the pushed step's blocks differ from the session's {session.start}:{session.end}"
-            )
-        if meta.start_from_position != session.position:  # stale, early, or a rollback: the client decides
-            return ExpertResponse()
-        await self._step_once(session, list(request.tensors), meta, time.monotonic())
-        return ExpertResponse()
+    async def rpc_push(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertResponse]:
+        """Steps pushed by the previous server of a chain, over one stream per session; nothing comes back.
+
+        A step this server cannot take yet (its session is not open, or it is at another position) is
+        skipped: the client's copy of it does the work. A malformed push ends the stream with an error.
+        """
+        async with _reading_to_the_end(requests):
+            async for request in requests:
+                meta = InferenceStep.from_push_bytes(request.metadata)
+                session = self._find_session(meta.session_id)
+                if session is None or meta.start_from_position != session.position:
+                    continue  # not open yet, or stale, early, or a rollback: the client decides
+                if self._select(request.uid, new_session=False)[1] != (session.start, session.end):
+                    span = f"{session.start}:{session.end}"
+                    raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
+                try:
+                    await self._step_once(session, list(request.tensors), meta, time.monotonic())
+                except CorollaError as e:  # this copy failed; the client's copy runs the step itself
+                    logger.debug("Pushed step %s failed: %s", meta.step_id, e)
+        return
+        yield  # an async generator: hivemind's stream handlers are
 
     # --- rpc_forward ---------------------------------------------------------------------------------------
 
