@@ -3,8 +3,9 @@
 Builds 5 hosts with `../shared/tools/wan/netsim.sh` (network namespaces joined by a bridge, every packet
 between hosts delayed `--delay-ms`, so a round trip is twice that; no namespace has a route out). The DHT
 peer runs in host 0, three SmolLM2 servers (blocks 0:10, 10:20, 20:30) in hosts 1-3 and the client in
-host 4. Without push, each token costs a client round trip per server; with push, the servers pass the
-step along (client -> 1 -> 2 -> 3 -> client), about one round trip for the whole chain. Runs push on and
+host 4. Without push, each token costs a client round trip per server (3 round trips); with push, the
+servers pass the step along and the last one replies at once (client -> 1 -> 2 -> 3 -> client: 4 one-way
+delays, 2 round trips). Runs push on and
 off alternately, `--runs` generations each, and prints median per-token latencies and their ratio.
 Needs root and iptables (`apt-get install iptables`); removes everything it created at the end.
 

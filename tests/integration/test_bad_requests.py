@@ -25,7 +25,15 @@ from hivemind.proto import runtime_pb2
 from corolla.errors import InvalidRequest
 from corolla.swarm.local import LocalSwarm
 from corolla.wire import tensors
-from corolla.wire.messages import RPC_BACKWARD, RPC_FORWARD, RPC_INFERENCE, RPC_INFO, RPC_PUSH, ServerInfo
+from corolla.wire.messages import (
+    RPC_BACKWARD,
+    RPC_FORWARD,
+    RPC_INFERENCE,
+    RPC_INFO,
+    RPC_PUSH,
+    ServerInfo,
+    StepReply,
+)
 from swarm_helpers import connect, wait_until
 from tiny_models import load_reference
 
@@ -292,7 +300,7 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
     assert await wait_until(cache_is_full, timeout=5)
 
 
-async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_once(raw_peer):
+async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_and_replies_once(raw_peer):
     p2p, peer = raw_peer
     queue: asyncio.Queue = asyncio.Queue()
     hidden = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(5))
@@ -323,15 +331,19 @@ async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_once(raw_pee
     ]
     assert await run_push(p2p, peer, skipped) == []  # the stream stays open across them
     await queue.put(request(hidden=hidden[:, 2:3], metadata=meta(step_id="c")))
-    outputs.append(tensors.deserialize((await anext(session)).tensors[0], "outputs"))
+    reply = await anext(session)
+    assert StepReply.from_bytes(reply.metadata).step_id == "c"
+    outputs.append(tensors.deserialize(reply.tensors[0], "outputs"))
     assert await run_push(p2p, peer, [push("d", hidden[:, 3:4], position=3)]) == []  # runs the step
-    await queue.put(request(hidden=hidden[:, 3:4], metadata=meta(step_id="d")))  # waits for the pushed run
-    outputs.append(tensors.deserialize((await anext(session)).tensors[0], "outputs"))
+    reply = await asyncio.wait_for(anext(session), 10)  # the reply comes before our own copy of "d"
+    assert StepReply.from_bytes(reply.metadata).step_id == "d"
+    outputs.append(tensors.deserialize(reply.tensors[0], "outputs"))
+    await queue.put(request(hidden=hidden[:, 3:4], metadata=meta(step_id="d")))  # late: no second reply
+    await queue.put(None)
+    assert [r async for r in session] == []
     after = await server_info(p2p, peer)
     assert after.steps_from_push - before.steps_from_push == 1  # "d", by push; "c" from the client
     assert after.steps_from_client - before.steps_from_client == 1
-    await queue.put(None)
-    assert [r async for r in session] == []
 
     forward = request(hidden=hidden, metadata=meta())
     whole = await p2p.call_protobuf_handler(peer, RPC_FORWARD, forward, runtime_pb2.ExpertResponse)

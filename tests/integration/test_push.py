@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from corolla.swarm.local import LocalSwarm
+from corolla.wire.messages import NextServer
 from swarm_helpers import connect
+from tiny_models import load_reference
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +57,35 @@ def test_servers_announce_their_links_to_the_next_servers(chain, tiny_models):
             time.sleep(1)
     assert set(links[first]) == {second} and set(links[second]) == {third} and not links[third]
     assert all(0 < rtt < 1 for rtt in [*links[first].values(), *links[second].values()])
+
+
+def test_a_step_abandoned_midway_is_rolled_back_and_its_late_replies_are_skipped(chain, tiny_models):
+    """A step cancelled after its first server (as when a caller gives up) still reaches the next servers
+    by push, and they reply to it. The next step at the same position must roll every server back, and
+    the client must not take those late replies for the next step's."""
+    ids = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(4))
+    with connect(tiny_models["llama"], chain) as model, model.inference_session(max_length=16) as session:
+        session.step(model.head.embed(ids[:, :5]))
+        assert [s.hop.peer_id for s in session.spans] == [s.peer_id for s in chain.servers]
+        first, *later = session.spans
+        before = step_counts(model, chain)
+        next_servers = tuple(NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later)
+        abandoned = first.step(
+            model.head.embed(torch.tensor([[7]])), None, None, 5, "abandoned", next_servers
+        )
+        model.runtime.run(abandoned)  # only the first hop: the client never sends this step further
+
+        def pushed_to_both() -> bool:
+            after = step_counts(model, chain)
+            return all(after[i][1] - before[i][1] == 1 for i in (1, 2))
+
+        deadline = time.monotonic() + 10
+        while not pushed_to_both() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pushed_to_both()  # the second and third servers ran the abandoned step
+        last = session.step(model.head.embed(ids[:, 5:6]))
+        assert session.num_failovers == 0
+        logits = model.head.logits(last)
+    with torch.no_grad():
+        expected = load_reference(tiny_models["llama"])(ids).logits[:, 5:6]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)

@@ -111,6 +111,7 @@ class InferenceSession:
         deadline = time.monotonic() + self.swarm.config.failover_timeout
         step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
         push = self.swarm.config.use_push and prompts is None and hypo_ids is None
+        pushed_to: set[str] = set()  # sessions that the previous servers push this step to
         while index < len(self.spans):
             span = self.spans[index]
             span_prompts = prompts[span.hop.start : span.hop.end] if prompts is not None else None
@@ -119,9 +120,18 @@ class InferenceSession:
                 NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later
             )
             try:
+                # the position goes with every step: after a step abandoned midway (cancelled), the
+                # servers that ran it roll back instead of appending
                 hidden_out = await span.step(
-                    hidden, span_prompts, hypo_ids, start_from_position, step_id, next_servers
+                    hidden,
+                    span_prompts,
+                    hypo_ids,
+                    position,
+                    step_id,
+                    next_servers,
+                    pushed=span.session_id in pushed_to,
                 )
+                pushed_to.update(s.session_id for s in next_servers)
             except RETRYABLE as e:
                 failures += 1
                 if failures > self.swarm.config.max_retries or time.monotonic() > deadline:

@@ -20,10 +20,10 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from corolla.client.swarm import peer, remote_errors
-from corolla.errors import ServerUnavailable
+from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.swarm.routing import Hop
 from corolla.wire import tensors as wire_tensors
-from corolla.wire.messages import RPC_INFERENCE, InferenceStep, NextServer
+from corolla.wire.messages import RPC_INFERENCE, InferenceStep, NextServer, StepReply
 from corolla.wire.records import block_uids
 
 CLOSE_TIMEOUT = 5.0
@@ -76,11 +76,14 @@ class SpanSession:
         start_from_position: int | None = None,
         step_id: str | None = None,
         next_servers: tuple[NextServer, ...] = (),
+        pushed: bool = False,
     ) -> torch.Tensor:
         """Send hidden states [B, T, H] for positions [position, position + T); returns the outputs.
 
         `step_id` names the step across the chain; with `next_servers`, this server also pushes its outputs
-        straight to the next one (which then runs the step once, whichever copy arrives first).
+        straight to the next one (which then runs the step once, whichever copy arrives first). `pushed`:
+        the previous server pushes this step here, so its reply may come before our copy is even sent, and
+        the time it took says nothing about this server.
         """
         if self.closed:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
@@ -112,7 +115,10 @@ class SpanSession:
         started = time.perf_counter()
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
-                response = await asyncio.wait_for(anext(self._stream), self.timeout)
+                while True:  # a reply to a step abandoned earlier (cancelled midway) is skipped
+                    response = await asyncio.wait_for(anext(self._stream), self.timeout)
+                    if _replied_step(response, self.hop.peer_id) in (None, meta.step_id):
+                        break
         except BaseException:
             self.closed = True  # a failed stream cannot take more steps
             raise
@@ -123,7 +129,7 @@ class SpanSession:
                 f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
                 f"{None if outputs is None else list(outputs.shape)}, expected {list(hidden.shape)}"
             )
-        if self.observe is not None and hidden.shape[1] == 1:
+        if self.observe is not None and hidden.shape[1] == 1 and not pushed:
             self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
         position = self.position if start_from_position is None else start_from_position
         self.position = position + hidden.shape[1]
@@ -170,3 +176,10 @@ class SpanSession:
 async def _drain(stream: AsyncIterator[runtime_pb2.ExpertResponse]) -> None:
     async for _ in stream:
         pass
+
+
+def _replied_step(response: runtime_pb2.ExpertResponse, peer_id: str) -> str | None:
+    try:
+        return StepReply.from_bytes(response.metadata).step_id
+    except InvalidRequest as e:  # a broken or hostile server: the client replaces it
+        raise ServerUnavailable(f"server ...{peer_id[-6:]} sent a malformed reply: {e}") from None

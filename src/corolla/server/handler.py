@@ -27,7 +27,7 @@ from corolla.server.push import Pusher
 from corolla.server.sessions import ServerSession
 from corolla.wire import messages
 from corolla.wire import tensors as wire_tensors
-from corolla.wire.messages import ForwardRequest, InferenceStep, ServerInfo
+from corolla.wire.messages import ForwardRequest, InferenceStep, ServerInfo, StepReply
 
 logger = logging.getLogger(__name__)
 
@@ -138,21 +138,49 @@ class TransformerConnectionHandler:
             )
             admit_deadline = time.monotonic() + meta.alloc_timeout
             try:
-                while True:
-                    yield await self._inference_step(session, request, meta, admit_deadline)
-                    request = await _next_request(requests, session.time_left(self.config.step_timeout))
-                    if request is None or not request.tensors:
-                        return
-                    meta = InferenceStep.from_bytes(request.metadata, first=False)
+                session.first_reply(meta.step_id)
+                outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
+                yield _reply(meta.step_id, outputs)
+                async for response in self._later_steps(session, requests, admit_deadline):
+                    yield response
             finally:
                 if self.pusher is not None:
                     self.pusher.end_session(session.session_id)
 
-    async def _inference_step(
-        self, session: ServerSession, request: ExpertRequest, meta: InferenceStep, admit_deadline: float
-    ) -> ExpertResponse:
-        outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
-        return ExpertResponse(tensors=[outputs])
+    async def _later_steps(
+        self, session: ServerSession, requests: AsyncIterator[ExpertRequest], admit_deadline: float
+    ) -> AsyncIterator[ExpertResponse]:
+        """The client's next steps, and the outputs of steps pushed here, each step replied to once.
+
+        A pushed step's outputs go to the client as soon as they exist, whether or not the client's copy
+        of the step has arrived: the client then has the chain's outputs one hop after the last server ran.
+        """
+        timeout = session.time_left(self.config.step_timeout)
+        reading = asyncio.ensure_future(_next_request(requests, timeout))
+        pushed = asyncio.ensure_future(session.pushed.get())
+        try:
+            while True:
+                if pushed.done():
+                    pushed = asyncio.ensure_future(session.pushed.get())
+                await asyncio.wait((reading, pushed), return_when=asyncio.FIRST_COMPLETED)
+                if pushed.done():
+                    step_id, outputs = pushed.result()
+                    if session.first_reply(step_id):
+                        yield _reply(step_id, outputs)
+                    continue
+                request = reading.result()
+                if request is None or not request.tensors:
+                    return
+                meta = InferenceStep.from_bytes(request.metadata, first=False)
+                outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
+                if session.first_reply(meta.step_id):
+                    yield _reply(meta.step_id, outputs)
+                timeout = session.time_left(self.config.step_timeout)
+                reading = asyncio.ensure_future(_next_request(requests, timeout))
+        finally:  # nothing may read the client's stream after this (an error reply drains it)
+            reading.cancel()
+            pushed.cancel()
+            await asyncio.gather(reading, pushed, return_exceptions=True)
 
     async def _step_once(
         self, session: ServerSession, tensors: list, meta: InferenceStep, admit_deadline: float
@@ -244,9 +272,11 @@ class TransformerConnectionHandler:
                     span = f"{session.start}:{session.end}"
                     raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
                 try:
-                    await self._step_once(session, list(request.tensors), meta, time.monotonic())
+                    outputs = await self._step_once(session, list(request.tensors), meta, time.monotonic())
                 except CorollaError as e:  # this copy failed; the client's copy runs the step itself
                     logger.debug("Pushed step %s failed: %s", meta.step_id, e)
+                else:
+                    session.pushed.put_nowait((meta.step_id, outputs))
         return
         yield  # an async generator: hivemind's stream handlers are
 
@@ -380,6 +410,10 @@ class TransformerConnectionHandler:
             steps_from_client=self.steps_from_client,
             steps_from_push=self.steps_from_push,
         )
+
+
+def _reply(step_id: str | None, outputs: runtime_pb2.Tensor) -> ExpertResponse:
+    return ExpertResponse(tensors=[outputs], metadata=StepReply(step_id).to_bytes())
 
 
 @contextlib.asynccontextmanager

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 
+from hivemind.proto import runtime_pb2
+
 from corolla.engine.async_engine import AsyncEngine, RequestStream
 from corolla.engine.sequence import EngineSession
 from corolla.errors import InvalidRequest, ServerUnavailable, SessionTimeout
@@ -39,6 +41,9 @@ class ServerSession:
     num_steps: int = 0
     # the latest steps by step_id: a step arriving twice (pushed, and from the client) runs once
     results: OrderedDict[str, asyncio.Future] = field(default_factory=OrderedDict)
+    # outputs of pushed steps, for the client as soon as they exist; and the steps already replied to
+    pushed: asyncio.Queue[tuple[str, runtime_pb2.Tensor]] = field(default_factory=asyncio.Queue)
+    replied: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     def remember(self, step_id: str | None) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -47,6 +52,17 @@ class ServerSession:
             while len(self.results) > REMEMBERED_STEPS:
                 self.results.popitem(last=False)
         return future
+
+    def first_reply(self, step_id: str | None) -> bool:
+        """Whether the client still needs this step's outputs (each step gets one reply)."""
+        if not step_id:
+            return True
+        if step_id in self.replied:
+            return False
+        self.replied[step_id] = None
+        while len(self.replied) > REMEMBERED_STEPS:
+            self.replied.popitem(last=False)
+        return True
 
     def forget(self, step_id: str | None, future: asyncio.Future, error: BaseException) -> None:
         """A failed step is not remembered, so that another copy of it may still run."""

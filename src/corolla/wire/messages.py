@@ -124,6 +124,25 @@ class InferenceStep:
 
 
 @dataclass(frozen=True, slots=True)
+class StepReply:
+    """Metadata of an `rpc_inference` reply: the step whose outputs it carries.
+
+    A server replies once per step, and replies to a pushed step as soon as it ran, possibly before the
+    client's own copy of the step arrives; a reply to an abandoned step names a step the client no longer
+    waits for.
+    """
+
+    step_id: str | None = None
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> StepReply:
+        return cls(step_id=unpack(raw, "rpc_inference reply").str("step_id"))
+
+    def to_bytes(self) -> bytes:
+        return pack(dict(step_id=self.step_id))
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardRequest:
     """Metadata of `rpc_forward` / `rpc_forward_stream`. Tensors: hidden_states [B, T, H], prompts."""
 

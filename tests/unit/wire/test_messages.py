@@ -2,7 +2,7 @@ import msgpack
 import pytest
 
 from corolla.errors import InvalidRequest
-from corolla.wire.messages import ForwardRequest, InferenceStep, NextServer, ServerInfo
+from corolla.wire.messages import ForwardRequest, InferenceStep, NextServer, ServerInfo, StepReply
 
 
 def packed(**fields):
@@ -82,3 +82,14 @@ def test_server_info_roundtrip():
         num_sessions=2,
     )
     assert ServerInfo.from_bytes(info.to_bytes()) == info
+
+
+def test_step_reply_names_its_step_and_rejects_garbage():
+    assert StepReply.from_bytes(StepReply("abc").to_bytes()).step_id == "abc"
+    assert StepReply.from_bytes(b"").step_id is None  # a reply without metadata names no step
+    with pytest.raises(
+        InvalidRequest, match="rpc_inference reply: field 'step_id' must be a string, got int"
+    ):
+        StepReply.from_bytes(msgpack.packb({"step_id": 7}))
+    with pytest.raises(InvalidRequest, match="rpc_inference reply: metadata is not valid msgpack"):
+        StepReply.from_bytes(b"\xc1")
