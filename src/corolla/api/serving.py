@@ -95,7 +95,7 @@ class OpenAIServing:
         prompts = [p if isinstance(p, list) else tokenizer(p).input_ids for p in request.prompts()]
         vocab = self.model.config.vocab_size
         for ids in prompts:
-            if any(not 0 <= t < self.model.config.vocab_size for t in ids):
+            if any(not 0 <= t < vocab for t in ids):
                 return _invalid(f"prompt holds token ids outside the vocabulary of {vocab}", "prompt")
         return await self._generate(request, prompts, request.max_tokens, request.logprobs, CompletionFormat)
 

@@ -138,49 +138,50 @@ class TransformerConnectionHandler:
             )
             admit_deadline = time.monotonic() + meta.alloc_timeout
             try:
-                session.first_reply(meta.step_id)
-                outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
-                yield _reply(meta.step_id, outputs)
-                async for response in self._later_steps(session, requests, admit_deadline):
+                async for response in self._steps(session, request, meta, requests, admit_deadline):
                     yield response
             finally:
                 if self.pusher is not None:
                     self.pusher.end_session(session.session_id)
 
-    async def _later_steps(
-        self, session: ServerSession, requests: AsyncIterator[ExpertRequest], admit_deadline: float
+    async def _steps(
+        self,
+        session: ServerSession,
+        request: ExpertRequest,
+        meta: InferenceStep,
+        requests: AsyncIterator[ExpertRequest],
+        admit_deadline: float,
     ) -> AsyncIterator[ExpertResponse]:
-        """The client's next steps, and the outputs of steps pushed here, each step replied to once.
+        """The client's steps from `request` on, and the outputs of steps pushed here; one reply per step.
 
-        A pushed step's outputs go to the client as soon as they exist, whether or not the client's copy
-        of the step has arrived: the client then has the chain's outputs one hop after the last server ran.
+        While waiting for the client's next step, a pushed step's outputs go to the client as soon as they
+        exist: the client then has the chain's outputs one hop after the last server ran.
         """
-        timeout = session.time_left(self.config.step_timeout)
-        reading = asyncio.ensure_future(_next_request(requests, timeout))
+        reading: asyncio.Future | None = None
         pushed = asyncio.ensure_future(session.pushed.get())
         try:
             while True:
-                if pushed.done():
-                    pushed = asyncio.ensure_future(session.pushed.get())
-                await asyncio.wait((reading, pushed), return_when=asyncio.FIRST_COMPLETED)
-                if pushed.done():
-                    step_id, outputs = pushed.result()
-                    if session.first_reply(step_id):
-                        yield _reply(step_id, outputs)
-                    continue
-                request = reading.result()
-                if request is None or not request.tensors:
-                    return
-                meta = InferenceStep.from_bytes(request.metadata, first=False)
                 outputs = await self._step_once(session, list(request.tensors), meta, admit_deadline)
                 if session.first_reply(meta.step_id):
                     yield _reply(meta.step_id, outputs)
                 timeout = session.time_left(self.config.step_timeout)
                 reading = asyncio.ensure_future(_next_request(requests, timeout))
+                while not reading.done():
+                    await asyncio.wait((reading, pushed), return_when=asyncio.FIRST_COMPLETED)
+                    if pushed.done():
+                        step_id, outputs = pushed.result()
+                        pushed = asyncio.ensure_future(session.pushed.get())
+                        if session.first_reply(step_id):
+                            yield _reply(step_id, outputs)
+                request = reading.result()
+                if request is None or not request.tensors:
+                    return
+                meta = InferenceStep.from_bytes(request.metadata, first=False)
         finally:  # nothing may read the client's stream after this (an error reply drains it)
-            reading.cancel()
-            pushed.cancel()
-            await asyncio.gather(reading, pushed, return_exceptions=True)
+            waiting = [f for f in (reading, pushed) if f is not None]
+            for future in waiting:
+                future.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
 
     async def _step_once(
         self, session: ServerSession, tensors: list, meta: InferenceStep, admit_deadline: float

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 # Event-loop turns for a queued push to reach the daemon: the link's request iterator wakes up in one and
 # hands the request to p2p's stream writer, which sends it at once.
 HANDOFF_TURNS = 2
+OPEN_TIMEOUT = 10.0  # seconds to open a link's stream; its pushes wait in the link meanwhile
 
 
 class PushLink:
@@ -52,9 +53,10 @@ class PushLink:
 
     async def _run(self, p2p: P2P) -> None:
         try:
-            replies = await p2p.iterate_protobuf_handler(
+            opening = p2p.iterate_protobuf_handler(
                 PeerID.from_base58(self.peer_id), RPC_PUSH, self._requests(), runtime_pb2.ExpertResponse
             )
+            replies = await asyncio.wait_for(opening, OPEN_TIMEOUT)  # an unreachable peer holds nothing long
             async for _ in replies:  # the receiver sends nothing back; this waits for the end of the stream
                 pass
         except Exception as e:  # the next push opens a new link; meanwhile the client's copies do the work

@@ -150,7 +150,9 @@ class Server:
         num_blocks = self.config.num_blocks or self._blocks_in_budget()
         if num_blocks < 1:
             raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
-        return choose_blocks(await self._others(), min(num_blocks, total), total, self.throughput or 1.0)
+        others = await self._placed()
+        others.pop(self.peer_id, None)
+        return choose_blocks(others.values(), min(num_blocks, total), total, self.throughput or 1.0)
 
     def _blocks_in_budget(self) -> int:
         budget = self.config.memory_budget or int(psutil.virtual_memory().available * 0.5)
@@ -164,10 +166,10 @@ class Server:
         )
         return num_blocks
 
-    async def _others(self) -> list[tuple[int, int, float]]:
-        """Every other ONLINE server's span, weighted by its throughput (1.0 when it announced none)."""
+    async def _placed(self) -> dict[str, tuple[int, int, float]]:
+        """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none)."""
         spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
-        return [(s.start, s.end, s.info.throughput or 1.0) for s in spans if s.peer_id != self.peer_id]
+        return {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans}
 
     # --- links to the next servers, for push-aware routing -------------------------------------------------
 
@@ -175,12 +177,12 @@ class Server:
         while True:
             try:
                 end = self.backends[0].blocks[1]
-                spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
-                nexts = [s.peer_id for s in spans if s.peer_id != self.peer_id and s.start <= end < s.end]
-                answers = await asyncio.gather(*(ping(self.p2p, peer, 2.0) for peer in nexts[:MAX_LINKS]))
-                self.next_pings = {
-                    peer: a[0] for peer, a in zip(nexts, answers, strict=False) if a is not None
-                }
+                placed = await self._placed()
+                placed.pop(self.peer_id, None)
+                nexts = [peer for peer, (start, stop, _) in placed.items() if start <= end < stop][:MAX_LINKS]
+                answers = await asyncio.gather(*(ping(self.p2p, peer, 2.0) for peer in nexts))
+                pings = zip(nexts, answers, strict=True)
+                self.next_pings = {peer: answer[0] for peer, answer in pings if answer is not None}
             except Exception:  # a DHT hiccup: keep the last figures
                 logger.debug("Measuring the links to the next servers failed", exc_info=True)
             await asyncio.sleep(self.config.announce_period)
@@ -194,8 +196,7 @@ class Server:
             await asyncio.sleep(self.config.balance_period * random.uniform(0.8, 1.2))
             try:
                 if len(self.backends) == 1 and not self.handler.draining:
-                    spans = await find_spans(self.dht, self.dht_prefix, self.model.num_hidden_layers)
-                    servers = {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans}
+                    servers = await self._placed()
                     servers[self.peer_id] = (*self.backends[0].blocks, self.throughput or 1.0)
                     target = my_move(servers, self.peer_id, self.model.num_hidden_layers)
                     if target is not None:
