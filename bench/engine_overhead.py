@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from corolla.engine.engine import Engine, EngineConfig  # noqa: E402
+from corolla.config import EngineConfig  # noqa: E402
+from corolla.engine.engine import Engine  # noqa: E402
 from corolla.engine.sequence import StepWork  # noqa: E402
 from corolla.models.attention import ContiguousCache  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
@@ -31,10 +32,10 @@ PROMPT = 120  # tokens already in each session's cache
 
 
 def engine_passes(span: Span, rows: int, passes: int) -> tuple[list[float], list[float]]:
-    engine = Engine(span, EngineConfig(max_cache_tokens=65536, block_size=16, max_batch_tokens=4096))
+    engine = Engine(span, EngineConfig(max_cache_tokens=65536, page_size=16, max_batch_tokens=4096))
     sessions = [engine.open_session(f"s{i}", (span.start, span.end), 1, 4096) for i in range(rows)]
     for session in sessions:
-        engine.add_step(StepWork(session, torch.randn(1, PROMPT, span.config.hidden_size)))
+        engine.add_step(StepWork(session, torch.randn(1, PROMPT, span.config.hidden_size), 0))
     while engine.has_work():
         engine.step()
     forward_times: list[float] = []
@@ -50,7 +51,7 @@ def engine_passes(span: Span, rows: int, passes: int) -> tuple[list[float], list
     totals = []
     for _ in range(passes + 3):
         for session in sessions:
-            engine.add_step(StepWork(session, torch.randn(1, 1, span.config.hidden_size)))
+            engine.add_step(StepWork(session, torch.randn(1, 1, span.config.hidden_size), session.position))
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from corolla.engine.engine import Engine, EngineConfig
+from corolla.config import EngineConfig
+from corolla.engine.engine import Engine
 from corolla.engine.sequence import StepWork
 from corolla.models.attention import ContiguousCache
 from corolla.models.config import ModelConfig
@@ -12,7 +13,8 @@ from corolla.models.span import Span
 
 
 def make_engine(path, **overrides) -> Engine:
-    config = dict(max_cache_tokens=256, block_size=4, max_batch_tokens=64, max_batch_rows=64)
+    config = dict(max_cache_tokens=256, page_size=4, max_batch_tokens=64, max_batch_rows=64)
+    config["max_batch_wait_ms"] = 0  # tests drive passes themselves
     return Engine(Span.load(path, 0, 6), EngineConfig(**{**config, **overrides}))
 
 
@@ -39,7 +41,10 @@ def reference_outputs(
 
 def run_sessions(engine: Engine, plans: dict[str, list[torch.Tensor]], **step_kwargs) -> dict[str, list]:
     """Open one session per plan, submit each session's next step when its previous one completes,
-    and step the engine until all are done. Returns each session's outputs (or errors), in order."""
+    and step the engine until all are done. Returns each session's outputs (or errors), in order.
+
+    `step_kwargs` give per-step StepWork fields by session (None: the default); a step's `position`
+    defaults to the session's current one (append)."""
     sessions = {
         name: engine.open_session(name, (0, 6), steps[0].shape[0], 256) for name, steps in plans.items()
     }
@@ -50,7 +55,10 @@ def run_sessions(engine: Engine, plans: dict[str, list[torch.Tensor]], **step_kw
         index = len(results[name])
         if index < len(plans[name]):
             extra = {k: v[name][index] for k, v in step_kwargs.items() if name in v}
-            work = StepWork(sessions[name], plans[name][index], **extra)
+            position = extra.pop("position", None)
+            session = sessions[name]
+            position = session.position if position is None else position
+            work = StepWork(session, plans[name][index], position, **extra)
             owners[work.request_id] = name
             engine.add_step(work)
 

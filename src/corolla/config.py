@@ -1,14 +1,32 @@
 """Frozen configuration objects, built once (by the CLI or a caller) and passed down.
 
-Constructors take one of these instead of dozens of keyword arguments. Numbers derived at run time (the
-byte size of the cache budget, the model's EOS id) belong to the component that computes them and are
-never written back here.
+Constructors take one of these instead of dozens of keyword arguments. Each validates its ranges when it
+is built, so a bad value fails at once with its name (and the CLI option that sets it), never later
+inside a component. Numbers derived at run time (the cache size chosen from free memory, the model's EOS
+id) belong to the component that computes them and are never written back here.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+
+from corolla.errors import InvalidRequest
+
+DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+def _check(
+    config: object, low: float, names: tuple[str, ...], *, strict: bool = True, cli: bool = True
+) -> None:
+    """Every field in `names` that is not None must be > low (or >= low when not strict); the error names
+    the field and (`cli`) the command-line option that sets it."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and (value <= low if strict else value < low):
+            bound = f"greater than {low}" if strict else f"at least {low}"
+            option = f" (--{name.replace('_', '-')})" if cli else ""
+            raise InvalidRequest(f"{name}{option} must be {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -24,6 +42,10 @@ class SwarmConfig:
     nat_port_map: bool | None = None
     identity_path: str | None = None
     client_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequest(f"port (--port) must lie in 0..65535, got {self.port}")
 
     @property
     def host_maddrs(self) -> list[str]:
@@ -48,26 +70,45 @@ class SwarmConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """A server's continuous-batching engine: its attention cache and what one pass may hold."""
+
+    # the attention cache pool, in tokens of a session spanning every hosted block, in pages of page_size
+    # positions; None: the server takes a quarter of the memory available at start (server/spans.py)
+    max_cache_tokens: int | None = None
+    page_size: int = 16  # positions per cache page (`--block-size` in older versions)
+    max_batch_tokens: int = 128  # tokens per engine pass (decode steps + prefill chunks)
+    max_batch_rows: int = 64  # sequence rows per engine pass; 1 turns batching across sessions off
+    max_sessions: int = 256  # open inference sessions at once
+    # a pass with fewer than half of the recently active rows pending waits up to this long for more
+    # (bigger batches cost little more than small ones on a CPU); 0 never waits (see Engine.batch_delay)
+    max_batch_wait_ms: float = 50.0
+    # forward/backward work runs this many tokens (whole rows, at least one) per pass, between inference
+    # passes: smaller slices keep inference latency steady under training load, bigger ones train faster
+    forward_slice_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        _check(self, 0, ("page_size", "max_batch_tokens", "max_batch_rows", "max_sessions"))
+        _check(self, 0, ("forward_slice_tokens", "max_cache_tokens"))
+        _check(self, 0, ("max_batch_wait_ms",), strict=False)
+        if self.max_cache_tokens is not None and self.max_cache_tokens < self.page_size:
+            raise InvalidRequest(
+                f"max_cache_tokens (--max-cache-tokens) must hold at least one page of {self.page_size} "
+                f"tokens, got {self.max_cache_tokens}"
+            )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model: str  # a folder, a GGUF file, a hub id or the bundled alias (see models/source.py)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     dht_prefix: str | None = None  # default: derived from the model's name
     blocks: tuple[int, int] | None = None  # [start, end); None: the server places itself and rebalances
     num_blocks: int | None = None  # None: as many as memory_budget holds
     memory_budget: int | None = None  # bytes for block weights + cache; None: half the available memory
     balance_period: float = 120.0  # how often a self-placed server checks whether moving would help
     dtype: str = "float32"
-    # attention cache pool, in tokens of a session spanning every hosted block; None: a quarter of the
-    # memory available at start (see server.py: default_cache_tokens)
-    max_cache_tokens: int | None = None
-    block_size: int = 16  # positions per cache block
-    max_batch_tokens: int = 128  # tokens per engine pass (decode steps + prefill chunks)
-    max_batch_rows: int = 64  # sequence rows per engine pass; 1 turns batching across sessions off
-    max_sessions: int = 256  # open inference sessions at once
-    # a pass with fewer than half of the recently active rows pending waits up to this long for more
-    # (bigger batches cost little more than small ones on a CPU); 0 never waits
-    max_batch_wait_ms: float = 50.0
-    forward_slice_tokens: int = 64  # forward/backward work per pass between inference passes (whole rows)
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request
@@ -80,6 +121,18 @@ class ServerConfig:
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders served for this span (NAME=PATH or PATH)
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port (None: do not)
     metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _check(self, 0, ("inference_max_length", "max_batch_size", "max_forward_tokens", "step_timeout"))
+        _check(self, 0, ("session_timeout", "announce_period", "num_blocks", "memory_budget", "num_threads"))
+        _check(self, 0, ("balance_period", "drain_timeout", "simulate_slow_ms"), strict=False)
+        if self.blocks is not None and not 0 <= self.blocks[0] < self.blocks[1]:
+            raise InvalidRequest(f"blocks (--blocks) must be A:B with 0 <= A < B, got {self.blocks}")
+        if self.dtype not in DTYPES:
+            raise InvalidRequest(f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            port = self.metrics_port
+            raise InvalidRequest(f"metrics_port (--metrics-port) must lie in 1..65535, got {port}")
 
 
 @dataclass(frozen=True)
@@ -98,3 +151,8 @@ class ClientConfig:
     active_adapter: str | None = None  # a LoRA adapter by its name on servers; only servers with it are used
     max_request_tokens: int = 4096  # rows * length per forward/backward request (bigger batches are split)
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent
+
+    def __post_init__(self) -> None:
+        _check(self, 0, ("request_timeout", "refresh_period", "max_request_tokens"), cli=False)
+        names = ("routing_timeout", "max_retries", "failover_timeout", "ban_time")
+        _check(self, 0, names, strict=False, cli=False)

@@ -31,9 +31,9 @@ from corolla.wire.messages import (
     RPC_INFERENCE,
     RPC_INFO,
     RPC_PUSH,
-    ServerInfo,
     StepReply,
 )
+from corolla.wire.records import ServerStatus
 from swarm_helpers import connect, wait_until
 from tiny_models import load_reference
 
@@ -238,11 +238,11 @@ async def run_push(p2p, peer, messages):
     return [response async for response in stream]
 
 
-async def server_info(p2p, peer) -> ServerInfo:
+async def server_info(p2p, peer) -> ServerStatus:
     reply = await p2p.call_protobuf_handler(
         peer, RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
     )
-    return ServerInfo.from_bytes(reply.serialized_info)
+    return ServerStatus.from_bytes(reply.serialized_info)
 
 
 async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unharmed(

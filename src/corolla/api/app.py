@@ -21,7 +21,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ValidationError
 
 from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from corolla.api.serving import EventStream, OpenAIServing
+from corolla.api.serving import OpenAIServing
+from corolla.api.streams import EventStream
 
 logger = logging.getLogger(__name__)
 

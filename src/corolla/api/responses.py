@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from corolla.api.protocol import (
+from corolla.api.outputs import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -1,7 +1,7 @@
 """The OpenAI API's logic: requests in, responses, stream chunks or errors out; no HTTP here.
 
 Each generation runs as a job of the request tracker on the model's loop and streams `GenerationStep`s
-back; `ChoiceText` turns each choice's tokens into text that never shows a stop string. A streaming
+back; `IncrementalText` turns each choice's tokens into text that never shows a stop string. A streaming
 request waits for its first token before answering, so that errors found while opening the session
 (no server for some blocks, a limit a server enforces) still get a proper status code; later errors end
 the stream with an error event. A stream that ends early (the client went away) aborts its generation.
@@ -29,10 +29,11 @@ from corolla.api.protocol import (
     new_id,
 )
 from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat, Step
-from corolla.api.text import ChoiceText
+from corolla.api.streams import EventStream, merge
 from corolla.api.tracker import RequestTracker
 from corolla.client.generation import GenerationStep
 from corolla.client.model import DistributedModelForCausalLM
+from corolla.client.text import IncrementalText
 from corolla.errors import CorollaError, InvalidRequest, MissingBlocks
 from corolla.swarm.overview import read_overview
 
@@ -46,7 +47,7 @@ Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of 
 @dataclass
 class Choice:
     index: int
-    text: ChoiceText
+    text: IncrementalText
     steps: list[tuple[int, float | None, list[tuple[int, float]]]] = field(default_factory=list)
 
 
@@ -116,7 +117,7 @@ class OpenAIServing:
 
     # --- generation ----------------------------------------------------------------------------------------
 
-    async def _generate(  # noqa: C901
+    async def _generate(
         self,
         request: SamplingRequest,
         prompts: list[list[int]],
@@ -124,26 +125,10 @@ class OpenAIServing:
         logprobs: int | None,
         fmt: type[ResponseFormat],
     ) -> Result:
-        if len(prompts) * request.n > MAX_CHOICES:
-            return _invalid(
-                f"{len(prompts)} prompts x n={request.n} make {len(prompts) * request.n} choices; "
-                f"at most {MAX_CHOICES} per request",
-                "n" if len(prompts) == 1 else fmt.prompt_param,
-            )
-        longest = max(len(ids) for ids in prompts)
-        if longest >= self.max_model_len:
-            return _invalid(
-                f"the prompt has {longest} tokens; this model's context is {self.max_model_len}",
-                fmt.prompt_param,
-            )
-        if max_tokens is None:
-            max_tokens = self.max_model_len - longest
-        if longest + max_tokens > self.max_model_len:
-            return _invalid(
-                f"max_tokens={max_tokens} plus the prompt's {longest} tokens exceed this model's context of "
-                f"{self.max_model_len} tokens",
-                fmt.limit_param,
-            )
+        checked = self._check_limits(request, prompts, max_tokens, fmt)
+        if isinstance(checked, ErrorResponse):
+            return checked
+        max_tokens = checked
         try:
             params = request.to_sampling_params(max_tokens, logprobs, self.model.config.vocab_size)
         except (InvalidRequest, ValueError) as e:
@@ -151,7 +136,7 @@ class OpenAIServing:
         request_id, started = new_id(fmt.id_prefix), time.perf_counter()
         tokenizer, eos = self.model.tokenizer, self.model.eos_token_ids
         choices = [
-            Choice(i, ChoiceText(tokenizer, params.stop, eos, params.ignore_eos))
+            Choice(i, IncrementalText(tokenizer, params.stop, eos, params.ignore_eos))
             for i in range(len(prompts) * request.n)
         ]
         num_prompt_tokens = sum(len(p) for p in prompts)
@@ -177,6 +162,36 @@ class OpenAIServing:
             await end()
             return output.response(choices)
         return EventStream(self._sse(events, first, output, choices), end)
+
+    def _check_limits(
+        self,
+        request: SamplingRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        fmt: type[ResponseFormat],
+    ) -> int | ErrorResponse:
+        """The request's max_tokens (filled in when absent), or the error for a limit it breaks."""
+        if len(prompts) * request.n > MAX_CHOICES:
+            return _invalid(
+                f"{len(prompts)} prompts x n={request.n} make {len(prompts) * request.n} choices; "
+                f"at most {MAX_CHOICES} per request",
+                "n" if len(prompts) == 1 else fmt.prompt_param,
+            )
+        longest = max(len(ids) for ids in prompts)
+        if longest >= self.max_model_len:
+            return _invalid(
+                f"the prompt has {longest} tokens; this model's context is {self.max_model_len}",
+                fmt.prompt_param,
+            )
+        if max_tokens is None:
+            max_tokens = self.max_model_len - longest
+        if longest + max_tokens > self.max_model_len:
+            return _invalid(
+                f"max_tokens={max_tokens} plus the prompt's {longest} tokens exceed this model's context of "
+                f"{self.max_model_len} tokens",
+                fmt.limit_param,
+            )
+        return max_tokens
 
     def _job(self, prompts: list[list[int]], n: int, params: Any) -> Callable[[], AsyncIterator[Any]]:
         """Generations of every prompt (n rows each), run concurrently; yields (prompt index, step)."""
@@ -267,22 +282,6 @@ class OpenAIServing:
         return end
 
 
-class EventStream:
-    """A streaming answer: the SSE events, and what to call when the response ends, however it ends."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
-        self.events, self.on_close = events, on_close
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self.events
-
-    async def aclose(self) -> None:
-        try:
-            await self.events.aclose()
-        finally:
-            await self.on_close()
-
-
 def _invalid(message: str, param: str | None = None) -> ErrorResponse:
     return ErrorResponse.make(400, message, "invalid_request_error", param)
 
@@ -292,37 +291,3 @@ def _step_logprobs(step: GenerationStep, row: int, token: int) -> Step:
         return token, None, []
     top = list(zip(step.top_ids[row].tolist(), step.top_values[row].tolist(), strict=True))
     return token, float(step.logprobs[row]), top
-
-
-async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
-    """Items of several async iterators as they come; closing this closes (and cancels) them all."""
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def drain(iterator: AsyncIterator[Any]) -> None:
-        try:
-            async for item in iterator:
-                await queue.put(item)
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.create_task(drain(it)) for it in iterators]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-                for task in tasks:
-                    if task.done() and task.exception() is not None:
-                        raise task.exception()
-                continue
-            yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -7,8 +7,8 @@ import sys
 from typing import Any, TextIO
 
 from corolla.cli.common import add_swarm_args, swarm_config
-from corolla.client.generation import truncate_at_stop
 from corolla.client.sampling import SamplingParams
+from corolla.client.text import IncrementalText
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
 
@@ -82,24 +82,17 @@ def encode_prompt(tokenizer: Any, prompt: str, system: str | None, raw: bool) ->
 def stream_completion(
     model: Any, input_ids: list[int], params: SamplingParams, out: TextIO
 ) -> tuple[str, int]:
-    """Generate and print text as it arrives; returns the completion (cut before any stop string) and the
-    number of tokens generated."""
-    tokenizer, generated, printed = model.tokenizer, [], ""
+    """Generate and print text as it arrives (never a stop string, nor half a character); returns the
+    completion and the number of tokens generated."""
+    text = IncrementalText(model.tokenizer, params.stop, model.eos_token_ids, params.ignore_eos)
     for tokens in model.generate_stream(input_ids, params):
-        token = int(tokens[0])
-        if token in model.eos_token_ids and not params.ignore_eos:
+        out.write(text.add(int(tokens[0])))
+        out.flush()
+        if text.finish_reason is not None:
             break
-        generated.append(token)
-        text, stopped = truncate_at_stop(tokenizer.decode(generated, skip_special_tokens=True), params.stop)
-        if not text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            out.write(text[len(printed) :])
-            out.flush()
-            printed = text
-        if stopped:
-            break
-    out.write("\n")
+    out.write(text.finish() + "\n")
     out.flush()
-    return printed, len(generated)
+    return text.text, len(text.token_ids)
 
 
 def run(args: argparse.Namespace) -> None:

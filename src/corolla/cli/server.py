@@ -1,4 +1,8 @@
-"""`corolla server MODEL`: host a span of MODEL's blocks for the swarm."""
+"""`corolla server MODEL`: host a span of MODEL's blocks for the swarm.
+
+The options map one to one onto `ServerConfig` and its nested `EngineConfig` (config.py), which check
+their own ranges: a bad value gets the same error from the command line as from Python.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,40 @@ import asyncio
 import re
 
 from corolla.cli.common import add_swarm_args, swarm_config
-from corolla.config import ServerConfig
-from corolla.errors import InvalidRequest
+from corolla.config import DTYPES, EngineConfig, ServerConfig
 from corolla.server.server import Server, serve
+
+ENGINE_OPTIONS = (
+    "max_cache_tokens",
+    "page_size",
+    "max_batch_tokens",
+    "max_batch_rows",
+    "forward_slice_tokens",
+    "max_batch_wait_ms",
+    "max_sessions",
+)
+SERVER_OPTIONS = (
+    "dht_prefix",
+    "blocks",
+    "num_blocks",
+    "memory_budget",
+    "balance_period",
+    "dtype",
+    "inference_max_length",
+    "max_batch_size",
+    "max_forward_tokens",
+    "step_timeout",
+    "session_timeout",
+    "announce_period",
+    "drain_timeout",
+    "simulate_slow_ms",
+    "num_threads",
+    "metrics_port",
+    "metrics_host",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    defaults = ServerConfig(model="")
     parser = subparsers.add_parser(
         "server",
         help="serve a span of a model's blocks",
@@ -23,13 +54,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "`smollm2` (the bundled SmolLM2-135M-Instruct).",
     )
     parser.add_argument("model", metavar="MODEL")
+    _placement_options(parser)
+    _engine_options(parser.add_argument_group("engine (continuous batching)"), EngineConfig())
+    defaults = ServerConfig(model="")
+    _limit_options(parser, defaults)
+    _operation_options(parser, defaults)
+    add_swarm_args(parser, default_host="0.0.0.0")
+    parser.set_defaults(run=run)
+
+
+def _placement_options(parser: argparse.ArgumentParser) -> None:
     blocks = parser.add_mutually_exclusive_group()
     blocks.add_argument(
-        "--blocks",
-        type=_block_range,
-        default=None,
-        metavar="A:B",
-        help="host blocks A to B-1 (0-based, end exclusive)",
+        "--blocks", type=_block_range, default=None, metavar="A:B", help="host blocks A to B-1 (0-based)"
     )
     blocks.add_argument(
         "--memory-budget",
@@ -50,108 +87,71 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
     parser.add_argument(
-        "--dtype",
-        default=defaults.dtype,
-        choices=["float32", "float16", "bfloat16", "auto"],
-        help="compute dtype (default: %(default)s)",
+        "--dtype", default="float32", choices=DTYPES, help="compute dtype (default: %(default)s)"
     )
-    engine = parser.add_argument_group("engine (continuous batching)")
-    engine.add_argument(
-        "--max-cache-tokens",
-        type=int,
-        default=None,
-        help="attention cache pool, in tokens over all hosted blocks (default: a quarter of the "
-        "memory available at start, at most 262144)",
+
+
+def _engine_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
+    def option(name: str, kind: type, text: str, *aliases: str) -> None:
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        group.add_argument(flag, *aliases, dest=name, type=kind, default=default, help=text)
+
+    option(
+        "max_cache_tokens",
+        int,
+        "attention cache pool, in tokens over all hosted blocks (default: a quarter of the memory "
+        "available at start, at most 262144)",
     )
-    engine.add_argument(
-        "--block-size",
-        type=int,
-        default=defaults.block_size,
-        help="positions per cache block (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=defaults.max_batch_tokens,
-        help="tokens per engine pass: decode steps plus prefill chunks (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--max-batch-rows",
-        type=int,
-        default=defaults.max_batch_rows,
-        help="sequence rows per engine pass; 1 turns batching across sessions off (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--forward-slice-tokens",
-        type=int,
-        default=defaults.forward_slice_tokens,
-        help="forward/backward (training) work runs this many tokens (whole rows) per pass, between "
-        "inference passes: smaller keeps chat latency steady under training, bigger trains faster "
+    option("page_size", int, "positions per cache page (default: %(default)s)", "--block-size")
+    option("max_batch_tokens", int, "tokens per engine pass: decodes + prefill chunks (default: %(default)s)")
+    option("max_batch_rows", int, "rows per engine pass; 1 turns batching off (default: %(default)s)")
+    option(
+        "forward_slice_tokens",
+        int,
+        "forward/backward (training) work runs this many tokens (whole rows) per pass, between inference "
+        "passes: smaller keeps chat latency steady under training, bigger trains faster "
         "(default: %(default)s)",
     )
-    engine.add_argument(
-        "--max-batch-wait-ms",
-        type=float,
-        default=defaults.max_batch_wait_ms,
-        help="when fewer than half of the recently active sessions have a step waiting, wait up to this long "
+    option(
+        "max_batch_wait_ms",
+        float,
+        "when fewer than half of the recently active sessions have a step waiting, wait up to this long "
         "for more before a pass (0: never wait; default: %(default)s)",
     )
-    engine.add_argument(
-        "--max-sessions",
-        type=int,
-        default=defaults.max_sessions,
-        help="open inference sessions at once (default: %(default)s)",
+    option("max_sessions", int, "open inference sessions at once (default: %(default)s)")
+
+
+def _limit_options(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:
+    def option(name: str, kind: type, text: str) -> None:
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        parser.add_argument(flag, type=kind, default=default, help=text + " (default: %(default)s)")
+
+    option("inference_max_length", int, "longest inference session a client may open")
+    option("max_batch_size", int, "most rows per session or forward request")
+    option("max_forward_tokens", int, "most batch x length tokens per forward request")
+    option("step_timeout", float, "close a session whose next step does not come within this many seconds")
+    option("session_timeout", float, "close any session after this many seconds")
+
+
+def _operation_options(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:
+    def option(name: str, kind: type | None, text: str, **extra: object) -> None:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=getattr(defaults, name), help=text, **extra)
+
+    option("announce_period", float, "re-announce on the DHT this often, in seconds (default: %(default)s)")
+    option(
+        "balance_period",
+        float,
+        "without --blocks: check this often (seconds) whether moving to other blocks would help the swarm, "
+        "and move if so (0: never move; default: %(default)s)",
     )
-    parser.add_argument(
-        "--inference-max-length",
-        type=int,
-        default=defaults.inference_max_length,
-        help="longest inference session a client may open (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=defaults.max_batch_size,
-        help="most rows per session or forward request (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-forward-tokens",
-        type=int,
-        default=defaults.max_forward_tokens,
-        help="most batch x length tokens per forward request (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--step-timeout",
-        type=float,
-        default=defaults.step_timeout,
-        help="close a session whose next step does not arrive within this many seconds "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--session-timeout",
-        type=float,
-        default=defaults.session_timeout,
-        help="close any session after this many seconds (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--announce-period",
-        type=float,
-        default=defaults.announce_period,
-        help="re-announce on the DHT this often, in seconds (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--balance-period",
-        type=float,
-        default=defaults.balance_period,
-        help="without --blocks: check this often (seconds) whether moving to other blocks would help the "
-        "swarm, and move if so (0: never move; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=defaults.drain_timeout,
-        help="on SIGTERM/SIGINT, announce OFFLINE, refuse new sessions and give open ones this long to "
-        "finish (a second signal stops at once; default: %(default)s)",
+    option(
+        "drain_timeout",
+        float,
+        "on SIGTERM/SIGINT, announce OFFLINE, refuse new sessions and give open ones this long to finish "
+        "(a second signal stops at once; default: %(default)s)",
     )
     parser.add_argument(
         "--adapters",
@@ -161,33 +161,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="PEFT LoRA adapter folders to serve for this span (named after the folder unless NAME= is "
         "given); a request selects one by name with active_adapter",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics (sessions, batch sizes, queue depth, free cache, pass times) at "
+    option(
+        "metrics_port",
+        int,
+        "serve Prometheus metrics (sessions, batch sizes, queue depth, free cache, pass times) at "
         "http://METRICS_HOST:PORT/metrics (default: off)",
     )
-    parser.add_argument(
-        "--metrics-host",
-        default=defaults.metrics_host,
-        help="address for --metrics-port (default: %(default)s)",
+    option("metrics_host", None, "address for --metrics-port (default: %(default)s)")
+    option("simulate_slow_ms", float, "testing aid: make this server slow: sleep this long after every pass")
+    option(
+        "num_threads",
+        int,
+        "torch compute threads (default: torch's choice; use 1 when several peers share a small machine)",
     )
-    parser.add_argument(
-        "--simulate-slow-ms",
-        type=float,
-        default=0.0,
-        help="testing aid: make this server slow by sleeping this long after every engine pass",
-    )
-    parser.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch compute threads (default: torch's choice; use 1 when several peers share "
-        "a small machine)",
-    )
-    add_swarm_args(parser, default_host="0.0.0.0")
-    parser.set_defaults(run=run)
 
 
 def _size(text: str) -> int:
@@ -209,71 +195,20 @@ def _block_range(text: str) -> tuple[int, int]:
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
-    positive = (
-        "block_size",
-        "max_batch_tokens",
-        "max_batch_rows",
-        "forward_slice_tokens",
-        "max_sessions",
-        "inference_max_length",
-        "max_batch_size",
-        "max_forward_tokens",
-        "step_timeout",
-        "session_timeout",
-        "announce_period",
-    )
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise InvalidRequest(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.balance_period < 0:
-        raise InvalidRequest(f"--balance-period must not be negative, got {args.balance_period}")
-    if args.simulate_slow_ms < 0:
-        raise InvalidRequest(f"--simulate-slow-ms must not be negative, got {args.simulate_slow_ms}")
-    if args.drain_timeout < 0:
-        raise InvalidRequest(f"--drain-timeout must not be negative, got {args.drain_timeout}")
-    if args.max_batch_wait_ms < 0:
-        raise InvalidRequest(f"--max-batch-wait-ms must not be negative, got {args.max_batch_wait_ms}")
-    if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
-        raise InvalidRequest(f"--max-cache-tokens must hold at least one block of {args.block_size} tokens")
-    if args.metrics_port is not None and not 0 < args.metrics_port <= 65535:
-        raise InvalidRequest(f"--metrics-port must lie in 1..65535, got {args.metrics_port}")
-    if args.num_blocks is not None and args.num_blocks < 1:
-        raise InvalidRequest(f"--num-blocks must be at least 1, got {args.num_blocks}")
+    engine = EngineConfig(**{name: getattr(args, name) for name in ENGINE_OPTIONS})
     return ServerConfig(
         model=args.model,
         swarm=swarm_config(args),
-        dht_prefix=args.dht_prefix,
-        blocks=args.blocks,
-        num_blocks=args.num_blocks,
-        memory_budget=args.memory_budget,
-        balance_period=args.balance_period,
-        dtype=args.dtype,
-        max_cache_tokens=args.max_cache_tokens,
-        block_size=args.block_size,
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_rows=args.max_batch_rows,
-        max_sessions=args.max_sessions,
-        max_batch_wait_ms=args.max_batch_wait_ms,
-        forward_slice_tokens=args.forward_slice_tokens,
-        inference_max_length=args.inference_max_length,
-        max_batch_size=args.max_batch_size,
-        max_forward_tokens=args.max_forward_tokens,
-        step_timeout=args.step_timeout,
-        session_timeout=args.session_timeout,
-        drain_timeout=args.drain_timeout,
-        simulate_slow_ms=args.simulate_slow_ms,
-        announce_period=args.announce_period,
-        num_threads=args.num_threads,
+        engine=engine,
         adapters=tuple(args.adapters),
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        **{name: getattr(args, name) for name in SERVER_OPTIONS},
     )
 
 
 def _print_ready(server: Server) -> None:
-    info = server.handler.info()
+    status = server.status.snapshot()
     print(
-        f"corolla server ready: peer_id={server.peer_id} blocks={info.start}:{info.end} "
+        f"corolla server ready: peer_id={server.peer_id} blocks={status.start}:{status.end} "
         f"dht_prefix={server.dht_prefix}",
         flush=True,
     )

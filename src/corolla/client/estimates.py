@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.routing import DEFAULT_RTT, DEFAULT_SECONDS_PER_BLOCK, Estimate, Hop
-from corolla.wire.messages import ServerInfo
+from corolla.wire.records import ServerStatus
 
 SMOOTHING = 0.3  # weight of a new observation in the moving averages
 RTT_FLOOR = 0.003
@@ -23,14 +23,14 @@ class ServerEstimates:
     def __init__(self) -> None:
         self.rtt: dict[str, float] = {}
         self.observed: dict[str, float] = {}  # seconds per block per decode step, as this client saw it
-        self.infos: dict[str, ServerInfo] = {}
+        self.infos: dict[str, ServerStatus] = {}
         self.mine: Counter[str] = Counter()  # this client's open span sessions per server
         self._recent_rtts: dict[str, deque[float]] = {}
 
     def has_rtt(self, peer_id: str) -> bool:
         return peer_id in self.rtt
 
-    def ping(self, peer_id: str, seconds: float, info: ServerInfo) -> None:
+    def ping(self, peer_id: str, seconds: float, info: ServerStatus) -> None:
         # the least of the recent round trips: queueing on a busy machine only ever adds to the network's
         recent = self._recent_rtts.setdefault(peer_id, deque(maxlen=8))
         recent.append(seconds)

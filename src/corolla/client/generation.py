@@ -1,10 +1,10 @@
 """Token generation over an inference session: embed -> swarm -> head -> sample, one token per step.
 
 `generate_steps` is an async generator yielding each step's new tokens [B] (with their log-probabilities
-when asked for) as soon as they are chosen, so callers stream them; `generate_tokens` yields the tokens.
-Rows that hit an EOS token or a stop string are finished and padded until every row is done. The last
-sampled token is left in `session.pending_token_ids`, so a later call on the same session continues the
-conversation without recomputing anything.
+when asked for) as soon as they are chosen, so callers stream them. Rows that hit an EOS token or a stop
+string are finished and padded until every row is done. The last sampled token is left in
+`session.pending_token_ids`, so a later call on the same session continues the conversation without
+recomputing anything.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.sampling import SamplingParams, next_tokens, top_logprobs
+from corolla.client.text import IncrementalText
 from corolla.errors import InvalidRequest
 
 
@@ -30,36 +31,27 @@ class GenerationStep:
     top_ids: torch.Tensor | None = None  # [B, k] and their ids
 
 
-class StopChecker:
-    """Finds stop strings in each row's generated text (needs the tokenizer to see text)."""
+class RowEnds:
+    """Which rows have ended: at an EOS token, or (with a tokenizer) once their text holds a stop string."""
 
-    def __init__(self, stops: Sequence[str], tokenizer: Any, batch_size: int):
-        if stops and tokenizer is None:
+    def __init__(
+        self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Any, batch_size: int
+    ):
+        if params.stop and tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model folder has none")
-        self.stops, self.tokenizer = tuple(stops), tokenizer
-        self.generated: list[list[int]] = [[] for _ in range(batch_size)]
+        self.eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
+        texts = [IncrementalText(tokenizer, params.stop) for _ in range(batch_size)] if params.stop else []
+        self.texts = texts  # the one detokenizer (client/text.py), only where stop strings need the text
+        self.finished = torch.zeros(batch_size, dtype=torch.bool)
 
     def update(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Record one step's tokens [B]; returns which rows' text now contains a stop string."""
-        hits = torch.zeros(len(self.generated), dtype=torch.bool)
-        for row, token in enumerate(tokens.tolist()):
-            self.generated[row].append(token)
-            if self.stops:
-                text = self.tokenizer.decode(self.generated[row], skip_special_tokens=False)
-                hits[row] = any(stop in text for stop in self.stops)
-        return hits
-
-
-def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Cut `text` before the first stop string; returns (text, whether a stop string was found)."""
-    cuts = [text.find(stop) for stop in stops if stop in text]
-    return (text[: min(cuts)], True) if cuts else (text, False)
-
-
-async def generate_tokens(*args: Any, **kwargs: Any) -> AsyncIterator[torch.Tensor]:
-    """Yield the next token of every row [B]: `generate_steps` without the log-probabilities."""
-    async for step in generate_steps(*args, **kwargs):
-        yield step.tokens
+        """Record one step's tokens [B]; returns which rows are finished now."""
+        self.finished = self.finished | torch.isin(tokens, self.eos)
+        if self.texts:
+            for text, token in zip(self.texts, tokens.tolist(), strict=True):
+                text.add(token)
+            self.finished = self.finished | torch.tensor([t.finish_reason == "stop" for t in self.texts])
+        return self.finished
 
 
 async def generate_steps(  # noqa: PLR0913
@@ -78,28 +70,10 @@ async def generate_steps(  # noqa: PLR0913
     prefix goes before the first step's inputs and the deep prompts to the servers with it (they keep
     them for the session).
     """
-    batch = input_ids.shape[0]
-    inputs = input_ids
-    if session.pending_token_ids is not None:
-        if session.pending_token_ids.shape[0] != batch:
-            raise InvalidRequest(
-                f"batch size {batch} differs from the session's {session.pending_token_ids.shape[0]}"
-            )
-        inputs = torch.cat([session.pending_token_ids, input_ids], dim=1)
-    prefix_length = 0 if tuned is None else tuned[0].shape[1]
-    if tuned is not None and session.position > 0:
-        raise InvalidRequest("trained prompts apply from a session's start; this session has already begun")
-    needed = session.position + prefix_length + inputs.shape[1] + params.max_new_tokens - 1
-    if needed > session.max_length:
-        raise InvalidRequest(
-            f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
-            f"{session.position} exceed the session's max_length={session.max_length}"
-        )
-    eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
-    stops = StopChecker(params.stop, tokenizer, batch)
+    inputs = _first_inputs(session, input_ids, params, tuned)
+    ends = RowEnds(params, eos_token_ids, tokenizer, input_ids.shape[0])
     generator = params.make_generator() if params.do_sample else None
     context, prompt_length = input_ids, input_ids.shape[1]
-    finished = torch.zeros(batch, dtype=torch.bool)
     head.register()  # lets the head batcher know how many sessions may join a batch
     try:
         with torch.no_grad():
@@ -112,10 +86,10 @@ async def generate_steps(  # noqa: PLR0913
                 deep = None  # the servers keep the session's deep prompts
                 logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
                 tokens = next_tokens(logits, context, params, generator, context[:, prompt_length:])
-                tokens = torch.where(finished, torch.full_like(tokens, pad_token_id), tokens)
+                tokens = torch.where(ends.finished, torch.full_like(tokens, pad_token_id), tokens)
                 session.pending_token_ids = tokens[:, None]
                 context = torch.cat([context, tokens[:, None]], dim=1)
-                finished = finished | torch.isin(tokens, eos) | stops.update(tokens)
+                finished = ends.update(tokens)
                 if params.logprobs is None:
                     yield GenerationStep(tokens, finished)
                 else:
@@ -125,3 +99,29 @@ async def generate_steps(  # noqa: PLR0913
                 hidden = head.head.embed(tokens[:, None])
     finally:
         head.unregister()
+
+
+def _first_inputs(
+    session: InferenceSession,
+    input_ids: torch.Tensor,
+    params: SamplingParams,
+    tuned: tuple[torch.Tensor, torch.Tensor | None] | None,
+) -> torch.Tensor:
+    """The first step's token ids (after the session's pending token), checked against its limits."""
+    inputs = input_ids
+    pending = session.pending_token_ids
+    if pending is not None:
+        if pending.shape[0] != input_ids.shape[0]:
+            batch = input_ids.shape[0]
+            raise InvalidRequest(f"batch size {batch} differs from the session's {pending.shape[0]}")
+        inputs = torch.cat([pending, input_ids], dim=1)
+    prefix_length = 0 if tuned is None else tuned[0].shape[1]
+    if tuned is not None and session.position > 0:
+        raise InvalidRequest("trained prompts apply from a session's start; this session has already begun")
+    needed = session.position + prefix_length + inputs.shape[1] + params.max_new_tokens - 1
+    if needed > session.max_length:
+        raise InvalidRequest(
+            f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
+            f"{session.position} exceed the session's max_length={session.max_length}"
+        )
+    return inputs

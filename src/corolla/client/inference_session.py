@@ -96,7 +96,11 @@ class InferenceSession:
         hypo_ids: torch.Tensor | None = None,
         start_from_position: int | None = None,
     ) -> torch.Tensor:
-        """Run hidden states [B, T, H] of the next tokens through every block; returns [B, T, H]."""
+        """Run hidden states [B, T, H] of the next tokens through every block; returns [B, T, H].
+
+        The step goes at the session's position (or at `start_from_position`, which rolls back): this
+        session is the one owner of the position, and every hop is told it with every step.
+        """
         if self.closed or not self._opened:
             raise InvalidRequest("the inference session is closed or was never opened")
         position = self.position if start_from_position is None else start_from_position
@@ -107,6 +111,18 @@ class InferenceSession:
                 f"{hidden.shape[1]} more tokens at position {position} exceed the session's "
                 f"max_length={self.max_length}"
             )
+        self.boundary_outputs = await self._through_chain(hidden, prompts, hypo_ids, position)
+        self.position = position + hidden.shape[1]
+        return self.boundary_outputs[-1]
+
+    async def _through_chain(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        position: int,
+    ) -> list[torch.Tensor]:
+        """Each hop's outputs for one step, replacing servers that fail on the way."""
         boundaries, index, failures = [], 0, 0
         deadline = time.monotonic() + self.swarm.config.failover_timeout
         step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
@@ -119,17 +135,10 @@ class InferenceSession:
             next_servers = tuple(
                 NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later
             )
+            pushed = span.session_id in pushed_to
             try:
-                # the position goes with every step: after a step abandoned midway (cancelled), the
-                # servers that ran it roll back instead of appending
-                hidden_out = await span.step(
-                    hidden,
-                    span_prompts,
-                    hypo_ids,
-                    position,
-                    step_id,
-                    next_servers,
-                    pushed=span.session_id in pushed_to,
+                hidden = await span.step(
+                    hidden, span_prompts, hypo_ids, position, step_id, next_servers, pushed
                 )
                 pushed_to.update(s.session_id for s in next_servers)
             except RETRYABLE as e:
@@ -139,11 +148,9 @@ class InferenceSession:
                 logger.warning("Server ...%s failed (%s); replacing it", span.hop.peer_id[-6:], e)
                 await self._replace(index)
                 continue
-            boundaries.append(hidden_out)
-            hidden, index = hidden_out, index + 1
-        self.boundary_outputs = boundaries
-        self.position = position + hidden.shape[1]
-        return hidden
+            boundaries.append(hidden)
+            index += 1
+        return boundaries
 
     async def _replace(self, index: int) -> None:
         """Swap the failed hop for a new chain over its blocks, brought to the same state."""
@@ -169,7 +176,7 @@ class InferenceSession:
             failed.hop.peer_id[-6:],
             ", ".join(f"...{s.hop.peer_id[-6:]}" for s in replacement),
             time.perf_counter() - started,
-            failed.position,
+            0 if failed.inputs is None else failed.inputs.shape[1],
         )
 
     async def aclose(self) -> None:

@@ -237,14 +237,6 @@ class DistributedModelForCausalLM:
 
     __call__ = forward
 
-    async def aforward(self, input_ids: torch.Tensor) -> CausalLMOutput:
-        """`forward` without gradients, as a coroutine on the model's loop."""
-        input_ids = _as_batch(input_ids)
-        with torch.no_grad():
-            hidden, prompts = self._chain_inputs(input_ids)
-            outputs, _ = await chain_forward(self.swarm, hidden, prompts if prompts.numel() else None)
-            return self._outputs(outputs, None)
-
     def _chain_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first block's inputs [B, (P +) T, H] and the deep prompts (or an empty tensor)."""
         hidden = self.head.embed(input_ids)

@@ -5,7 +5,8 @@ the first step's tensors; every message gets exactly one reply, whose shape is c
 the end of stream and waits for the server to finish, so the server frees the cache at once.
 
 A span session keeps the inputs it has sent (after rollbacks and beam reordering), so that if its server
-fails, a replacement can be brought to the same state by replaying them (`replay`).
+fails, a replacement can be brought to the same state by replaying them (`replay`). The session's
+position is the inference session's (client/inference_session.py): every step names its own.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class SpanSession:
         self.observe = observe  # told how long each decode step took: (peer_id, seconds, num_blocks)
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
-        self.position = 0
         self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
         self.prompts: torch.Tensor | None = None  # the deep prompts last sent
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
@@ -71,14 +71,14 @@ class SpanSession:
     async def step(  # noqa: PLR0913
         self,
         hidden: torch.Tensor,
-        prompts: torch.Tensor | None = None,
-        hypo_ids: torch.Tensor | None = None,
-        start_from_position: int | None = None,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        start_from_position: int,
         step_id: str | None = None,
         next_servers: tuple[NextServer, ...] = (),
         pushed: bool = False,
     ) -> torch.Tensor:
-        """Send hidden states [B, T, H] for positions [position, position + T); returns the outputs.
+        """Send hidden states [B, T, H] for positions [start_from_position, + T); returns the outputs.
 
         `step_id` names the step across the chain; with `next_servers`, this server also pushes its outputs
         straight to the next one (which then runs the step once, whichever copy arrives first). `pushed`:
@@ -87,6 +87,25 @@ class SpanSession:
         """
         if self.closed:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
+        step_id = step_id or uuid.uuid4().hex
+        request = self._request(hidden, prompts, hypo_ids, start_from_position, step_id, next_servers)
+        await self._queue.put(request)
+        started = time.perf_counter()
+        outputs = await self._reply(step_id, hidden.shape)
+        if self.observe is not None and hidden.shape[1] == 1 and not pushed:
+            self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
+        self._remember(hidden, prompts, hypo_ids, start_from_position)
+        return outputs
+
+    def _request(  # noqa: PLR0913
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        position: int,
+        step_id: str,
+        next_servers: tuple[NextServer, ...],
+    ) -> runtime_pb2.ExpertRequest:
         first = (
             {}
             if self._stepped
@@ -97,43 +116,36 @@ class SpanSession:
                 active_adapter=self.active_adapter,
             )
         )
+        self._stepped = True
+        # the position goes with every step: after a step abandoned midway, servers roll back, not append
         meta = InferenceStep(
-            step_id=step_id or uuid.uuid4().hex,
-            start_from_position=start_from_position,
-            next_servers=next_servers,
-            **first,
+            step_id=step_id, start_from_position=position, next_servers=next_servers, **first
         )
         tensors = [wire_tensors.serialize(hidden)]  # trailing absent tensors are simply left out
         if prompts is not None or hypo_ids is not None:
             tensors.append(wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty())
         if hypo_ids is not None:
             tensors.append(wire_tensors.serialize(hypo_ids))
-        await self._queue.put(
-            runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
-        )
-        self._stepped = True
-        started = time.perf_counter()
+        return runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
+
+    async def _reply(self, step_id: str, shape: torch.Size) -> torch.Tensor:
+        """The outputs of step `step_id`; replies to a step abandoned earlier (cancelled) are skipped."""
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
-                while True:  # a reply to a step abandoned earlier (cancelled midway) is skipped
+                while True:
                     response = await asyncio.wait_for(anext(self._stream), self.timeout)
-                    if _replied_step(response, self.hop.peer_id) in (None, meta.step_id):
+                    if _replied_step(response, self.hop.peer_id) in (None, step_id):
                         break
         except BaseException:
             self.closed = True  # a failed stream cannot take more steps
             raise
         outputs = wire_tensors.deserialize(response.tensors[0], "outputs") if response.tensors else None
-        if outputs is None or outputs.shape != hidden.shape:
+        if outputs is None or outputs.shape != shape:
             self.closed = True
             raise ServerUnavailable(
                 f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
-                f"{None if outputs is None else list(outputs.shape)}, expected {list(hidden.shape)}"
+                f"{None if outputs is None else list(outputs.shape)}, expected {list(shape)}"
             )
-        if self.observe is not None and hidden.shape[1] == 1 and not pushed:
-            self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
-        position = self.position if start_from_position is None else start_from_position
-        self.position = position + hidden.shape[1]
-        self._remember(hidden, prompts, hypo_ids, start_from_position)
         return outputs
 
     def _remember(
@@ -141,10 +153,10 @@ class SpanSession:
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-        start_from_position: int | None,
+        start_from_position: int,
     ) -> None:
         kept = self.inputs
-        if kept is not None and start_from_position is not None:
+        if kept is not None:
             kept = kept[:, :start_from_position]
         if kept is not None and hypo_ids is not None:
             kept = kept[hypo_ids]
@@ -158,7 +170,8 @@ class SpanSession:
         outputs = []
         for start in range(0, inputs.shape[1], REPLAY_CHUNK):
             chunk_prompts = prompts if start == 0 else None
-            outputs.append(await self.step(inputs[:, start : start + REPLAY_CHUNK], chunk_prompts))
+            chunk = inputs[:, start : start + REPLAY_CHUNK]
+            outputs.append(await self.step(chunk, chunk_prompts, None, start))
         return torch.cat(outputs, dim=1)
 
     async def close(self) -> None:

@@ -33,7 +33,8 @@ from corolla.errors import (
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
 from corolla.swarm.ping import ping
 from corolla.swarm.routing import Hop, choose_chain
-from corolla.wire.messages import RPC_INFO, ServerInfo
+from corolla.wire.messages import RPC_INFO
+from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class SwarmClient:
         now = time.monotonic()
         return set(self.config.blocked_servers) | {p for p, (until, _) in self._bans.items() if until > now}
 
-    async def server_info(self, peer_id: str) -> ServerInfo:
+    async def server_info(self, peer_id: str) -> ServerStatus:
         """A server's own report (rpc_info): its span, limits and live load."""
         timeout = self.config.request_timeout
         async with remote_errors(peer_id, timeout):
@@ -161,7 +162,7 @@ class SwarmClient:
                 ),
                 timeout,
             )
-        return ServerInfo.from_bytes(reply.serialized_info)
+        return ServerStatus.from_bytes(reply.serialized_info)
 
 
 def peer(peer_id: str) -> PeerID:

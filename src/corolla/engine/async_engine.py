@@ -1,11 +1,11 @@
-"""The engine's asyncio front: a request tracker, a stream per request, and a background loop thread.
+"""The engine's asyncio front: a command queue, a result stream per request, and a background loop thread.
 
-Handlers (on the server's event loop) open sessions and submit steps; each request gets a
-`RequestStream` that yields its results as soon as the loop thread delivers them. The loop thread runs
-engine passes while there is work and sleeps when there is none. Commands (new work, aborts, session
-closes) reach it through the tracker and take effect at the start of the next pass, so an aborted
-request or a closed session leaves the running batch and frees its blocks at once. If a pass raises,
-the error reaches every request in flight, never a hang, and the loop keeps serving new work.
+Services (on the server's event loop) open sessions and submit work; each request's results arrive in
+a `ResultStream` as soon as the loop thread delivers them. The loop thread runs engine passes while
+there is work and sleeps when there is none. Commands (new work, aborts, session closes) reach it through
+the `CommandQueue`, in the order they were sent, and take effect at the start of the next pass, so an
+aborted request or a closed session leaves the running batch and frees its cache pages at once. If a
+pass raises, the error reaches every request in flight, never a hang, and the loop keeps serving new work.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from corolla.engine.engine import Engine, EngineStats
-from corolla.engine.sequence import Completion, ForwardWork, StepWork
+from corolla.engine.sequence import Completion, ForwardWork, Gradients, StepWork
 from corolla.errors import CorollaError, ServerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.02  # while work waits for memory, re-check admission deadlines this often
 
 
-class RequestStream:
+class ResultStream:
     """Results of one request, in order; `next()` waits for the next one or raises its error."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -43,14 +43,14 @@ class RequestStream:
         """From the event loop's own thread."""
         self._queue.put_nowait(completion)
 
-    async def next(self) -> torch.Tensor:
+    async def next(self) -> torch.Tensor | Gradients:
         completion = await self._queue.get()
         if completion.error is not None:
             raise completion.error
         return completion.outputs
 
 
-class RequestTracker:
+class CommandQueue:
     """Commands for the loop thread, queued from any thread, applied at the start of the next pass."""
 
     def __init__(self) -> None:
@@ -73,11 +73,11 @@ class AsyncEngine:
     def __init__(self, engine: Engine, pass_delay: float = 0.0):
         self.engine = engine
         self.pass_delay = pass_delay  # testing aid: simulate a slower machine by sleeping after each pass
-        self.tracker = RequestTracker()
+        self.commands = CommandQueue()
         self.stats: EngineStats = engine.stats()  # a snapshot, replaced after every pass
         # called on the loop thread after every pass with (rows run, seconds): metrics, never engine state
         self.pass_listeners: list[Callable[[int, float], None]] = []
-        self._streams: dict[int, RequestStream] = {}  # request id -> stream (loop thread only)
+        self._streams: dict[int, ResultStream] = {}  # request id -> stream (loop thread only)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,7 +90,7 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         self._stopping = True
-        self.tracker.wakeup.set()
+        self.commands.wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
@@ -108,14 +108,14 @@ class AsyncEngine:
             else:
                 self._loop.call_soon_threadsafe(_set_result, future, result)
 
-        self.tracker.submit(command)
+        self.commands.submit(command)
         return await future
 
-    def stream(self) -> RequestStream:
+    def stream(self) -> ResultStream:
         """A new stream; an inference session keeps one for all its steps' results."""
-        return RequestStream(self._loop)
+        return ResultStream(self._loop)
 
-    def submit(self, work: StepWork | ForwardWork, stream: RequestStream) -> None:
+    def submit(self, work: StepWork | ForwardWork, stream: ResultStream) -> None:
         def command() -> None:
             if isinstance(work, StepWork) and work.session.session_id not in self.engine.sessions:
                 stream.deliver(Completion(work.request_id, error=ServerUnavailable("the session is closed")))
@@ -123,19 +123,21 @@ class AsyncEngine:
             self._streams[work.request_id] = stream
             (self.engine.add_step if isinstance(work, StepWork) else self.engine.add_forward)(work)
 
-        self.tracker.submit(command)
+        self.commands.submit(command)
 
     def abort(self, request_id: int) -> None:
         def command() -> None:
             self.engine.abort(request_id)
             self._streams.pop(request_id, None)
 
-        self.tracker.submit(command)
+        self.commands.submit(command)
 
     def close_session(self, session_id: str) -> None:
-        self.tracker.submit(lambda: self._deliver(self.engine.close_session(session_id)))
+        self.commands.submit(lambda: self._deliver(self.engine.close_session(session_id)))
 
-    async def run(self, work: StepWork | ForwardWork, stream: RequestStream | None = None) -> torch.Tensor:
+    async def run(
+        self, work: StepWork | ForwardWork, stream: ResultStream | None = None
+    ) -> torch.Tensor | Gradients:
         """Submit work and wait for its result; if the caller goes away, the work is aborted."""
         stream = stream or self.stream()
         self.submit(work, stream)
@@ -150,17 +152,17 @@ class AsyncEngine:
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
         while not self._stopping:
-            for command in self.tracker.drain():
+            for command in self.commands.drain():
                 command()
             if not self.engine.has_work():
                 self._publish_stats()
-                self.tracker.wakeup.wait()
-                self.tracker.wakeup.clear()
+                self.commands.wakeup.wait()
+                self.commands.wakeup.clear()
                 continue
             delay = self.engine.batch_delay(time.monotonic())
             if delay > 0:  # let more sessions' steps join this pass (new arrivals wake us early)
-                self.tracker.wakeup.wait(delay)
-                self.tracker.wakeup.clear()
+                self.commands.wakeup.wait(delay)
+                self.commands.wakeup.clear()
                 continue
             started, passes = time.perf_counter(), self.engine.num_passes
             try:
@@ -176,8 +178,8 @@ class AsyncEngine:
             self._publish_stats()  # before the results: a client that asks right after sees this pass
             self._deliver(completions)
             if not completions and time.perf_counter() - started < 1e-3:  # nothing could run: wait a little
-                self.tracker.wakeup.wait(IDLE_POLL_SECONDS)
-                self.tracker.wakeup.clear()
+                self.commands.wakeup.wait(IDLE_POLL_SECONDS)
+                self.commands.wakeup.clear()
         self._deliver(self._fail_all(ServerUnavailable("the server is shutting down")))
 
     def _fail_all(self, cause: Exception) -> list[Completion]:
@@ -206,7 +208,7 @@ class AsyncEngine:
         self.stats = self.engine.stats()
 
 
-def _put_all(ready: list[tuple[RequestStream, Completion]]) -> None:
+def _put_all(ready: list[tuple[ResultStream, Completion]]) -> None:
     for stream, completion in ready:
         stream.put(completion)
 

@@ -1,7 +1,8 @@
 """The synchronous engine: sessions and work in, one batched pass per `step()`, completions out.
 
-`step()` reads schedule -> copy blocks -> run -> postprocess. Nothing here knows about networking or
-asyncio; one thread drives it (the async front in async_engine.py), and tests drive it directly.
+`step()` reads schedule -> copy and clear cache pages -> run -> postprocess. Nothing here knows about
+networking or asyncio; one thread drives it (the async front in async_engine.py), and tests drive it
+directly.
 """
 
 from __future__ import annotations
@@ -11,27 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from corolla.engine.block_manager import BlockManager
+from corolla.config import EngineConfig
 from corolla.engine.model_runner import KVPool, ModelRunner
+from corolla.engine.pages import PageAllocator
 from corolla.engine.scheduler import Scheduler
-from corolla.engine.sequence import Chunk, Completion, EngineSession, ForwardWork, SessionStatus, StepWork
+from corolla.engine.sequence import (
+    BackwardWork,
+    Chunk,
+    Completion,
+    EngineSession,
+    ForwardWork,
+    SessionStatus,
+    StepWork,
+)
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.models.span import Span
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_cache_tokens: int  # the pool: max_cache_tokens // block_size blocks of every hosted layer
-    block_size: int = 16
-    max_batch_tokens: int = 256  # tokens per pass (decodes + prefill chunks)
-    max_batch_rows: int = 64  # sequence rows per pass; 1 disables batching across sessions
-    max_sessions: int = 256
-    # Waiting for the rest of a batch: when fewer than half of the recently active rows have a step
-    # pending, a pass may wait up to this long for more (0 runs every pass at once; see batch_delay)
-    max_batch_wait: float = 0.0
-    # forward/backward requests run this many tokens (whole rows, at least one) per pass, between inference
-    # passes; smaller slices keep inference latency steady under training load, bigger ones train faster
-    forward_slice_tokens: int = 64
 
 
 @dataclass(frozen=True)
@@ -47,23 +42,21 @@ class EngineStats:
 
 class Engine:
     def __init__(self, span: Span, config: EngineConfig):
-        if config.max_cache_tokens < config.block_size:
-            raise InvalidRequest(
-                f"max_cache_tokens={config.max_cache_tokens} is below one block of {config.block_size} tokens"
-            )
+        if config.max_cache_tokens is None:
+            raise InvalidRequest("the engine needs max_cache_tokens: the size of its attention cache")
         self.span, self.config = span, config
         model = span.config
-        num_blocks = config.max_cache_tokens // config.block_size
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        num_pages = config.max_cache_tokens // config.page_size
+        self.pages = PageAllocator(num_pages, config.page_size)
         self.pool = KVPool(
             span.end - span.start,
-            num_blocks,
-            config.block_size,
+            num_pages,
+            config.page_size,
             model.num_key_value_heads,
             model.head_dim,
             span.dtype,
         )
-        self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_rows)
+        self.scheduler = Scheduler(self.pages, config.max_batch_tokens, config.max_batch_rows)
         self.runner = ModelRunner(span, self.pool)
         self.num_passes, self.batched_rows, self.total_rows = 0, 0, 0
         self.pass_seconds = 0.0  # a moving average of recent passes' duration
@@ -73,12 +66,12 @@ class Engine:
         return self.scheduler.sessions
 
     def stats(self) -> EngineStats:
-        size = self.blocks.block_size
+        size = self.pages.page_size
         return EngineStats(
             len(self.sessions),
             self.scheduler.queued_tokens,
-            self.blocks.num_free * size,
-            self.blocks.num_blocks * size,
+            self.pages.num_free * size,
+            self.pages.num_pages * size,
             self.num_passes,
             self.batched_rows,
             self.total_rows,
@@ -94,9 +87,10 @@ class Engine:
         out in time; running each pass at once gives many small passes, and on a CPU a pass of 16 rows
         costs little more than a pass of 4. So while some recently active rows have no step pending, a
         pass waits for them, but never longer than a pass takes (a straggler later than that is cheaper
-        to serve in the next pass) nor than max_batch_wait. A lone session never waits.
+        to serve in the next pass) nor than max_batch_wait_ms. A lone session never waits.
         """
-        if self.config.max_batch_wait <= 0 or self.scheduler.forwards:
+        max_wait = self.config.max_batch_wait_ms / 1000
+        if max_wait <= 0 or self.scheduler.forwards:
             return 0.0
         pending = [s for s in self.sessions.values() if s.pending]
         if not pending or any(s.status != SessionStatus.RUNNING for s in pending):
@@ -105,7 +99,7 @@ class Engine:
         if sum(s.batch_size for s in pending) >= min(active, self.config.max_batch_rows):
             return 0.0
         oldest = min(s.pending[0].arrived_at for s in pending)
-        return max(0.0, oldest + min(self.config.max_batch_wait, self.pass_seconds) - now)
+        return max(0.0, oldest + min(max_wait, self.pass_seconds) - now)
 
     # --- sessions and work ---------------------------------------------------------------------------------
 
@@ -128,12 +122,12 @@ class Engine:
         return session
 
     def close_session(self, session_id: str) -> list[Completion]:
-        """End a session now: its blocks go back to the pool and its pending steps fail."""
+        """End a session now: its pages go back to the pool and its pending steps fail."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             return []
-        for table in session.tables:
-            self.blocks.release_all(table)
+        for table in session.page_tables:
+            self.pages.release_all(table)
         error = ServerUnavailable(f"session {session_id} was closed")
         return [Completion(work.request_id, error=error) for work in session.pending]
 
@@ -163,14 +157,15 @@ class Engine:
     # --- one pass ------------------------------------------------------------------------------------------
 
     def step(self) -> list[Completion]:
+        """One pass: schedule -> copy and clear pages -> run -> postprocess; returns what completed."""
         plan = self.scheduler.schedule()
         completions = []
         for work, error in plan.failed:
             work.session.pending.remove(work)
             completions.append(Completion(work.request_id, error=error))
-        self.pool.clear_blocks(self.blocks.take_fresh())
+        self.pool.clear_pages(self.pages.take_fresh())
         if plan.copies:
-            self.pool.copy_blocks(plan.copies)
+            self.pool.copy_pages(plan.copies)
         if plan.chunks:
             started = time.perf_counter()
             outputs = self.runner.run(plan.chunks)
@@ -193,21 +188,13 @@ class Engine:
         rows = max(1, self.config.forward_slice_tokens // work.hidden.shape[1])
         end = min(work.done_rows + rows, work.hidden.shape[0])
         part = work.rows(work.done_rows, end)
-        work.results.append(
-            self.runner.forward(part) if work.grad_outputs is None else self.runner.backward(part)
-        )
+        run = self.runner.backward if isinstance(part, BackwardWork) else self.runner.forward
+        work.results.append(run(part))
         work.done_rows = end
         if end < work.hidden.shape[0]:
             self.scheduler.forwards.appendleft(work)  # the rest goes on at its next turn
             return None
-        if work.grad_outputs is None:
-            return Completion(work.request_id, torch.cat(work.results))
-        grad_inputs = torch.cat([g for g, _ in work.results])
-        grad_prompts = None
-        if work.prompts is not None:
-            parts = [p for _, p in work.results]
-            grad_prompts = sum(parts) if work.prompts.shape[1] == 1 else torch.cat(parts, dim=1)
-        return Completion(work.request_id, (grad_inputs, grad_prompts))
+        return Completion(work.request_id, work.result())
 
     def _postprocess(self, chunk: Chunk, outputs: torch.Tensor) -> Completion | None:
         session, work = chunk.session, chunk.work

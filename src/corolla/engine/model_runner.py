@@ -2,7 +2,7 @@
 
 The chunks' rows are packed into one [1, N, H] tensor so that every linear layer runs once for the whole
 batch (the point of batching). Attention is per sequence: the new keys and values are written into the
-pool at each token's slot, then each row attends to its own blocks.
+pool at each token's slot, then each row attends to its own cache pages.
 """
 
 from __future__ import annotations
@@ -11,35 +11,36 @@ from dataclasses import dataclass
 
 import torch
 
-from corolla.engine.sequence import Chunk, ForwardWork
+from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
 from corolla.models.attention import causal_attention
 from corolla.models.lora import use_adapters
 from corolla.models.span import Span, align_prompts
 
 
 class KVPool:
-    """Keys and values of every block of the span: [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Keys and values of every cache page, for every layer of the span:
+    [layers, 2, num_pages, page_size, kv_heads, head_dim]."""
 
     def __init__(
         self,
         num_layers: int,
-        num_blocks: int,
-        block_size: int,
+        num_pages: int,
+        page_size: int,
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
     ):
-        # torch.empty: pages are touched (and count as memory) only as blocks are first written
-        self.data = torch.empty(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-        self.block_size = block_size
+        # torch.empty: the OS backs memory (and counts it) only as pages are first written
+        self.data = torch.empty(num_layers, 2, num_pages, page_size, kv_heads, head_dim, dtype=dtype)
+        self.page_size = page_size
 
-    def clear_blocks(self, blocks: list[int]) -> None:
-        """Zero newly allocated blocks: attention masks positions past a row's context, but a masked
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero newly allocated pages: attention masks positions past a row's context, but a masked
         NaN left in memory would still poison the softmax."""
-        if blocks:
-            self.data[:, :, blocks] = 0
+        if pages:
+            self.data[:, :, pages] = 0
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         for source, destination in copies:
             self.data[:, :, destination] = self.data[:, :, source]
 
@@ -51,7 +52,7 @@ class Row:
     offset: int
     length: int
     position: int
-    table: torch.Tensor  # int64 block ids
+    table: torch.Tensor  # int64 page ids
 
     @property
     def context(self) -> int:
@@ -61,14 +62,14 @@ class Row:
 class PagedAttention:
     """The attention context of one packed pass (see models/attention.py for the protocol).
 
-    Each row attends to its own gathered blocks with the same call it would make alone: on CPU this is
+    Each row attends to its own gathered pages with the same call it would make alone: on CPU this is
     faster than one padded, masked call for all rows (measured: 1.2 vs 2.2 ms for 16 decode rows), and a
     row's attention does not depend on what it is batched with.
     """
 
     def __init__(self, pool: KVPool, first_layer: int, rows: list[Row]):
         self.pool, self.first_layer, self.rows = pool, first_layer, rows
-        size = pool.block_size
+        size = pool.page_size
         self.slots = torch.cat(
             [
                 row.table[torch.arange(row.position, row.context) // size] * size
@@ -80,13 +81,13 @@ class PagedAttention:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
-        cache = self.pool.data[self.first_layer + layer]  # [keys|values, num_blocks, block_size, kv_heads, d]
+        cache = self.pool.data[self.first_layer + layer]  # [keys|values, num_pages, page_size, kv_heads, d]
         kv_heads, head_dim = cache.shape[3], cache.shape[4]
         cache[0].view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
         cache[1].view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
         out = torch.empty_like(q)  # [1, heads, N, d]
         for row in self.rows:
-            # keys and values of the row's blocks in one copy: [2, blocks * block_size, kv_heads, d]
+            # keys and values of the row's pages in one copy: [2, pages * page_size, kv_heads, d]
             gathered = cache.index_select(1, row.table).flatten(1, 2)[:, : row.context].transpose(1, 2)
             keys, values = gathered[0:1], gathered[1:2]  # [1, kv_heads, context, d]
             span = slice(row.offset, row.offset + row.length)
@@ -106,7 +107,7 @@ class ModelRunner:
         for chunk in chunks:
             inputs = _chunk_inputs(chunk).to(self.span.dtype)  # [B, T, H]
             for row in range(chunk.num_rows):
-                table = torch.tensor(chunk.session.tables[row], dtype=torch.long)
+                table = torch.tensor(chunk.session.page_tables[row], dtype=torch.long)
                 rows.append(Row(offset, chunk.num_tokens, chunk.position, table))
                 pieces.append(inputs[row])
                 positions.append(torch.arange(chunk.position, chunk.position + chunk.num_tokens))
@@ -139,7 +140,7 @@ class ModelRunner:
             outputs = self.span(work.hidden.to(self.span.dtype), None, 0, aligned, work.blocks)
         return outputs.to(work.hidden.dtype)
 
-    def backward(self, work: ForwardWork) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def backward(self, work: BackwardWork) -> Gradients:
         """Gradients of sum(outputs * grad_outputs) wrt the inputs [B, T, H] and the deep prompts
         [blocks, B, P, H] (None without prompts), recomputing the span's forward with autograd. The
         weights stay frozen (requires_grad is off), so no weight gradient is ever computed."""
@@ -153,7 +154,7 @@ class ModelRunner:
             wrt = [hidden] if aligned is None else [hidden, prompts]
             grads = torch.autograd.grad(outputs, wrt, work.grad_outputs.to(outputs.dtype))
         grad_prompts = grads[1].to(work.prompts.dtype) if len(grads) > 1 else None
-        return grads[0].to(work.hidden.dtype), grad_prompts
+        return Gradients(grads[0].to(work.hidden.dtype), grad_prompts)
 
 
 def _adapter_ranges(chunks: list[Chunk]) -> tuple[tuple[int, int, str | None], ...] | str | None:

@@ -5,10 +5,10 @@ Order: steps of sessions that hold their cache (oldest step first), then preempt
 theirs, then new sessions waiting for admission. A step longer than what is left of the budget runs in
 chunks over several passes, so a long prompt never stalls everyone's decoding for its whole length.
 
-Memory: blocks are allocated as positions are written. A new session waits for free blocks up to its
+Memory: cache pages are allocated as positions are written. A new session waits for free pages up to its
 admission deadline (alloc_timeout), then fails with CacheExhausted. A session that holds its cache and
-cannot grow takes blocks from the most recently admitted other session (preemption); the victim keeps its
-inputs and recomputes its cache when blocks are free again, so no session fails or gets wrong outputs
+cannot grow takes pages from the most recently admitted other session (preemption); the victim keeps its
+inputs and recomputes its cache when pages are free again, so no session fails or gets wrong outputs
 because others grew. Idle sessions (no step pending) are taken from first. Forward requests run only
 when no inference work can, or after waiting a few passes.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corolla.engine.block_manager import BlockManager
+from corolla.engine.pages import PageAllocator
 from corolla.engine.sequence import Chunk, EngineSession, ForwardWork, SessionStatus, StepWork
-from corolla.errors import CacheExhausted
+from corolla.errors import CacheExhausted, ServerUnavailable
 
 FORWARD_MAX_SKIPS = 4  # a forward request waits at most this many inference passes
 
@@ -32,7 +32,7 @@ FORWARD_MAX_SKIPS = 4  # a forward request waits at most this many inference pas
 @dataclass
 class Plan:
     chunks: list[Chunk] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks to copy first
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) pages to copy first
     forward: ForwardWork | None = None
     failed: list[tuple[StepWork, Exception]] = field(default_factory=list)
 
@@ -42,8 +42,8 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_rows: int):
-        self.blocks, self.max_batch_tokens, self.max_batch_rows = blocks, max_batch_tokens, max_batch_rows
+    def __init__(self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int):
+        self.pages, self.max_batch_tokens, self.max_batch_rows = pages, max_batch_tokens, max_batch_rows
         self.sessions: dict[str, EngineSession] = {}
         self.forwards: deque[ForwardWork] = deque()
         self._admissions = itertools.count()
@@ -80,8 +80,9 @@ class Scheduler:
             session = work.session
             if block_range not in (None, (session.start, session.end)) or session.batch_size > rows:
                 continue
-            if not work.started:
-                self._start(work)
+            if not work.started and (error := self._start(work)) is not None:
+                plan.failed.append((work, error))
+                continue
             position = session.num_cached
             goal = session.position if session.needs_recompute else session.position + work.remaining
             length = min(goal - position, tokens // session.batch_size)
@@ -101,81 +102,91 @@ class Scheduler:
             rows -= session.batch_size
             block_range = (session.start, session.end)
 
-    def _start(self, work: StepWork) -> None:
-        """Apply a step's rollback and beam reordering before its first chunk."""
+    def _start(self, work: StepWork) -> Exception | None:
+        """Apply a step's rollback and beam reordering before its first chunk.
+
+        The step's position is absolute: an earlier one rolls the session back to it. A later one means an
+        earlier step of the session never ran here (it failed), so this one cannot run either.
+        """
         session, work.started = work.session, True
-        if not session.tables:
-            session.tables = [[] for _ in range(session.batch_size)]
-        if work.start_from_position is not None and work.start_from_position < session.position:
-            keep = work.start_from_position
-            session.inputs = session.inputs[:, :keep]
-            session.num_cached = min(session.num_cached, keep)
-            for table in session.tables:
-                self.blocks.truncate(table, session.num_cached)
+        if work.position > session.position:
+            return ServerUnavailable(
+                f"session {session.session_id}: a step at position {work.position} follows an earlier step "
+                f"that failed (the cache holds {session.position} positions)"
+            )
+        if not session.page_tables:
+            session.page_tables = [[] for _ in range(session.batch_size)]
+        if work.position < session.position:
+            session.inputs = session.inputs[:, : work.position]
+            session.num_cached = min(session.num_cached, work.position)
+            for table in session.page_tables:
+                self.pages.truncate(table, session.num_cached)
         if work.hypo_ids is not None:
-            order = work.hypo_ids.tolist()
-            session.tables = self.blocks.fork(session.tables, order)
+            session.page_tables = self.pages.fork(session.page_tables, work.hypo_ids.tolist())
             if session.inputs is not None:
                 session.inputs = session.inputs[work.hypo_ids]
         if work.prompts is not None:
             session.prompts = work.prompts
+        return None
 
     def _reserve(self, session: EngineSession, start: int, end: int, plan: Plan) -> bool:
-        """Allocate blocks for positions [start, end) of every row, preempting others if needed.
+        """Allocate pages for positions [start, end) of every row, preempting others if needed.
 
-        A new session is admitted only if its whole first step fits in free blocks (it takes nothing from
-        others); a session already admitted may take blocks from idle or younger sessions.
+        A new session is admitted only if its whole first step fits in free pages (it takes nothing from
+        others); a session already admitted may take pages from idle or younger sessions.
         """
-        needed = sum(self.blocks.blocks_needed(table, start, end) for table in session.tables)
+        needed = sum(self.pages.pages_needed(table, start, end) for table in session.page_tables)
         if session.status == SessionStatus.WAITING:
             whole_step = start + session.pending[0].remaining
             return self._admissible(session, whole_step) and self._allocate(session, start, end, needed, plan)
         in_pass = {chunk.session for chunk in plan.chunks} | {session}
-        while not self.blocks.can_allocate(needed) and self._preempt_one(in_pass, session.admitted_order):
+        while not self.pages.can_allocate(needed) and self._preempt_one(in_pass, session.admitted_order):
             pass
         return self._allocate(session, start, end, needed, plan)
 
     def _admissible(self, session: EngineSession, end: int) -> bool:
-        needed = sum(self.blocks.blocks_needed(table, 0, end) for table in session.tables)
-        return self.blocks.can_allocate(needed)
+        needed = sum(self.pages.pages_needed(table, 0, end) for table in session.page_tables)
+        return self.pages.can_allocate(needed)
 
     def _allocate(self, session: EngineSession, start: int, end: int, needed: int, plan: Plan) -> bool:
-        if not self.blocks.can_allocate(needed):
+        if not self.pages.can_allocate(needed):
             return False
-        for table in session.tables:
-            plan.copies.extend(self.blocks.prepare_write(table, start, end))
+        for table in session.page_tables:
+            plan.copies.extend(self.pages.prepare_write(table, start, end))
         return True
 
     def _preempt_one(self, exclude: set[EngineSession], admitted_before: int) -> bool:
-        """Free the cache of one session: an idle one if any, else the most recently admitted busy one
+        """Free the cache pages of one session: an idle one if any, else the most recently admitted busy one
         that came after the session asking. The oldest session with work can thus always proceed."""
         victims = [
             s
             for s in self.sessions.values()
-            if s not in exclude and any(s.tables) and (not s.pending or s.admitted_order > admitted_before)
+            if s not in exclude
+            and any(s.page_tables)
+            and (not s.pending or s.admitted_order > admitted_before)
         ]
         if not victims:
             return False
         victim = min(victims, key=lambda s: (bool(s.pending), -s.admitted_order))
-        for table in victim.tables:
-            self.blocks.release_all(table)
+        for table in victim.page_tables:
+            self.pages.release_all(table)
         victim.num_cached, victim.status = 0, SessionStatus.PREEMPTED
         return True
 
     def _never_fits(self, session: EngineSession, end: int) -> bool:
-        per_row = -(-end // self.blocks.block_size)
-        return per_row * session.batch_size > self.blocks.num_blocks
+        per_row = -(-end // self.pages.page_size)
+        return per_row * session.batch_size > self.pages.num_pages
 
     def _exhausted(self, work: StepWork, ever: bool = False) -> CacheExhausted:
         session = work.session
         need = session.batch_size * (session.position + work.remaining)
-        size = self.blocks.num_blocks * self.blocks.block_size
+        size = self.pages.num_pages * self.pages.page_size
         if ever:
             return CacheExhausted(
                 f"session {session.session_id} needs {need} tokens of cache, more than this "
                 f"server's whole cache of {size} tokens"
             )
-        free = self.blocks.num_free * self.blocks.block_size
+        free = self.pages.num_free * self.pages.page_size
         return CacheExhausted(
             f"session {session.session_id} could not get cache for {need} tokens within "
             f"alloc_timeout (free: {free} of {size} tokens)"

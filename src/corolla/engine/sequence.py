@@ -1,9 +1,10 @@
 """What the engine works on: sessions (their rows' caches and inputs) and units of work.
 
-An `EngineSession` is one inference session on this server: B rows sharing positions, a block table per
+An `EngineSession` is one inference session on this server: B rows sharing positions, a page table per
 row, and the inputs it has received so far (kept so that a session preempted to free memory can rebuild
-its cache by itself). A `StepWork` is one `rpc_inference` step of a session, processed in one or more
-chunks; a `ForwardWork` is one `rpc_forward` request. Derived numbers are properties, not stored fields.
+its cache by itself). A `StepWork` is one inference step of a session at an absolute position,
+processed in one or more chunks; a `ForwardWork` is one cache-free forward pass and a `BackwardWork` one
+backward pass (training). Derived numbers are properties, not stored fields.
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ _ids = itertools.count()
 
 
 class SessionStatus(enum.Enum):
-    WAITING = "waiting"  # no cache yet: admitted at its first step when blocks are free
+    WAITING = "waiting"  # no cache yet: admitted at its first step when pages are free
     RUNNING = "running"  # its cache holds every position it has received
-    PREEMPTED = "preempted"  # its blocks were taken back; it recomputes its cache from its inputs
+    PREEMPTED = "preempted"  # its pages were taken back; it recomputes its cache from its inputs
 
 
 @dataclass(eq=False)
 class EngineSession:
     session_id: str
-    start: int  # absolute block range
+    start: int  # absolute block (layer) range
     end: int
     batch_size: int
     max_length: int
     adapter: str | None = None  # the LoRA adapter its steps run with
-    tables: list[list[int]] = field(default_factory=list)  # per row: block ids
+    page_tables: list[list[int]] = field(default_factory=list)  # per row: page ids
     inputs: torch.Tensor | None = None  # [B, position, H]: the hidden states received so far
     prompts: torch.Tensor | None = None  # deep prompts [blocks, B, P, H], if the session has them
     num_cached: int = 0  # positions whose keys and values are in the cache
@@ -44,6 +45,7 @@ class EngineSession:
 
     @property
     def position(self) -> int:
+        """Positions whose inputs the engine holds (what the cache is, or will be rebuilt, from)."""
         return 0 if self.inputs is None else self.inputs.shape[1]
 
     @property
@@ -57,11 +59,18 @@ class EngineSession:
 
 @dataclass(eq=False)
 class StepWork:
+    """One step: hidden states for positions [position, position + T) of every row.
+
+    `position` is absolute and required: the session's current position appends, an earlier one rolls
+    the session back first (its later positions are dropped). The caller decides which; the engine only
+    applies it.
+    """
+
     session: EngineSession
     hidden: torch.Tensor  # [B, T, H], in the dtype the client sent
+    position: int
     prompts: torch.Tensor | None = None
     hypo_ids: torch.Tensor | None = None
-    start_from_position: int | None = None
     admit_deadline: float = float("inf")  # monotonic time; past it, a waiting first step fails
     request_id: int = field(default_factory=lambda: next(_ids))
     arrived_at: float = field(default_factory=time.monotonic)
@@ -78,15 +87,22 @@ class StepWork:
         return self.num_tokens - self.done_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class Gradients:
+    """The result of a backward pass: gradients wrt the span's inputs [B, T, H] and its deep prompts
+    (in the shape they were sent, or None without prompts)."""
+
+    inputs: torch.Tensor
+    prompts: torch.Tensor | None = None
+
+
 @dataclass(eq=False)
 class ForwardWork:
-    """A cache-free pass over `blocks` (rpc_forward); with `grad_outputs`, a backward pass (rpc_backward)
-    whose result is (grad wrt hidden, grad wrt prompts or None)."""
+    """A cache-free forward pass over `blocks` (rpc_forward); its result is the outputs [B, T, H]."""
 
     hidden: torch.Tensor  # [B, T, H]
     blocks: tuple[int, int]
     prompts: torch.Tensor | None = None
-    grad_outputs: torch.Tensor | None = None  # [B, T, H]
     adapter: str | None = None  # the LoRA adapter to run with
     request_id: int = field(default_factory=lambda: next(_ids))
     arrived_at: float = field(default_factory=time.monotonic)
@@ -95,11 +111,41 @@ class ForwardWork:
 
     def rows(self, first: int, end: int) -> ForwardWork:
         """The same work for rows [first, end) only."""
+        return ForwardWork(self.hidden[first:end], self.blocks, self._prompt_rows(first, end), self.adapter)
+
+    def _prompt_rows(self, first: int, end: int) -> torch.Tensor | None:
         prompts = self.prompts
-        if prompts is not None and prompts.shape[1] != 1:
+        if prompts is not None and prompts.shape[1] != 1:  # [blocks, 1, P, H] is shared by every row
             prompts = prompts[:, first:end]
-        grad = None if self.grad_outputs is None else self.grad_outputs[first:end]
-        return ForwardWork(self.hidden[first:end], self.blocks, prompts, grad, self.adapter, self.request_id)
+        return prompts
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.results)
+
+
+@dataclass(eq=False, kw_only=True)
+class BackwardWork(ForwardWork):
+    """A backward pass (rpc_backward): the forward recomputed with autograd, then the gradients of
+    sum(outputs * grad_outputs); its result is `Gradients`."""
+
+    grad_outputs: torch.Tensor  # [B, T, H]
+
+    def rows(self, first: int, end: int) -> BackwardWork:
+        return BackwardWork(
+            hidden=self.hidden[first:end],
+            blocks=self.blocks,
+            prompts=self._prompt_rows(first, end),
+            adapter=self.adapter,
+            grad_outputs=self.grad_outputs[first:end],
+        )
+
+    def result(self) -> Gradients:
+        grad_inputs = torch.cat([g.inputs for g in self.results])
+        grad_prompts = None
+        if self.prompts is not None:
+            parts = [g.prompts for g in self.results]
+            grad_prompts = sum(parts) if self.prompts.shape[1] == 1 else torch.cat(parts, dim=1)
+        return Gradients(grad_inputs, grad_prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +167,8 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """The result of one request: outputs [B, T, H], or the error that ended it."""
+    """The result of one request (outputs [B, T, H], or Gradients of a backward pass), or its error."""
 
     request_id: int
-    outputs: torch.Tensor | None = None
+    outputs: torch.Tensor | Gradients | None = None
     error: Exception | None = None

@@ -1,4 +1,4 @@
-"""Periodic DHT announcements of a server's span, state and live figures.
+"""Periodic DHT announcements of a server's status (server/status.py) under every block key it hosts.
 
 Records expire after 2.5 announce periods, so a server that dies without a word disappears from
 clients' views on its own; a server that stops gracefully announces OFFLINE first.
@@ -13,25 +13,24 @@ from collections.abc import Callable
 from hivemind import DHT
 
 from corolla.swarm.dht import announce, announce_model
-from corolla.wire.records import ServerAnnouncement, ServerState
+from corolla.wire.records import ServerState, ServerStatus
 
 logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         dht: DHT,
         dht_prefix: str,
         peer_id: str,
         period: float,
-        make_record: Callable[[ServerState], ServerAnnouncement],
+        snapshot: Callable[[], ServerStatus],
         num_blocks: int,
     ):
         self.dht, self.dht_prefix, self.peer_id, self.period = dht, dht_prefix, peer_id, period
         self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
-        self.make_record = make_record
-        self.state = ServerState.JOINING
+        self.snapshot = snapshot
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
         self._task: asyncio.Task | None = None
 
@@ -39,16 +38,15 @@ class Announcer:
     def expiration(self) -> float:
         return 2.5 * self.period
 
-    async def announce(self, state: ServerState) -> bool:
-        self.state = state
-        record = self.make_record(state)
+    async def announce(self) -> bool:
+        record = self.snapshot()
         ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration, self.leaving)
-        if state == ServerState.ONLINE:
+        if record.state == ServerState.ONLINE:
             ok &= await announce_model(self.dht, self.dht_prefix, self.num_blocks, self.expiration)
         if not ok:
             logger.warning(
                 "Could not store the %s announcement for blocks %d:%d on the DHT",
-                state.name,
+                record.state.name,
                 record.start,
                 record.end,
             )
@@ -67,6 +65,6 @@ class Announcer:
         while True:
             await asyncio.sleep(self.period)
             try:
-                await self.announce(self.state)
+                await self.announce()
             except Exception:  # a DHT hiccup must not stop future announcements
                 logger.warning("Announcement failed; retrying in %.0fs", self.period, exc_info=True)

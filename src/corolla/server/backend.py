@@ -1,24 +1,32 @@
-"""One hosted span of blocks: its weights, its engine and its open sessions.
+"""One hosted span of blocks (its weights, its engine and its open sessions), and how one is loaded.
 
 A server normally holds one backend. While it moves to other blocks it holds two: the new one takes new
 sessions, and the old one keeps serving the sessions it has until they end (or a deadline passes), so a
-move never drops a live session.
+move never drops a live session (server/spans.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import torch
 
+from corolla.config import EngineConfig
 from corolla.engine.async_engine import AsyncEngine
-from corolla.engine.engine import Engine, EngineConfig
+from corolla.engine.engine import Engine
 from corolla.models import lora
+from corolla.models.config import ModelConfig
 from corolla.models.span import Span
 from corolla.server.sessions import SessionRegistry
+
+logger = logging.getLogger(__name__)
+
+BUDGET_CACHE_TOKENS = 4096  # attention cache set aside per block when a memory budget sizes the span
 
 
 @dataclass(eq=False)
@@ -28,29 +36,62 @@ class SpanBackend:
     sessions: SessionRegistry
     accepting: bool = True  # new sessions and forward requests go only to a backend that accepts them
 
-    @classmethod
-    async def create(
-        cls,
-        folder: Path,
-        blocks: tuple[int, int],
-        dtype: torch.dtype,
-        engine_config: EngineConfig,
-        session_timeout: float,
-        pass_delay: float = 0.0,
-        adapters: Sequence[tuple[str, str]] = (),
-    ) -> SpanBackend:
-        """`adapters`: (name, PEFT folder) pairs whose LoRA weights for these blocks are loaded too."""
-        span = await asyncio.to_thread(Span.load, folder, blocks[0], blocks[1], dtype)
-        for name, path in adapters:
-            adapter = await asyncio.to_thread(lora.load_adapter, path, range(*blocks), name)
-            lora.attach(span.blocks, span.start, adapter)
-        engine = AsyncEngine(Engine(span, engine_config), pass_delay=pass_delay)
-        engine.start()
-        return cls(span, engine, SessionRegistry(engine, session_timeout))
-
     @property
     def blocks(self) -> tuple[int, int]:
         return self.span.start, self.span.end
 
     async def stop(self) -> None:
         await self.engine.stop()
+
+
+@dataclass(frozen=True)
+class SpanLoader:
+    """Everything a span of this server's model is loaded with, at start and for every move."""
+
+    folder: Path
+    model: ModelConfig
+    dtype: torch.dtype
+    engine: EngineConfig
+    session_timeout: float
+    budgeted: bool = False  # a memory budget sized the span: each block gets BUDGET_CACHE_TOKENS of cache
+    pass_delay: float = 0.0  # testing aid: seconds the engine sleeps after each pass
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) pairs loaded for every span
+    # called on the engine's thread after every pass with (rows, seconds): metrics, never engine state
+    pass_listeners: tuple[Callable[[int, float], None], ...] = ()
+
+    async def load(self, blocks: tuple[int, int]) -> SpanBackend:
+        span = await asyncio.to_thread(Span.load, self.folder, blocks[0], blocks[1], self.dtype)
+        for name, path in self.adapters:
+            adapter = await asyncio.to_thread(lora.load_adapter, path, range(*blocks), name)
+            lora.attach(span.blocks, span.start, adapter)
+        config = self.engine_config(blocks[1] - blocks[0])
+        logger.info(
+            "Engine: %d cache tokens in pages of %d, %d tokens and %d rows per pass",
+            config.max_cache_tokens,
+            config.page_size,
+            config.max_batch_tokens,
+            config.max_batch_rows,
+        )
+        engine = AsyncEngine(Engine(span, config), pass_delay=self.pass_delay)
+        engine.pass_listeners.extend(self.pass_listeners)
+        engine.start()
+        return SpanBackend(span, engine, SessionRegistry(engine, self.session_timeout))
+
+    def engine_config(self, num_blocks: int) -> EngineConfig:
+        """The configured engine, with its cache size chosen when the configuration left it open."""
+        if self.engine.max_cache_tokens is not None:
+            return self.engine
+        if self.budgeted:
+            return replace(self.engine, max_cache_tokens=BUDGET_CACHE_TOKENS)
+        return replace(self.engine, max_cache_tokens=default_cache_tokens(self.model, num_blocks, self.dtype))
+
+
+def default_cache_tokens(model: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
+    """A quarter of the memory available now, in tokens of cache (with the inputs kept per token).
+
+    The pool is allocated lazily (pages are touched as they are first written), so a large default costs
+    memory only when sessions use it. Capped at 2**18 tokens, and at least 1024.
+    """
+    per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * num_blocks + model.hidden_size * 4
+    tokens = int(psutil.virtual_memory().available * 0.25) // per_token
+    return max(1024, min(tokens, 2**18))

@@ -1,8 +1,9 @@
 """A server's Prometheus metrics, served on an optional port (`corolla server --metrics-port`).
 
-Live figures (sessions, queued tokens, free cache, passes) are read from the engines' stats snapshots
-when Prometheus scrapes, so they cost nothing in between; batch sizes and pass times are histograms fed
-by each engine after every pass.
+Live figures (sessions, queued tokens, free cache, passes) are read from the server's status snapshot
+(server/status.py) when Prometheus scrapes, so they cost nothing in between and always agree with
+`rpc_info` and the DHT announcement; batch sizes and pass times are histograms fed by each engine after
+every pass.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from corolla.engine.engine import EngineStats
+from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -23,43 +24,34 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class _LiveFigures(Collector):
-    def __init__(self, read: Callable[[], tuple[list[EngineStats], int]]):
-        self.read = read  # -> (every hosted span's engine stats, open inference sessions)
+    def __init__(self, snapshot: Callable[[], ServerStatus]):
+        self.snapshot = snapshot
 
     def collect(self) -> Iterable:
-        stats, sessions = self.read()
-        yield _gauge("corolla_server_sessions", "open inference sessions", sessions)
-        yield _gauge(
-            "corolla_server_queued_tokens",
-            "tokens waiting in the engines",
-            sum(s.queued_tokens for s in stats),
+        status = self.snapshot()
+        yield GaugeMetricFamily("corolla_server_sessions", "open inference sessions", status.num_sessions)
+        yield GaugeMetricFamily(
+            "corolla_server_queued_tokens", "tokens waiting in the engines", status.queued_tokens
         )
-        yield _gauge(
+        yield GaugeMetricFamily(
             "corolla_server_free_cache_tokens",
             "attention cache left, in tokens (of the primary span)",
-            stats[0].free_cache_tokens if stats else 0,
+            status.cache_tokens_available,
         )
-        yield _gauge(
-            "corolla_server_cache_tokens",
-            "attention cache size, in tokens",
-            stats[0].total_cache_tokens if stats else 0,
+        yield GaugeMetricFamily(
+            "corolla_server_cache_tokens", "attention cache size, in tokens", status.cache_tokens_total or 0
         )
         passes = CounterMetricFamily("corolla_server_engine_passes", "engine passes run")
-        passes.add_metric([], sum(s.num_passes for s in stats))
+        passes.add_metric([], status.engine_passes)
         yield passes
         rows = CounterMetricFamily("corolla_server_engine_rows", "sequence rows run, over all passes")
-        rows.add_metric([], sum(s.total_rows for s in stats))
+        rows.add_metric([], status.engine_rows)
         yield rows
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, value=value)
-
-
 class ServerMetrics:
-    def __init__(self, read: Callable[[], tuple[list[EngineStats], int]]):
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_LiveFigures(read))
         self.batch_rows = Histogram(
             "corolla_server_batch_rows", "rows per engine pass", buckets=ROW_BUCKETS, registry=self.registry
         )
@@ -76,7 +68,13 @@ class ServerMetrics:
         self.batch_rows.observe(rows)
         self.pass_seconds.observe(seconds)
 
-    def serve(self, host: str, port: int) -> None:
+    def watch(self, snapshot: Callable[[], ServerStatus]) -> None:
+        """Report the live figures of `snapshot` (read at every scrape)."""
+        self.registry.register(_LiveFigures(snapshot))
+
+    def serve(self, host: str, port: int, snapshot: Callable[[], ServerStatus]) -> None:
+        """Serve the histograms and the live figures of `snapshot` over HTTP."""
+        self.watch(snapshot)
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         logger.info("Metrics at http://%s:%d/metrics", host, port)
 

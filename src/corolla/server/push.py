@@ -2,9 +2,10 @@
 
 When a step carries `next_servers`, the server that computed it sends its outputs to the first of them
 (`rpc_push`) before replying to the client; the receiver runs that step at once and replies to the client
-without waiting for the client to relay it (the handler's `_later_steps`). The client still sends every
+without waiting for the client to relay it (`InferenceService.take_push`). The client still sends every
 step itself (it keeps the inputs for failover), and the receiver runs each step once and replies once,
-whichever copy arrives first. A push that fails changes nothing: the client's copy does the work.
+whichever copy arrives first (server/ledger.py). A push that fails changes nothing: the client's copy
+does the work.
 
 Pushes for one session travel over one open stream to the next server's session (a `PushLink`), opened
 by the first push and closed when the session ends here. Opening a libp2p stream per step would cost a

@@ -1,9 +1,10 @@
-"""Inference sessions on one server: ids, positions, deadlines, and their engine sessions.
+"""Inference sessions on one hosted span: their ids, limits, deadlines and state, and their lifetime.
 
 A session exists from the first `rpc_inference` message to the end of its stream. `SessionRegistry.open`
 checks that the session id is free and opens the engine's session; leaving the context closes it whatever
-happened (normal end, error, timeout, vanished client), and the engine frees its cache blocks at its next
-pass. Cache memory is not reserved here: the engine allocates blocks as the session grows.
+happened (normal end, error, timeout, vanished client): its running steps are cancelled and the engine
+frees its cache pages at its next pass. The protocol that runs steps in a session is the inference
+service's (server/inference.py); this module only holds a session's state.
 """
 
 from __future__ import annotations
@@ -12,67 +13,49 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 
 from hivemind.proto import runtime_pb2
 
-from corolla.engine.async_engine import AsyncEngine, RequestStream
+from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import EngineSession
-from corolla.errors import InvalidRequest, ServerUnavailable, SessionTimeout
+from corolla.errors import InvalidRequest, SessionTimeout
+from corolla.server.ledger import StepLedger
 
-REMEMBERED_STEPS = 8
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """A step of the session has run (or failed): what its one reply carries."""
+
+    step_id: str | None
+    run: int  # the ledger's run number of this copy
+    outputs: runtime_pb2.Tensor | None = None  # serialized once, for the reply and the push alike
+    error: Exception | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class ServerSession:
     session_id: str
     engine: AsyncEngine
     engine_session: EngineSession
-    stream: RequestStream  # the results of all this session's steps
     start: int  # absolute block range this session runs
     end: int
     batch_size: int
     max_length: int
     deadline: float  # monotonic time after which the session is closed
-    position: int = 0  # tokens received so far (the client's view; the engine keeps its own)
-    num_steps: int = 0
-    # the latest steps by step_id: a step arriving twice (pushed, and from the client) runs once
-    results: OrderedDict[str, asyncio.Future] = field(default_factory=OrderedDict)
-    # outputs of pushed steps, for the client as soon as they exist; and the steps already replied to
-    pushed: asyncio.Queue[tuple[str, runtime_pb2.Tensor]] = field(default_factory=asyncio.Queue)
-    replied: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    admit_deadline: float  # monotonic time after which its first step may no longer wait for cache
+    # positions of the steps taken so far: moved (by the inference service only) in the same event-loop
+    # turn as the engine receives each step, so it is also where the next step appends
+    position: int = 0
+    ledger: StepLedger = field(default_factory=StepLedger)
+    completed: asyncio.Queue[Completed] = field(default_factory=asyncio.Queue)
+    running: set[asyncio.Task] = field(default_factory=set)  # steps taken, not yet completed
+    num_unreported: int = 0  # steps taken whose completion the session's stream has not read yet
 
-    def remember(self, step_id: str | None) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        if step_id:
-            self.results[step_id] = future
-            while len(self.results) > REMEMBERED_STEPS:
-                self.results.popitem(last=False)
-        return future
-
-    def first_reply(self, step_id: str | None) -> bool:
-        """Whether the client still needs this step's outputs (each step gets one reply)."""
-        if not step_id:
-            return True
-        if step_id in self.replied:
-            return False
-        self.replied[step_id] = None
-        while len(self.replied) > REMEMBERED_STEPS:
-            self.replied.popitem(last=False)
-        return True
-
-    def forget(self, step_id: str | None, future: asyncio.Future, error: BaseException) -> None:
-        """A failed step is not remembered, so that another copy of it may still run."""
-        if step_id and self.results.get(step_id) is future:
-            del self.results[step_id]
-        if not future.done():
-            future.set_exception(
-                error if isinstance(error, Exception) else ServerUnavailable("step cancelled")
-            )
-            future.exception()  # marks it retrieved: nobody may be waiting
+    @property
+    def blocks(self) -> tuple[int, int]:
+        return self.start, self.end
 
     def time_left(self, step_timeout: float) -> float:
         """How long to wait for the next step: the step timeout, cut short by the session's deadline."""
@@ -83,6 +66,8 @@ class ServerSession:
 
 
 class SessionRegistry:
+    """The open sessions of one engine, by id."""
+
     def __init__(self, engine: AsyncEngine, session_timeout: float):
         self.engine, self.session_timeout = engine, session_timeout
         self.sessions: dict[str, ServerSession] = {}
@@ -92,40 +77,47 @@ class SessionRegistry:
         return len(self.sessions)
 
     @contextlib.asynccontextmanager
-    async def open(
+    async def open(  # noqa: PLR0913
         self,
         session_id: str | None,
         blocks: tuple[int, int],
         batch_size: int,
         max_length: int,
         adapter: str | None = None,
+        alloc_timeout: float = 0.0,
     ) -> AsyncIterator[ServerSession]:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._claimed:
             raise InvalidRequest(f"session_id {session_id!r} is already in use on this server")
         self._claimed.add(session_id)
         try:
-            opener = partial(
-                self.engine.engine.open_session, session_id, blocks, batch_size, max_length, adapter
+            engine_session = await self.engine.call(
+                lambda: self.engine.engine.open_session(session_id, blocks, batch_size, max_length, adapter)
             )
-            engine_session = await self.engine.call(opener)
+            now = time.monotonic()
             session = ServerSession(
                 session_id,
                 self.engine,
                 engine_session,
-                self.engine.stream(),
-                blocks[0],
-                blocks[1],
+                *blocks,
                 batch_size,
                 max_length,
-                time.monotonic() + self.session_timeout,
+                deadline=now + self.session_timeout,
+                admit_deadline=now + alloc_timeout,
             )
             self.sessions[session_id] = session
             try:
                 yield session
             finally:
                 del self.sessions[session_id]
+                await _cancel(session.running)
         finally:
             # also when the open itself was cancelled: commands run in order, so this close follows it
             self.engine.close_session(session_id)
             self._claimed.discard(session_id)
+
+
+async def _cancel(tasks: set[asyncio.Task]) -> None:
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,9 +1,11 @@
 """How fast this machine runs a block: measured once at start, cached per machine and model shape.
 
 The figure announced on the DHT is blocks per second for one decode step of one sequence (with a
-128-token context): clients use it to estimate a chain's step time before they have timed the server
-themselves, and servers use it to weigh the swarm's coverage when they choose blocks. Measuring takes
-about a second, so the result is cached in the corolla cache folder, keyed by everything that changes it.
+128-token context), measured through the engine itself (its scheduler, paged cache and packed pass), so
+it is the cost the server will really have: clients use it to estimate a chain's step time before they
+have timed the server themselves, and servers use it to weigh the swarm's coverage when they choose
+blocks. Measuring takes about a second, so the result is cached in the corolla cache folder, keyed by
+everything that changes it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from corolla.models.attention import ContiguousCache
+from corolla.config import EngineConfig
+from corolla.engine.engine import Engine
+from corolla.engine.sequence import StepWork
 from corolla.models.source import cache_dir
 from corolla.models.span import Span
 
@@ -46,28 +50,26 @@ def measure_throughput(span: Span, use_cache: bool = True) -> float:
 
 
 def _measure(span: Span) -> float:
-    config, block = span.config, span.blocks[0]
-    cache = ContiguousCache(
-        1, 1, config.num_key_value_heads, CONTEXT + STEPS + 1, config.head_dim, span.dtype
-    )
+    cache = CONTEXT + STEPS + 16
+    engine = Engine(span, EngineConfig(max_cache_tokens=cache, max_batch_tokens=CONTEXT, max_batch_wait_ms=0))
+    session = engine.open_session("throughput", (span.start, span.end), 1, CONTEXT + STEPS)
     times = []
-    with torch.inference_mode():
-        hidden = torch.randn(1, CONTEXT, config.hidden_size, dtype=span.dtype)
-        block(hidden, span.rotary(torch.arange(CONTEXT), span.dtype), cache, 0)
-        cache.position = CONTEXT
-        for step in range(STEPS):
-            position = torch.arange(CONTEXT + step, CONTEXT + step + 1)
-            token = torch.randn(1, 1, config.hidden_size, dtype=span.dtype)
-            started = time.perf_counter()
-            block(token, span.rotary(position, span.dtype), cache, 0)
-            times.append(time.perf_counter() - started)
-            cache.position += 1
-    return 1.0 / statistics.median(times[2:])
+    for step in range(STEPS + 1):
+        length = CONTEXT if step == 0 else 1
+        hidden = torch.randn(1, length, span.config.hidden_size, dtype=span.dtype)
+        engine.add_step(StepWork(session, hidden, session.position))
+        started = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        times.append(time.perf_counter() - started)
+    engine.close_session("throughput")
+    return (span.end - span.start) / statistics.median(times[3:])  # after the prefill and warm-up
 
 
 def _cache_key(span: Span) -> str:
     config = span.config
     shape = (
+        "engine",  # measured through the engine (earlier versions timed a block on its own)
         config.hidden_size,
         config.intermediate_size,
         config.num_attention_heads,

@@ -2,7 +2,7 @@
 
 hivemind's DHT runs its node in a child process; functions passed to `dht.run_coroutine` execute there,
 so they are module-level (picklable) and return plain data. Every record read back is validated
-(`ServerAnnouncement.from_dict`); a malformed one is skipped with a debug log, never trusted.
+(`ServerStatus.from_dict`); a malformed one is skipped with a debug log, never trusted.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm import p2p_io
-from corolla.wire.records import ServerAnnouncement, ServerState, block_key
+from corolla.wire.records import ServerState, ServerStatus, block_key
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RemoteSpan:
     peer_id: str
     start: int
     end: int
-    info: ServerAnnouncement
+    info: ServerStatus
 
     @property
     def length(self) -> int:
@@ -63,7 +63,7 @@ async def announce(
     dht: DHT,
     dht_prefix: str,
     peer_id: str,
-    record: ServerAnnouncement,
+    record: ServerStatus,
     expiration: float,
     also: Iterable[int] = (),
 ) -> bool:
@@ -115,11 +115,11 @@ async def find_spans(
     keys = [block_key(dht_prefix, i) for i in range(num_blocks)]
     found = await dht.run_coroutine(partial(_read_records, keys=keys), return_future=True)
     blocks_by_peer: dict[str, set[int]] = {}
-    records: dict[str, ServerAnnouncement] = {}
+    records: dict[str, ServerStatus] = {}
     for index, key in enumerate(keys):
         for peer_id, raw in found.get(key, {}).items():
             try:
-                record = ServerAnnouncement.from_dict(raw)
+                record = ServerStatus.from_dict(raw)
             except InvalidRequest as e:
                 logger.debug("Skipping a malformed record of %s under %s: %s", peer_id, key, e)
                 continue
@@ -133,7 +133,14 @@ async def find_spans(
     ]
 
 
-def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerAnnouncement) -> RemoteSpan:
+async def placed_servers(dht: DHT, dht_prefix: str, num_blocks: int) -> dict[str, tuple[int, int, float]]:
+    """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none):
+    what placement, rebalancing and link measurements read."""
+    spans = await find_spans(dht, dht_prefix, num_blocks)
+    return {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans}
+
+
+def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus) -> RemoteSpan:
     # the longest run of consecutive found blocks starting from the first one
     end = blocks[0] + 1
     for index in blocks[1:]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from hivemind import DHT
 
@@ -19,25 +19,10 @@ SHOWN_STATES = (ServerState.JOINING, ServerState.ONLINE)
 
 
 @dataclass(frozen=True)
-class ServerRow:
-    peer_id: str
-    start: int
-    end: int
-    state: str  # "online" or "joining"
-    throughput: float | None  # announced figure (None until measured)
-    num_sessions: int
-    queued_tokens: int
-    free_cache_tokens: int
-    inference_max_length: int
-    dtype: str
-    version: str
-
-
-@dataclass(frozen=True)
 class SwarmOverview:
     model: str  # the DHT prefix
     num_blocks: int
-    servers: tuple[ServerRow, ...]
+    servers: tuple[RemoteSpan, ...]  # each server's blocks and its announced status
     coverage: tuple[int, ...]  # ONLINE servers per block
     taken_at: float
 
@@ -46,33 +31,42 @@ class SwarmOverview:
         return tuple(i for i, count in enumerate(self.coverage) if count == 0)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "uncovered": list(self.uncovered)}
+        """The dashboard's JSON: one row per server, with the status fields it draws."""
+        return {
+            "model": self.model,
+            "num_blocks": self.num_blocks,
+            "servers": [_row(span) for span in self.servers],
+            "coverage": list(self.coverage),
+            "taken_at": self.taken_at,
+            "uncovered": list(self.uncovered),
+        }
+
+
+def _row(span: RemoteSpan) -> dict:
+    info = span.info
+    return {
+        "peer_id": span.peer_id,
+        "start": span.start,
+        "end": span.end,
+        "state": info.state.name.lower(),  # "online" or "joining"
+        "throughput": info.throughput,  # announced (None until measured)
+        "num_sessions": info.num_sessions,
+        "queued_tokens": info.queued_tokens,
+        "free_cache_tokens": info.cache_tokens_available,
+        "inference_max_length": info.inference_max_length,
+        "dtype": info.dtype,
+        "version": info.version,
+    }
 
 
 def build_overview(model: str, num_blocks: int, spans: Sequence[RemoteSpan]) -> SwarmOverview:
     coverage = [0] * num_blocks
-    rows = []
-    for span in sorted(spans, key=lambda s: (s.start, s.end, s.peer_id)):
-        info = span.info
-        if info.state == ServerState.ONLINE:
+    for span in spans:
+        if span.info.state == ServerState.ONLINE:
             for index in range(span.start, min(span.end, num_blocks)):
                 coverage[index] += 1
-        rows.append(
-            ServerRow(
-                peer_id=span.peer_id,
-                start=span.start,
-                end=span.end,
-                state=info.state.name.lower(),
-                throughput=info.throughput,
-                num_sessions=info.num_sessions,
-                queued_tokens=info.queued_tokens,
-                free_cache_tokens=info.cache_tokens_available,
-                inference_max_length=info.inference_max_length,
-                dtype=info.dtype,
-                version=info.version,
-            )
-        )
-    return SwarmOverview(model, num_blocks, tuple(rows), tuple(coverage), time.time())
+    servers = tuple(sorted(spans, key=lambda s: (s.start, s.end, s.peer_id)))
+    return SwarmOverview(model, num_blocks, servers, tuple(coverage), time.time())
 
 
 async def read_overview(dht: DHT, model: str, num_blocks: int) -> SwarmOverview:
@@ -89,16 +83,16 @@ def format_table(overview: SwarmOverview) -> str:
     header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "dtype")
     rows = [
         (
-            f"...{row.peer_id[-8:]}",
-            f"{row.start}:{row.end}",
-            row.state,
-            "-" if row.throughput is None else f"{row.throughput:.1f}",
-            str(row.num_sessions),
-            str(row.queued_tokens),
-            str(row.free_cache_tokens),
-            row.dtype,
+            f"...{span.peer_id[-8:]}",
+            f"{span.start}:{span.end}",
+            span.info.state.name.lower(),
+            "-" if span.info.throughput is None else f"{span.info.throughput:.1f}",
+            str(span.info.num_sessions),
+            str(span.info.queued_tokens),
+            str(span.info.cache_tokens_available),
+            span.info.dtype,
         )
-        for row in overview.servers
+        for span in overview.servers
     ]
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     for cells in (header, *rows):

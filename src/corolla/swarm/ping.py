@@ -12,10 +12,11 @@ import time
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from corolla.wire.messages import RPC_INFO, ServerInfo
+from corolla.wire.messages import RPC_INFO
+from corolla.wire.records import ServerStatus
 
 
-async def ping(p2p: P2P, peer_id: str, timeout: float) -> tuple[float, ServerInfo] | None:
+async def ping(p2p: P2P, peer_id: str, timeout: float) -> tuple[float, ServerStatus] | None:
     """(round-trip seconds, the server's report), or None if it did not answer properly in time."""
     started = time.perf_counter()
     try:
@@ -25,7 +26,7 @@ async def ping(p2p: P2P, peer_id: str, timeout: float) -> tuple[float, ServerInf
             ),
             timeout,
         )
-        info = ServerInfo.from_bytes(reply.serialized_info)
+        info = ServerStatus.from_bytes(reply.serialized_info)
     except Exception:  # unreachable, dead, timed out or a garbled reply: all mean "no answer"
         return None
     return time.perf_counter() - started, info

@@ -107,6 +107,14 @@ class Fields:
             raise self.error(name, f"has {len(value)} items, the limit is {max_items}")
         return list(value)
 
+    def map(self, name: str) -> dict[Any, Any]:
+        value = self._get(name, False)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.error(name, f"must be a map, got {type(value).__name__}")
+        return value
+
     def _get(self, name: str, required: bool) -> Any:
         value = self._data.get(name)
         if value is None and required:

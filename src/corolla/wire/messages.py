@@ -175,51 +175,6 @@ class ForwardRequest:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ServerInfo:
-    """Reply of `rpc_info`: what a server hosts, its limits and its live load."""
-
-    version: str
-    dht_prefix: str
-    start: int
-    end: int
-    dtype: str
-    inference_max_length: int
-    max_batch_size: int
-    cache_tokens_total: int
-    cache_tokens_available: int
-    num_sessions: int
-    queued_tokens: int = 0  # tokens waiting in the engine's queue
-    engine_passes: int = 0  # engine passes run so far
-    engine_rows: int = 0  # sequence rows run in those passes (rows / passes: the mean batch)
-    steps_from_client: int = 0  # inference steps computed from the client's copy ...
-    steps_from_push: int = 0  # ... and from a copy pushed by the previous server
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> ServerInfo:
-        fields = unpack(raw, "rpc_info reply")
-        return cls(
-            version=fields.str("version", required=True) or "",
-            dht_prefix=fields.str("dht_prefix", required=True, max_chars=256) or "",
-            start=fields.int("start", required=True, low=0) or 0,
-            end=fields.int("end", required=True, low=1) or 0,
-            dtype=fields.str("dtype", required=True) or "",
-            inference_max_length=fields.int("inference_max_length", required=True, low=1) or 0,
-            max_batch_size=fields.int("max_batch_size", required=True, low=1) or 0,
-            cache_tokens_total=fields.int("cache_tokens_total", required=True, low=0) or 0,
-            cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
-            num_sessions=fields.int("num_sessions", required=True, low=0) or 0,
-            queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
-            engine_passes=fields.int("engine_passes", default=0, low=0) or 0,
-            engine_rows=fields.int("engine_rows", default=0, low=0) or 0,
-            steps_from_client=fields.int("steps_from_client", default=0, low=0) or 0,
-            steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
-        )
-
-    def to_bytes(self) -> bytes:
-        return pack({name: getattr(self, name) for name in self.__slots__})
-
-
 def _check_version(fields: Fields) -> None:
     # Absent means a Petals-style peer that does not send a version; that is accepted.
     fields.int("version", low=1, high=PROTOCOL_VERSION)

@@ -1,8 +1,9 @@
-"""DHT records: what a server announces under each block key it hosts.
+"""DHT records and a server's status: what a server announces under each block key it hosts.
 
-Key `"{dht_prefix}.{block_index}"`, subkey = the server's peer id, value = `ServerAnnouncement.to_dict()`,
-stored with an expiration so that a dead server's records disappear on their own. Records are read from
-an open network, so `from_dict` validates every field and a malformed record is skipped, never trusted.
+Key `"{dht_prefix}.{block_index}"`, subkey = the server's peer id, value = `ServerStatus.to_dict()`,
+stored with an expiration so that a dead server's records disappear on their own. The same record is
+the reply of `rpc_info`. Records are read from an open network, so every field is validated and a
+malformed record is skipped, never trusted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corolla.errors import InvalidRequest
-from corolla.wire.fields import Fields
+from corolla.wire.fields import Fields, pack, unpack
 
 MAX_PINGS = 64
 
@@ -33,17 +34,31 @@ def block_uids(dht_prefix: str, start: int, end: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class ServerAnnouncement:
-    state: ServerState
+class ServerStatus:
+    """Everything a server says about itself: what it hosts, its limits and its live load.
+
+    One record, one encoding: the reply of `rpc_info` (`to_bytes`) and the value of the server's DHT
+    records (`to_dict`) are the same map, so a client's ping and its DHT read can never disagree on a
+    field's meaning. Readers accept records of older peers that leave out the optional fields.
+    """
+
     start: int
     end: int
     version: str
     dtype: str
     inference_max_length: int
     cache_tokens_available: int
+    state: ServerState = ServerState.ONLINE
+    dht_prefix: str = ""
+    max_batch_size: int | None = None  # rows per inference session or forward request
+    cache_tokens_total: int | None = None
     num_sessions: int = 0
-    queued_tokens: int = 0  # live load: tokens waiting in the server's engine
-    throughput: float | None = None  # blocks-per-second figure; None until measured
+    queued_tokens: int = 0  # live load: tokens waiting in the server's engines
+    engine_passes: int = 0  # engine passes run so far
+    engine_rows: int = 0  # sequence rows run in those passes (rows / passes: the mean batch)
+    steps_from_client: int = 0  # inference steps computed from the client's copy ...
+    steps_from_push: int = 0  # ... and from a copy pushed by the previous server
+    throughput: float | None = None  # blocks per second for one decode step; None until measured
     adapters: tuple[str, ...] = ()
     next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
 
@@ -54,12 +69,22 @@ class ServerAnnouncement:
         record["next_pings"] = {peer: round(rtt, 6) for peer, rtt in self.next_pings}
         return {k: v for k, v in record.items() if v is not None}
 
+    def to_bytes(self) -> bytes:
+        return pack(self.to_dict())
+
     @classmethod
-    def from_dict(cls, data: object) -> ServerAnnouncement:
+    def from_bytes(cls, raw: bytes) -> ServerStatus:
+        return cls._read(unpack(raw, "rpc_info reply"))
+
+    @classmethod
+    def from_dict(cls, data: object) -> ServerStatus:
         if not isinstance(data, dict):
             raise InvalidRequest(f"announcement must be a map, got {type(data).__name__}")
-        fields = Fields(data, "announcement")
-        state = fields.int("state", required=True, low=min(ServerState), high=max(ServerState))
+        return cls._read(Fields(data, "announcement"))
+
+    @classmethod
+    def _read(cls, fields: Fields) -> ServerStatus:
+        state = fields.int("state", default=ServerState.ONLINE, low=min(ServerState), high=max(ServerState))
         start = fields.int("start", required=True, low=0)
         end = fields.int("end", required=True, low=1)
         if start is None or end is None or start >= end:
@@ -67,21 +92,6 @@ class ServerAnnouncement:
         adapters = fields.list("adapters", max_items=256)
         if not all(isinstance(a, str) for a in adapters):
             raise fields.error("adapters", "must be a list of strings")
-        pings = data.get("next_pings") or {}
-        if (
-            not isinstance(pings, dict)
-            or len(pings) > MAX_PINGS
-            or not all(
-                isinstance(k, str)
-                and isinstance(v, (int, float))
-                and not isinstance(v, bool)
-                and 0 <= v < 3600
-                for k, v in pings.items()
-            )
-        ):
-            raise fields.error(
-                "next_pings", f"must map at most {MAX_PINGS} peer ids to round trips in seconds"
-            )
         return cls(
             state=ServerState(state),
             start=start,
@@ -90,9 +100,26 @@ class ServerAnnouncement:
             dtype=fields.str("dtype", required=True) or "",
             inference_max_length=fields.int("inference_max_length", required=True, low=1) or 1,
             cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
+            dht_prefix=fields.str("dht_prefix", max_chars=256) or "",
+            max_batch_size=fields.int("max_batch_size", low=1),
+            cache_tokens_total=fields.int("cache_tokens_total", low=0),
             num_sessions=fields.int("num_sessions", default=0, low=0) or 0,
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
+            engine_passes=fields.int("engine_passes", default=0, low=0) or 0,
+            engine_rows=fields.int("engine_rows", default=0, low=0) or 0,
+            steps_from_client=fields.int("steps_from_client", default=0, low=0) or 0,
+            steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
             throughput=fields.float("throughput", low=0.0),
             adapters=tuple(adapters),
-            next_pings=tuple((peer, float(rtt)) for peer, rtt in pings.items()),
+            next_pings=_read_pings(fields),
         )
+
+
+def _read_pings(fields: Fields) -> tuple[tuple[str, float], ...]:
+    pings = fields.map("next_pings")
+    if len(pings) > MAX_PINGS or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 3600
+        for k, v in pings.items()
+    ):
+        raise fields.error("next_pings", f"must map at most {MAX_PINGS} peer ids to round trips in seconds")
+    return tuple((peer, float(rtt)) for peer, rtt in pings.items())

@@ -11,18 +11,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from byte_tokenizer import EOS, byte_tokenizer
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from corolla.api.serving import EventStream, OpenAIServing
+from corolla.api.serving import OpenAIServing
+from corolla.api.streams import EventStream
 from corolla.client.generation import GenerationStep
 from corolla.client.runtime import LoopThread
 from corolla.errors import MissingBlocks
 
-EOS = 3
-
 
 class Tokenizer:
-    """One character per token (id = code point); EOS (3) is special."""
+    """One character per token (id = code point, ASCII); EOS is special. Text is decoded by a real
+    byte-level tokenizer (the API's detokenizer needs one)."""
+
+    backend_tokenizer = byte_tokenizer()
 
     chat_template = "{{ messages }}"
 

@@ -7,7 +7,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from corolla.client.generation import StopChecker, truncate_at_stop
+from byte_tokenizer import EOS, byte_tokenizer
+from corolla.client.generation import RowEnds
 from corolla.client.sampling import (
     SamplingParams,
     apply_openai_penalties,
@@ -75,20 +76,16 @@ def test_invalid_parameters(kwargs, message):
         SamplingParams(**kwargs)
 
 
-class CharTokenizer:
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(i) for i in ids)
-
-
 def test_stop_strings_across_token_boundaries():
-    checker = StopChecker(["END"], CharTokenizer(), batch_size=2)
+    tokenizer = byte_tokenizer()
+    ends = RowEnds(SamplingParams(stop=("END",)), [EOS], tokenizer, batch_size=2)
     steps = zip("xEND", "ENxx", strict=True)
-    hits = [checker.update(torch.tensor([ord(a), ord(b)])).tolist() for a, b in steps]
+    hits = [ends.update(torch.tensor([ord(a), ord(b)])).tolist() for a, b in steps]
     assert hits == [[False, False], [False, False], [False, False], [True, False]]
-    assert truncate_at_stop("Paris.\nUser: hi", ["User:", "\n"]) == ("Paris.", True)
-    assert truncate_at_stop("Paris.", ["User:"]) == ("Paris.", False)
+    assert ends.update(torch.tensor([EOS, ord("y")])).tolist() == [True, False]  # finished rows stay so
+    assert ends.update(torch.tensor([ord("z"), EOS])).tolist() == [True, True]  # EOS ends a row
     with pytest.raises(InvalidRequest, match="need a tokenizer"):
-        StopChecker(["x"], None, 1)
+        RowEnds(SamplingParams(stop=("x",)), [EOS], None, 1)
 
 
 def test_openai_penalties_count_generated_tokens_only():

@@ -13,13 +13,13 @@ def session() -> SpanSession:
 def test_history_follows_steps_rollbacks_and_beam_reordering():
     span = session()
     a, b, c, d = (torch.randn(2, n, 8) for n in (3, 1, 2, 1))
-    span._remember(a, None, None, None)
-    span._remember(b, None, None, None)
+    span._remember(a, None, None, 0)
+    span._remember(b, None, None, 3)
     assert torch.equal(span.inputs, torch.cat([a, b], dim=1))
     span._remember(c, None, None, 2)  # rolled back to position 2, then 2 new tokens
     assert torch.equal(span.inputs, torch.cat([a[:, :2], c], dim=1))
     hypo = torch.tensor([1, 1])
-    span._remember(d, torch.ones(4, 2, 1, 8), hypo, None)  # both rows continue from row 1
+    span._remember(d, torch.ones(4, 2, 1, 8), hypo, 4)  # both rows continue from row 1
     expected = torch.cat([torch.cat([a[:, :2], c], dim=1)[hypo], d], dim=1)
     assert torch.equal(span.inputs, expected) and span.prompts.shape == (4, 2, 1, 8)
     span._remember(torch.randn(2, 2, 8), None, None, 0)  # a full restart keeps only the new tokens

@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 import torch
-from engine_helpers import assert_close, make_engine, reference_outputs
 
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import ForwardWork, StepWork
 from corolla.errors import ServerUnavailable
+from engine_helpers import assert_close, make_engine, reference_outputs
 
 H = 64
 
@@ -31,7 +31,7 @@ async def test_concurrent_sessions_stream_their_results(engine):
     async def client(name):
         session, stream, outputs = await open_session(engine, name), engine.stream(), []
         for hidden in plans[name]:
-            outputs.append(await engine.run(StepWork(session, hidden), stream))
+            outputs.append(await engine.run(StepWork(session, hidden, session.position), stream))
         engine.close_session(name)
         return outputs
 
@@ -50,7 +50,8 @@ async def test_concurrent_sessions_stream_their_results(engine):
 
 async def test_cancelled_request_is_aborted_and_its_blocks_freed_at_the_next_pass(engine):
     session = await open_session(engine, "long")
-    task = asyncio.create_task(engine.run(StepWork(session, torch.randn(1, 200, H))))  # 25 passes of 8 tokens
+    work = StepWork(session, torch.randn(1, 200, H), 0)  # 25 passes of 8 tokens
+    task = asyncio.create_task(engine.run(work))
     while engine.stats.num_passes < 2:
         await asyncio.sleep(0.005)
     assert engine.stats.free_cache_tokens < engine.stats.total_cache_tokens
@@ -72,19 +73,19 @@ async def test_a_failing_pass_reaches_every_waiting_stream_and_the_loop_goes_on(
     real_run = runner.run
     runner.run = lambda chunks: (_ for _ in ()).throw(RuntimeError("boom"))
     sessions = [await open_session(engine, f"s{i}") for i in range(3)]
-    waiting = [engine.run(StepWork(s, torch.randn(1, 2, H))) for s in sessions]
+    waiting = [engine.run(StepWork(s, torch.randn(1, 2, H), 0)) for s in sessions]
     results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), timeout=10)
     assert all(isinstance(r, ServerUnavailable) and "RuntimeError: boom" in str(r) for r in results)
     runner.run = real_run
-    assert (await engine.run(StepWork(sessions[0], torch.randn(1, 2, H)))).shape == (1, 2, H)
+    assert (await engine.run(StepWork(sessions[0], torch.randn(1, 2, H), 0))).shape == (1, 2, H)
 
 
 async def test_stop_fails_what_is_still_waiting(tiny_models):
-    front = AsyncEngine(make_engine(tiny_models["llama"], max_cache_tokens=16, block_size=4))
+    front = AsyncEngine(make_engine(tiny_models["llama"], max_cache_tokens=16, page_size=4))
     front.start()
     holder, waiter = await open_session(front, "holder"), await open_session(front, "waiter")
-    await front.run(StepWork(holder, torch.randn(1, 16, H)))  # the whole pool
-    pending = asyncio.create_task(front.run(StepWork(waiter, torch.randn(1, 4, H))))  # waits for memory
+    await front.run(StepWork(holder, torch.randn(1, 16, H), 0))  # the whole pool
+    pending = asyncio.create_task(front.run(StepWork(waiter, torch.randn(1, 4, H), 0)))  # waits for memory
     await asyncio.sleep(0.1)
     await front.stop()
     with pytest.raises(ServerUnavailable, match="shutting down"):

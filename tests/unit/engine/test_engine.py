@@ -4,10 +4,10 @@ import time
 
 import pytest
 import torch
-from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions
 
 from corolla.engine.sequence import SessionStatus, StepWork
 from corolla.errors import CacheExhausted
+from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions
 
 H = 64
 
@@ -20,12 +20,12 @@ def steps(batch, prompt, decodes, seed=0):
 
 
 def test_growth_across_block_boundaries_matches_a_contiguous_cache(tiny_models):
-    engine = make_engine(tiny_models["llama"], block_size=4)
+    engine = make_engine(tiny_models["llama"], page_size=4)
     plan = [torch.randn(2, 3, H), torch.randn(2, 1, H), torch.randn(2, 5, H), torch.randn(2, 1, H)]
     (outputs,) = run_sessions(engine, {"a": plan}).values()
     for actual, expected in zip(outputs, reference_outputs(engine.span, plan), strict=True):
         assert_close(actual, expected)
-    assert len(engine.sessions["a"].tables[0]) == 3  # 10 positions in blocks of 4
+    assert len(engine.sessions["a"].page_tables[0]) == 3  # 10 positions in pages of 4
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
@@ -46,13 +46,13 @@ def test_chunked_prefill_interleaves_with_decodes(tiny_models):
     engine = make_engine(tiny_models["llama"], max_batch_tokens=8)
     decoding = engine.open_session("decoding", (0, 6), 1, 256)
     prefill = engine.open_session("prefill", (0, 6), 1, 256)
-    engine.add_step(StepWork(decoding, torch.randn(1, 4, H)))
+    engine.add_step(StepWork(decoding, torch.randn(1, 4, H), decoding.position))
     engine.step()
     long_prompt = torch.randn(1, 30, H)
-    engine.add_step(StepWork(prefill, long_prompt))
+    engine.add_step(StepWork(prefill, long_prompt, 0))
     decode_passes = 0
     while prefill.pending:
-        engine.add_step(StepWork(decoding, torch.randn(1, 1, H)))
+        engine.add_step(StepWork(decoding, torch.randn(1, 1, H), decoding.position))
         completions = engine.step()
         decode_passes += 1
         assert any(c.outputs.shape[1] == 1 for c in completions)  # the decode step ran in this very pass
@@ -62,31 +62,31 @@ def test_chunked_prefill_interleaves_with_decodes(tiny_models):
 
 
 def test_admission_waits_for_free_cache_then_fails_after_alloc_timeout(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_cache_tokens=16, block_size=4)  # 4 blocks
+    engine = make_engine(tiny_models["llama"], max_cache_tokens=16, page_size=4)  # 4 pages
     holder = engine.open_session("holder", (0, 6), 1, 256)
-    engine.add_step(StepWork(holder, torch.randn(1, 12, H)))
+    engine.add_step(StepWork(holder, torch.randn(1, 12, H), holder.position))
     engine.step()
-    assert engine.blocks.num_free == 1
+    assert engine.pages.num_free == 1
     newcomer = engine.open_session("newcomer", (0, 6), 1, 256)
-    work = StepWork(newcomer, torch.randn(1, 8, H), admit_deadline=float("inf"))
+    work = StepWork(newcomer, torch.randn(1, 8, H), newcomer.position, admit_deadline=float("inf"))
     engine.add_step(work)
     assert engine.step() == [] and newcomer.status == SessionStatus.WAITING  # waits: no preemption for it
     engine.close_session("holder")
     (completion,) = engine.step()
     assert completion.request_id == work.request_id and completion.outputs.shape == (1, 8, H)
     late = engine.open_session("late", (0, 6), 1, 256)
-    engine.add_step(StepWork(late, torch.randn(1, 12, H), admit_deadline=0.0))  # deadline already passed
+    engine.add_step(StepWork(late, torch.randn(1, 12, H), 0, admit_deadline=0.0))  # deadline already passed
     (failed,) = engine.step()
     assert isinstance(failed.error, CacheExhausted) and "within alloc_timeout" in str(failed.error)
     huge = engine.open_session("huge", (0, 6), 1, 256)
-    engine.add_step(StepWork(huge, torch.randn(1, 40, H)))
+    engine.add_step(StepWork(huge, torch.randn(1, 40, H), huge.position))
     (never,) = engine.step()
     assert "more than this server's whole cache of 16 tokens" in str(never.error)
 
 
 def test_preempted_sessions_recompute_and_stay_correct(tiny_models):
-    # 12 blocks of 4 = 48 positions for three sessions that grow to 25 positions each: someone must yield
-    engine = make_engine(tiny_models["llama"], max_cache_tokens=48, block_size=4, max_batch_tokens=16)
+    # 12 pages of 4 = 48 positions for three sessions that grow to 25 positions each: someone must yield
+    engine = make_engine(tiny_models["llama"], max_cache_tokens=48, page_size=4, max_batch_tokens=16)
     plans = {f"s{i}": steps(1, 9, 16, seed=10 + i) for i in range(3)}
     statuses = []
     original_step = engine.step
@@ -105,12 +105,12 @@ def test_preempted_sessions_recompute_and_stay_correct(tiny_models):
 
 
 def test_beam_reordering_and_rollback_on_paged_caches(tiny_models):
-    engine = make_engine(tiny_models["qwen2"], block_size=4)
+    engine = make_engine(tiny_models["qwen2"], page_size=4)
     plan = [torch.randn(3, 6, H), torch.randn(3, 1, H), torch.randn(3, 2, H), torch.randn(3, 1, H)]
     hypo = [None, torch.tensor([2, 2, 0]), None, torch.tensor([1, 0, 0])]
     rollbacks = [None, None, 5, None]
     results = run_sessions(
-        engine, {"beam": plan}, hypo_ids={"beam": hypo}, start_from_position={"beam": rollbacks}
+        engine, {"beam": plan}, hypo_ids={"beam": hypo}, position={"beam": rollbacks}
     )
     expected = reference_outputs(engine.span, plan, hypo_ids=hypo, rollbacks=rollbacks)
     for actual, reference in zip(results["beam"], expected, strict=True):
@@ -120,26 +120,26 @@ def test_beam_reordering_and_rollback_on_paged_caches(tiny_models):
 def test_abort_and_close_free_blocks_at_the_next_pass(tiny_models):
     engine = make_engine(tiny_models["llama"], max_batch_tokens=8)
     session = engine.open_session("s", (0, 6), 1, 256)
-    work = StepWork(session, torch.randn(1, 40, H))
+    work = StepWork(session, torch.randn(1, 40, H), session.position)
     engine.add_step(work)
     engine.step()  # the first chunk of a long prefill
-    assert engine.blocks.num_free < engine.blocks.num_blocks
+    assert engine.pages.num_free < engine.pages.num_pages
     assert engine.abort(work.request_id)
     engine.close_session("s")
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.pages.num_free == engine.pages.num_pages
     assert not engine.has_work() and engine.step() == []
 
 
 def test_hundred_sessions_leave_the_pool_as_full_as_before(tiny_models):
     engine = make_engine(tiny_models["llama"])
-    before = engine.blocks.num_free
+    before = engine.pages.num_free
     for i in range(100):
         session = engine.open_session(f"s{i}", (0, 6), 1 + i % 3, 256)
-        engine.add_step(StepWork(session, torch.randn(1 + i % 3, 1 + i % 7, H)))
+        engine.add_step(StepWork(session, torch.randn(1 + i % 3, 1 + i % 7, H), session.position))
         if i % 2:
             engine.step()
         engine.close_session(f"s{i}")
-    assert engine.blocks.num_free == before and not engine.sessions
+    assert engine.pages.num_free == before and not engine.sessions
 
 
 def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_models):
@@ -148,7 +148,7 @@ def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_mode
 
     engine = make_engine(tiny_models["llama"], max_batch_tokens=4)
     session = engine.open_session("chat", (0, 6), 1, 256)
-    engine.add_step(StepWork(session, torch.randn(1, 40, H)))  # 10 passes of 4 tokens
+    engine.add_step(StepWork(session, torch.randn(1, 40, H), session.position))  # 10 passes of 4 tokens
     forward = ForwardWork(torch.randn(2, 5, H), (0, 6))
     engine.add_forward(forward)
     passes_before_forward = 0
@@ -164,20 +164,20 @@ def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_mode
 
 
 def test_a_pass_waits_for_active_sessions_but_never_longer_than_a_pass(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_batch_wait=0.5)
+    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=500)
     first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
     for session in (first, second):
-        engine.add_step(StepWork(session, torch.randn(1, 3, H)))
+        engine.add_step(StepWork(session, torch.randn(1, 3, H), session.position))
     while engine.has_work():
         engine.step()
     assert engine.pass_seconds > 0
-    engine.add_step(StepWork(first, torch.randn(1, 1, H)))
+    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
     now = time.monotonic()
     delay = engine.batch_delay(now)
     assert 0 < delay <= engine.pass_seconds + 1e-6  # the other active session may come: wait, briefly
-    engine.add_step(StepWork(second, torch.randn(1, 1, H)))
+    engine.add_step(StepWork(second, torch.randn(1, 1, H), second.position))
     assert engine.batch_delay(now) == 0  # everyone is here
     engine.step()
     engine.close_session("second")
-    engine.add_step(StepWork(first, torch.randn(1, 1, H)))
+    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
     assert engine.batch_delay(time.monotonic()) == 0  # a lone session never waits

@@ -2,7 +2,8 @@ import msgpack
 import pytest
 
 from corolla.errors import InvalidRequest
-from corolla.wire.messages import ForwardRequest, InferenceStep, NextServer, ServerInfo, StepReply
+from corolla.wire.messages import ForwardRequest, InferenceStep, NextServer, StepReply
+from corolla.wire.records import ServerStatus
 
 
 def packed(**fields):
@@ -69,7 +70,7 @@ def test_forward_request_roundtrip_and_compression_type():
 
 
 def test_server_info_roundtrip():
-    info = ServerInfo(
+    info = ServerStatus(
         version="0.1.0",
         dht_prefix="m",
         start=0,
@@ -81,7 +82,7 @@ def test_server_info_roundtrip():
         cache_tokens_available=40,
         num_sessions=2,
     )
-    assert ServerInfo.from_bytes(info.to_bytes()) == info
+    assert ServerStatus.from_bytes(info.to_bytes()) == info
 
 
 def test_step_reply_names_its_step_and_rejects_garbage():

@@ -1,11 +1,11 @@
 import pytest
 
 from corolla.errors import InvalidRequest
-from corolla.wire.records import ServerAnnouncement, ServerState, block_uids
+from corolla.wire.records import ServerState, ServerStatus, block_uids
 
 
 def record(**changes):
-    base = ServerAnnouncement(
+    base = ServerStatus(
         state=ServerState.ONLINE,
         start=2,
         end=5,
@@ -19,7 +19,7 @@ def record(**changes):
 
 
 def test_roundtrip():
-    assert ServerAnnouncement.from_dict(record()).end == 5
+    assert ServerStatus.from_dict(record()).end == 5
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_roundtrip():
 )
 def test_malformed_records_are_rejected(data, message):
     with pytest.raises(InvalidRequest, match=message):
-        ServerAnnouncement.from_dict(data)
+        ServerStatus.from_dict(data)
 
 
 def test_block_uids():
@@ -43,8 +43,8 @@ def test_block_uids():
 
 def test_next_pings_roundtrip_and_validation():
     data = record(next_pings={"peerB": 0.0123})
-    assert ServerAnnouncement.from_dict(data).next_pings == (("peerB", 0.0123),)
+    assert ServerStatus.from_dict(data).next_pings == (("peerB", 0.0123),)
     with pytest.raises(InvalidRequest, match="next_pings"):
-        ServerAnnouncement.from_dict(record(next_pings={"peerB": "fast"}))
+        ServerStatus.from_dict(record(next_pings={"peerB": "fast"}))
     with pytest.raises(InvalidRequest, match="next_pings"):
-        ServerAnnouncement.from_dict(record(next_pings={f"p{i}": 0.1 for i in range(100)}))
+        ServerStatus.from_dict(record(next_pings={f"p{i}": 0.1 for i in range(100)}))

@@ -1,0 +1,57 @@
+"""Async streams of the API layer: merging concurrent generations, and a response's event stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+
+class EventStream:
+    """A streaming answer: the SSE events, and what to call when the response ends, however it ends."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+        self.events, self.on_close = events, on_close
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    async def aclose(self) -> None:
+        try:
+            await self.events.aclose()
+        finally:
+            await self.on_close()
+
+
+async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Items of several async iterators as they come; closing this closes (and cancels) them all."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(iterator: AsyncIterator[Any]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put(item)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(drain(it)) for it in iterators]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+                for task in tasks:
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

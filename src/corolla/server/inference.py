@@ -1,0 +1,251 @@
+"""The inference-session protocol on a server: the one owner of a session's steps and its position.
+
+A session is one `rpc_inference` stream: its first message opens the session, every message is a step,
+and every step gets exactly one reply, whichever of its copies ran it. With push, the previous server of
+a chain sends the step here too (`rpc_push`), often before the client's copy; the copy that arrives
+first runs, the other is recognised by the step ledger (server/ledger.py) and runs nothing, and the reply
+goes to the client as soon as the step has run.
+
+Taking a step is atomic: its position is checked against the session's, the ledger records it, the
+engine receives it (with an absolute position: append, or roll back to an earlier one) and the session's
+position moves past it, all in one turn of the event loop. No other copy or step can slip in between, so
+two steps can never be run at the same position, and every later step is checked against the position
+the earlier ones left. A step that fails in the engine ends the session (the client fails over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.config import ServerConfig
+from corolla.engine.async_engine import ResultStream
+from corolla.engine.sequence import StepWork
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionTimeout
+from corolla.server import validation
+from corolla.server.ledger import digest
+from corolla.server.push import Pusher
+from corolla.server.sessions import Completed, ServerSession
+from corolla.server.spans import HostedSpans
+from corolla.wire import tensors as wire_tensors
+from corolla.wire.messages import InferenceStep
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    """One step as it came off the wire: the blocks it names, its metadata and its tensors."""
+
+    uid: str
+    meta: InferenceStep
+    tensors: list[runtime_pb2.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """A step checked against its session: what the engine runs."""
+
+    hidden: torch.Tensor  # [B, T, H]
+    position: int  # absolute position of its first token
+    prompts: torch.Tensor | None
+    hypo_ids: torch.Tensor | None
+    digest: bytes
+
+    @property
+    def length(self) -> int:
+        return self.hidden.shape[1]
+
+
+class InferenceService:
+    def __init__(self, spans: HostedSpans, config: ServerConfig, hidden_size: int, pusher: Pusher | None):
+        self.spans, self.config, self.hidden_size, self.pusher = spans, config, hidden_size, pusher
+        self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
+        self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
+
+    # --- a session: the client's stream ---------------------------------------------------------------------
+
+    async def serve(
+        self, first: StepMessage, later: AsyncIterator[StepMessage], peer: str = "?"
+    ) -> AsyncIterator[Completed]:
+        """Open a session with `first`, then run every step of `later`; yields one reply per step."""
+        if self.draining:
+            raise ServerUnavailable("this server is shutting down and takes no new sessions")
+        meta = first.meta
+        backend, blocks = self.spans.select(first.uid, new_session=True)
+        self.spans.check_adapter(meta.active_adapter)
+        if meta.max_length > self.config.inference_max_length:
+            raise InvalidRequest(
+                f"max_length={meta.max_length} exceeds this server's inference_max_length="
+                f"{self.config.inference_max_length}"
+            )
+        hidden = validation.read_hidden(first.tensors, self.hidden_size, self.config.max_batch_size)
+        batch = hidden.shape[0]
+        opening = backend.sessions.open(
+            meta.session_id, blocks, batch, meta.max_length, meta.active_adapter, meta.alloc_timeout
+        )
+        async with opening as session:
+            opened = (session.session_id, peer[-6:], *blocks, batch)
+            logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
+            try:
+                self._take(session, first.meta, self._inputs(session, first, hidden), pushed=False)
+                async for reply in self._replies(session, later):
+                    yield reply
+            finally:
+                if self.pusher is not None:
+                    self.pusher.end_session(session.session_id)
+
+    async def _replies(
+        self, session: ServerSession, later: AsyncIterator[StepMessage]
+    ) -> AsyncIterator[Completed]:
+        """Each step's reply as soon as it ran, while taking the client's next steps as they come. At the
+        end of the client's stream, the steps already taken still run and get their replies."""
+        reading: asyncio.Future | None = asyncio.ensure_future(self._next_step(session, later))
+        completion = asyncio.ensure_future(session.completed.get())
+        try:
+            while reading is not None or session.num_unreported:
+                waiting = (completion,) if reading is None else (reading, completion)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if completion.done():
+                    done = completion.result()
+                    session.num_unreported -= 1
+                    completion = asyncio.ensure_future(session.completed.get())
+                    if done.error is not None:
+                        raise done.error
+                    if session.ledger.claim_reply(done.step_id, done.run):
+                        yield done
+                elif reading is not None and reading.done():
+                    step = reading.result()
+                    reading = None
+                    if step is not None:
+                        self._take(session, step.meta, self._inputs(session, step), pushed=False)
+                        reading = asyncio.ensure_future(self._next_step(session, later))
+        finally:  # nothing may read the client's stream after this (an error reply drains it)
+            waiting = [f for f in (reading, completion) if f is not None]
+            for future in waiting:
+                future.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+
+    async def _next_step(
+        self, session: ServerSession, later: AsyncIterator[StepMessage]
+    ) -> StepMessage | None:
+        timeout = session.time_left(self.config.step_timeout)
+        try:
+            return await asyncio.wait_for(anext(later), timeout)
+        except StopAsyncIteration:
+            return None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise SessionTimeout(f"no request arrived within step_timeout={timeout:.1f}s") from None
+
+    # --- a step pushed by the previous server -------------------------------------------------------------
+
+    def take_push(self, step: StepMessage) -> None:
+        """A step pushed here by the previous server of a chain; it runs unless the session cannot take it.
+
+        A push for a session that is not open, or at another position than the session's (stale, early, or
+        a rollback the client will send itself), or whose tensors do not fit the session, is skipped: the
+        client's own copy does the work. A push that names other blocks than its session's is an error.
+        """
+        meta = step.meta
+        session = self.spans.find_session(meta.session_id)
+        if session is None or meta.start_from_position != session.position:
+            return
+        if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
+            span = f"{session.start}:{session.end}"
+            raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
+        try:
+            inputs = self._inputs(session, step)
+        except CorollaError as e:
+            logger.debug("Skipping a pushed step %s: %s", meta.step_id, e)
+            return
+        self._take(session, meta, inputs, pushed=True)
+
+    # --- taking a step ------------------------------------------------------------------------------------
+
+    def _inputs(
+        self, session: ServerSession, step: StepMessage, hidden: torch.Tensor | None = None
+    ) -> StepInputs:
+        """Check a step's tensors and position against its session (nothing here changes the session)."""
+        tensors = step.tensors
+        if hidden is None:
+            hidden = validation.read_hidden(tensors, self.hidden_size, self.config.max_batch_size)
+        batch, length = hidden.shape[:2]
+        if batch != session.batch_size:
+            raise InvalidRequest(
+                f"hidden_states: batch size {batch} differs from the session's {session.batch_size}"
+            )
+        position = step.meta.start_from_position
+        position = session.position if position is None else position
+        if position > session.position:
+            raise InvalidRequest(
+                f"start_from_position={position} is after the session's current position {session.position}"
+            )
+        if position + length > session.max_length:
+            raise InvalidRequest(
+                f"step of {length} tokens at position {position} goes past the session's "
+                f"max_length={session.max_length}"
+            )
+        num_blocks = session.end - session.start
+        prompts = validation.read_prompts(tensors, num_blocks, batch, self.hidden_size, session.max_length)
+        hypo_ids = validation.read_hypo_ids(tensors, batch)
+        return StepInputs(hidden, position, prompts, hypo_ids, digest(tensors[0]))
+
+    def _take(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
+        """Run a step unless it is a second copy of one already taken; synchronous on purpose (see above).
+
+        A client's copy that reuses a step id with other inputs or at another position is a new step (the
+        session's owner decides what runs); a pushed copy that does so is refused.
+        """
+        ledger = session.ledger
+        if ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs.digest):
+            return
+        if pushed and ledger.conflicts(meta.step_id):
+            raise InvalidRequest(f"step_id {meta.step_id!r} was already taken here with other inputs")
+        run = ledger.take(meta.step_id, inputs.position, inputs.digest)
+        work = StepWork(
+            session.engine_session,
+            inputs.hidden,
+            inputs.position,
+            inputs.prompts,
+            inputs.hypo_ids,
+            admit_deadline=session.admit_deadline,
+        )
+        stream = session.engine.stream()
+        session.engine.submit(work, stream)
+        session.position = inputs.position + inputs.length
+        session.num_unreported += 1
+        task = asyncio.create_task(self._complete(session, meta, work, stream, run, pushed))
+        session.running.add(task)
+        task.add_done_callback(session.running.discard)
+
+    async def _complete(  # noqa: PLR0913
+        self,
+        session: ServerSession,
+        meta: InferenceStep,
+        work: StepWork,
+        stream: ResultStream,
+        run: int,
+        pushed: bool,
+    ) -> None:
+        """Wait for a taken step's outputs, push them on, then queue its reply."""
+        try:
+            outputs = wire_tensors.serialize(await stream.next())
+            if pushed:
+                self.steps_from_push += 1
+            else:
+                self.steps_from_client += 1
+            if meta.next_servers and self.pusher is not None:
+                # the push leaves before the reply: one hop to the next server beats two through the client
+                await self.pusher.push(outputs, meta, work.position, session.session_id)
+            session.completed.put_nowait(Completed(meta.step_id, run, outputs))
+        except asyncio.CancelledError:
+            session.engine.abort(work.request_id)
+            raise
+        except Exception as e:  # the step did not run: the session's cache no longer follows its steps
+            error = e if isinstance(e, CorollaError) else ServerUnavailable(f"{type(e).__name__}: {e}")
+            session.completed.put_nowait(Completed(meta.step_id, run, error=error))

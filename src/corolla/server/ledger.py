@@ -1,0 +1,74 @@
+"""The step ledger of one inference session: which steps it has taken, and which it has replied to.
+
+With push, a step can reach a server twice: pushed by the previous server and sent by the client. A step
+is identified by its session, its `step_id`, its position and its inputs together (a digest of the hidden
+states' bytes), so the ledger can tell a second copy of a step (run nothing, reply nothing more) from a
+different step that reuses an id (never trusted as the same step). Each step gets exactly one reply,
+whichever copy ran it. Only the most recent steps are remembered: a copy can lag behind its twin by a
+step or two, never by REMEMBERED_STEPS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from hivemind.proto import runtime_pb2
+
+REMEMBERED_STEPS = 8
+
+
+def digest(tensor: runtime_pb2.Tensor) -> bytes:
+    """What identifies a step's inputs: their bytes, dtype, shape and compression."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(f"{tensor.dtype}|{list(tensor.size)}|{tensor.compression}|".encode())
+    hasher.update(tensor.buffer)
+    return hasher.digest()
+
+
+@dataclass
+class TakenStep:
+    position: int
+    inputs: bytes  # digest of the hidden states
+    run: int  # which run of this step id replies (a client's copy can supersede a pushed one)
+    replied: bool = False
+
+
+class StepLedger:
+    def __init__(self) -> None:
+        self._steps: OrderedDict[str, TakenStep] = OrderedDict()
+        self._runs = 0
+
+    def is_second_copy(self, step_id: str | None, position: int | None, inputs: bytes) -> bool:
+        """Whether this is another copy of a step already taken: same id, same inputs, and the same
+        position (or none named). Such a copy runs nothing and gets no reply of its own."""
+        taken = self._steps.get(step_id) if step_id else None
+        return taken is not None and taken.inputs == inputs and position in (None, taken.position)
+
+    def conflicts(self, step_id: str | None) -> bool:
+        """Whether `step_id` names a step already taken (with other inputs or at another position, when
+        `is_second_copy` said no)."""
+        return bool(step_id) and step_id in self._steps
+
+    def take(self, step_id: str | None, position: int, inputs: bytes) -> int:
+        """Record a step that runs now; returns its run number (which its completion must name)."""
+        self._runs += 1
+        if step_id:
+            self._steps[step_id] = TakenStep(position, inputs, self._runs)
+            self._steps.move_to_end(step_id)
+            while len(self._steps) > REMEMBERED_STEPS:
+                self._steps.popitem(last=False)
+        return self._runs
+
+    def claim_reply(self, step_id: str | None, run: int) -> bool:
+        """Whether the completed run `run` of this step is the one to reply with (once per step)."""
+        if not step_id:
+            return True
+        taken = self._steps.get(step_id)
+        if taken is None:
+            return True  # forgotten already: a reply too many is skipped by the client, a missing one hangs
+        if taken.run != run or taken.replied:
+            return False  # superseded by a later copy of the step, or already replied to
+        taken.replied = True
+        return True

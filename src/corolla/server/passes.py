@@ -1,0 +1,79 @@
+"""Forward and backward passes (training through the swarm): checked requests in, engine results out.
+
+A pass needs no session and no cache: `forward` runs a span over whole sequences, `backward` recomputes
+it with autograd and returns the gradients wrt its inputs and deep prompts (the weights stay frozen).
+The engine runs this work between inference passes, in row slices, so chat users keep their latency.
+"""
+
+from __future__ import annotations
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.config import ServerConfig
+from corolla.engine.sequence import BackwardWork, ForwardWork, Gradients
+from corolla.errors import InvalidRequest
+from corolla.server import validation
+from corolla.server.spans import HostedSpans
+from corolla.wire import tensors as wire_tensors
+from corolla.wire.messages import ForwardRequest
+
+
+class PassService:
+    def __init__(self, spans: HostedSpans, config: ServerConfig, hidden_size: int):
+        self.spans, self.config, self.hidden_size = spans, config, hidden_size
+
+    async def forward(
+        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]
+    ) -> torch.Tensor:
+        """Tensors: hidden_states [B, T, H], prompts (empty or [blocks, B or 1, P, H]). Returns [B, T, H]."""
+        backend, blocks = self.spans.select(uid, new_session=False)
+        self.spans.check_adapter(meta.active_adapter)
+        hidden = self._read_inputs(protos)
+        batch, length = hidden.shape[:2]
+        prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
+        return await backend.engine.run(ForwardWork(hidden, blocks, prompts, adapter=meta.active_adapter))
+
+    async def backward(
+        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]
+    ) -> Gradients:
+        """Tensors: inputs [B, T, H], grad_outputs [B, T, H], prompts (empty or [blocks, B or 1, P, H])."""
+        backend, blocks = self.spans.select(uid, new_session=False)
+        self.spans.check_adapter(meta.active_adapter)
+        inputs = self._read_inputs(protos)
+        grad_outputs = validation.read_grad_outputs(protos, inputs)
+        batch, length = inputs.shape[:2]
+        num_blocks = blocks[1] - blocks[0]
+        prompts = validation.read_prompts(
+            protos, num_blocks, batch, self.hidden_size, length, index=2, expand=False
+        )
+        adapter = meta.active_adapter
+        work = BackwardWork(
+            hidden=inputs, blocks=blocks, prompts=prompts, adapter=adapter, grad_outputs=grad_outputs
+        )
+        return await backend.engine.run(work)
+
+    def stream_limit(self) -> int:
+        """The most bytes a forward or backward stream may carry: inputs, gradients and prompts."""
+        longest = max(b.blocks[1] - b.blocks[0] for b in self.spans.backends)
+        return (2 + longest) * self.config.max_forward_tokens * self.hidden_size * 4
+
+    def _read_inputs(self, protos: list[runtime_pb2.Tensor]) -> torch.Tensor:
+        hidden = validation.read_hidden(protos, self.hidden_size, self.config.max_batch_size)
+        batch, length = hidden.shape[:2]
+        if batch * length > self.config.max_forward_tokens:
+            raise InvalidRequest(
+                f"hidden_states: {batch} x {length} tokens exceed max_forward_tokens="
+                f"{self.config.max_forward_tokens}"
+            )
+        return hidden
+
+
+def output_compression(meta: ForwardRequest) -> int:
+    """How the reply's tensors are to be compressed (NONE unless the caller asked for FLOAT16)."""
+    compression = wire_tensors.NONE if meta.output_compression is None else meta.output_compression
+    if compression not in (wire_tensors.NONE, wire_tensors.FLOAT16):
+        raise InvalidRequest(
+            f"output_compression={compression} is not supported (use 0 = NONE or 2 = FLOAT16)"
+        )
+    return compression

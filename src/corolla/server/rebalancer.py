@@ -1,0 +1,70 @@
+"""Rebalancing: a self-placed server moves to other blocks when that clearly helps the swarm.
+
+Every balance period (with jitter, so servers do not read the DHT in step) the server reads every
+server's span and throughput; all servers compute every server's best move from the same view, and only
+the one whose move helps most makes it (server/placement.py: `my_move`), so two servers never rush into
+the same hole. The move itself belongs to the hosted spans (server/spans.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from hivemind import DHT
+
+from corolla.server.announcer import Announcer
+from corolla.server.inference import InferenceService
+from corolla.server.placement import my_move
+from corolla.server.spans import HostedSpans
+from corolla.swarm.dht import placed_servers
+
+logger = logging.getLogger(__name__)
+
+
+class Rebalancer:
+    def __init__(  # noqa: PLR0913
+        self,
+        dht: DHT,
+        spans: HostedSpans,
+        inference: InferenceService,
+        announcer: Announcer,
+        peer_id: str,
+        num_blocks: int,
+        throughput: float,
+        period: float,
+    ):
+        self.dht, self.spans, self.inference, self.announcer = dht, spans, inference, announcer
+        self.peer_id, self.num_blocks, self.throughput, self.period = peer_id, num_blocks, throughput, period
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._balance_forever(), name="corolla-balancer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def check(self) -> tuple[int, int] | None:
+        """Move if this server is the one to move now; returns the blocks it moved to."""
+        if self.spans.is_moving or self.inference.draining:
+            return None
+        servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
+        servers[self.peer_id] = (*self.spans.primary.blocks, self.throughput)
+        target = my_move(servers, self.peer_id, self.num_blocks)
+        if target is None:
+            return None
+        old = await self.spans.move_to(target)
+        self.announcer.leaving = range(*old.blocks)  # our records there now point clients elsewhere
+        await self.announcer.announce()
+        return target
+
+    async def _balance_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.period * random.uniform(0.8, 1.2))
+            try:
+                await self.check()
+            except Exception:  # a failed check or move is retried at the next period
+                logger.warning("Rebalancing failed", exc_info=True)

@@ -1,0 +1,57 @@
+"""A server's status: one snapshot, read by everything that reports on the server.
+
+`rpc_info`, the DHT announcement, the Prometheus metrics and (through the DHT) `corolla status` and the
+dashboard all show `StatusBoard.snapshot()`, a `ServerStatus` built from the hosted spans' engine
+snapshots, the inference service's counters and the links to the next servers. Nothing copies these
+figures by hand into another record, so no two reports can disagree.
+"""
+
+from __future__ import annotations
+
+from corolla.config import ServerConfig
+from corolla.server.inference import InferenceService
+from corolla.server.links import LinkMonitor
+from corolla.server.spans import HostedSpans
+from corolla.wire.records import ServerState, ServerStatus
+
+
+class StatusBoard:
+    def __init__(  # noqa: PLR0913
+        self,
+        spans: HostedSpans,
+        inference: InferenceService,
+        config: ServerConfig,
+        version: str,
+        dtype: str,
+        throughput: float | None,
+        links: LinkMonitor | None = None,
+    ):
+        self.spans, self.inference, self.config, self.links = spans, inference, config, links
+        self.version, self.dtype, self.throughput = version, dtype, throughput
+        self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
+
+    def snapshot(self) -> ServerStatus:
+        """What the server reports now (callable from any thread: it only reads finished snapshots)."""
+        primary = self.spans.primary
+        stats = self.spans.engine_stats()  # the primary's first
+        return ServerStatus(
+            state=self.state,
+            start=primary.blocks[0],
+            end=primary.blocks[1],
+            version=self.version,
+            dtype=self.dtype,
+            inference_max_length=self.config.inference_max_length,
+            cache_tokens_available=stats[0].free_cache_tokens,
+            dht_prefix=self.spans.dht_prefix,
+            max_batch_size=self.config.max_batch_size,
+            cache_tokens_total=stats[0].total_cache_tokens,
+            num_sessions=self.spans.num_sessions,
+            queued_tokens=sum(s.queued_tokens for s in stats),
+            engine_passes=sum(s.num_passes for s in stats),
+            engine_rows=sum(s.total_rows for s in stats),
+            steps_from_client=self.inference.steps_from_client,
+            steps_from_push=self.inference.steps_from_push,
+            throughput=self.throughput,
+            adapters=tuple(sorted(self.spans.adapters)),
+            next_pings=tuple(self.links.pings.items()) if self.links is not None else (),
+        )

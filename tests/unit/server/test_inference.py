@@ -1,0 +1,255 @@
+"""The inference service without sockets: a real engine on a tiny model, steps fed as typed messages.
+
+Each test opens one session (as rpc_inference would), sends the client's steps, pushes steps as the
+previous server of a chain would, and checks what is replied and what the cache holds: every output
+must equal a plain forward pass with a contiguous cache over the steps that should have run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from corolla.config import EngineConfig, ServerConfig
+from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.models.config import ModelConfig
+from corolla.server.backend import SpanLoader
+from corolla.server.inference import InferenceService, StepMessage
+from corolla.server.spans import HostedSpans
+from corolla.wire import tensors as wire_tensors
+from corolla.wire.messages import InferenceStep, NextServer
+from corolla.wire.records import block_uids
+from engine_helpers import assert_close, reference_outputs
+
+H = 64
+UID = block_uids("tiny", 0, 6)
+
+
+class RecordingPusher:
+    """Stands in for the link to the next server: records what would be pushed."""
+
+    def __init__(self):
+        self.pushed: list[tuple[str | None, int]] = []
+
+    async def push(self, outputs, meta, position, from_session):
+        self.pushed.append((meta.step_id, position))
+
+    def end_session(self, session_id):
+        pass
+
+
+@pytest.fixture
+async def service(tiny_models):
+    path = Path(tiny_models["llama"])
+    engine = EngineConfig(max_cache_tokens=256, page_size=4, max_batch_wait_ms=0)
+    loader = SpanLoader(path, ModelConfig.from_folder(path), torch.float32, engine, session_timeout=60)
+    spans = HostedSpans("tiny", loader.load)
+    await spans.start((0, 6))
+    service = InferenceService(spans, ServerConfig(model=str(path), step_timeout=10), H, RecordingPusher())
+    yield service
+    await spans.stop()
+
+
+def message(hidden, step_id=None, position=None, first=False, session_id="s", pushed=False, **meta):
+    if first:
+        meta = dict(max_length=32, session_id=session_id, **meta)
+    elif pushed:
+        meta = dict(session_id=session_id, pushed=True, **meta)
+    step = InferenceStep(step_id=step_id, start_from_position=position, **meta)
+    return StepMessage(UID, step, [wire_tensors.serialize(hidden)])
+
+
+class Session:
+    """One client session on the service: its stream of steps in, its replies out."""
+
+    def __init__(self, service, first):
+        self.steps: asyncio.Queue = asyncio.Queue()
+        self.replies = service.serve(first, self._later())
+
+    async def _later(self):
+        while (step := await self.steps.get()) is not None:
+            yield step
+
+    async def reply(self, timeout=10):
+        done = await asyncio.wait_for(anext(self.replies), timeout)
+        return done.step_id, wire_tensors.deserialize(done.outputs, "outputs")
+
+    async def close(self):
+        """End the client's stream; returns the replies that still came."""
+        await self.steps.put(None)
+        return [r async for r in self.replies]
+
+
+def inputs(seed, *lengths):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, H, generator=generator) for n in lengths]
+
+
+async def test_a_step_pushed_before_the_clients_copy_runs_once_and_replies_at_once(service):
+    first, second = inputs(0, 5, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    assert (await session.reply())[0] == "a"
+    service.take_push(message(second, "b", 5, pushed=True))
+    step_id, outputs = await session.reply()  # before the client has sent its own copy
+    assert step_id == "b"
+    await session.steps.put(message(second, "b", 5))  # the client's copy: nothing runs, no second reply
+    assert await session.close() == []
+    assert (service.steps_from_client, service.steps_from_push) == (1, 1)
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, second])[1])
+
+
+async def test_a_second_copy_of_a_step_runs_nothing_and_replies_nothing(service):
+    first, second = inputs(1, 3, 2)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(second, "b", 3))
+    await session.reply()
+    service.take_push(message(second, "b", 3, pushed=True))  # a late push of "b": stale position, skipped
+    await session.steps.put(message(second, "b", 3))  # the client's copy again: a second copy
+    assert await session.close() == []  # no reply of its own
+    assert service.steps_from_client == 2 and service.steps_from_push == 0
+
+
+async def test_rollback_to_an_earlier_position(service):
+    first, second, third = inputs(2, 6, 1, 2)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(second, "b", 6))
+    await session.reply()
+    await session.steps.put(message(third, "c", 4))  # positions 4 and 5 again, 6 is dropped
+    _, outputs = await session.reply()
+    await session.close()
+    span = service.spans.primary.span
+    expected = reference_outputs(span, [first, second, third], rollbacks=[None, None, 4])
+    assert_close(outputs, expected[2])
+
+
+async def test_a_late_reply_to_an_abandoned_step_then_the_next_step_rolls_back(service):
+    """The client gave up on step "x" after the first server, which still pushed it here: it runs and
+    its reply goes out. The client's next step, at the same position, must replace it."""
+    first, abandoned, honest = inputs(3, 4, 1, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    service.take_push(message(abandoned, "x", 4, pushed=True))
+    assert (await session.reply())[0] == "x"
+    await session.steps.put(message(honest, "y", 4))
+    step_id, outputs = await session.reply()
+    await session.close()
+    assert step_id == "y"
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, honest])[1])
+
+
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [
+        (lambda h: message(h, "b", 9), "start_from_position=9 is after the session's current position 3"),
+        (lambda h: message(torch.randn(1, 30, H), "b", 3), "goes past the session's max_length=32"),
+        (lambda h: message(torch.randn(2, 1, H), "b", 3), "batch size 2 differs from the session's 1"),
+    ],
+)
+async def test_position_and_shape_errors_end_the_session_with_the_field_named(service, step, error):
+    (first, later) = inputs(4, 3, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(step(later))
+    with pytest.raises(InvalidRequest, match=error):
+        await session.reply()
+    assert service.spans.num_sessions == 0
+
+
+async def test_garbage_pushes_right_after_an_honest_step_change_nothing(service):
+    """A push is taken only at the session's position, and an honest step moves that position in the
+    very turn it is taken: a push aimed at the position the step is running at can never join it."""
+    first, *decodes = inputs(5, 4, 1, 1, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    outputs, state = [], service.spans.find_session("s")
+    for i, hidden in enumerate(decodes):
+        position = 4 + i
+        await session.steps.put(message(hidden, f"d{i}", position))
+        replying = asyncio.ensure_future(session.reply())
+        while not state.num_unreported:  # until the honest step is taken; the engine runs it meanwhile
+            await asyncio.sleep(0)
+        for garbage in range(3):  # aimed at the step's own position: stale now, skipped
+            service.take_push(message(torch.randn(1, 1, H) * 100, f"g{i}{garbage}", position, pushed=True))
+        step_id, output = await replying
+        assert step_id == f"d{i}"
+        outputs.append(output)
+    await session.close()
+    expected = reference_outputs(service.spans.primary.span, [first, *decodes])
+    for actual, reference in zip(outputs, expected[1:], strict=True):
+        assert_close(actual, reference)
+    assert service.steps_from_push == 0
+
+
+async def test_a_step_id_is_never_trusted_for_other_inputs(service):
+    first, second, other = inputs(6, 3, 1, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(second, "b", 3))
+    _, outputs = await session.reply()
+    # a pushed copy naming "b" at the session's position with other inputs is refused, with an error
+    with pytest.raises(InvalidRequest, match="step_id 'b' was already taken here with other inputs"):
+        service.take_push(message(other, "b", 4, pushed=True))
+    # the owner reusing "b" with new inputs is a new step: it runs and gets its reply
+    await session.steps.put(message(other, "b", 4))
+    step_id, reused = await session.reply()
+    await session.close()
+    expected = reference_outputs(service.spans.primary.span, [first, second, other])
+    assert step_id == "b"
+    assert_close(outputs, expected[1])
+    assert_close(reused, expected[2])
+
+
+async def test_the_owners_copy_supersedes_a_pushed_copy_with_other_inputs(service):
+    """A pushed copy of "b" ran first; the client's copy of "b" at the same position differs (its previous
+    server failed over, or the pusher lied): the client's copy is what the cache must hold."""
+    first, pushed, owners, after = inputs(7, 3, 1, 1, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    service.take_push(message(pushed, "b", 3, pushed=True))
+    await session.reply()
+    await session.steps.put(message(owners, "b", 3))
+    await session.reply()  # the rerun's reply (skipped by a client that already read the first one)
+    await session.steps.put(message(after, "c", 4))
+    _, outputs = await session.reply()
+    await session.close()
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, owners, after])[2])
+
+
+async def test_pushes_go_on_before_the_reply(service):
+    first, second = inputs(8, 2, 1)
+    hop = NextServer("next-peer", "next-session", 6, 8)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(second, "b", 2, next_servers=(hop,)))
+    await session.reply()
+    assert service.pusher.pushed == [("b", 2)]
+    await session.close()
+
+
+async def test_a_step_that_fails_in_the_engine_ends_the_session(service):
+    first, second = inputs(9, 2, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    runner = service.spans.primary.engine.engine.runner
+    real_run = runner.run
+    runner.run = lambda chunks: (_ for _ in ()).throw(RuntimeError("boom"))
+    try:
+        await session.steps.put(message(second, "b", 2))
+        with pytest.raises(ServerUnavailable, match="RuntimeError: boom"):
+            await session.reply()
+    finally:
+        runner.run = real_run
+    assert service.spans.num_sessions == 0
+
+
+async def test_the_end_of_the_clients_stream_still_replies_to_the_steps_taken(service):
+    (first,) = inputs(10, 7)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.steps.put(None)  # the client sends one step and closes its side at once
+    replies = [r async for r in session.replies]
+    assert [r.step_id for r in replies] == ["a"]

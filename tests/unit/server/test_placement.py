@@ -1,0 +1,79 @@
+"""Placement: which blocks a new server takes, and which one server moves when that helps (pure logic)."""
+
+from corolla.models.config import ModelConfig
+from corolla.server.placement import (
+    better_blocks,
+    block_bytes,
+    blocks_for_budget,
+    choose_blocks,
+    coverage,
+    my_move,
+)
+
+
+def test_placement_fills_holes_first():
+    assert coverage([(0, 3, 1.0), (2, 5, 1.0)], 6) == [1, 1, 2, 1, 1, 0]
+    assert choose_blocks([(0, 10, 1.0), (10, 20, 1.0)], 10, 30) == (20, 30)
+    assert choose_blocks([(0, 10, 1.0), (0, 10, 1.0), (10, 30, 1.0)], 10, 30) == (10, 20)
+    assert choose_blocks([], 30, 30) == (0, 30)
+    # three servers of 12 blocks on a 30-block model cover everything, in the order they arrive
+    placed: list = []
+    for _ in range(3):
+        start, end = choose_blocks(placed, 12, 30)
+        placed.append((start, end, 1.0))
+    assert min(coverage(placed, 30)) == 1
+    # a fourth goes where coverage is thinnest: afterwards no block has fewer servers than before
+    fourth = choose_blocks(placed, 12, 30)
+    assert (
+        min(coverage([*placed, (*fourth, 1.0)], 30)) == 1 and sum(coverage(placed, 30)[slice(*fourth)]) == 12
+    )
+
+
+def test_a_server_moves_only_to_fill_a_hole_or_clearly_help():
+    others = [(0, 12, 1.0), (18, 30, 1.0)]  # blocks 12-17 have no server
+    target = better_blocks(others, (0, 12), 30, 1.0)  # a server duplicating blocks 0-11 moves to the hole
+    assert target is not None and min(coverage([*others, (*target, 1.0)], 30)) == 1
+    balanced = [(0, 12, 1.0), (12, 24, 1.0)]
+    assert better_blocks(balanced, (18, 30), 30, 1.0) is None  # already no hole: stay
+    slow = [(0, 15, 1.0), (15, 30, 10.0)]  # blocks 0-14 have a tenth of the throughput of 15-29
+    assert better_blocks(slow, (15, 30), 30, 10.0) == (0, 15)
+
+
+def test_memory_budget_sets_the_number_of_blocks():
+    config = ModelConfig.from_dict(
+        dict(
+            model_type="llama",
+            vocab_size=10,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+        )
+    )
+    per_block = block_bytes(config, 4)
+    assert per_block == (576 * 64 * (18 + 6) + 3 * 576 * 1536 + 2 * 576) * 4  # SmolLM2: about 13.6 MB
+    cache = 1024 * config.kv_bytes_per_token_per_block(4)
+    assert blocks_for_budget(config, 4, 12 * (per_block + cache), 1024) == 12
+    assert blocks_for_budget(config, 4, 10**12, 1024) == 30
+
+
+def test_only_one_server_moves_into_a_hole():
+    servers = {"a": (0, 12, 1.0), "b": (0, 12, 1.0), "c": (18, 30, 1.0)}  # blocks 12-17 uncovered
+    moves = {peer: my_move(servers, peer, 30) for peer in servers}
+    assert moves["a"] is not None and moves["b"] is None and moves["c"] is None  # "a": the smaller peer id
+    servers["a"] = (*moves["a"], 1.0)
+    assert min(coverage(servers.values(), 30)) == 1
+    assert all(my_move(servers, peer, 30) is None for peer in servers)  # then everyone stays put
+
+
+def test_a_move_that_helps_too_little_is_not_made():
+    # blocks 0-14 at 1.0 and 15-29 at 1.1: moving would raise the weakest coverage by less than 20%
+    servers = {"a": (0, 15, 1.0), "b": (15, 30, 1.0), "c": (15, 30, 0.1)}
+    assert all(my_move(servers, peer, 30) is None for peer in servers)
+    # with two whole extra replicas of 15-29, moving one of them to 0-14 doubles the weakest coverage;
+    # the three equal candidates leave it to the smallest peer id
+    servers["c"], servers["d"] = (15, 30, 1.0), (15, 30, 1.0)
+    assert {peer: my_move(servers, peer, 30) for peer in servers} == {
+        "a": None, "b": (0, 15), "c": None, "d": None
+    }
