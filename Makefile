@@ -64,8 +64,9 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 bench-wan: $(STAMP) ## push on/off across an emulated 50 ms internet (../shared/tools/wan; needs root + iptables)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py
 
-lint: $(STAMP) ## ruff over the sources, tests and benchmarks
-	$(BIN)/ruff check src tests bench examples
+lint: $(STAMP) ## ruff over the sources, tests and benchmarks; module and function sizes (tools/sizes.py)
+	$(BIN)/ruff check src tests bench examples tools
+	$(BIN)/python tools/sizes.py src
 
 clean: ## remove the virtualenv and caches (the converted-model cache in ~/.cache/corolla stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

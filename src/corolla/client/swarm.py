@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
-from hivemind.proto import runtime_pb2
 
 from corolla.client.estimates import ServerEstimates
 from corolla.config import ClientConfig
@@ -31,9 +30,8 @@ from corolla.errors import (
     decode_remote_error,
 )
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
-from corolla.swarm.ping import ping
+from corolla.swarm.ping import fetch_status, ping
 from corolla.swarm.routing import Hop, choose_chain
-from corolla.wire.messages import RPC_INFO
 from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -156,13 +154,7 @@ class SwarmClient:
         """A server's own report (rpc_info): its span, limits and live load."""
         timeout = self.config.request_timeout
         async with remote_errors(peer_id, timeout):
-            reply = await asyncio.wait_for(
-                self.p2p.call_protobuf_handler(
-                    peer(peer_id), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
-                ),
-                timeout,
-            )
-        return ServerStatus.from_bytes(reply.serialized_info)
+            return await fetch_status(self.p2p, peer_id, timeout)
 
 
 def peer(peer_id: str) -> PeerID:

@@ -16,17 +16,23 @@ from corolla.wire.messages import RPC_INFO
 from corolla.wire.records import ServerStatus
 
 
+async def fetch_status(p2p: P2P, peer_id: str, timeout: float) -> ServerStatus:
+    """A server's own report (rpc_info); raises what the call raises (hivemind's errors, a timeout, or
+    InvalidRequest for a garbled reply)."""
+    reply = await asyncio.wait_for(
+        p2p.call_protobuf_handler(
+            PeerID.from_base58(peer_id), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+        ),
+        timeout,
+    )
+    return ServerStatus.from_bytes(reply.serialized_info)
+
+
 async def ping(p2p: P2P, peer_id: str, timeout: float) -> tuple[float, ServerStatus] | None:
     """(round-trip seconds, the server's report), or None if it did not answer properly in time."""
     started = time.perf_counter()
     try:
-        reply = await asyncio.wait_for(
-            p2p.call_protobuf_handler(
-                PeerID.from_base58(peer_id), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
-            ),
-            timeout,
-        )
-        info = ServerStatus.from_bytes(reply.serialized_info)
+        status = await fetch_status(p2p, peer_id, timeout)
     except Exception:  # unreachable, dead, timed out or a garbled reply: all mean "no answer"
         return None
-    return time.perf_counter() - started, info
+    return time.perf_counter() - started, status

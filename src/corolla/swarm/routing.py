@@ -92,24 +92,50 @@ def choose_chain(  # noqa: PLR0913
         )
     noise = {s.peer_id: 1 + JITTER * rng.random() for s in usable}
     estimate = {s.peer_id: estimates.get(s.peer_id, Estimate()) for s in usable}
+    return _cheapest(usable, start, end, estimate, noise, _LinkCosts(estimate, links, push), needed_cache)
+
+
+@dataclass(frozen=True)
+class _LinkCosts:
+    """What it costs to get a step to a server (from the client, or from the previous server with push)
+    and back from the last one."""
+
+    estimate: Mapping[str, Estimate]
+    links: Mapping[str, Mapping[str, float]]
+    push: bool
+
+    def to(self, previous: str | None, peer_id: str) -> float:
+        if not self.push:
+            return self.estimate[peer_id].rtt
+        if previous is None:
+            return self.estimate[peer_id].rtt / 2
+        measured = self.links.get(previous, {}).get(peer_id)
+        if measured is None:  # not announced: guess from the client's round trips to both
+            measured = (self.estimate[previous].rtt + self.estimate[peer_id].rtt) / 2
+        return measured / 2
+
+    def back(self, last: str) -> float:
+        return self.estimate[last].rtt / 2 if self.push else 0.0
+
+
+def _cheapest(  # noqa: PLR0913
+    usable: Sequence[RemoteSpan],
+    start: int,
+    end: int,
+    estimate: Mapping[str, Estimate],
+    noise: Mapping[str, float],
+    links: _LinkCosts,
+    needed_cache: int,
+) -> list[Hop]:
+    """The cheapest chain from `start` to `end`, by dynamic programming over block boundaries."""
     # a hop ends at its server's last block or where another server's span starts or ends
     boundaries = sorted({end} | {b for s in usable for b in (s.start, s.end) if start < b < end})
 
-    def link(previous: str | None, peer_id: str) -> float:
-        if not push:
-            return estimate[peer_id].rtt
-        if previous is None:
-            return estimate[peer_id].rtt / 2
-        measured = links.get(previous, {}).get(peer_id)
-        return (
-            measured if measured is not None else (estimate[previous].rtt + estimate[peer_id].rtt) / 2
-        ) / 2
-
     @functools.cache
     def best(position: int, previous: str | None) -> tuple[float, tuple[Hop, ...]]:
-        """The cheapest way from `position` to `end`, coming from `previous` (by dynamic programming)."""
+        """The cheapest way from `position` to `end`, coming from `previous`."""
         if position == end:
-            return (estimate[previous].rtt / 2 if push else 0.0), ()
+            return links.back(previous), ()
         options = []
         for span in usable:
             if not span.start <= position < span.end:
@@ -117,7 +143,7 @@ def choose_chain(  # noqa: PLR0913
             load = _slowdown(estimate[span.peer_id], needed_cache)
             for stop in (b for b in boundaries if position < b <= min(span.end, end)):
                 compute = (stop - position) * estimate[span.peer_id].seconds_per_block
-                cost = (link(previous, span.peer_id) + compute) * load * noise[span.peer_id]
+                cost = (links.to(previous, span.peer_id) + compute) * load * noise[span.peer_id]
                 rest_cost, rest = best(stop, span.peer_id)
                 options.append((cost + rest_cost, (Hop(span.peer_id, position, stop), *rest)))
         return min(options, key=lambda option: option[0])
