@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from corolla.swarm.local import LocalSwarm
-from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, connect
+from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, TINY_SPANS, connect
+from tiny_models import FAMILIES, load_reference
 
 
 def pytest_collection_modifyitems(items):
@@ -33,3 +34,12 @@ def smol_client(smollm2_path, smol_swarm):
     model = connect(smollm2_path, smol_swarm)
     yield model
     model.shutdown()
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_swarm(request, tiny_models):
+    """A swarm of each tiny family over TINY_SPANS (chains of 1, 2 and 3 servers), shared by every test
+    module that needs one: pytest runs the tests of one family together, then stops its swarm."""
+    path = tiny_models[request.param]
+    with LocalSwarm(str(path), TINY_SPANS) as swarm:
+        yield path, swarm, load_reference(path)

@@ -38,6 +38,14 @@ def prompt(smollm2_path) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+@pytest.fixture(scope="module")
+def expected(smollm2_path, replicated_swarm, prompt) -> torch.Tensor:
+    """The uninterrupted generation that every interrupted one must reproduce."""
+    with connect(smollm2_path, replicated_swarm) as model:
+        tokens, *_ = generate_with_kill(model, replicated_swarm, prompt, hop=None)
+    return tokens
+
+
 def generate_with_kill(model, swarm: LocalSwarm, prompt: list[int], hop: int | None):
     """Greedy generation; halfway through, SIGKILL the server serving `hop` of the chain (None: no kill)."""
     stamps: list[float] = []
@@ -59,9 +67,8 @@ def generate_with_kill(model, swarm: LocalSwarm, prompt: list[int], hop: int | N
 
 
 @pytest.mark.parametrize("hop", [1, 0, 2], ids=["middle", "first", "last"])
-def test_generation_survives_a_killed_server(smollm2_path, replicated_swarm, prompt, hop):
+def test_generation_survives_a_killed_server(smollm2_path, replicated_swarm, prompt, expected, hop):
     with connect(smollm2_path, replicated_swarm) as model:
-        expected, *_ = generate_with_kill(model, replicated_swarm, prompt, hop=None)
         tokens, stamps, killed, failovers = generate_with_kill(model, replicated_swarm, prompt, hop=hop)
     assert torch.equal(tokens, expected)
     assert failovers == 1 and len(killed) == 1
@@ -90,9 +97,10 @@ def test_without_a_replica_the_client_names_the_missing_blocks(smollm2_path, rep
         assert model.generate(prompt, max_new_tokens=4).shape[1] == len(prompt) + 4
 
 
-def test_sigterm_drains_open_sessions_and_sends_new_ones_elsewhere(smollm2_path, replicated_swarm, prompt):
+def test_sigterm_drains_open_sessions_and_sends_new_ones_elsewhere(
+    smollm2_path, replicated_swarm, prompt, expected
+):
     with connect(smollm2_path, replicated_swarm) as model:
-        expected, *_ = generate_with_kill(model, replicated_swarm, prompt, hop=None)
         routes: list = []
         with model.inference_session(max_length=len(prompt) + NEW_TOKENS) as session:
             victim = []

@@ -106,17 +106,37 @@ def test_num_blocks_fills_the_gap_and_dead_servers_expire(half_swarm, tiny_model
         placed.kill_group()
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "corolla", *args], capture_output=True, text=True, timeout=timeout
-    )
+def run_clis(*commands: list[str], timeout: float = 60) -> list[subprocess.CompletedProcess]:
+    """Run `corolla` commands at once (each spends most of its time importing) and wait for them all."""
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "corolla", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
+    results = []
+    for run, args in zip(runs, commands, strict=True):
+        stdout, stderr = run.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(args, run.returncode, stdout, stderr))
+    return results
 
 
 def test_cli_help_and_bad_arguments(tiny_models):
-    help_text = run_cli("--help").stdout
+    llama = str(tiny_models["llama"])
+    help_run, server_help_run, bad_range, reversed_range, no_model = run_clis(
+        ["--help"],
+        ["server", "--help"],
+        ["server", llama, "--blocks", "4:9", "--host", "127.0.0.1", "--no-nat-port-map"],
+        ["server", llama, "--blocks", "3:1"],
+        ["server", "/no/such/model", "--host", "127.0.0.1", "--no-nat-port-map"],
+    )
+    help_text = help_run.stdout
     for command in ("dht", "server", "generate", "demo"):
         assert command in help_text
-    server_help = run_cli("server", "--help").stdout
+    server_help = server_help_run.stdout
     for option in (
         "--blocks",
         "--num-blocks",
@@ -128,14 +148,9 @@ def test_cli_help_and_bad_arguments(tiny_models):
         "--step-timeout",
     ):
         assert option in server_help
-    bad_range = run_cli(
-        "server", str(tiny_models["llama"]), "--blocks", "4:9", "--host", "127.0.0.1", "--no-nat-port-map"
-    )
     assert (
         bad_range.returncode == 2
         and "--blocks 4:9 is not a range inside the model's 6 blocks" in bad_range.stderr
     )
-    reversed_range = run_cli("server", str(tiny_models["llama"]), "--blocks", "3:1")
     assert reversed_range.returncode == 2 and "expected A:B with 0 <= A < B" in reversed_range.stderr
-    no_model = run_cli("server", "/no/such/model", "--host", "127.0.0.1", "--no-nat-port-map")
     assert no_model.returncode == 2 and "neither a folder" in no_model.stderr

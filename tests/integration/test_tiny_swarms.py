@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.swarm.local import LocalSwarm
-from swarm_helpers import TINY_CHAINS, TINY_SPANS, assert_boundaries_match, connect, reference_generate
-from tiny_models import FAMILIES, load_reference
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_swarm(request, tiny_models):
-    path = tiny_models[request.param]
-    with LocalSwarm(str(path), TINY_SPANS) as swarm:
-        yield path, swarm, load_reference(path)
+from swarm_helpers import TINY_CHAINS, assert_boundaries_match, connect, reference_generate
 
 
 @pytest.mark.parametrize("num_servers", [1, 2, 3])

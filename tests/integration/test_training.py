@@ -11,17 +11,9 @@ import torch
 
 from corolla.client.autograd import RemoteChain
 from corolla.swarm.local import LocalSwarm
-from swarm_helpers import SMOL_CHAINS, TINY_CHAINS, TINY_SPANS, connect
-from tiny_models import FAMILIES, load_reference
+from swarm_helpers import SMOL_CHAINS, TINY_CHAINS, connect
 
 PREFIX = 3
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_swarm(request, tiny_models):
-    path = tiny_models[request.param]
-    with LocalSwarm(str(path), TINY_SPANS) as swarm:
-        yield path, swarm, load_reference(path)
 
 
 def reference_loss(reference, input_ids, labels, prefix, deep_prompts):
@@ -178,11 +170,11 @@ def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, rep
         assert hop.peer_id in model.swarm.banned()
 
 
-def test_generation_uses_the_trained_prompts(tiny_models, replicated_tiny):
+@pytest.mark.parametrize("family_swarm", ["llama"], indirect=True)
+def test_generation_uses_the_trained_prompts(family_swarm):
+    path, swarm, _ = family_swarm
     input_ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(3))
-    with connect(
-        tiny_models["llama"], replicated_tiny, tuning_mode="deep_ptune", pre_seq_len=PREFIX
-    ) as model:
+    with connect(path, swarm, tuning_mode="deep_ptune", pre_seq_len=PREFIX) as model:
         with torch.no_grad():
             model.ptune.deep_prompts.normal_(std=0.3)
             expected = input_ids
@@ -195,15 +187,16 @@ def test_generation_uses_the_trained_prompts(tiny_models, replicated_tiny):
         assert not torch.equal(model.generate(input_ids, max_new_tokens=8), expected)
 
 
-def test_big_batches_go_over_the_stream_rpcs(tiny_models, replicated_tiny):
+@pytest.mark.parametrize("family_swarm", ["llama"], indirect=True)
+def test_big_batches_go_over_the_stream_rpcs(family_swarm):
     """64 x 100 tokens: inputs + output gradients are 3.3 MB, over the unary limit (rpc_backward_stream)."""
+    path, swarm, reference = family_swarm
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(64, 100, 64, generator=generator, requires_grad=True)
     grad_outputs = torch.randn(64, 100, 64, generator=generator)
-    with connect(tiny_models["llama"], replicated_tiny, max_request_tokens=6400) as model:
+    with connect(path, swarm, max_request_tokens=6400) as model:
         outputs = RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime)
         outputs.backward(grad_outputs)
-    reference = load_reference(tiny_models["llama"])
     local = hidden.detach().clone().requires_grad_()
     expected = run_blocks(reference, local)
     expected.backward(grad_outputs)

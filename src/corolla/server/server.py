@@ -67,6 +67,10 @@ class Server:
         self.model = ModelConfig.from_folder(source.path)
         self.dtype = parse_dtype(config.dtype, self.model)
         self.dht_prefix = config.dht_prefix or dht_prefix_for(source.name)
+        total = self.model.num_hidden_layers
+        if config.blocks is not None and not config.blocks[1] <= total:  # before anything starts
+            start, end = config.blocks
+            raise InvalidRequest(f"--blocks {start}:{end} is not a range inside the model's {total} blocks")
         self.dht = start_dht(config.swarm)
         self.peer_id = str(self.dht.peer_id)
         # measured on one block before choosing blocks: placement weighs the swarm by throughput
@@ -131,12 +135,7 @@ class Server:
     async def _choose_blocks(self) -> tuple[int, int]:
         total = self.model.num_hidden_layers
         if self.config.blocks is not None:
-            start, end = self.config.blocks
-            if not 0 <= start < end <= total:
-                raise InvalidRequest(
-                    f"--blocks {start}:{end} is not a range inside the model's {total} blocks"
-                )
-            return start, end
+            return self.config.blocks
         num_blocks = self.config.num_blocks or self._blocks_in_budget()
         if num_blocks < 1:
             raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
@@ -179,7 +178,7 @@ class Server:
                 pass
 
     async def _announce_offline(self) -> None:
-        if self.announcer is None:
+        if self.announcer is None or self.status.state == ServerState.OFFLINE:
             return
         await self.announcer.stop()
         self.status.state = ServerState.OFFLINE
