@@ -74,8 +74,10 @@ def run_sessions(engine: Engine, plans: dict[str, list[torch.Tensor]], **step_kw
 
 
 def assert_close(actual, expected):
-    """Equal up to float32 rounding: batching picks other matmul kernels, whose rounding differs by about
-    1e-7 of the values involved (the tiny random models have activations near 100). A wrong position,
+    """Equal up to float32 rounding: batching picks other matmul kernels, and a prefill split into chunks
+    attends to its keys in other pieces. The tiny random models have activations near 100, and the
+    rounding reaches 1.8e-5 of that scale when a busy machine makes the engine cut chunks at unusual
+    places (measured: 1.3e-3 on a scale of 75), so the bound is 1e-4 of the scale. A wrong position,
     mask or cache entry changes outputs by whole units."""
     scale = float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale)

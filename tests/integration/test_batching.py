@@ -55,11 +55,18 @@ def test_sixteen_staggered_sessions_get_exactly_their_solo_tokens(smollm2_path, 
         assert len({len(p) for p in prompts}) > 8  # really different prompt lengths
 
         solo, solo_prefill = [], []
-        for ids in prompts:
-            solo.append(model.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)[0, len(ids) :])
-            with model.inference_session(max_length=len(ids)) as session:
-                session.step(model.head.embed(torch.tensor([ids])))
-                solo_prefill.append(boundaries(session))
+        for ids in prompts:  # one at a time; each hop's prefill outputs are read after the first token
+            with model.inference_session(max_length=len(ids) + NEW_TOKENS) as session:
+                prefill: list = []
+                tokens = model.generate(
+                    ids,
+                    session=session,
+                    max_new_tokens=NEW_TOKENS,
+                    ignore_eos=True,
+                    streamer=lambda _, s=session, p=prefill: p or p.append(boundaries(s)),
+                )
+            solo.append(tokens[0, len(ids) :])
+            solo_prefill.append(prefill[0])
         assert_no_near_ties(smol_reference, prompts, solo)
 
         batched: list = [None] * len(prompts)

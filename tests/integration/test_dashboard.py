@@ -119,8 +119,10 @@ def test_status_prints_every_server_span(smol_swarm):
 
 
 def test_uncovered_blocks_get_a_503_naming_them(smollm2_path):
-    with LocalSwarm(str(smollm2_path), [(0, 10)]) as swarm:
+    with LocalSwarm(str(smollm2_path), []) as swarm:
+        server = swarm.add_server((0, 10), wait=False)  # the server and the API start side by side
         api = swarm.add_api(extra_args=["--routing-timeout", "2"])
+        swarm.wait_ready(server)
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]}
         request = urllib.request.Request(
             f"{api.url}/v1/chat/completions",

@@ -18,8 +18,8 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.engine.sequence import Gradients
-from corolla.errors import CorollaError, InvalidRequest, SessionTimeout
-from corolla.server.inference import InferenceService, StepMessage
+from corolla.errors import CorollaError, InvalidRequest
+from corolla.server.inference import InferenceService, StepMessage, next_within
 from corolla.server.passes import PassService, output_compression
 from corolla.server.sessions import Completed
 from corolla.server.status import StatusBoard
@@ -57,7 +57,7 @@ class TransformerConnectionHandler:
     ) -> AsyncIterator[ExpertResponse]:
         """One inference session on a chain of this server's blocks; one reply per step."""
         async with _reading_to_the_end(requests):
-            request = await _next_request(requests, self.step_timeout)
+            request = await next_within(requests, self.step_timeout)
             if request is None:
                 return
             if not request.tensors:
@@ -183,12 +183,3 @@ async def _reading_to_the_end(requests: AsyncIterator[ExpertRequest]) -> AsyncIt
             while (left := deadline - asyncio.get_running_loop().time()) > 0:
                 await asyncio.wait_for(anext(requests), left)
         raise
-
-
-async def _next_request(requests: AsyncIterator[ExpertRequest], timeout: float) -> ExpertRequest | None:
-    try:
-        return await asyncio.wait_for(anext(requests), timeout)
-    except StopAsyncIteration:
-        return None
-    except (asyncio.TimeoutError, TimeoutError):
-        raise SessionTimeout(f"no request arrived within step_timeout={timeout:.1f}s") from None

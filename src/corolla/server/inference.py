@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -36,6 +37,8 @@ from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,16 @@ class StepInputs:
     @property
     def length(self) -> int:
         return self.hidden.shape[1]
+
+
+async def next_within(messages: AsyncIterator[T], timeout: float) -> T | None:
+    """The next message of a session's stream (None at its end), or SessionTimeout after `timeout`."""
+    try:
+        return await asyncio.wait_for(anext(messages), timeout)
+    except StopAsyncIteration:
+        return None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise SessionTimeout(f"no request arrived within step_timeout={timeout:.1f}s") from None
 
 
 class InferenceService:
@@ -134,13 +147,7 @@ class InferenceService:
     async def _next_step(
         self, session: ServerSession, later: AsyncIterator[StepMessage]
     ) -> StepMessage | None:
-        timeout = session.time_left(self.config.step_timeout)
-        try:
-            return await asyncio.wait_for(anext(later), timeout)
-        except StopAsyncIteration:
-            return None
-        except (asyncio.TimeoutError, TimeoutError):
-            raise SessionTimeout(f"no request arrived within step_timeout={timeout:.1f}s") from None
+        return await next_within(later, session.time_left(self.config.step_timeout))
 
     # --- a step pushed by the previous server -------------------------------------------------------------
 

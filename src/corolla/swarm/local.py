@@ -132,7 +132,7 @@ class LocalSwarm:
             self.initial_peers = [self.dht.wait_for(READY_DHT, self.start_timeout).group(1)]
             started = [self.add_server(span, wait=False) for span in self.spans]
             for server in started:
-                self._wait_ready(server)
+                self.wait_ready(server)
         except BaseException:
             self.stop()
             raise
@@ -165,7 +165,7 @@ class LocalSwarm:
         server = PeerProcess(name, args, self.workdir / f"server{index}.log", self.env)
         self.servers.append(server)
         if wait:
-            self._wait_ready(server)
+            self.wait_ready(server)
         return server
 
     def add_api(self, port: int | None = None, extra_args: Sequence[str] = ()) -> PeerProcess:
@@ -195,7 +195,8 @@ class LocalSwarm:
             time.sleep(0.2)
         return api
 
-    def _wait_ready(self, server: PeerProcess) -> None:
+    def wait_ready(self, server: PeerProcess) -> None:
+        """Wait until a server started with wait=False is ready (its peer id and blocks are known then)."""
         match = server.wait_for(READY_SERVER, self.start_timeout)
         server.peer_id, server.blocks = match.group(1), (int(match.group(2)), int(match.group(3)))
 
