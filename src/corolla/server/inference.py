@@ -106,7 +106,8 @@ class InferenceService:
             opened = (session.session_id, peer[-6:], *blocks, batch)
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
-                self._take(session, first.meta, self._inputs(session, first, hidden), pushed=False)
+                inputs = self._inputs(session, first, digest(first.tensors[0]), hidden)
+                self._run(session, first.meta, inputs, pushed=False)
                 async for reply in self._replies(session, later):
                     yield reply
             finally:
@@ -136,7 +137,7 @@ class InferenceService:
                     step = reading.result()
                     reading = None
                     if step is not None:
-                        self._take(session, step.meta, self._inputs(session, step), pushed=False)
+                        self._take_from_client(session, step)
                         reading = asyncio.ensure_future(self._next_step(session, later))
         finally:  # nothing may read the client's stream after this (an error reply drains it)
             waiting = [f for f in (reading, completion) if f is not None]
@@ -165,17 +166,35 @@ class InferenceService:
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
             span = f"{session.start}:{session.end}"
             raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
+        inputs_digest = digest(step.tensors[0]) if step.tensors else b""
+        if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
+            return
+        if session.ledger.conflicts(meta.step_id):
+            raise InvalidRequest(f"step_id {meta.step_id!r} was already taken here with other inputs")
         try:
-            inputs = self._inputs(session, step)
+            inputs = self._inputs(session, step, inputs_digest)
         except CorollaError as e:
             logger.debug("Skipping a pushed step %s: %s", meta.step_id, e)
             return
-        self._take(session, meta, inputs, pushed=True)
+        self._run(session, meta, inputs, pushed=True)
 
     # --- taking a step ------------------------------------------------------------------------------------
 
+    def _take_from_client(self, session: ServerSession, step: StepMessage) -> None:
+        """Run the client's copy of a step, unless it is a second copy of a step already taken (its
+        pushed twin ran first). Checked before the tensors are even read: half of a chain's steps are
+        second copies. A client's copy that reuses a step id with other inputs or at another position is
+        a new step: the session's owner decides what runs (a pushed copy that does so is refused)."""
+        inputs_digest = digest(step.tensors[0])
+        if not session.ledger.is_second_copy(step.meta.step_id, step.meta.start_from_position, inputs_digest):
+            self._run(session, step.meta, self._inputs(session, step, inputs_digest), pushed=False)
+
     def _inputs(
-        self, session: ServerSession, step: StepMessage, hidden: torch.Tensor | None = None
+        self,
+        session: ServerSession,
+        step: StepMessage,
+        inputs_digest: bytes,
+        hidden: torch.Tensor | None = None,
     ) -> StepInputs:
         """Check a step's tensors and position against its session (nothing here changes the session)."""
         tensors = step.tensors
@@ -200,20 +219,11 @@ class InferenceService:
         num_blocks = session.end - session.start
         prompts = validation.read_prompts(tensors, num_blocks, batch, self.hidden_size, session.max_length)
         hypo_ids = validation.read_hypo_ids(tensors, batch)
-        return StepInputs(hidden, position, prompts, hypo_ids, digest(tensors[0]))
+        return StepInputs(hidden, position, prompts, hypo_ids, inputs_digest)
 
-    def _take(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
-        """Run a step unless it is a second copy of one already taken; synchronous on purpose (see above).
-
-        A client's copy that reuses a step id with other inputs or at another position is a new step (the
-        session's owner decides what runs); a pushed copy that does so is refused.
-        """
-        ledger = session.ledger
-        if ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs.digest):
-            return
-        if pushed and ledger.conflicts(meta.step_id):
-            raise InvalidRequest(f"step_id {meta.step_id!r} was already taken here with other inputs")
-        run = ledger.take(meta.step_id, inputs.position, inputs.digest)
+    def _run(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
+        """Take a step: ledger, engine and position in one go, synchronous on purpose (see above)."""
+        run = session.ledger.take(meta.step_id, inputs.position, inputs.digest)
         work = StepWork(
             session.engine_session,
             inputs.hidden,
