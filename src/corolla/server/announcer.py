@@ -6,12 +6,12 @@ clients' views on its own; a server that stops gracefully announces OFFLINE firs
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 from hivemind import DHT
 
+from corolla.server.periodic import Periodic
 from corolla.swarm.dht import announce, announce_model
 from corolla.wire.records import ServerState, ServerStatus
 
@@ -32,7 +32,9 @@ class Announcer:
         self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
         self.snapshot = snapshot
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
-        self._task: asyncio.Task | None = None
+        self._loop = Periodic(
+            "corolla-announcer", self.announce, lambda: self.period, "Announcement failed; retrying"
+        )
 
     @property
     def expiration(self) -> float:
@@ -53,18 +55,7 @@ class Announcer:
         return ok
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="corolla-announcer")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.period)
-            try:
-                await self.announce()
-            except Exception:  # a DHT hiccup must not stop future announcements
-                logger.warning("Announcement failed; retrying in %.0fs", self.period, exc_info=True)
+        await self._loop.stop()

@@ -13,11 +13,10 @@ import logging
 from hivemind import DHT
 from hivemind.p2p import P2P
 
+from corolla.server.periodic import Periodic
 from corolla.server.spans import HostedSpans
 from corolla.swarm.dht import placed_servers
 from corolla.swarm.ping import ping
-
-logger = logging.getLogger(__name__)
 
 MAX_LINKS = 8
 PING_TIMEOUT = 2.0
@@ -27,16 +26,17 @@ class LinkMonitor:
     def __init__(self, dht: DHT, p2p: P2P, spans: HostedSpans, peer_id: str, num_blocks: int, period: float):
         self.dht, self.p2p, self.spans, self.peer_id = dht, p2p, spans, peer_id
         self.num_blocks, self.period = num_blocks, period
-        self.pings: dict[str, float] = {}  # peer id -> seconds
-        self._task: asyncio.Task | None = None
+        self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
+        failure = "Measuring the links to the next servers failed"
+        self._loop = Periodic(
+            "corolla-links", self.measure, lambda: period, failure, at_once=True, level=logging.DEBUG
+        )
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._measure_forever(), name="corolla-links")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.stop()
 
     async def measure(self) -> None:
         end = self.spans.primary.blocks[1]
@@ -45,11 +45,3 @@ class LinkMonitor:
         nexts = [peer for peer, (start, stop, _) in placed.items() if start <= end < stop][:MAX_LINKS]
         answers = await asyncio.gather(*(ping(self.p2p, peer, PING_TIMEOUT) for peer in nexts))
         self.pings = {peer: a[0] for peer, a in zip(nexts, answers, strict=True) if a is not None}
-
-    async def _measure_forever(self) -> None:
-        while True:
-            try:
-                await self.measure()
-            except Exception:  # a DHT hiccup: keep the last figures
-                logger.debug("Measuring the links to the next servers failed", exc_info=True)
-            await asyncio.sleep(self.period)

@@ -8,19 +8,16 @@ the same hole. The move itself belongs to the hosted spans (server/spans.py).
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import random
 
 from hivemind import DHT
 
 from corolla.server.announcer import Announcer
 from corolla.server.inference import InferenceService
+from corolla.server.periodic import Periodic
 from corolla.server.placement import my_move
 from corolla.server.spans import HostedSpans
 from corolla.swarm.dht import placed_servers
-
-logger = logging.getLogger(__name__)
 
 
 class Rebalancer:
@@ -36,16 +33,16 @@ class Rebalancer:
         period: float,
     ):
         self.dht, self.spans, self.inference, self.announcer = dht, spans, inference, announcer
-        self.peer_id, self.num_blocks, self.throughput, self.period = peer_id, num_blocks, throughput, period
-        self._task: asyncio.Task | None = None
+        self.peer_id, self.num_blocks, self.throughput = peer_id, num_blocks, throughput
+        # the jitter spreads the servers' DHT reads; a failed check or move is retried at the next period
+        jittered = lambda: period * random.uniform(0.8, 1.2)  # noqa: E731
+        self._loop = Periodic("corolla-balancer", self.check, jittered, "Rebalancing failed")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._balance_forever(), name="corolla-balancer")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.stop()
 
     async def check(self) -> tuple[int, int] | None:
         """Move if this server is the one to move now; returns the blocks it moved to."""
@@ -60,11 +57,3 @@ class Rebalancer:
         self.announcer.leaving = range(*old.blocks)  # our records there now point clients elsewhere
         await self.announcer.announce()
         return target
-
-    async def _balance_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.period * random.uniform(0.8, 1.2))
-            try:
-                await self.check()
-            except Exception:  # a failed check or move is retried at the next period
-                logger.warning("Rebalancing failed", exc_info=True)
