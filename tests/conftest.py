@@ -42,8 +42,9 @@ def no_leftover_children():
     """Fail loudly if a test leaves child processes behind, then end them (only our own children)."""
     yield
     me = psutil.Process()
-    # torch's shared-memory manager and multiprocessing's resource tracker are per-process helpers that
-    # exit with this process; anything else is a peer or a daemon a test forgot
+    # torch's shared-memory manager, multiprocessing's resource tracker and the fork server local swarms
+    # fork their peers from are per-process helpers that exit with this process; anything else is a peer
+    # or a daemon a test forgot
     leftovers = [p for p in me.children(recursive=True) if not _is_runtime_helper(p)]
     names = [f"{p.pid}: {' '.join(_cmdline(p))[:200]}" for p in leftovers]
     for child in leftovers:
@@ -64,4 +65,5 @@ def _cmdline(process: psutil.Process) -> list[str]:
 
 def _is_runtime_helper(process: psutil.Process) -> bool:
     command = " ".join(_cmdline(process))
-    return "torch_shm_manager" in command or "resource_tracker" in command
+    helpers = ("torch_shm_manager", "resource_tracker", "multiprocessing.forkserver")
+    return any(helper in command for helper in helpers)

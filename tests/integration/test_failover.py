@@ -5,6 +5,7 @@ finishes with exactly the tokens of an uninterrupted run."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -77,6 +78,32 @@ def test_generation_survives_a_killed_server(smollm2_path, replicated_swarm, pro
     print(f"hop {hop}: stall {stall:.2f}s against a median step of {sorted(gaps)[len(gaps) // 2]:.3f}s")
     assert stall < 10
     (victim,) = killed  # bring the swarm back to two replicas per span for the next test
+    replicated_swarm.servers.remove(victim)
+    replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
+
+
+def test_a_server_killed_while_it_computes_a_step_is_replaced_at_once(smollm2_path, replicated_swarm):
+    """The first server dies in the middle of a long prefill step: the end of its stream, not the request
+    timeout, tells the client, which replays the step on a replica (the same outputs)."""
+    ids = torch.randint(100, 10_000, (1, 1536), generator=torch.Generator().manual_seed(0))
+    with connect(smollm2_path, replicated_swarm, request_timeout=60.0) as model:
+        hidden = model.head.embed(ids)
+        with model.inference_session(max_length=ids.shape[1]) as session:
+            session.step(hidden[:, :8])
+            expected = session.step(hidden[:, 8:])
+        with model.inference_session(max_length=ids.shape[1]) as session:
+            session.step(hidden[:, :8])  # the route is chosen, the streams are open
+            victim = next(s for s in replicated_swarm.servers if s.peer_id == session.route[0].peer_id)
+            killer = threading.Timer(0.5, victim.kill_group)
+            killer.start()
+            started = time.monotonic()
+            outputs = session.step(hidden[:, 8:])
+            elapsed = time.monotonic() - started
+            killer.join()
+            assert session.num_failovers == 1
+    print(f"long step with its first server killed after 0.5s: {elapsed:.1f}s")
+    assert elapsed < 30.0  # half the request timeout; it took the whole timeout before
+    torch.testing.assert_close(outputs, expected, rtol=0, atol=1e-4)
     replicated_swarm.servers.remove(victim)
     replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
 

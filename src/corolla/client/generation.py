@@ -34,9 +34,7 @@ class GenerationStep:
 class RowEnds:
     """Which rows have ended: at an EOS token, or (with a tokenizer) once their text holds a stop string."""
 
-    def __init__(
-        self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Any, batch_size: int
-    ):
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Any, batch_size: int):
         if params.stop and tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model folder has none")
         self.eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)

@@ -9,7 +9,6 @@ the reply's tail), and the reply's chunk count is checked.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import torch
 from hivemind.p2p import P2P
@@ -17,6 +16,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.swarm import peer, remote_errors
 from corolla.errors import ServerUnavailable
+from corolla.swarm.p2p_io import Stream
 from corolla.swarm.routing import Hop
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import (
@@ -107,26 +107,18 @@ async def _call(
 async def _stream(
     p2p: P2P, peer_id: str, rpc: str, request: runtime_pb2.ExpertRequest, names: tuple[str, ...]
 ) -> list[runtime_pb2.Tensor]:
-    received_all = asyncio.Event()
-
-    async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        for i, chunk in enumerate(wire_tensors.split_tensors(request.tensors)):
-            yield runtime_pb2.ExpertRequest(
-                uid=request.uid if i == 0 else "",
-                tensors=[chunk],
-                metadata=request.metadata if i == 0 else b"",
-            )
-        await received_all.wait()  # keep our side open until the whole reply is here
-
-    parts: list[runtime_pb2.Tensor] = []
-    stream = await p2p.iterate_protobuf_handler(peer(peer_id), rpc, requests(), runtime_pb2.ExpertResponse)
+    stream = await Stream.open(p2p, peer(peer_id), rpc)
     try:
-        async for response in stream:
+        for i, chunk in enumerate(wire_tensors.split_tensors(request.tensors)):
+            head = {"uid": request.uid, "metadata": request.metadata} if i == 0 else {}
+            await stream.send(runtime_pb2.ExpertRequest(tensors=[chunk], **head))
+        parts: list[runtime_pb2.Tensor] = []
+        while wire_tensors.count_expected_chunks(parts, len(names)) != len(parts):
+            if (response := await stream.receive(runtime_pb2.ExpertResponse)) is None:
+                short = peer_id[-6:]
+                raise ServerUnavailable(f"server ...{short} sent an incomplete reply ({len(parts)} chunks)")
             parts.extend(response.tensors)
-            if wire_tensors.count_expected_chunks(parts, len(names)) == len(parts):
-                received_all.set()  # then the server sees our end of stream and finishes its side
+        await stream.end()  # our side stays open until the whole reply is here: the daemon may cut its tail
     finally:
-        received_all.set()
-    if wire_tensors.count_expected_chunks(parts, len(names)) != len(parts):
-        raise ServerUnavailable(f"server ...{peer_id[-6:]} sent an incomplete reply ({len(parts)} chunks)")
+        stream.close()
     return wire_tensors.combine_tensors(parts, names)

@@ -6,7 +6,8 @@ the end of stream and waits for the server to finish, so the server frees the ca
 
 A span session keeps the inputs it has sent (after rollbacks and beam reordering), so that if its server
 fails, a replacement can be brought to the same state by replaying them (`replay`). The session's
-position is the inference session's (client/inference_session.py): every step names its own.
+position is the inference session's (client/inference_session.py): every step names its own. A server
+that dies with a step in flight is noticed when its stream ends, not at the timeout (swarm/p2p_io.py).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import ExpertResponse
 
 from corolla.client.swarm import peer, remote_errors
 from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.swarm.p2p_io import Stream
 from corolla.swarm.routing import Hop
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import RPC_INFERENCE, InferenceStep, NextServer, StepReply
@@ -50,23 +53,15 @@ class SpanSession:
         self.session_id = uuid.uuid4().hex
         self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
         self.prompts: torch.Tensor | None = None  # the deep prompts last sent
-        self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self._stream: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self._stream: Stream | None = None
         self._stepped = False
         self.closed = False
 
     async def open(self) -> None:
         async with remote_errors(self.hop.peer_id, self.timeout):
             self._stream = await asyncio.wait_for(
-                self.p2p.iterate_protobuf_handler(
-                    peer(self.hop.peer_id), RPC_INFERENCE, self._requests(), runtime_pb2.ExpertResponse
-                ),
-                self.timeout,
+                Stream.open(self.p2p, peer(self.hop.peer_id), RPC_INFERENCE), self.timeout
             )
-
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while (request := await self._queue.get()) is not None:
-            yield request
 
     async def step(  # noqa: PLR0913
         self,
@@ -85,13 +80,12 @@ class SpanSession:
         the previous server pushes this step here, so its reply may come before our copy is even sent, and
         the time it took says nothing about this server.
         """
-        if self.closed:
+        if self.closed or self._stream is None:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
         step_id = step_id or uuid.uuid4().hex
         request = self._request(hidden, prompts, hypo_ids, start_from_position, step_id, next_servers)
-        await self._queue.put(request)
         started = time.perf_counter()
-        outputs = await self._reply(step_id, hidden.shape)
+        outputs = await self._reply(self._stream, request, step_id, hidden.shape)
         if self.observe is not None and hidden.shape[1] == 1 and not pushed:
             self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
         self._remember(hidden, prompts, hypo_ids, start_from_position)
@@ -128,16 +122,22 @@ class SpanSession:
             tensors.append(wire_tensors.serialize(hypo_ids))
         return runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
 
-    async def _reply(self, step_id: str, shape: torch.Size) -> torch.Tensor:
-        """The outputs of step `step_id`; replies to a step abandoned earlier (cancelled) are skipped."""
+    async def _reply(
+        self, stream: Stream, request: runtime_pb2.ExpertRequest, step_id: str, shape: torch.Size
+    ) -> torch.Tensor:
+        """Send a step, then read up to its reply (replies to a step abandoned earlier are skipped)."""
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
+                await asyncio.wait_for(stream.send(request), self.timeout)
                 while True:
-                    response = await asyncio.wait_for(anext(self._stream), self.timeout)
+                    response = await asyncio.wait_for(stream.receive(ExpertResponse), self.timeout)
+                    if response is None:  # the server finished, closed or died: no reply is coming
+                        raise ConnectionResetError("the stream ended before the reply")
                     if _replied_step(response, self.hop.peer_id) in (None, step_id):
                         break
-        except BaseException:
-            self.closed = True  # a failed stream cannot take more steps
+        except BaseException:  # a failed stream takes no more steps (a cancelled read leaves it unreadable)
+            self.closed, self._stream = True, None
+            stream.close()
             raise
         outputs = wire_tensors.deserialize(response.tensors[0], "outputs") if response.tensors else None
         if outputs is None or outputs.shape != shape:
@@ -179,15 +179,17 @@ class SpanSession:
         stream, self._stream = self._stream, None
         if stream is None:
             return
-        await self._queue.put(None)
-        try:  # drain: the server's generator ends once it sees our end of stream
-            await asyncio.wait_for(_drain(stream), CLOSE_TIMEOUT)
+        try:  # end our side, then drain: the server frees the cache once its replies are out
+            await asyncio.wait_for(_end_and_drain(stream), CLOSE_TIMEOUT)
         except Exception:  # the session is over either way; the server frees it when the stream dies
             pass
+        finally:
+            stream.close()
 
 
-async def _drain(stream: AsyncIterator[runtime_pb2.ExpertResponse]) -> None:
-    async for _ in stream:
+async def _end_and_drain(stream: Stream) -> None:
+    await stream.end()
+    while await stream.receive(ExpertResponse) is not None:
         pass
 
 

@@ -1,8 +1,9 @@
 """A whole swarm on 127.0.0.1 in child processes: one DHT peer, N servers and optionally API servers
 (demo, tests, benchmarks).
 
-Every child runs `python -m corolla ...` in its own process group with NAT port mapping off, writes its
-logs to a file in the work folder, and reports readiness with one line on stdout. Stopping sends SIGTERM
+Every child runs the `corolla ...` command line (forked from a process that has imported corolla already,
+see swarm/forked.py) in its own process group with NAT port mapping off, writes its logs to a file in
+the work folder, and reports readiness with one line on stdout. Stopping sends SIGTERM
 (servers announce OFFLINE and exit), then SIGKILL to whatever is left of each process group, so the
 DHT child processes and libp2p daemons of every peer go too. Only processes started here are signalled.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
+from corolla.swarm.forked import ForkedPeer, fork_peer
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +40,18 @@ class PeerProcess:
     def __init__(
         self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], wrapper: Sequence[str] = ()
     ):
-        """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace."""
+        """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
+        without one, the peer is forked from a process that has imported corolla already (swarm/forked.py)."""
         self.name, self.log_path = name, log_path
         self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
-        with open(log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        self.popen: subprocess.Popen | ForkedPeer
+        if wrapper:
+            with open(log_path, "wb") as log:
+                self.popen = subprocess.Popen(
+                    self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+        else:
+            self.popen = fork_peer(args, log_path, env)
         self.pid = self.popen.pid
         self.peer_id: str | None = None
         self.blocks: tuple[int, int] | None = None
@@ -88,10 +95,13 @@ class PeerProcess:
         self.kill_group()
 
     def kill_group(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)  # the group was created for this child (start_new_session)
-        except ProcessLookupError:
-            pass
+        if isinstance(self.popen, ForkedPeer):
+            self.popen.kill_group()
+        else:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # its own group (start_new_session)
+            except ProcessLookupError:
+                pass
         self.popen.wait()
 
 

@@ -1,0 +1,90 @@
+"""Starting `corolla` peers by forking a process that has already imported corolla, torch and hivemind.
+
+A fresh `python -m corolla server` spends about 2 CPU-seconds importing before it does anything; a local
+swarm of five servers on a two-core machine then takes 12 s to start instead of 4. Local swarms (tests,
+`corolla demo`, benchmarks) therefore fork their peers from one multiprocessing fork server that
+preloads those modules. Each peer is still a process of its own: it starts its own session (process
+group), writes stdout and stderr to its log, runs the same `corolla` command line, and is stopped and
+killed with signals like any other. The `ForkedPeer` object answers the few `subprocess.Popen` calls
+that `PeerProcess` makes.
+
+Environment variables that libraries read when they are imported (HF_HUB_OFFLINE) take the values the
+fork server started with, which are the first local swarm's; thread counts are set again in each peer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+PRELOAD = ["corolla.cli.main", "corolla.server.server"]
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def fork_peer(args: Sequence[str], log_path: Path, env: dict[str, str]) -> ForkedPeer:
+    """Start `corolla ARGS` as a forked peer, its output going to `log_path`."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    log_path.write_bytes(b"")  # exists at once: the caller reads it while the peer starts
+    # not daemonic: a peer runs a DHT, which is a child process of its own
+    process = _context.Process(target=_peer_main, args=(list(args), str(log_path), env), daemon=False)
+    process.start()
+    return ForkedPeer(process, list(args))
+
+
+class ForkedPeer:
+    """A forked peer, with the Popen methods PeerProcess uses (its return code is -N if signal N ended it)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]):
+        self._process, self.args, self.pid = process, args, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL its process group (its DHT process and daemon too), or itself if it has none yet."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had not started its own session yet
+            if self._process.exitcode is None:
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _peer_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """In the forked child: a session of its own, output to the log, the environment, then `corolla`."""
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own streams)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # OpenMP read the fork server's environment when torch was imported
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    from corolla.cli.main import main
+
+    main(args)
