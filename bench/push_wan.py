@@ -89,6 +89,7 @@ def main() -> None:
         run_client(args.client, args.new_tokens, args.runs)
         return
     from corolla.models.source import resolve_model
+    from corolla.swarm.addresses import peer_args
     from corolla.swarm.local import READY_SERVER, PeerProcess
 
     resolve_model("smollm2")  # convert once, before any server needs it
@@ -106,8 +107,7 @@ def main() -> None:
         initial = [dht.wait_for(re.compile(r"--initial-peers (/ip4/10\.77\.0\.10/\S+)"), 120).group(1)]
         for host, (start, end) in enumerate(SPANS, start=1):
             server_args = ["server", "smollm2", "--blocks", f"{start}:{end}", "--host", address(host),
-                           "--no-nat-port-map", "--num-threads", "1", "--initial-peers",
-                           *initial]  # fmt: skip
+                           "--no-nat-port-map", "--num-threads", "1", *peer_args(initial)]  # fmt: skip
             peers.append(
                 PeerProcess(f"server {host}", server_args, workdir / f"server{host}.log", env, netns(host))
             )

@@ -1,9 +1,10 @@
 """Errors that corolla raises, and how they cross the wire.
 
 Every error a peer or a user can cause is a `CorollaError` subclass whose message names the field and the
-limit involved. hivemind sends a failed handler's `str(e)` (streams) or `repr(e)` (unary calls) to the
-caller, so both render as "ClassName: message"; the client turns that text back into the same class with
-`decode_remote_error`. Nothing here imports torch or hivemind.
+limit involved. `str(e)` is the message alone (a traceback already names the class); `repr(e)` and
+`wire_text(e)` are "ClassName: message", the text that crosses the wire: hivemind sends a failed unary
+handler's `repr(e)`, and the stream handlers raise `WireError(wire_text(e))`. The client turns that text
+back into the same class with `decode_remote_error`. Nothing here imports torch or hivemind.
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ class CorollaError(Exception):
         self.message = message
 
     def __str__(self) -> str:
-        return f"{type(self).__name__}: {self.message}"
+        return self.message
 
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return wire_text(self)
+
+
+def wire_text(error: CorollaError) -> str:
+    """The text an error travels as to the peer that caused it: "ClassName: message"."""
+    return f"{type(error).__name__}: {error.message}"
+
+
+class WireError(Exception):
+    """What a stream handler raises for a CorollaError: its str() is the wire text."""
 
 
 class InvalidRequest(CorollaError):
@@ -56,6 +67,10 @@ class UnsupportedModel(CorollaError):
     """A checkpoint uses an architecture or option corolla does not implement."""
 
 
+class StartFailed(CorollaError):
+    """This peer could not start: its listen address or port, or none of its initial peers answered."""
+
+
 class RemoteError(CorollaError):
     """A server failed with an error that is not one of corolla's own types."""
 
@@ -65,6 +80,11 @@ _WIRE_ERRORS: dict[str, type[CorollaError]] = {
     for cls in (InvalidRequest, SessionNotFound, CacheExhausted, SessionTimeout, ServerUnavailable)
 }
 _WIRE_PATTERN = re.compile(r"\b(" + "|".join(_WIRE_ERRORS) + r"): (.*)", re.DOTALL)
+
+
+def counted(count: int, noun: str) -> str:
+    """ "1 server", "2 servers": a count with its noun in the right number (nouns taking an -s)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def decode_remote_error(text: str, peer: str = "") -> CorollaError:

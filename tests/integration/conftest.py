@@ -30,6 +30,16 @@ def smol_reference(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def smol_api(smol_swarm):
+    """`corolla api` over smol_swarm, shared by the API, dashboard and README tests (test_api, which counts
+    requests in the metrics, runs first). Its --max-model-len is the swarm's session limit."""
+    process = smol_swarm.add_api(extra_args=["--max-model-len", "1024"])
+    yield process
+    process.stop()
+    smol_swarm.apis.remove(process)
+
+
+@pytest.fixture(scope="session")
 def smol_client(smollm2_path, smol_swarm):
     model = connect(smollm2_path, smol_swarm)
     yield model

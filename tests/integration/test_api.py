@@ -26,11 +26,8 @@ POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def api(smol_swarm):
-    process = smol_swarm.add_api(extra_args=["--max-model-len", "1024"])
-    yield process
-    process.stop()
-    smol_swarm.apis.remove(process)
+def api(smol_api):
+    return smol_api
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +210,25 @@ def test_bad_chat_requests_get_openai_errors(api, body, status, param):
     assert set(answer) == {"error"} and answer["error"]["message"] and answer["error"]["type"]
     if param is not None:
         assert answer["error"]["param"] == param
+
+
+def test_errors_name_the_field_not_the_validator_and_unknown_routes_answer_openai_errors(api):
+    bad_part = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    code, answer = post(f"{api.url}/v1/chat/completions", bad_part)
+    assert code == 400 and answer["error"]["param"] == "messages.0.content"
+    assert "messages.0.content.0.text: Field required" in answer["error"]["message"]
+    assert not any(
+        internal in answer["error"]["message"] for internal in ("function-after", "TextPart", "list[")
+    )
+    for method, route, status in [("GET", "/v1/nope", 404), ("POST", "/v1/models", 405)]:
+        request = urllib.request.Request(
+            f"{api.url}{route}", method=method, data=b"{}" if method == "POST" else None
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == status
+        error = json.loads(info.value.read())["error"]
+        assert route in error["message"] and error["type"] == "invalid_request_error"
 
 
 def test_bad_completion_requests_and_the_server_keeps_serving(api, openai_client):

@@ -52,11 +52,8 @@ def coverage(swarm: LocalSwarm, num_blocks: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def api(smol_swarm):
-    process = smol_swarm.add_api()
-    yield process
-    process.stop()
-    smol_swarm.apis.remove(process)
+def api(smol_api):
+    return smol_api
 
 
 def test_the_dashboard_draws_every_block_and_server(api, smol_swarm, tmp_path):

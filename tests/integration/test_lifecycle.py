@@ -131,7 +131,7 @@ def test_cli_help_and_bad_arguments(tiny_models):
         ["server", "--help"],
         ["server", llama, "--blocks", "4:9", "--host", "127.0.0.1", "--no-nat-port-map"],
         ["server", llama, "--blocks", "3:1"],
-        ["server", "/no/such/model", "--host", "127.0.0.1", "--no-nat-port-map"],
+        ["server", "/no/such/model", "--host", "127.0.0.1", "--no-nat-port-map", "--log-level", "ERROR"],
     )
     help_text = help_run.stdout
     for command in ("dht", "server", "generate", "demo"):
@@ -153,4 +153,6 @@ def test_cli_help_and_bad_arguments(tiny_models):
         and "--blocks 4:9 is not a range inside the model's 6 blocks" in bad_range.stderr
     )
     assert reversed_range.returncode == 2 and "expected A:B with 0 <= A < B" in reversed_range.stderr
-    assert no_model.returncode == 2 and "neither a folder" in no_model.stderr
+    assert no_model.returncode == 2 and "no such folder or file: /no/such/model" in no_model.stderr
+    assert "Traceback" not in no_model.stderr
+    assert no_model.stderr.count("\n") == 1  # --log-level ERROR after the subcommand took effect

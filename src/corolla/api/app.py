@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
@@ -51,6 +52,17 @@ def build_app(serving: OpenAIServing) -> FastAPI:  # noqa: C901 (a table of smal
 
     app = FastAPI(title="corolla", summary="OpenAI-compatible API over a corolla swarm", lifespan=lifespan)
     metrics = serving.metrics
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        """Unknown routes and methods get OpenAI's error shape too, not FastAPI's {"detail": ...}."""
+        known = {404: "no such route", 405: "method not allowed on this route"}
+        message = f"{known.get(e.status_code, e.detail)}: {request.method} {request.url.path}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        error = ErrorResponse.make(e.status_code, message, "invalid_request_error", code=code)
+        return JSONResponse(
+            error.model_dump(), status_code=e.status_code, headers=getattr(e, "headers", None)
+        )
 
     def answer(endpoint: str, result: Any) -> Response:
         if isinstance(result, ErrorResponse):
@@ -126,12 +138,22 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel | ErrorRe
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5]
-        )
-        return ErrorResponse.make(400, message, "invalid_request_error", param)
+        problems = dict.fromkeys(f"{_field(err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+        param = _field(e.errors()[0]["loc"]) or None
+        return ErrorResponse.make(400, "; ".join(list(problems)[:5]), "invalid_request_error", param)
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field(loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as the request's field path: `messages.0.content`, without the
+    tags pydantic adds for each member of a union (`str`, `list[function-after[..., TextPart]]`)."""
+
+    def is_tag(part: int | str) -> bool:
+        return isinstance(part, str) and (not part.isidentifier() or part[0].isupper() or part in TYPE_TAGS)
+
+    return ".".join(str(part) for part in loc if not is_tag(part))
 
 
 async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:

@@ -78,11 +78,14 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=self.name, max_model_len=self.max_model_len)])
 
     async def overview(self) -> dict:
-        """The swarm as the DHT shows it; read at most once per OVERVIEW_TTL however many dashboards poll."""
+        """The swarm: the DHT's servers with their live figures; read at most once per OVERVIEW_TTL however
+        many dashboards poll."""
         cached = self._overview
         if cached is None or time.monotonic() - cached[0] > OVERVIEW_TTL:
             swarm = self.model.swarm
-            job = read_overview(swarm.dht, swarm.dht_prefix, swarm.num_blocks)
+            job = read_overview(
+                swarm.dht, swarm.dht_prefix, swarm.num_blocks, swarm.model_fingerprint, swarm.p2p
+            )
             overview = await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(job, self.model.runtime.loop)
             )

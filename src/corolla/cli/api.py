@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import socket
 
 from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.cli.signals import exit_on
 from corolla.config import ClientConfig
-from corolla.errors import InvalidRequest
+from corolla.errors import InvalidRequest, StartFailed
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +66,17 @@ def run(args: argparse.Namespace) -> None:
     from corolla.api.serving import OpenAIServing
     from corolla.client.model import DistributedModelForCausalLM
 
+    # uvicorn stops on SIGTERM, then raises it again with the handler it found: this one, which ends the
+    # command through `with model` (its DHT process and daemon stop too) instead of killing it
+    exit_on(signal.SIGTERM, status=0)
+    exit_on(signal.SIGHUP)
     if not 0 < args.http_port <= 65535:
         raise InvalidRequest(f"--port must lie in 1..65535, got {args.http_port}")
     if args.max_model_len < 2:
         raise InvalidRequest(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.routing_timeout < 0:
         raise InvalidRequest(f"--routing-timeout must not be negative, got {args.routing_timeout}")
+    check_http_port(args.http_host, args.http_port)  # before the swarm and the "Serving at" line
     config = ClientConfig(swarm=swarm_config(args, client_mode=True), routing_timeout=args.routing_timeout)
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
@@ -83,3 +91,20 @@ def run(args: argparse.Namespace) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
         )
+
+
+def check_http_port(host: str, port: int) -> None:
+    """StartFailed unless this process can listen on host:port (another program may hold it)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise StartFailed(f"--host {host!r} is not an address of this machine ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise StartFailed(
+                f"HTTP port {port} on {host} is not available ({e.strerror}): stop what holds it, or pass "
+                "another --port"
+            ) from None

@@ -8,6 +8,7 @@ import sys
 
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
+from corolla.swarm.addresses import parse_peer
 
 
 def setup_logging(level: str) -> None:
@@ -26,10 +27,12 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen
     group = parser.add_argument_group("swarm")
     group.add_argument(
         "--initial-peers",
-        nargs="+",
+        action="append",
+        type=_peer,
         default=[],
         metavar="MADDR",
-        help="multiaddresses of peers already in the swarm (printed by `corolla dht`)",
+        help="multiaddress of a peer already in the swarm, as `corolla dht` prints it (repeat the option "
+        "for several peers)",
     )
     group.add_argument(
         f"--{listen_flag}host",
@@ -62,6 +65,13 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen
         metavar="PATH",
         help="private key file that fixes this peer's id across restarts (created if missing)",
     )
+
+
+def _peer(text: str) -> str:
+    try:
+        return parse_peer(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> SwarmConfig:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from corolla.cli.generate import add_generation_args, encode_prompt, sampling_params, stream_completion
-from corolla.models.config import ModelConfig
+from corolla.cli.signals import exit_on
 from corolla.models.source import DEFAULT_MODEL, resolve_model
-from corolla.swarm.local import LocalSwarm, even_spans
+
+if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
+    from corolla.swarm.local import LocalSwarm
 
 DEFAULT_PROMPT = "What is the capital of France, and what is it famous for?"
 
@@ -49,7 +53,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     from corolla.client.model import DistributedModelForCausalLM
 
+    exit_on(signal.SIGTERM, signal.SIGHUP)  # through LocalSwarm's exit: every peer is stopped
     params = sampling_params(args)
+    from corolla.models.config import ModelConfig
+    from corolla.swarm.local import LocalSwarm, even_spans
+
     source = resolve_model(args.model)  # converts a GGUF once, before any server needs it
     num_blocks = ModelConfig.from_folder(source.path).num_hidden_layers
     spans = even_spans(num_blocks, max(1, min(args.servers, num_blocks)))

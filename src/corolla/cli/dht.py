@@ -8,7 +8,6 @@ import signal
 import threading
 
 from corolla.cli.common import add_swarm_args, swarm_config
-from corolla.swarm.dht import start_dht, visible_addresses
 
 logger = logging.getLogger(__name__)
 
@@ -18,15 +17,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "dht",
         help="start a DHT bootstrap peer",
         description="Start a DHT peer that servers and clients use to find each other. It prints the "
-        "multiaddress to pass to their --initial-peers and runs until SIGINT or SIGTERM.",
+        "multiaddress to pass to their --initial-peers and runs until SIGINT, SIGTERM or SIGHUP.",
     )
     add_swarm_args(parser, default_host="0.0.0.0")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
+    from corolla.swarm.dht import start_dht, visible_addresses  # here: `corolla --help` stays quick
+
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     dht = start_dht(swarm_config(args))
     try:

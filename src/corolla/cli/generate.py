@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from corolla.cli.common import add_swarm_args, swarm_config
-from corolla.client.sampling import SamplingParams
-from corolla.client.text import IncrementalText
+from corolla.cli.signals import exit_on
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
+
+if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
+    from corolla.client.sampling import SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text with a model served by the swarm",
-        description="Generate a completion of PROMPT with MODEL's blocks running on the swarm, printing "
-        "tokens as they arrive. Chat models get their chat template applied (see --raw).",
+        description="Generate a completion of PROMPT with MODEL's blocks running on the swarm (reached "
+        "through --initial-peers, which is required), printing tokens as they arrive. Chat models get "
+        "their chat template applied (see --raw).",
     )
     parser.add_argument(
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
@@ -55,6 +59,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from corolla.client.sampling import SamplingParams
+
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -84,6 +90,8 @@ def stream_completion(
 ) -> tuple[str, int]:
     """Generate and print text as it arrives (never a stop string, nor half a character); returns the
     completion and the number of tokens generated."""
+    from corolla.client.text import IncrementalText
+
     text = IncrementalText(model.tokenizer, params.stop, model.eos_token_ids, params.ignore_eos)
     for tokens in model.generate_stream(input_ids, params):
         out.write(text.add(int(tokens[0])))
@@ -98,6 +106,12 @@ def stream_completion(
 def run(args: argparse.Namespace) -> None:
     from corolla.client.model import DistributedModelForCausalLM
 
+    if not args.initial_peers:  # alone, it would wait the routing timeout (30 s) for servers it cannot find
+        raise InvalidRequest(
+            "no --initial-peers: this client knows no peer to find servers through; pass the address "
+            "`corolla dht` (or a server) prints, e.g. --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm..."
+        )
+    exit_on(signal.SIGTERM, signal.SIGHUP)  # through `with model`: its DHT process and daemon stop too
     params = sampling_params(args)
     config = ClientConfig(swarm=swarm_config(args, client_mode=True))
     with DistributedModelForCausalLM.from_pretrained(

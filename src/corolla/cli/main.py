@@ -19,16 +19,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run large language models across a swarm of ordinary machines.",
     )
     parser.add_argument("--version", action="version", version=f"corolla {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging verbosity (logs go to stderr; default: %(default)s)",
-    )
+    _log_level_option(parser, "INFO")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
+    for subparser in subparsers.choices.values():  # also after the subcommand; unset there, INFO stays
+        _log_level_option(subparser, argparse.SUPPRESS)
     return parser
+
+
+def _log_level_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity (logs go to stderr; default: INFO)",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+from typing import TYPE_CHECKING
 
 from corolla.cli.common import add_swarm_args, swarm_config
 from corolla.config import DTYPES, EngineConfig, ServerConfig
-from corolla.server.server import Server, serve
+
+if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
+    from corolla.server.server import Server
 
 ENGINE_OPTIONS = (
     "max_cache_tokens",
@@ -155,11 +158,11 @@ def _operation_options(parser: argparse.ArgumentParser, defaults: ServerConfig) 
     )
     parser.add_argument(
         "--adapters",
-        nargs="+",
+        action="append",
         default=[],
         metavar="[NAME=]PATH",
-        help="PEFT LoRA adapter folders to serve for this span (named after the folder unless NAME= is "
-        "given); a request selects one by name with active_adapter",
+        help="a PEFT LoRA adapter folder to serve for this span (named after the folder unless NAME= is "
+        "given; repeat the option for several); a request selects one by name with active_adapter",
     )
     option(
         "metrics_port",
@@ -215,4 +218,6 @@ def _print_ready(server: Server) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from corolla.server.server import serve
+
     asyncio.run(serve(build_config(args), on_ready=_print_ready))

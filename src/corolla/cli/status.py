@@ -45,7 +45,11 @@ def run(args: argparse.Namespace) -> None:
             raise InvalidRequest(
                 "no server announces " + (f"model {args.model}" if args.model else "any model") + " now"
             )
-        return [await read_overview(dht, prefix, blocks) for prefix, blocks in models.items()]
+        p2p = await dht.replicate_p2p()  # each server's live figures, not its last announcement
+        try:
+            return [await read_overview(dht, prefix, blocks, p2p=p2p) for prefix, blocks in models.items()]
+        finally:
+            await p2p.shutdown()
 
     dht = start_dht(config)
     try:

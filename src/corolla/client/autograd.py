@@ -21,7 +21,7 @@ import torch
 from corolla.client.remote_passes import remote_backward, remote_forward
 from corolla.client.runtime import LoopThread
 from corolla.client.swarm import RETRYABLE, SwarmClient
-from corolla.errors import ServerUnavailable
+from corolla.errors import ServerUnavailable, counted
 from corolla.swarm.routing import Hop
 
 
@@ -38,7 +38,7 @@ class _Retries:
         self.failures += 1
         if self.failures > self.swarm.config.max_retries or time.monotonic() > self.deadline:
             raise ServerUnavailable(
-                f"giving up after {self.failures} failed servers; last: {error}"
+                f"giving up after {counted(self.failures, 'failed server')}; last: {error}"
             ) from error
         self.swarm.ban(hop.peer_id)
         return await self.swarm.route(hop.start, hop.end)

@@ -23,7 +23,7 @@ import torch
 from corolla.client.runtime import LoopThread
 from corolla.client.span_session import SpanSession
 from corolla.client.swarm import RETRYABLE, SwarmClient
-from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.errors import InvalidRequest, ServerUnavailable, counted
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
@@ -58,7 +58,7 @@ class InferenceSession:
         """Span sessions over blocks [start, end), re-routing around servers that fail to open."""
         swarm = self.swarm
         for _ in range(swarm.config.max_retries + 1):
-            hops = await swarm.route(start, end, needed_cache=self.max_length)
+            hops = await swarm.route(start, end, needed_cache=self.max_length, max_length=self.max_length)
             swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
             spans = [
                 SpanSession(
@@ -144,7 +144,9 @@ class InferenceSession:
             except RETRYABLE as e:
                 failures += 1
                 if failures > self.swarm.config.max_retries or time.monotonic() > deadline:
-                    raise ServerUnavailable(f"giving up after {failures} failed servers; last: {e}") from e
+                    raise ServerUnavailable(
+                        f"giving up after {counted(failures, 'failed server')}; last: {e}"
+                    ) from e
                 logger.warning("Server ...%s failed (%s); replacing it", span.hop.peer_id[-6:], e)
                 await self._replace(index)
                 continue

@@ -77,7 +77,7 @@ class DistributedModelForCausalLM:
         head = ModelHead.load(source.path, parse_dtype(config.dtype, model_config))
         prefix = dht_prefix or config.dht_prefix or dht_prefix_for(source.name)
         runtime = LoopThread()
-        swarm = SwarmClient(config, prefix, model_config.num_hidden_layers)
+        swarm = SwarmClient(config, prefix, model_config.num_hidden_layers, model_config.fingerprint())
         try:
             runtime.run(swarm.start())
         except BaseException:
@@ -182,7 +182,10 @@ class DistributedModelForCausalLM:
         session: InferenceSession | None = None,
         **kwargs: Any,
     ) -> Iterator[torch.Tensor]:
-        """A synchronous iterator over each step's new tokens [B], yielded as soon as they are sampled."""
+        """A synchronous iterator over each step's new tokens [B], yielded as soon as they are sampled.
+
+        Tokens, as transformers' `generate(stop_strings=...)` has them: a `stop` string ends a row with the
+        token that completes it, which is yielded (the API and the CLI cut the text before it)."""
         stream = self.agenerate(input_ids, params, session, **kwargs)
         try:
             while True:

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+CANCEL_TIMEOUT = 10.0  # how long an interrupted call waits for its cancelled coroutine to end
 
 
 class LoopThread:
@@ -36,11 +37,16 @@ class LoopThread:
         if not self.loop.is_running():
             coro.close()
             raise RuntimeError("the client is shut down")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        ended = threading.Event()
+        future = asyncio.run_coroutine_threadsafe(_tracked(coro, ended), self.loop)
         try:
             return future.result(timeout)
         except BaseException:
+            # Ctrl-C or a timeout here: cancel the coroutine and let it unwind (its finally clauses, the
+            # step of an async generator) before the caller goes on, or a caller that then closes what it
+            # was using (generate_stream's aclose) would find it still running
             future.cancel()
+            ended.wait(CANCEL_TIMEOUT)
             raise
 
     def stop(self) -> None:
@@ -50,6 +56,13 @@ class LoopThread:
             self._thread.join(timeout=10)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+async def _tracked(coro: Coroutine[Any, Any, T], ended: threading.Event) -> T:
+    try:
+        return await coro
+    finally:
+        ended.set()
 
 
 async def _cancel_all_tasks() -> None:

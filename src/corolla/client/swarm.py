@@ -23,6 +23,7 @@ from corolla.client.estimates import ServerEstimates
 from corolla.config import ClientConfig
 from corolla.errors import (
     CacheExhausted,
+    InvalidRequest,
     MissingBlocks,
     RemoteError,
     ServerUnavailable,
@@ -31,19 +32,24 @@ from corolla.errors import (
 )
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
 from corolla.swarm.ping import fetch_status, ping
-from corolla.swarm.routing import Hop, choose_chain
+from corolla.swarm.routing import Hop, choose_chain, format_blocks, uncovered_blocks
 from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT = 2.0
-# errors another server may not repeat; InvalidRequest (our own mistake) and MissingBlocks are final
+# errors another server may not repeat. InvalidRequest and MissingBlocks raised here are final (a server's
+# InvalidRequest for a request the client checked is its own fault: see remote_errors)
 RETRYABLE = (ServerUnavailable, SessionTimeout, CacheExhausted, RemoteError)
 
 
 class SwarmClient:
-    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int):
+    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int, model_fingerprint: str = ""):
+        """`model_fingerprint` (ModelConfig.fingerprint()): servers that announce another one serve another
+        model under the same prefix; they are left out of `spans` and listed in `mismatched`."""
         self.config, self.dht_prefix, self.num_blocks = config, dht_prefix, num_blocks
+        self.model_fingerprint = model_fingerprint
+        self.mismatched: dict[str, RemoteSpan] = {}  # peer id -> the last record of such a server
         self.dht: DHT | None = None
         self.p2p: P2P | None = None
         self.spans: list[RemoteSpan] = []
@@ -90,11 +96,47 @@ class SwarmClient:
         return await asyncio.shield(self._refreshing)
 
     async def _refresh(self) -> list[RemoteSpan]:
-        self.spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks)
+        spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks)
+        self.spans = [s for s in spans if self._same_model(s)]
         self._refreshed_at = time.monotonic()
         banned = self.banned()
         await asyncio.gather(*(self._ping(s.peer_id) for s in self.spans if s.peer_id not in banned))
         return self.spans
+
+    def _long_enough(
+        self, spans: list[RemoteSpan], start: int, end: int, max_length: int
+    ) -> list[RemoteSpan]:
+        """The spans that take sessions of `max_length` tokens; InvalidRequest if the blocks are served,
+        but only by servers with a lower limit (a request no server would take: refused before sending)."""
+        banned, allowed = self.banned(), self.config.allowed_servers
+        served = [s for s in spans if s.peer_id not in banned and (allowed is None or s.peer_id in allowed)]
+        usable = [s for s in spans if s.info.inference_max_length >= max_length]
+        short = uncovered_blocks([s for s in served if s.info.inference_max_length >= max_length], start, end)
+        if short and not uncovered_blocks(served, start, end):
+            limit = max(s.info.inference_max_length for s in served if s.start <= short[0] < s.end)
+            raise InvalidRequest(
+                f"max_length={max_length} exceeds the inference_max_length of every server for blocks "
+                f"{format_blocks(short)} (at most {limit})"
+            )
+        return usable
+
+    def _same_model(self, span: RemoteSpan) -> bool:
+        theirs, ours = span.info.model_fingerprint, self.model_fingerprint
+        if not theirs or not ours or theirs == ours:  # a peer too old to announce one is taken on trust
+            return True
+        if span.peer_id not in self.mismatched:
+            logger.warning(
+                "Ignoring server ...%s: it announces blocks %d:%d of %s for another model (fingerprint %s, "
+                "this model's is %s)",
+                span.peer_id[-6:],
+                span.start,
+                span.end,
+                self.dht_prefix,
+                theirs,
+                ours,
+            )
+        self.mismatched[span.peer_id] = span
+        return False
 
     async def _ping(self, peer_id: str) -> None:
         # a server met for the first time gets a few pings: one round trip alone is noise
@@ -104,8 +146,11 @@ class SwarmClient:
                 return  # unreachable now: its steps will fail over if it is used anyway
             self.estimates.ping(peer_id, *answer)
 
-    async def route(self, start: int = 0, end: int | None = None, needed_cache: int = 0) -> list[Hop]:
-        """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage."""
+    async def route(
+        self, start: int = 0, end: int | None = None, needed_cache: int = 0, max_length: int = 0
+    ) -> list[Hop]:
+        """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage;
+        only servers whose inference_max_length allows `max_length` (an inference session's) count."""
         end = self.num_blocks if end is None else end
         deadline = time.monotonic() + self.config.routing_timeout
         delay = 0.2
@@ -114,6 +159,7 @@ class SwarmClient:
                 await self.refresh()
             adapter = self.config.active_adapter
             spans = [s for s in self.spans if adapter is None or adapter in s.info.adapters]
+            spans = self._long_enough(spans, start, end, max_length)
             try:
                 return choose_chain(
                     spans,
@@ -168,6 +214,11 @@ async def remote_errors(peer_id: str, timeout: float) -> AsyncIterator[None]:
     try:
         yield
     except P2PHandlerError as e:
+        error = decode_remote_error(str(e))
+        if isinstance(error, InvalidRequest):  # the client checked what it sent: this server is at fault
+            raise ServerUnavailable(
+                f"server ...{short} refused a well-formed request: {error.message}"
+            ) from None
         raise decode_remote_error(str(e), f"...{short}") from None
     except (asyncio.TimeoutError, TimeoutError):
         raise ServerUnavailable(f"server ...{short} did not reply within {timeout:.1f}s") from None

@@ -7,6 +7,8 @@ Family differences (Qwen2's qkv bias, Mistral's sliding window) become plain fie
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,14 @@ import torch
 from corolla.errors import InvalidRequest, UnsupportedModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# fields that replicas of the same blocks may differ in: precision, token ids, the context limit
+NOT_FINGERPRINTED = (
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_ids",
+    "pad_token_id",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +67,17 @@ class ModelConfig:
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def fingerprint(self) -> str:
+        """A short hash of what makes two servers' blocks interchangeable: the fields that set the blocks'
+        shapes and computation. Floats count to 6 significant digits, so a GGUF conversion (which stores
+        them as float32) matches the original config.json. It cannot tell two sets of weights of the same
+        architecture apart (a fine-tune): checking outputs is what catches those."""
+        fields = dataclasses.asdict(self)
+        for name in NOT_FINGERPRINTED:
+            fields.pop(name)
+        text = json.dumps(_rounded(fields), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
         """Attention cache size of one token in one block: keys and values of every kv head."""
         return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
@@ -76,6 +97,16 @@ class ModelConfig:
         from corolla.models.registry import get_family  # the registry imports this module
 
         return get_family(raw.get("model_type")).parse_config(raw)
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def parse_llama_like(

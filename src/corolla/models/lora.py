@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's format, served by a span and chosen per request.
 
-A server loads the adapters named on its command line (`--adapters PATH...`, PEFT folders with
+A server loads the adapters named on its command line (`--adapters PATH`, repeatable: PEFT folders with
 adapter_config.json and adapter_model.safetensors), reading only its own blocks' LoRA weights. Every
 targeted linear layer of a block becomes a `LoraLinear`: the frozen base output, plus
 `scale * (x @ A^T) @ B^T` for the tokens of requests that chose an adapter. Which tokens use which

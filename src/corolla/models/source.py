@@ -65,12 +65,25 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
         if path.suffix.lower() != ".gguf":
             raise UnsupportedModel(f"{path} is a file but not a .gguf; pass a model folder or a GGUF file")
         return ModelSource(_convert_gguf(path.resolve(), path.stem), path.stem)
+    if _looks_local(spec_str, path):
+        raise UnsupportedModel(
+            f"no such folder or file: {spec_str} (MODEL is a model folder, a .gguf file, a hub id owner/name "
+            f"or {SMOLLM2_ALIASES[0]}); check the path"
+        )
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec_str):
         return ModelSource(_download(spec_str), spec_str.split("/")[-1])
     raise UnsupportedModel(
         f"model {spec_str!r} is neither a folder, a .gguf file, a hub id (owner/name) nor one of "
         f"{', '.join(SMOLLM2_ALIASES)}"
     )
+
+
+def _looks_local(spec: str, path: Path) -> bool:
+    """A MODEL that does not exist but is meant as a path: it starts like one (./ ../ / ~), names a .gguf
+    file, or its first part is a folder here (`models/x` with a `models` folder), unlike a hub id."""
+    if spec.startswith(("./", "../", "/", "~")) or path.suffix.lower() == ".gguf":
+        return True
+    return len(path.parts) > 1 and Path(path.parts[0]).is_dir()
 
 
 def _folder_name(folder: Path) -> str:
@@ -103,7 +116,10 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, no access: all mean "cannot get this model here"
-        raise UnsupportedModel(f"cannot fetch {repo_id!r} from the hub ({type(e).__name__}: {e})") from None
+        raise UnsupportedModel(
+            f"{repo_id!r} is not a folder or file here, and the hub cannot provide it as a model id "
+            f"({type(e).__name__}: {e})"
+        ) from None
 
 
 def _convert_gguf(gguf: Path, name: str) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from corolla.errors import InvalidRequest
 from corolla.models.attention import AttentionContext, NoCache
@@ -39,7 +40,11 @@ class Span(nn.Module):
         config = ModelConfig.from_folder(folder)
         span = cls(config, start, end)
         checkpoint = Checkpoint(folder)
-        for offset, block in enumerate(span.blocks):
+        # a progress bar on a terminal (tqdm leaves logs and pipes alone): big spans take minutes to read
+        blocks = tqdm(
+            span.blocks, desc=f"Loading blocks {start}:{end}", unit="block", disable=None, leave=False
+        )
+        for offset, block in enumerate(blocks):
             block.load_state_dict(checkpoint.read_block(start + offset, dtype), strict=True, assign=True)
         span.requires_grad_(False)
         return span.eval()

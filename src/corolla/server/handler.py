@@ -18,7 +18,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.engine.sequence import Gradients
-from corolla.errors import CorollaError, InvalidRequest
+from corolla.errors import CorollaError, InvalidRequest, WireError, wire_text
 from corolla.server.inference import InferenceService, StepMessage, next_within
 from corolla.server.passes import PassService, output_compression
 from corolla.server.sessions import Completed
@@ -177,9 +177,9 @@ async def _reading_to_the_end(requests: AsyncIterator[ExpertRequest]) -> AsyncIt
     """
     try:
         yield
-    except CorollaError:
+    except CorollaError as e:
         deadline = asyncio.get_running_loop().time() + ERROR_DRAIN_SECONDS
         with contextlib.suppress(Exception):
             while (left := deadline - asyncio.get_running_loop().time()) > 0:
                 await asyncio.wait_for(anext(requests), left)
-        raise
+        raise WireError(wire_text(e)) from e  # hivemind sends a stream's error as str(): keep the class

@@ -42,6 +42,7 @@ from corolla.swarm.dht import placed_servers, start_dht
 from corolla.wire.records import ServerState
 
 logger = logging.getLogger(__name__)
+DHT_EXIT_GRACE = 0.25  # on a signal, how long to wait for the DHT process to exit (when the group got it)
 
 
 class Server:
@@ -107,7 +108,14 @@ class Server:
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)
         dtype = str(self.dtype).replace("torch.", "")
         self.status = StatusBoard(
-            self.spans, self.inference, config, __version__, dtype, self.throughput, self.links
+            self.spans,
+            self.inference,
+            config,
+            __version__,
+            dtype,
+            self.throughput,
+            self.links,
+            self.model.fingerprint(),
         )
         if self.metrics is not None:
             self.metrics.serve(config.metrics_host, config.metrics_port, self.status.snapshot)
@@ -162,6 +170,11 @@ class Server:
         if self.inference is None:
             return
         self.inference.draining = True
+        # SIGTERM to the whole process group ends the DHT process (and its daemon) too, a moment later
+        await asyncio.to_thread(self.dht.join, DHT_EXIT_GRACE)
+        if not self.dht.is_alive():
+            logger.warning("The DHT process has exited: no peer can reach this server any more; not draining")
+            return
         await self._announce_offline()
         deadline = asyncio.get_running_loop().time() + timeout
         while self.spans.num_sessions and not hurry.is_set():
@@ -182,6 +195,8 @@ class Server:
             return
         await self.announcer.stop()
         self.status.state = ServerState.OFFLINE
+        if not self.dht.is_alive():  # nothing to announce through; the records expire on their own
+            return
         try:
             await asyncio.wait_for(self.announcer.announce(), timeout=5)
         except Exception:  # the DHT may already be unreachable; records then expire on their own
@@ -202,7 +217,7 @@ class Server:
             await self.p2p.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
-        logger.info("Server stopped")
+            logger.info("Server stopped")  # not for a server that never got as far as joining the swarm
 
 
 def adapter_names(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

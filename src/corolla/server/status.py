@@ -25,8 +25,10 @@ class StatusBoard:
         dtype: str,
         throughput: float | None,
         links: LinkMonitor | None = None,
+        model_fingerprint: str = "",
     ):
         self.spans, self.inference, self.config, self.links = spans, inference, config, links
+        self.model_fingerprint = model_fingerprint
         self.version, self.dtype, self.throughput = version, dtype, throughput
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
@@ -43,6 +45,7 @@ class StatusBoard:
             inference_max_length=self.config.inference_max_length,
             cache_tokens_available=stats[0].free_cache_tokens,
             dht_prefix=self.spans.dht_prefix,
+            model_fingerprint=self.model_fingerprint,
             max_batch_size=self.config.max_batch_size,
             cache_tokens_total=stats[0].total_cache_tokens,
             num_sessions=self.spans.num_sessions,

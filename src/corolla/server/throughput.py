@@ -1,11 +1,12 @@
-"""How fast this machine runs a block: measured once at start, cached per machine and model shape.
+"""How fast this machine runs a block: measured at start, cached for an hour per machine and model shape.
 
 The figure announced on the DHT is blocks per second for one decode step of one sequence (with a
 128-token context), measured through the engine itself (its scheduler, paged cache and packed pass), so
 it is the cost the server will really have: clients use it to estimate a chain's step time before they
 have timed the server themselves, and servers use it to weigh the swarm's coverage when they choose
 blocks. Measuring takes about a second, so the result is cached in the corolla cache folder, keyed by
-everything that changes it.
+everything that changes it, for MAX_AGE: a figure taken on a busy machine (servers starting at once)
+does not stand forever.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from corolla.models.span import Span
 logger = logging.getLogger(__name__)
 
 CONTEXT, STEPS = 128, 16
+MAX_AGE = 3600.0  # seconds a cached measurement stands for
 
 
 def measure_throughput(span: Span, use_cache: bool = True) -> float:
@@ -36,10 +38,11 @@ def measure_throughput(span: Span, use_cache: bool = True) -> float:
     key = _cache_key(span)
     path = cache_dir() / "throughput.json"
     cached = _read(path)
-    if use_cache and key in cached:
-        return float(cached[key])
+    entry = cached.get(key)
+    if use_cache and isinstance(entry, dict) and time.time() - entry.get("measured_at", 0.0) < MAX_AGE:
+        return float(entry["blocks_per_s"])
     throughput = _measure(span)
-    cached[key] = throughput
+    cached[key] = {"blocks_per_s": throughput, "measured_at": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached, indent=1))
@@ -94,8 +97,17 @@ def _cpu_name() -> str:
 
 
 def _read(path: Path) -> dict:
+    """The cache's entries that are well-formed (anything else is measured again and overwritten)."""
     try:
         data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict):
+        return {}
+
+    def valid(entry: object) -> bool:
+        return isinstance(entry, dict) and all(
+            isinstance(entry.get(k), (int, float)) and entry[k] >= 0 for k in ("blocks_per_s", "measured_at")
+        )
+
+    return {key: entry for key, entry in data.items() if valid(entry)}

@@ -8,16 +8,19 @@ so they are module-level (picklable) and return plain data. Every record read ba
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 from hivemind.dht import DHT, DHTNode
+from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm import p2p_io
+from corolla.swarm.addresses import check_listen_port, explain_start_failure
 from corolla.wire.records import ServerState, ServerStatus, block_key
 
 logger = logging.getLogger(__name__)
@@ -29,16 +32,37 @@ MAX_MODEL_BLOCKS = 1024
 def start_dht(config: SwarmConfig) -> DHT:
     """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready."""
     p2p_io.install()
-    return DHT(
-        initial_peers=list(config.initial_peers) or None,
-        start=True,
-        client_mode=config.client_mode,
-        host_maddrs=config.host_maddrs,
-        announce_maddrs=config.announce_maddrs,
-        identity_path=config.identity_path,
-        nat_port_map=config.use_nat_port_map,
-        num_workers=4,
-    )
+    check_listen_port(config.host, config.port)
+    try:
+        return PeerDHT(
+            initial_peers=list(config.initial_peers) or None,
+            start=True,
+            client_mode=config.client_mode,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs,
+            identity_path=config.identity_path,
+            nat_port_map=config.use_nat_port_map,
+            num_workers=4,
+        )
+    except P2PDaemonError as e:
+        raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+
+
+class PeerDHT(DHT):
+    """hivemind's DHT, whose child process does not keep the signal handlers of the process it forked from.
+
+    A forked child inherits its parent's Python handlers and asyncio's wakeup fd: the child of a server or
+    of `corolla dht` then caught the SIGTERM that `timeout` or systemd send to the whole process group,
+    wrote it into the parent's event loop (a second signal there: no drain) and never exited, not even on
+    DHT.shutdown()'s SIGTERM, so the parent hung at exit joining it. SIGTERM and SIGHUP end the child
+    (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
+    """
+
+    def run(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        super().run()
 
 
 def visible_addresses(dht: DHT) -> list[str]:

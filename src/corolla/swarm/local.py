@@ -26,6 +26,7 @@ from typing import Any
 
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
+from corolla.swarm.addresses import peer_args
 from corolla.swarm.forked import ForkedPeer, fork_peer
 
 logger = logging.getLogger(__name__)
@@ -164,8 +165,7 @@ class LocalSwarm:
             "--no-nat-port-map",
             "--num-threads",
             str(self.num_threads),
-            "--initial-peers",
-            *self.initial_peers,
+            *peer_args(self.initial_peers),
             *self.server_args,
             *extra_args,
         ]
@@ -190,8 +190,7 @@ class LocalSwarm:
             "--port",
             str(port),
             "--no-nat-port-map",
-            "--initial-peers",
-            *self.initial_peers,
+            *peer_args(self.initial_peers),
         ]
         if self.dht_prefix:
             args += ["--dht-prefix", self.dht_prefix]

@@ -1,21 +1,31 @@
 """What the swarm looks like for one model: every server's span and figures, and each block's coverage.
 
 Built from the DHT records (`find_spans`), so it shows what clients see. The API's dashboard draws it
-(`to_dict` is its JSON) and `corolla status` prints it (`format_table`).
+(`to_dict` is its JSON) and `corolla status` prints it (`format_table`). A server whose model fingerprint
+differs from the model's (the API's own model; for `corolla status`, the one that most blocks are
+announced with) serves another model under the same prefix: it is shown as "other model" and does not
+count in the coverage, as clients ignore it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hivemind import DHT
+from hivemind.p2p import P2P
 
+from corolla.errors import counted
 from corolla.swarm.dht import RemoteSpan, find_spans
+from corolla.swarm.ping import ping
 from corolla.wire.records import ServerState
 
 SHOWN_STATES = (ServerState.JOINING, ServerState.ONLINE)
+LIVE_TIMEOUT = 2.0  # seconds a server has to report its live figures
 
 
 @dataclass(frozen=True)
@@ -23,8 +33,16 @@ class SwarmOverview:
     model: str  # the DHT prefix
     num_blocks: int
     servers: tuple[RemoteSpan, ...]  # each server's blocks and its announced status
-    coverage: tuple[int, ...]  # ONLINE servers per block
+    coverage: tuple[int, ...]  # ONLINE servers of this model per block
     taken_at: float
+    model_fingerprint: str = ""  # the model's; servers announcing another are shown, not counted
+
+    def other_model(self, span: RemoteSpan) -> bool:
+        theirs = span.info.model_fingerprint
+        return bool(theirs and self.model_fingerprint and theirs != self.model_fingerprint)
+
+    def state(self, span: RemoteSpan) -> str:
+        return "other model" if self.other_model(span) else span.info.state.name.lower()
 
     @property
     def uncovered(self) -> tuple[int, ...]:
@@ -35,20 +53,22 @@ class SwarmOverview:
         return {
             "model": self.model,
             "num_blocks": self.num_blocks,
-            "servers": [_row(span) for span in self.servers],
+            "servers": [_row(span, self.state(span)) for span in self.servers],
             "coverage": list(self.coverage),
             "taken_at": self.taken_at,
             "uncovered": list(self.uncovered),
+            "model_fingerprint": self.model_fingerprint,
         }
 
 
-def _row(span: RemoteSpan) -> dict:
+def _row(span: RemoteSpan, state: str) -> dict:
     info = span.info
     return {
         "peer_id": span.peer_id,
         "start": span.start,
         "end": span.end,
-        "state": info.state.name.lower(),  # "online" or "joining"
+        "state": state,  # "online", "joining" or "other model"
+        "model_fingerprint": info.model_fingerprint,
         "throughput": info.throughput,  # announced (None until measured)
         "num_sessions": info.num_sessions,
         "queued_tokens": info.queued_tokens,
@@ -59,23 +79,44 @@ def _row(span: RemoteSpan) -> dict:
     }
 
 
-def build_overview(model: str, num_blocks: int, spans: Sequence[RemoteSpan]) -> SwarmOverview:
+def build_overview(
+    model: str, num_blocks: int, spans: Sequence[RemoteSpan], model_fingerprint: str | None = None
+) -> SwarmOverview:
+    """`model_fingerprint`: the model's (None: the one announced for most blocks)."""
+    if model_fingerprint is None:
+        weights = Counter()
+        for span in spans:
+            weights[span.info.model_fingerprint] += span.end - span.start
+        model_fingerprint = max(weights, key=weights.__getitem__, default="")
+    overview = SwarmOverview(model, num_blocks, (), (), time.time(), model_fingerprint)
     coverage = [0] * num_blocks
     for span in spans:
-        if span.info.state == ServerState.ONLINE:
+        if span.info.state == ServerState.ONLINE and not overview.other_model(span):
             for index in range(span.start, min(span.end, num_blocks)):
                 coverage[index] += 1
     servers = tuple(sorted(spans, key=lambda s: (s.start, s.end, s.peer_id)))
-    return SwarmOverview(model, num_blocks, servers, tuple(coverage), time.time())
+    return dataclasses.replace(overview, servers=servers, coverage=tuple(coverage))
 
 
-async def read_overview(dht: DHT, model: str, num_blocks: int) -> SwarmOverview:
-    return build_overview(model, num_blocks, await find_spans(dht, model, num_blocks, SHOWN_STATES))
+async def read_overview(
+    dht: DHT, model: str, num_blocks: int, model_fingerprint: str | None = None, p2p: P2P | None = None
+) -> SwarmOverview:
+    """With `p2p`, each server's figures are its live report (rpc_info) rather than its last announcement,
+    which may be an announce period old; a server that does not answer in time keeps its announced ones."""
+    spans = await find_spans(dht, model, num_blocks, SHOWN_STATES)
+    if p2p is not None:
+        answers = await asyncio.gather(*(ping(p2p, span.peer_id, LIVE_TIMEOUT) for span in spans))
+        spans = [
+            span if answer is None else dataclasses.replace(span, info=answer[1])
+            for span, answer in zip(spans, answers, strict=True)
+        ]
+    return build_overview(model, num_blocks, spans, model_fingerprint)
 
 
 def format_table(overview: SwarmOverview) -> str:
     """A terminal table: a coverage line per block range, then one line per server."""
-    lines = [f"model {overview.model}: {overview.num_blocks} blocks, {len(overview.servers)} servers"]
+    servers = counted(len(overview.servers), "server")
+    lines = [f"model {overview.model}: {overview.num_blocks} blocks, {servers}"]
     counts = "".join(_coverage_char(c) for c in overview.coverage)
     lines.append(f"coverage (servers per block, 0-{overview.num_blocks - 1}): {counts}")
     uncovered = overview.uncovered
@@ -85,7 +126,7 @@ def format_table(overview: SwarmOverview) -> str:
         (
             f"...{span.peer_id[-8:]}",
             f"{span.start}:{span.end}",
-            span.info.state.name.lower(),
+            overview.state(span),
             "-" if span.info.throughput is None else f"{span.info.throughput:.1f}",
             str(span.info.num_sessions),
             str(span.info.queued_tokens),

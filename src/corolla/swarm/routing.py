@@ -14,7 +14,7 @@ import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from corolla.errors import MissingBlocks
+from corolla.errors import MissingBlocks, counted
 from corolla.swarm.dht import RemoteSpan
 
 DEFAULT_RTT = 0.005  # seconds; used until a server has been pinged
@@ -87,7 +87,7 @@ def choose_chain(  # noqa: PLR0913
     if missing:
         raise MissingBlocks(
             f"no server available for blocks {format_blocks(missing)} "
-            f"(of {start}:{end}; {len(usable)} usable servers)",
+            f"(of {start}:{end}; {counted(len(usable), 'usable server')})",
             missing,
         )
     noise = {s.peer_id: 1 + JITTER * rng.random() for s in usable}

@@ -50,6 +50,7 @@ class ServerStatus:
     cache_tokens_available: int
     state: ServerState = ServerState.ONLINE
     dht_prefix: str = ""
+    model_fingerprint: str = ""  # ModelConfig.fingerprint(): clients skip servers of another model
     max_batch_size: int | None = None  # rows per inference session or forward request
     cache_tokens_total: int | None = None
     num_sessions: int = 0
@@ -101,6 +102,7 @@ class ServerStatus:
             inference_max_length=fields.int("inference_max_length", required=True, low=1) or 1,
             cache_tokens_available=fields.int("cache_tokens_available", required=True, low=0) or 0,
             dht_prefix=fields.str("dht_prefix", max_chars=256) or "",
+            model_fingerprint=fields.str("model_fingerprint", max_chars=64) or "",
             max_batch_size=fields.int("max_batch_size", low=1),
             cache_tokens_total=fields.int("cache_tokens_total", low=0),
             num_sessions=fields.int("num_sessions", default=0, low=0) or 0,

@@ -1,0 +1,115 @@
+"""Bad swarm options on the real command line: one line naming the cause and the fix, exit status 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from corolla.swarm.local import READY_DHT, PeerProcess, free_port
+
+# a well-formed address of a peer that does not exist: nothing listens on port 1
+UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/QmXfmJmpNSm5pjFXvEMcXxf2NAzAvmbeWRbxeAjJwHiFHf"
+LOOPBACK = ["--no-nat-port-map"]
+
+
+def run_all(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Run `corolla` commands at once; one still running after `timeout` fails the test (its process
+    group, with its DHT process and daemon, is killed)."""
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "corolla", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for args in commands
+    ]
+    results = []
+    try:
+        for run, args in zip(runs, commands, strict=True):
+            stdout, stderr = run.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(args, run.returncode, stdout, stderr))
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.communicate()
+    return results
+
+
+def assert_one_line(result: subprocess.CompletedProcess, text: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert text in last, result.stderr[-3000:]
+
+
+@pytest.fixture
+def taken_port():
+    """A port that a plain socket listens on (another program)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_unreachable_peers_and_taken_ports_get_one_line(tiny_models, taken_port):
+    llama = str(tiny_models["llama"])
+    port = str(taken_port)
+    unreachable = ["--initial-peers", UNREACHABLE, *LOOPBACK]
+    results = run_all(
+        ["status", *unreachable],
+        ["generate", llama, *unreachable, "--host", "127.0.0.1", "What is the capital of France?"],
+        ["dht", "--host", "127.0.0.1", "--port", port, *LOOPBACK],
+        ["server", llama, "--host", "127.0.0.1", "--port", port, *LOOPBACK],
+        ["api", llama, "--p2p-port", port, "--port", str(free_port()), *unreachable],
+    )
+    status, generate, dht, server, api = results
+    assert_one_line(status, f"corolla status: no --initial-peers answered ({UNREACHABLE})")
+    assert status.stderr.count("\n") == 1, status.stderr
+    assert_one_line(generate, "corolla generate: no --initial-peers answered")  # the prompt was not swallowed
+    for result, command in ((dht, "dht"), (server, "server"), (api, "api")):
+        assert_one_line(
+            result, f"corolla {command}: swarm port {port} on 127.0.0.1 is in use by another process"
+        )
+
+
+def test_the_api_refuses_a_taken_http_port_before_it_joins_the_swarm(tiny_models, taken_port):
+    (api,) = run_all(["api", str(tiny_models["llama"]), "--port", str(taken_port), *LOOPBACK])
+    assert_one_line(api, f"corolla api: HTTP port {taken_port} on 127.0.0.1 is not available")
+    assert "Serving" not in api.stderr
+
+
+def test_malformed_peers_are_refused_before_anything_starts(tiny_models):
+    llama = str(tiny_models["llama"])
+    results = run_all(
+        ["status", "--initial-peers", "127.0.0.1:31337"],
+        ["server", llama, "--initial-peers", "/ip4/127.0.0.1/tcp/31337"],
+        ["status", "--initial-peers", UNREACHABLE, "--host", "localhost"],
+    )
+    no_maddr, no_peer_id, bad_host = results
+    assert_one_line(no_maddr, "argument --initial-peers: '127.0.0.1:31337' is not a multiaddress")
+    assert_one_line(
+        no_peer_id, "argument --initial-peers: '/ip4/127.0.0.1/tcp/31337' has no /p2p/PEER_ID part"
+    )
+    assert_one_line(bad_host, "corolla status: --host 'localhost' is not an IP address")
+
+
+def test_a_second_peer_on_the_same_port_is_refused(tmp_path):
+    """libp2p listens with SO_REUSEPORT: without the check both peers would start and share the port."""
+    port = str(free_port())
+    args = ["dht", "--host", "127.0.0.1", "--port", port, *LOOPBACK]
+    first = PeerProcess("dht", args, tmp_path / "dht.log", dict(os.environ))
+    try:
+        first.wait_for(READY_DHT, 60)
+        (second,) = run_all(args, timeout=40)
+        assert_one_line(second, f"corolla dht: swarm port {port} on 127.0.0.1 is in use by another process")
+        assert first.alive
+    finally:
+        first.stop()

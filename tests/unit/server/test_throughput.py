@@ -1,0 +1,33 @@
+"""The announced throughput: measured through the engine, cached for a while, then measured again."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from corolla.models.span import Span
+from corolla.server import throughput
+
+
+def test_a_cached_figure_stands_for_max_age_then_is_measured_again(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("COROLLA_CACHE", str(tmp_path))
+    span = Span.load(tiny_models["llama"], 0, 2, torch.float32)
+    first = throughput.measure_throughput(span)
+    assert first > 0
+    path = tmp_path / "throughput.json"
+    (key,) = json.loads(path.read_text())
+
+    def cache(blocks_per_s: float, age: float) -> None:
+        path.write_text(json.dumps({key: {"blocks_per_s": blocks_per_s, "measured_at": time.time() - age}}))
+
+    cache(12345.0, age=10.0)
+    assert throughput.measure_throughput(span) == 12345.0  # fresh: taken from the cache
+    cache(12345.0, age=throughput.MAX_AGE + 1)
+    measured = throughput.measure_throughput(span)
+    assert measured != 12345.0 and json.loads(path.read_text())[key]["blocks_per_s"] == measured
+    path.write_text(json.dumps({key: 645.0}))  # an entry of the old format (cached forever) is replaced
+    assert throughput.measure_throughput(span) != 645.0
+    path.write_text("[not a map")
+    assert throughput.measure_throughput(span) > 0

@@ -1,0 +1,33 @@
+"""The swarm overview: servers of another model under the same prefix are shown and not counted."""
+
+from __future__ import annotations
+
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.overview import build_overview, format_table
+from corolla.wire.records import ServerStatus
+
+
+def server(peer_id: str, start: int, end: int, fingerprint: str) -> RemoteSpan:
+    status = ServerStatus(start, end, "1.0", "float32", 64, 100, model_fingerprint=fingerprint)
+    return RemoteSpan(peer_id, start, end, ServerStatus.from_dict(status.to_dict()))
+
+
+SERVERS = [server("peer-a", 0, 4, "good"), server("peer-b", 4, 8, "good"), server("peer-c", 4, 8, "bad")]
+
+
+def test_the_fingerprint_most_blocks_are_announced_with_is_the_models():
+    overview = build_overview("m", 8, SERVERS)
+    assert overview.model_fingerprint == "good"
+    assert overview.coverage == (1,) * 8  # peer-c does not count
+    states = {row["peer_id"]: row["state"] for row in overview.to_dict()["servers"]}
+    assert states == {"peer-a": "online", "peer-b": "online", "peer-c": "other model"}
+    (line,) = [line for line in format_table(overview).splitlines() if line.startswith("...peer-c")]
+    assert "other model" in line
+
+
+def test_a_given_fingerprint_wins_and_servers_without_one_are_taken_on_trust():
+    old = server("peer-d", 0, 8, "")
+    overview = build_overview("m", 8, [*SERVERS, old], model_fingerprint="bad")
+    assert overview.coverage == (1,) * 4 + (2,) * 4  # peer-c and peer-d count; peer-a and peer-b do not
+    assert "1 server" in format_table(build_overview("m", 8, [old])).splitlines()[0]
+    assert "1 servers" not in format_table(build_overview("m", 8, [old]))
