@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -69,3 +73,29 @@ def assert_boundaries_match(model, session, hidden_states, num_blocks: int) -> N
         if hop.end == num_blocks:
             outputs = model.head.norm(outputs)
         torch.testing.assert_close(outputs, hidden_states[hop.end], atol=1e-4, rtol=0)
+
+
+def run_corolla(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Run `corolla` commands at once; one still running after `timeout` fails the test (its process
+    group, with its DHT process and daemon, is killed)."""
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "corolla", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for args in commands
+    ]
+    results = []
+    try:
+        for run, args in zip(runs, commands, strict=True):
+            stdout, stderr = run.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(args, run.returncode, stdout, stderr))
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.communicate()
+    return results

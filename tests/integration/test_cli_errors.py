@@ -3,44 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
-import sys
 
 import pytest
 
 from corolla.swarm.local import READY_DHT, PeerProcess, free_port
+from swarm_helpers import run_corolla
 
 # a well-formed address of a peer that does not exist: nothing listens on port 1
 UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/QmXfmJmpNSm5pjFXvEMcXxf2NAzAvmbeWRbxeAjJwHiFHf"
 LOOPBACK = ["--no-nat-port-map"]
-
-
-def run_all(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """Run `corolla` commands at once; one still running after `timeout` fails the test (its process
-    group, with its DHT process and daemon, is killed)."""
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "corolla", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for args in commands
-    ]
-    results = []
-    try:
-        for run, args in zip(runs, commands, strict=True):
-            stdout, stderr = run.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(args, run.returncode, stdout, stderr))
-    finally:
-        for run in runs:
-            if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
-                run.communicate()
-    return results
 
 
 def assert_one_line(result: subprocess.CompletedProcess, text: str) -> None:
@@ -63,7 +36,7 @@ def test_unreachable_peers_and_taken_ports_get_one_line(tiny_models, taken_port)
     llama = str(tiny_models["llama"])
     port = str(taken_port)
     unreachable = ["--initial-peers", UNREACHABLE, *LOOPBACK]
-    results = run_all(
+    results = run_corolla(
         ["status", *unreachable],
         ["generate", llama, *unreachable, "--host", "127.0.0.1", "What is the capital of France?"],
         ["dht", "--host", "127.0.0.1", "--port", port, *LOOPBACK],
@@ -81,14 +54,14 @@ def test_unreachable_peers_and_taken_ports_get_one_line(tiny_models, taken_port)
 
 
 def test_the_api_refuses_a_taken_http_port_before_it_joins_the_swarm(tiny_models, taken_port):
-    (api,) = run_all(["api", str(tiny_models["llama"]), "--port", str(taken_port), *LOOPBACK])
+    (api,) = run_corolla(["api", str(tiny_models["llama"]), "--port", str(taken_port), *LOOPBACK])
     assert_one_line(api, f"corolla api: HTTP port {taken_port} on 127.0.0.1 is not available")
     assert "Serving" not in api.stderr
 
 
 def test_malformed_peers_are_refused_before_anything_starts(tiny_models):
     llama = str(tiny_models["llama"])
-    results = run_all(
+    results = run_corolla(
         ["status", "--initial-peers", "127.0.0.1:31337"],
         ["server", llama, "--initial-peers", "/ip4/127.0.0.1/tcp/31337"],
         ["status", "--initial-peers", UNREACHABLE, "--host", "localhost"],
@@ -108,7 +81,7 @@ def test_a_second_peer_on_the_same_port_is_refused(tmp_path):
     first = PeerProcess("dht", args, tmp_path / "dht.log", dict(os.environ))
     try:
         first.wait_for(READY_DHT, 60)
-        (second,) = run_all(args, timeout=40)
+        (second,) = run_corolla(args, timeout=40)
         assert_one_line(second, f"corolla dht: swarm port {port} on 127.0.0.1 is in use by another process")
         assert first.alive
     finally:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,7 +14,7 @@ from corolla.client.swarm import SwarmClient
 from corolla.errors import MissingBlocks
 from corolla.swarm.local import READY_SERVER, LocalSwarm, PeerProcess
 from corolla.wire.records import ServerState
-from swarm_helpers import client_config, connect
+from swarm_helpers import client_config, connect, run_corolla
 
 
 @pytest.fixture(scope="module")
@@ -106,27 +104,9 @@ def test_num_blocks_fills_the_gap_and_dead_servers_expire(half_swarm, tiny_model
         placed.kill_group()
 
 
-def run_clis(*commands: list[str], timeout: float = 60) -> list[subprocess.CompletedProcess]:
-    """Run `corolla` commands at once (each spends most of its time importing) and wait for them all."""
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "corolla", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in commands
-    ]
-    results = []
-    for run, args in zip(runs, commands, strict=True):
-        stdout, stderr = run.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(args, run.returncode, stdout, stderr))
-    return results
-
-
 def test_cli_help_and_bad_arguments(tiny_models):
     llama = str(tiny_models["llama"])
-    help_run, server_help_run, bad_range, reversed_range, no_model = run_clis(
+    help_run, server_help_run, bad_range, reversed_range, no_model = run_corolla(
         ["--help"],
         ["server", "--help"],
         ["server", llama, "--blocks", "4:9", "--host", "127.0.0.1", "--no-nat-port-map"],

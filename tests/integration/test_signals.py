@@ -14,14 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
 from byte_tokenizer import byte_tokenizer
-from corolla.swarm.local import LocalSwarm, free_port
+from corolla.swarm.local import LocalSwarm, answers_http, free_port
 from swarm_helpers import connect
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -93,14 +92,6 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def chat_model(tiny_models, tmp_path_factory) -> Path:
     """The tiny llama with a byte-level tokenizer, so that text commands (generate, demo) can run."""
@@ -150,7 +141,7 @@ def test_api_sigterm_stops_its_dht_process(slow_swarm, chat_model, tmp_path, gro
     args = ["api", str(chat_model), "--port", str(port), "--no-nat-port-map"]
     api = Command([*args, "--initial-peers", slow_swarm.initial_peers[0]], tmp_path / "api.log")
     try:
-        api.wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"))
+        api.wait_for(lambda: answers_http(f"http://127.0.0.1:{port}/health"))
         assert "p2pd" in {p.name() for p in api.family}
         status, took = api.signal_and_wait(signal.SIGTERM, bound=30, group=group)
         api.assert_all_gone()

@@ -198,7 +198,7 @@ class LocalSwarm:
         api.url = f"http://127.0.0.1:{port}"
         self.apis.append(api)
         deadline = time.monotonic() + self.start_timeout
-        while not _answers(f"{api.url}/health"):
+        while not answers_http(f"{api.url}/health"):
             if not api.alive or time.monotonic() > deadline:
                 raise CorollaError(f"{api.name} did not start:\n{api.log_tail()}")
             time.sleep(0.2)
@@ -243,7 +243,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _answers(url: str) -> bool:
+def answers_http(url: str) -> bool:
+    """Whether `url` answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
