@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 
@@ -95,16 +96,14 @@ def run(args: argparse.Namespace) -> None:
 
 def check_http_port(host: str, port: int) -> None:
     """StartFailed unless this process can listen on host:port (another program may hold it)."""
+    from corolla.swarm.addresses import listen_error
+
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        code = listen_error(host, port)
     except socket.gaierror as e:
         raise StartFailed(f"--host {host!r} is not an address of this machine ({e.strerror})") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise StartFailed(
-                f"HTTP port {port} on {host} is not available ({e.strerror}): stop what holds it, or pass "
-                "another --port"
-            ) from None
+    if code is not None:
+        raise StartFailed(
+            f"HTTP port {port} on {host} is not available ({os.strerror(code)}): stop what holds it, or pass "
+            "another --port"
+        )

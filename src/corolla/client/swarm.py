@@ -121,8 +121,7 @@ class SwarmClient:
         return usable
 
     def _same_model(self, span: RemoteSpan) -> bool:
-        theirs, ours = span.info.model_fingerprint, self.model_fingerprint
-        if not theirs or not ours or theirs == ours:  # a peer too old to announce one is taken on trust
+        if span.info.serves_model(self.model_fingerprint):
             return True
         if span.peer_id not in self.mismatched:
             logger.warning(
@@ -132,8 +131,8 @@ class SwarmClient:
                 span.start,
                 span.end,
                 self.dht_prefix,
-                theirs,
-                ours,
+                span.info.model_fingerprint,
+                self.model_fingerprint,
             )
         self.mismatched[span.peer_id] = span
         return False

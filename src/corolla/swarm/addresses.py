@@ -44,16 +44,23 @@ def check_listen_port(host: str, port: int) -> None:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
         raise StartFailed(f"--host {host!r} is not an IP address (e.g. 0.0.0.0 or 127.0.0.1)") from None
-    if port == 0:
-        return
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    if port != 0 and (code := listen_error(host, port, family)) is not None:
+        raise _listen_error(host, port, code)
+
+
+def listen_error(host: str, port: int, family: int = 0) -> int | None:
+    """The errno with which listening alone on host:port fails now (None: it would not). Raises
+    socket.gaierror for a host name that does not resolve."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
         # SO_REUSEADDR ignores connections in TIME_WAIT (a restart), never a socket that listens
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((host, port))
+            probe.bind(address)
             probe.listen(1)
         except OSError as e:
-            raise _listen_error(host, port, e.errno) from None
+            return e.errno
+    return None
 
 
 def _listen_error(host: str, port: int, code: int | None) -> StartFailed:

@@ -38,8 +38,7 @@ class SwarmOverview:
     model_fingerprint: str = ""  # the model's; servers announcing another are shown, not counted
 
     def other_model(self, span: RemoteSpan) -> bool:
-        theirs = span.info.model_fingerprint
-        return bool(theirs and self.model_fingerprint and theirs != self.model_fingerprint)
+        return not span.info.serves_model(self.model_fingerprint)
 
     def state(self, span: RemoteSpan) -> str:
         return "other model" if self.other_model(span) else span.info.state.name.lower()

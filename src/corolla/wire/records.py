@@ -63,6 +63,11 @@ class ServerStatus:
     adapters: tuple[str, ...] = ()
     next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
 
+    def serves_model(self, fingerprint: str) -> bool:
+        """Whether this server's blocks are those of the model with `fingerprint`; a record (or a model)
+        without one is taken on trust: peers too old to announce it."""
+        return not self.model_fingerprint or not fingerprint or self.model_fingerprint == fingerprint
+
     def to_dict(self) -> dict[str, Any]:
         record = {name: getattr(self, name) for name in self.__slots__}
         record["state"] = int(self.state)
