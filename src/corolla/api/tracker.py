@@ -74,17 +74,27 @@ class RequestTracker:
                 async for item in job():
                     api_loop.call_soon_threadsafe(stream.put, item)
             except asyncio.CancelledError:
-                api_loop.call_soon_threadsafe(stream.finish, asyncio.CancelledError())
+                api_loop.call_soon_threadsafe(self._ended, request_id, stream, asyncio.CancelledError())
                 raise
             except Exception as e:  # delivered to the request's handler, which maps it to an HTTP error
-                api_loop.call_soon_threadsafe(stream.finish, e)
+                api_loop.call_soon_threadsafe(self._ended, request_id, stream, e)
             else:
-                api_loop.call_soon_threadsafe(stream.finish)
+                api_loop.call_soon_threadsafe(self._ended, request_id, stream, None)
 
         future = asyncio.run_coroutine_threadsafe(pump(), self.model_loop)
         self._jobs[request_id] = future, stream
-        future.add_done_callback(lambda _: api_loop.call_soon_threadsafe(self._jobs.pop, request_id, None))
+        future.add_done_callback(lambda _: api_loop.call_soon_threadsafe(self._cancelled, request_id, stream))
         return stream
+
+    def _cancelled(self, request_id: str, stream: RequestStream) -> None:
+        """A job cancelled before it started never reached pump's handlers: end its stream here."""
+        if not stream.job_ended:
+            self._ended(request_id, stream, asyncio.CancelledError())
+
+    def _ended(self, request_id: str, stream: RequestStream, error: BaseException | None) -> None:
+        """On the API's loop: the job is no longer active by the time its reader sees the end."""
+        self._jobs.pop(request_id, None)
+        stream.finish(error)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request's job (its sessions close on every server); False if it already ended."""
