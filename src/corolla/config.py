@@ -114,6 +114,10 @@ class ServerConfig:
     max_forward_tokens: int = 8192  # batch * length of one forward request
     step_timeout: float = 300.0  # an inference session waiting longer than this for its next step is closed
     session_timeout: float = 1800.0  # no session lives longer than this
+    # fair share: what one peer (one client, or one API gateway serving many users) may hold here at once;
+    # the cache itself is shared equally between the peers that need it (engine/scheduler.py)
+    max_sessions_per_peer: int = 64
+    max_passes_per_peer: int = 16  # forward/backward requests running or queued
     announce_period: float = 30.0  # re-announce this often; records expire after 2.5 periods
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
@@ -125,6 +129,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(self, 0, ("inference_max_length", "max_batch_size", "max_forward_tokens", "step_timeout"))
         _check(self, 0, ("session_timeout", "announce_period", "num_blocks", "memory_budget", "num_threads"))
+        _check(self, 0, ("max_sessions_per_peer", "max_passes_per_peer"))
         _check(self, 0, ("balance_period", "drain_timeout", "simulate_slow_ms"), strict=False)
         if self.blocks is not None and not 0 <= self.blocks[0] < self.blocks[1]:
             raise InvalidRequest(f"blocks (--blocks) must be A:B with 0 <= A < B, got {self.blocks}")

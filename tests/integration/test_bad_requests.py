@@ -27,7 +27,9 @@ from corolla.swarm.local import LocalSwarm
 from corolla.wire import tensors
 from corolla.wire.messages import (
     RPC_BACKWARD,
+    RPC_BACKWARD_STREAM,
     RPC_FORWARD,
+    RPC_FORWARD_STREAM,
     RPC_INFERENCE,
     RPC_INFO,
     RPC_PUSH,
@@ -95,6 +97,11 @@ def corrupted():
     return proto
 
 
+def overflowing():
+    """No element, but strides past int64: torch failed to build it with an untyped RuntimeError."""
+    return runtime_pb2.Tensor(size=[0, 2**32 - 1, 2**32 - 1], dtype="float32")
+
+
 BAD_INFERENCE = {
     "unknown block uid": ([request(uid="other-model.0")], "is not one of this server's blocks"),
     "non-contiguous uids": ([request(uid="tiny-llama.0 tiny-llama.2")], "are not contiguous"),
@@ -127,6 +134,18 @@ BAD_INFERENCE = {
     "unknown adapter": (
         [request(metadata=meta(max_length=16, active_adapter="my-lora"))],
         "active_adapter 'my-lora' is not served here",
+    ),
+    "non-ASCII block digits": (
+        [request(uid="tiny-llama.\u0660 tiny-llama.\u0661")],  # Arabic-Indic 0 and 1: \d took them
+        "block 'tiny-llama.\u0660' is not one of this server's blocks",
+    ),
+    "hidden states longer than the session": (  # 4 MiB for 16 tokens: refused from its declared shape
+        [request(metadata=meta(max_length=16), hidden=torch.randn(1, 16384, HIDDEN))],
+        "hidden_states: length 16384 exceeds the session's max_length=16",
+    ),
+    "a later step longer than the session": (
+        [request(), request(metadata=meta(), hidden=torch.randn(1, 1024, HIDDEN))],
+        "hidden_states: length 1024 exceeds the session's max_length=16",
     ),
     "empty first message": ([request(hidden=False)], "must carry hidden_states"),
     "corrupted tensor buffer": ([request(hidden=False, extra=[corrupted()])], "buffer has 508 bytes"),
@@ -169,6 +188,10 @@ BAD_FORWARD = {
         request(hidden=torch.randn(4, 40, HIDDEN), metadata=meta()),
         "4 x 40 tokens exceed max_forward_tokens=128",
     ),
+    "forward with a zero-size shape whose strides overflow": (
+        request(hidden=False, metadata=meta(), extra=[overflowing()]),
+        "InvalidRequest: tensor hidden_states: dimension 4294967295 in [0, 4294967295, 4294967295]",
+    ),
     "forward with an unknown compression": (
         request(metadata=meta(output_compression=[3])),
         "output_compression=3 is not supported",
@@ -200,24 +223,37 @@ BAD_BACKWARD = {
 
 
 PUSH_SESSION = "push-target"  # a session opened on blocks 0:2 and stepped to position 2 by the test
-BAD_PUSH = {
-    "push with garbage metadata": (
-        request(metadata=b"\xc1garbage"),
-        "rpc_push: metadata is not valid msgpack",
-    ),
-    "push without a step_id": (
-        request(metadata=meta(session_id=PUSH_SESSION, start_from_position=2)),
-        "'step_id' is required",
-    ),
-    "push without a session_id": (
-        request(metadata=meta(step_id="s", start_from_position=2)),
-        "'session_id' is required",
-    ),
-    "push for other blocks than the session's": (
-        request(FULL_UID, metadata=meta(session_id=PUSH_SESSION, step_id="s", start_from_position=2)),
-        "the pushed step's blocks differ from the session's 0:2",
-    ),
-}
+
+
+def bad_pushes(me: str) -> dict:
+    """Malformed pushes from `me`, the peer that opened PUSH_SESSION and named itself as its pusher."""
+    own = dict(session_id=PUSH_SESSION, origin=me)
+    return {
+        "push with garbage metadata": (
+            request(metadata=b"\xc1garbage"),
+            "rpc_push: metadata is not valid msgpack",
+        ),
+        "push without a step_id": (
+            request(metadata=meta(**own, start_from_position=2)),
+            "'step_id' is required",
+        ),
+        "push without a session_id": (
+            request(metadata=meta(step_id="s", start_from_position=2, origin=me)),
+            "'session_id' is required",
+        ),
+        "push without an origin": (
+            request(metadata=meta(step_id="s", start_from_position=2, session_id=PUSH_SESSION)),
+            "'origin' is required",
+        ),
+        "push for other blocks than the session's": (
+            request(FULL_UID, metadata=meta(**own, step_id="s", start_from_position=2)),
+            "the pushed step's blocks differ from the session's 0:2",
+        ),
+        "push with deep prompts": (
+            request(metadata=meta(**own, step_id="s", start_from_position=2), extra=[tensors.empty()]),
+            "a pushed step carries hidden_states only",
+        ),
+    }
 
 
 async def run_inference(p2p, peer, messages):
@@ -304,7 +340,9 @@ async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_and_replies_
     p2p, peer = raw_peer
     queue: asyncio.Queue = asyncio.Queue()
     hidden = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(5))
-    await queue.put(request(hidden=hidden[:, :2], metadata=meta(max_length=8, session_id=PUSH_SESSION)))
+    me = p2p.peer_id.to_base58()  # the session names us as its pusher: as a client names its previous hop
+    first = meta(max_length=8, session_id=PUSH_SESSION, push_from=me)
+    await queue.put(request(hidden=hidden[:, :2], metadata=first))
 
     async def session_requests():
         while (item := await queue.get()) is not None:
@@ -314,14 +352,14 @@ async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_and_replies_
         peer, RPC_INFERENCE, session_requests(), runtime_pb2.ExpertResponse
     )
     outputs = [tensors.deserialize((await anext(session)).tensors[0], "outputs")]
-    for name, (message, expected) in BAD_PUSH.items():
+    for name, (message, expected) in bad_pushes(me).items():
         with pytest.raises(P2PHandlerError) as info:
             await run_push(p2p, peer, [message])
         assert expected in str(info.value), f"{name}: {info.value}"
 
     def push(step_id, hidden, session_id=PUSH_SESSION, position=2):
-        fields = meta(session_id=session_id, step_id=step_id, start_from_position=position, pushed=True)
-        return request(hidden=hidden, metadata=fields)
+        fields = dict(session_id=session_id, step_id=step_id, start_from_position=position, pushed=True)
+        return request(hidden=hidden, metadata=meta(**fields, origin=me))
 
     before = await server_info(p2p, peer)
     skipped = [
@@ -330,7 +368,7 @@ async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_and_replies_
         push("c", False, position=2),  # no tensors: this copy fails, the client's copy of "c" runs it
     ]
     assert await run_push(p2p, peer, skipped) == []  # the stream stays open across them
-    await queue.put(request(hidden=hidden[:, 2:3], metadata=meta(step_id="c")))
+    await queue.put(request(hidden=hidden[:, 2:3], metadata=meta(step_id="c", push_from=me)))
     reply = await anext(session)
     assert StepReply.from_bytes(reply.metadata).step_id == "c"
     outputs.append(tensors.deserialize(reply.tensors[0], "outputs"))
@@ -338,7 +376,9 @@ async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_and_replies_
     reply = await asyncio.wait_for(anext(session), 10)  # the reply comes before our own copy of "d"
     assert StepReply.from_bytes(reply.metadata).step_id == "d"
     outputs.append(tensors.deserialize(reply.tensors[0], "outputs"))
-    await queue.put(request(hidden=hidden[:, 3:4], metadata=meta(step_id="d")))  # late: no second reply
+    await queue.put(
+        request(hidden=hidden[:, 3:4], metadata=meta(step_id="d", push_from=me))
+    )  # late: no reply
     await queue.put(None)
     assert [r async for r in session] == []
     after = await server_info(p2p, peer)
@@ -400,6 +440,92 @@ async def test_hung_client_is_dropped_after_step_timeout(raw_peer):
     assert 3.0 < time.monotonic() - started < 10
     assert (await server_info(p2p, peer)).cache_tokens_available == full
     await queue.put(None)
+
+
+async def open_raw(p2p, peer, rpc, *frames: bytes):
+    """A stream to the server written byte by byte: whole messages, or a frame cut short."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, rpc)
+    writer.write(b"".join(frames))
+    await writer.drain()
+    return reader, writer
+
+
+def frame(message) -> bytes:
+    body = message.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
+HALF_A_FRAME = P2P.MESSAGE_MARKER + (10_000).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\x00" * 100
+
+
+async def error_from(reader, timeout: float = 15) -> tuple[str, float]:
+    """The error the server ends a stream with, and how long it took to come."""
+    started = time.monotonic()
+    response, error = await asyncio.wait_for(
+        P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), timeout
+    )
+    return (error.message if error is not None else f"a reply: {response}"), time.monotonic() - started
+
+
+async def test_idle_streams_are_closed_within_the_step_timeout(raw_peer):
+    p2p, peer = raw_peer
+    streams = {
+        "idle forward stream": await open_raw(p2p, peer, RPC_FORWARD_STREAM),
+        "backward stream cut mid-frame": await open_raw(p2p, peer, RPC_BACKWARD_STREAM, HALF_A_FRAME),
+        "forward stream idle after its first chunk": await open_raw(
+            p2p, peer, RPC_FORWARD_STREAM, frame(request(metadata=meta()))
+        ),
+        "idle push stream": await open_raw(p2p, peer, RPC_PUSH),
+        "push stream cut mid-frame": await open_raw(p2p, peer, RPC_PUSH, HALF_A_FRAME),
+    }
+    results = await asyncio.gather(*(error_from(reader) for reader, _ in streams.values()))
+    for name, (error, waited) in zip(streams, results, strict=True):
+        assert "SessionTimeout: no request arrived within step_timeout=4.0s" in error, f"{name}: {error}"
+        assert 3.5 < waited < 8, f"{name}: closed after {waited:.1f}s"
+    for _, writer in streams.values():
+        writer.close()
+
+
+async def test_streams_announcing_too_many_chunks_or_sending_empty_messages_are_refused_at_once(raw_peer):
+    p2p, peer = raw_peer
+    huge = runtime_pb2.Tensor(chunks=2**31 - 1, size=[1, 2, HIDDEN], dtype="float32", buffer=b"\x00" * 512)
+    first = tensors.serialize(torch.randn(1, 2, HIDDEN))
+    first.chunks = 2  # announces one more chunk, which never comes: empty messages do
+    head = dict(uid="tiny-llama.0 tiny-llama.1", metadata=meta())
+    streams = {
+        "2**31-1 chunks announced": (
+            await open_raw(
+                p2p, peer, RPC_FORWARD_STREAM, frame(runtime_pb2.ExpertRequest(tensors=[huge], **head))
+            ),
+            "its first chunk announces 2147483647 chunks; a stream of at most 262144 bytes here",
+        ),
+        "empty messages": (
+            await open_raw(
+                p2p,
+                peer,
+                RPC_BACKWARD_STREAM,
+                frame(runtime_pb2.ExpertRequest(tensors=[first], **head)),
+                frame(runtime_pb2.ExpertRequest()) * 10_000,
+            ),
+            "InvalidRequest: stream: a message after 1 chunks carries no tensors",
+        ),
+    }
+    results = await asyncio.gather(*(error_from(reader, timeout=3) for (reader, _), _ in streams.values()))
+    for (name, (_, expected)), (error, waited) in zip(streams.items(), results, strict=True):
+        assert expected in error, f"{name}: {error}"
+        assert waited < 2, f"{name}: refused after {waited:.1f}s"  # the error drain is 0.5 s
+    for (_, writer), _ in streams.values():
+        writer.close()
+
+
+async def test_an_oversized_push_is_refused_before_it_is_decoded(raw_peer):
+    p2p, peer = raw_peer
+    full = await server_info(p2p, peer)
+    fields = meta(session_id="anyone", step_id="s", start_from_position=0, origin="someone", pushed=True)
+    with pytest.raises(P2PHandlerError, match="hidden_states: length 1000 exceeds inference_max_length=64"):
+        await run_push(p2p, peer, [request(hidden=torch.randn(1, 1000, HIDDEN), metadata=fields)])
+    after = await server_info(p2p, peer)  # the server serves on, its cache untouched
+    assert after.cache_tokens_available == full.cache_tokens_total and after.num_sessions == 0
 
 
 CLIENT_SCRIPT = textwrap.dedent("""

@@ -38,6 +38,8 @@ SERVER_OPTIONS = (
     "max_forward_tokens",
     "step_timeout",
     "session_timeout",
+    "max_sessions_per_peer",
+    "max_passes_per_peer",
     "announce_period",
     "drain_timeout",
     "simulate_slow_ms",
@@ -136,6 +138,8 @@ def _limit_options(parser: argparse.ArgumentParser, defaults: ServerConfig) -> N
     option("max_forward_tokens", int, "most batch x length tokens per forward request")
     option("step_timeout", float, "close a session whose next step does not come within this many seconds")
     option("session_timeout", float, "close any session after this many seconds")
+    option("max_sessions_per_peer", int, "most inference sessions one peer may hold open here")
+    option("max_passes_per_peer", int, "most forward/backward requests one peer may have running here")
 
 
 def _operation_options(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:

@@ -136,9 +136,11 @@ class InferenceSession:
                 NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later
             )
             pushed = span.session_id in pushed_to
+            # the one peer this server may take pushed steps from (for this step or later ones)
+            push_from = self.spans[index - 1].hop.peer_id if index and self.swarm.config.use_push else None
             try:
                 hidden = await span.step(
-                    hidden, span_prompts, hypo_ids, position, step_id, next_servers, pushed
+                    hidden, span_prompts, hypo_ids, position, step_id, next_servers, pushed, push_from
                 )
                 pushed_to.update(s.session_id for s in next_servers)
             except RETRYABLE as e:
@@ -149,6 +151,9 @@ class InferenceSession:
                     ) from e
                 logger.warning("Server ...%s failed (%s); replacing it", span.hop.peer_id[-6:], e)
                 await self._replace(index)
+                # later servers may hold this step as pushed by the failed one: a new id makes the rest
+                # of the chain run it again (servers refuse a step id reused for other inputs)
+                step_id = uuid.uuid4().hex
                 continue
             boundaries.append(hidden)
             index += 1

@@ -72,18 +72,22 @@ class SpanSession:
         step_id: str | None = None,
         next_servers: tuple[NextServer, ...] = (),
         pushed: bool = False,
+        push_from: str | None = None,
     ) -> torch.Tensor:
         """Send hidden states [B, T, H] for positions [start_from_position, + T); returns the outputs.
 
         `step_id` names the step across the chain; with `next_servers`, this server also pushes its outputs
         straight to the next one (which then runs the step once, whichever copy arrives first). `pushed`:
         the previous server pushes this step here, so its reply may come before our copy is even sent, and
-        the time it took says nothing about this server.
+        the time it took says nothing about this server. `push_from`: the peer (the previous hop) whose
+        pushes this server may take for this session.
         """
         if self.closed or self._stream is None:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
         step_id = step_id or uuid.uuid4().hex
-        request = self._request(hidden, prompts, hypo_ids, start_from_position, step_id, next_servers)
+        request = self._request(
+            hidden, prompts, hypo_ids, start_from_position, step_id, next_servers, push_from
+        )
         started = time.perf_counter()
         outputs = await self._reply(self._stream, request, step_id, hidden.shape)
         if self.observe is not None and hidden.shape[1] == 1 and not pushed:
@@ -99,6 +103,7 @@ class SpanSession:
         position: int,
         step_id: str,
         next_servers: tuple[NextServer, ...],
+        push_from: str | None = None,
     ) -> runtime_pb2.ExpertRequest:
         first = (
             {}
@@ -113,7 +118,11 @@ class SpanSession:
         self._stepped = True
         # the position goes with every step: after a step abandoned midway, servers roll back, not append
         meta = InferenceStep(
-            step_id=step_id, start_from_position=position, next_servers=next_servers, **first
+            step_id=step_id,
+            start_from_position=position,
+            next_servers=next_servers,
+            push_from=push_from,
+            **first,
         )
         tensors = [wire_tensors.serialize(hidden)]  # trailing absent tensors are simply left out
         if prompts is not None or hypo_ids is not None:

@@ -110,6 +110,7 @@ class Engine:
         batch_size: int,
         max_length: int,
         adapter: str | None = None,
+        owner: str = "",
     ) -> EngineSession:
         if session_id in self.sessions:
             raise InvalidRequest(f"session_id {session_id!r} is already open on this engine")
@@ -117,7 +118,7 @@ class Engine:
             raise ServerUnavailable(
                 f"this server already holds max_sessions={self.config.max_sessions} sessions"
             )
-        session = EngineSession(session_id, blocks[0], blocks[1], batch_size, max_length, adapter)
+        session = EngineSession(session_id, blocks[0], blocks[1], batch_size, max_length, adapter, owner)
         self.sessions[session_id] = session
         return session
 

@@ -11,13 +11,19 @@ cannot grow takes pages from the most recently admitted other session (preemptio
 inputs and recomputes its cache when pages are free again, so no session fails or gets wrong outputs
 because others grew. Idle sessions (no step pending) are taken from first. Forward requests run only
 when no inference work can, or after waiting a few passes.
+
+Fair share between peers (a session's `owner`): the cache is shared equally between the peers that hold
+or ask for it, and turns are taken in rotation between peers. A peer within its share may take cache
+from the longest-idle sessions of peers over theirs, even for a new session (the victims are preempted
+and recompute later, so they lose time, never tokens); a peer over its share makes room only from its
+own sessions. One peer opening many sessions thus fills the cache only while no one else needs it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -70,9 +76,20 @@ class Scheduler:
         return plan
 
     def _candidates(self) -> list[StepWork]:
-        heads = [s.pending[0] for s in self.sessions.values() if s.pending]
+        """Sessions' next steps in the order they get into a pass: by status, then in rotation between
+        peers (each peer's k-th step before anyone's k+1-th), then oldest first."""
         rank = {SessionStatus.RUNNING: 0, SessionStatus.PREEMPTED: 1, SessionStatus.WAITING: 2}
-        return sorted(heads, key=lambda w: (rank[w.session.status], w.session.admitted_order, w.arrived_at))
+        heads = sorted(
+            (s.pending[0] for s in self.sessions.values() if s.pending),
+            key=lambda w: (rank[w.session.status], w.session.admitted_order, w.arrived_at),
+        )
+        turns: Counter[tuple[str, int]] = Counter()
+        order = {}
+        for work in heads:
+            key = (work.session.owner, rank[work.session.status])
+            order[work.request_id] = (key[1], turns[key])
+            turns[key] += 1
+        return sorted(heads, key=lambda w: order[w.request_id])
 
     def _schedule_steps(self, plan: Plan, now: float) -> None:
         tokens, rows, block_range = self.max_batch_tokens, self.max_batch_rows, None
@@ -132,21 +149,25 @@ class Scheduler:
     def _reserve(self, session: EngineSession, start: int, end: int, plan: Plan) -> bool:
         """Allocate pages for positions [start, end) of every row, preempting others if needed.
 
-        A new session is admitted only if its whole first step fits in free pages (it takes nothing from
-        others); a session already admitted may take pages from idle or younger sessions.
+        A new session is admitted only if its whole first step fits in free pages, or in pages it may take
+        from peers over their share; a session already admitted may also take pages from idle or younger
+        sessions.
         """
         needed = sum(self.pages.pages_needed(table, start, end) for table in session.page_tables)
-        if session.status == SessionStatus.WAITING:
-            whole_step = start + session.pending[0].remaining
-            return self._admissible(session, whole_step) and self._allocate(session, start, end, needed, plan)
         in_pass = {chunk.session for chunk in plan.chunks} | {session}
-        while not self.pages.can_allocate(needed) and self._preempt_one(in_pass, session.admitted_order):
+        if session.status == SessionStatus.WAITING:
+            whole = sum(
+                self.pages.pages_needed(t, 0, start + session.pending[0].remaining)
+                for t in session.page_tables
+            )
+            while not self.pages.can_allocate(whole) and self._preempt_one(
+                in_pass, session, whole, fair_only=True
+            ):
+                pass
+            return self.pages.can_allocate(whole) and self._allocate(session, start, end, needed, plan)
+        while not self.pages.can_allocate(needed) and self._preempt_one(in_pass, session, needed):
             pass
         return self._allocate(session, start, end, needed, plan)
-
-    def _admissible(self, session: EngineSession, end: int) -> bool:
-        needed = sum(self.pages.pages_needed(table, 0, end) for table in session.page_tables)
-        return self.pages.can_allocate(needed)
 
     def _allocate(self, session: EngineSession, start: int, end: int, needed: int, plan: Plan) -> bool:
         if not self.pages.can_allocate(needed):
@@ -155,23 +176,41 @@ class Scheduler:
             plan.copies.extend(self.pages.prepare_write(table, start, end))
         return True
 
-    def _preempt_one(self, exclude: set[EngineSession], admitted_before: int) -> bool:
-        """Free the cache pages of one session: an idle one if any, else the most recently admitted busy one
-        that came after the session asking. The oldest session with work can thus always proceed."""
-        victims = [
-            s
-            for s in self.sessions.values()
-            if s not in exclude
-            and any(s.page_tables)
-            and (not s.pending or s.admitted_order > admitted_before)
-        ]
-        if not victims:
+    def _preempt_one(
+        self, exclude: set[EngineSession], asking: EngineSession, needed: int, fair_only: bool = False
+    ) -> bool:
+        """Free the cache pages of one session for `asking`, which needs `needed` more pages.
+
+        First choice: the longest-idle session of a peer over its share (unless `asking`'s own peer would
+        be over its share: then only its own sessions). Otherwise, unless `fair_only` (a new session takes
+        nothing else): an idle session, else the most recently admitted busy one that came after
+        `asking`, so the oldest session with work can always proceed.
+        """
+        held = self._pages_by_owner()
+        share = self.pages.num_pages / len(held.keys() | {asking.owner})
+        holding = [s for s in self.sessions.values() if s not in exclude and any(s.page_tables)]
+        if held[asking.owner] + needed > share:
+            holding = [s for s in holding if s.owner == asking.owner]
+        over = [s for s in holding if held[s.owner] > share and not s.pending and s.owner != asking.owner]
+        if over:
+            victim = min(over, key=lambda s: s.last_step_at)
+        elif fair_only:
             return False
-        victim = min(victims, key=lambda s: (bool(s.pending), -s.admitted_order))
+        else:
+            victims = [s for s in holding if not s.pending or s.admitted_order > asking.admitted_order]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda s: (bool(s.pending), -s.admitted_order))
         for table in victim.page_tables:
             self.pages.release_all(table)
         victim.num_cached, victim.status = 0, SessionStatus.PREEMPTED
         return True
+
+    def _pages_by_owner(self) -> Counter[str]:
+        held: Counter[str] = Counter()
+        for session in self.sessions.values():
+            held[session.owner] += sum(len(table) for table in session.page_tables)
+        return held
 
     def _never_fits(self, session: EngineSession, end: int) -> bool:
         per_row = -(-end // self.pages.page_size)

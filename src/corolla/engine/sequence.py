@@ -34,6 +34,7 @@ class EngineSession:
     batch_size: int
     max_length: int
     adapter: str | None = None  # the LoRA adapter its steps run with
+    owner: str = ""  # the peer that opened it: cache and turns are shared fairly between peers
     page_tables: list[list[int]] = field(default_factory=list)  # per row: page ids
     inputs: torch.Tensor | None = None  # [B, position, H]: the hidden states received so far
     prompts: torch.Tensor | None = None  # deep prompts [blocks, B, P, H], if the session has them

@@ -53,6 +53,7 @@ class SpanLoader:
     dtype: torch.dtype
     engine: EngineConfig
     session_timeout: float
+    max_sessions_per_peer: int = 2**31
     budgeted: bool = False  # a memory budget sized the span: each block gets BUDGET_CACHE_TOKENS of cache
     pass_delay: float = 0.0  # testing aid: seconds the engine sleeps after each pass
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) pairs loaded for every span
@@ -75,7 +76,8 @@ class SpanLoader:
         engine = AsyncEngine(Engine(span, config), pass_delay=self.pass_delay)
         engine.pass_listeners.extend(self.pass_listeners)
         engine.start()
-        return SpanBackend(span, engine, SessionRegistry(engine, self.session_timeout))
+        sessions = SessionRegistry(engine, self.session_timeout, self.max_sessions_per_peer)
+        return SpanBackend(span, engine, sessions)
 
     def engine_config(self, num_blocks: int) -> EngineConfig:
         """The configured engine, with its cache size chosen when the configuration left it open."""

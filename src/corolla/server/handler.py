@@ -4,21 +4,31 @@ Handler names follow Petals ("TransformerConnectionHandler.rpc_*"). Each handler
 typed messages, hands them to the service that owns the work (inference sessions: server/inference.py;
 forward and backward passes: server/passes.py; the status: server/status.py) and encodes what comes
 back. Any error a request causes is raised as a typed `CorollaError`; hivemind sends its text to the
-caller, and only that request or session ends.
+caller, and only that request or session ends. An unexpected error is logged here with its traceback and
+reaches the caller as a `ServerUnavailable`, never as a raw Python exception.
+
+What arrives is bounded before it is used: every read of a stream waits at most the step timeout, a
+tensor stream at most its byte limit and the chunk count that limit allows, and hidden states are
+checked against the session's or pass's limits from their declared shape, before they are decoded.
+hivemind itself reads each stream message whole, whatever its length header says (it has no cap).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.engine.sequence import Gradients
-from corolla.errors import CorollaError, InvalidRequest, WireError, wire_text
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, WireError, wire_text
+from corolla.server import validation
 from corolla.server.inference import InferenceService, StepMessage, next_within
 from corolla.server.passes import PassService, output_compression
 from corolla.server.sessions import Completed
@@ -27,13 +37,38 @@ from corolla.wire import messages
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import ForwardRequest, InferenceStep, StepReply
 
+logger = logging.getLogger(__name__)
+
 ExpertRequest, ExpertResponse = runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse
 ERROR_DRAIN_SECONDS = 0.5
+Unary = Callable[..., Awaitable[Any]]
+
+
+def _internal_error(rpc: str, error: Exception) -> ServerUnavailable:
+    """An unexpected error: its traceback stays in this server's log, the caller gets a typed error."""
+    logger.error("%s failed unexpectedly", rpc, exc_info=error)
+    return ServerUnavailable(f"{rpc}: internal error on this server ({type(error).__name__})")
+
+
+def _typed_errors(handler: Unary) -> Unary:
+    """A unary handler whose unexpected errors reach the caller typed (hivemind sends it repr(error))."""
+
+    @functools.wraps(handler)
+    async def typed(self: TransformerConnectionHandler, request: Any, context: P2PContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except CorollaError:
+            raise
+        except Exception as e:
+            raise _internal_error(handler.__name__, e) from e
+
+    return typed
 
 
 class TransformerConnectionHandler:
     def __init__(self, inference: InferenceService, passes: PassService, status: StatusBoard):
         self.inference, self.passes, self.status = inference, passes, status
+        self.config, self.hidden_size = inference.config, inference.hidden_size
         self.step_timeout = inference.config.step_timeout
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
@@ -56,7 +91,7 @@ class TransformerConnectionHandler:
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
         """One inference session on a chain of this server's blocks; one reply per step."""
-        async with _reading_to_the_end(requests):
+        async with _reading_to_the_end(requests, "rpc_inference"):
             request = await next_within(requests, self.step_timeout)
             if request is None:
                 return
@@ -64,87 +99,133 @@ class TransformerConnectionHandler:
                 raise InvalidRequest(
                     "the first rpc_inference message must carry hidden_states (it was empty)"
                 )
-            first = StepMessage(
-                request.uid, InferenceStep.from_bytes(request.metadata, first=True), list(request.tensors)
-            )
-            replies = self.inference.serve(first, _later_steps(requests), str(context.remote_id))
-            async for reply in replies:
+            meta = InferenceStep.from_bytes(request.metadata, first=True)
+            longest, limit = self._session_length(meta)
+            self._check_step(request, longest, limit)
+            first = StepMessage(request.uid, meta, list(request.tensors))
+            later = _later_steps(requests, lambda step: self._check_step(step, longest, limit))
+            async for reply in self.inference.serve(first, later, str(context.remote_id)):
                 yield _reply(reply)
 
     async def rpc_push(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
-        """Steps pushed by the previous server of a chain, over one stream per session; nothing comes back."""
-        async with _reading_to_the_end(requests):
-            async for request in requests:
+        """Steps pushed by the previous server of a chain, over one stream per session; nothing comes back.
+
+        A link idle for the step timeout is closed: its session here has timed out too, or the pusher's
+        next push opens a new link.
+        """
+        async with _reading_to_the_end(requests, "rpc_push"):
+            sender = str(context.remote_id)
+            while (request := await next_within(requests, self.step_timeout)) is not None:
+                self._check_step(request, self.config.inference_max_length, "inference_max_length")
                 meta = InferenceStep.from_push_bytes(request.metadata)
-                self.inference.take_push(StepMessage(request.uid, meta, list(request.tensors)))
+                self.inference.take_push(StepMessage(request.uid, meta, list(request.tensors)), sender)
         return
         yield  # an async generator: hivemind's stream handlers are
 
+    def _session_length(self, meta: InferenceStep) -> tuple[int, str]:
+        """The longest step (tokens per row) this session may take, and the name of that limit."""
+        if meta.max_length is not None and meta.max_length <= self.config.inference_max_length:
+            return meta.max_length, "the session's max_length"
+        return self.config.inference_max_length, "inference_max_length"
+
+    def _check_step(self, request: ExpertRequest, max_length: int, limit: str) -> None:
+        """A step's hidden states against the session's limits, from their declared shape: an oversized
+        step is refused before anything decodes it."""
+        if request.tensors:
+            batch_limit = self.config.max_batch_size
+            validation.check_hidden(request.tensors[0], self.hidden_size, batch_limit, max_length, limit)
+
     # --- forward and backward passes ------------------------------------------------------------------------
 
+    @_typed_errors
     async def rpc_forward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         meta = ForwardRequest.from_bytes(request.metadata)
         compression = output_compression(meta)
-        outputs = await self.passes.forward(request.uid, meta, list(request.tensors))
+        tensors = self._pass_inputs(list(request.tensors))
+        outputs = await self.passes.forward(request.uid, meta, tensors, str(context.remote_id))
         return ExpertResponse(tensors=[wire_tensors.serialize(outputs, compression)])
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
-        async with _reading_to_the_end(requests):
+        async with _reading_to_the_end(requests, "rpc_forward_stream"):
             uid, metadata, parts = await self._collect_stream(requests, num_tensors=2)
             meta = ForwardRequest.from_bytes(metadata)
             compression = output_compression(meta)
             tensors = wire_tensors.combine_tensors(parts, ("hidden_states", "prompts"))
-            outputs = await self.passes.forward(uid, meta, tensors)
+            outputs = await self.passes.forward(uid, meta, tensors, str(context.remote_id))
             for chunk in wire_tensors.split(wire_tensors.serialize(outputs, compression)):
                 yield ExpertResponse(tensors=[chunk])
-            async for _ in requests:  # wait for the caller's end of stream, or the reply's tail may be cut
-                pass
+            await self._until_end(requests)
 
+    @_typed_errors
     async def rpc_backward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         meta = ForwardRequest.from_bytes(request.metadata)
         compression = output_compression(meta)
-        grads = await self.passes.backward(request.uid, meta, list(request.tensors))
+        tensors = self._pass_inputs(list(request.tensors))
+        grads = await self.passes.backward(request.uid, meta, tensors, str(context.remote_id))
         return ExpertResponse(tensors=[wire_tensors.serialize(g, compression) for g in _grad_tensors(grads)])
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
-        async with _reading_to_the_end(requests):
+        async with _reading_to_the_end(requests, "rpc_backward_stream"):
             uid, metadata, parts = await self._collect_stream(requests, num_tensors=3)
             meta = ForwardRequest.from_bytes(metadata)
             compression = output_compression(meta)
             tensors = wire_tensors.combine_tensors(parts, ("inputs", "grad_outputs", "prompts"))
-            grads = await self.passes.backward(uid, meta, tensors)
+            grads = await self.passes.backward(uid, meta, tensors, str(context.remote_id))
             for grad in _grad_tensors(grads):
                 for chunk in wire_tensors.split(wire_tensors.serialize(grad, compression)):
                     yield ExpertResponse(tensors=[chunk])
-            async for _ in requests:  # wait for the caller's end of stream, or the reply's tail may be cut
-                pass
+            await self._until_end(requests)
+
+    def _pass_inputs(self, tensors: list[runtime_pb2.Tensor]) -> list[runtime_pb2.Tensor]:
+        """A pass's tensors, its inputs checked against max_forward_tokens before anything decodes them."""
+        if tensors:
+            limits = (self.config.max_batch_size, self.config.max_forward_tokens)
+            validation.check_pass_hidden(tensors[0], self.hidden_size, *limits)
+        return tensors
 
     async def _collect_stream(
         self, requests: AsyncIterator[ExpertRequest], num_tensors: int
     ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
+        """The chunks of a pass's tensors, each message read within the step timeout. The inputs' first
+        chunk declares their shape, checked at once; the stream is refused as soon as it goes past its
+        byte limit, announces more chunks than that limit allows, or sends a message without tensors."""
         uid, metadata, parts, received = "", b"", [], 0
         limit = self.passes.stream_limit()
-        async for request in requests:
+        while (request := await next_within(requests, self.step_timeout)) is not None:
+            if not request.tensors:
+                raise InvalidRequest(f"stream: a message after {len(parts)} chunks carries no tensors")
             if not parts:
                 uid, metadata = request.uid, request.metadata
+                self._pass_inputs(list(request.tensors))
             parts.extend(request.tensors)
             received += sum(len(part.buffer) for part in request.tensors)
             if received > limit:
                 raise InvalidRequest(f"stream carries more than {limit} bytes, the limit for this server")
-            if wire_tensors.count_expected_chunks(parts, num_tensors) == len(parts):
+            expected = wire_tensors.count_expected_chunks(parts, num_tensors, limit)
+            if expected is not None and len(parts) > expected:
+                raise InvalidRequest(
+                    f"stream carries {len(parts)} chunks, its first chunks announce {expected}"
+                )
+            if expected == len(parts):
                 break
         if not parts:
             raise InvalidRequest("the stream carried no tensors")
         return uid, metadata, parts
 
+    async def _until_end(self, requests: AsyncIterator[ExpertRequest]) -> None:
+        """Wait for the caller's end of stream (or the reply's tail may be cut), at most the step timeout."""
+        while await next_within(requests, self.step_timeout) is not None:
+            pass
+
     # --- status ---------------------------------------------------------------------------------------------
 
+    @_typed_errors
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         return runtime_pb2.ExpertInfo(serialized_info=self.status.snapshot().to_bytes())
 
@@ -158,28 +239,34 @@ def _grad_tensors(grads: Gradients) -> list[torch.Tensor]:
     return [grads.inputs, grads.prompts if grads.prompts is not None else torch.empty(0)]
 
 
-async def _later_steps(requests: AsyncIterator[ExpertRequest]) -> AsyncIterator[StepMessage]:
-    """The client's steps after the first; an empty message (or the end of the stream) ends the session."""
+async def _later_steps(
+    requests: AsyncIterator[ExpertRequest], check: Callable[[ExpertRequest], None]
+) -> AsyncIterator[StepMessage]:
+    """The client's steps after the first, each `check`ed; an empty message (or the end of the stream)
+    ends the session. The service reads them within its step timeout."""
     async for request in requests:
         if not request.tensors:
             return
         meta = InferenceStep.from_bytes(request.metadata, first=False)
+        check(request)
         yield StepMessage(request.uid, meta, list(request.tensors))
 
 
 @contextlib.asynccontextmanager
-async def _reading_to_the_end(requests: AsyncIterator[ExpertRequest]) -> AsyncIterator[None]:
-    """On an error, read what the caller already sent before the error reply goes out.
+async def _reading_to_the_end(requests: AsyncIterator[ExpertRequest], rpc: str) -> AsyncIterator[None]:
+    """On an error, read what the caller already sent before the error reply goes out; the error is typed.
 
     hivemind closes the stream right after sending an error; closing it with unread incoming data resets
     the connection, and the reset can overtake the error message. Draining first (briefly: a caller that
     waits for our reply sends nothing more) lets the caller read a precise error instead of a broken pipe.
+    An unexpected error is logged and sent as a ServerUnavailable.
     """
     try:
         yield
-    except CorollaError as e:
+    except Exception as e:
+        error = e if isinstance(e, CorollaError) else _internal_error(rpc, e)
         deadline = asyncio.get_running_loop().time() + ERROR_DRAIN_SECONDS
         with contextlib.suppress(Exception):
             while (left := deadline - asyncio.get_running_loop().time()) > 0:
                 await asyncio.wait_for(anext(requests), left)
-        raise WireError(wire_text(e)) from e  # hivemind sends a stream's error as str(): keep the class
+        raise WireError(wire_text(error)) from e  # hivemind sends a stream's error as str(): keep the class

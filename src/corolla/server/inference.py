@@ -11,6 +11,11 @@ engine receives it (with an absolute position: append, or roll back to an earlie
 position moves past it, all in one turn of the event loop. No other copy or step can slip in between, so
 two steps can never be run at the same position, and every later step is checked against the position
 the earlier ones left. A step that fails in the engine ends the session (the client fails over).
+
+A session belongs to the peer that opened it: only its stream steps the session, and a push is taken
+only from the peer its owner named as the previous hop, on behalf of that same owner (server/push.py).
+A session takes at most PIPELINE_DEPTH steps ahead of their replies: a client cannot queue unbounded
+work, it has to read its replies.
 """
 
 from __future__ import annotations
@@ -18,75 +23,47 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
-from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
 from corolla.engine.async_engine import ResultStream
 from corolla.engine.sequence import StepWork
-from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionTimeout
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable
 from corolla.server import validation
 from corolla.server.ledger import digest
 from corolla.server.push import Pusher
 from corolla.server.sessions import Completed, ServerSession
 from corolla.server.spans import HostedSpans
+from corolla.server.steps import StepInputs, StepMessage, next_within
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class StepMessage:
-    """One step as it came off the wire: the blocks it names, its metadata and its tensors."""
-
-    uid: str
-    meta: InferenceStep
-    tensors: list[runtime_pb2.Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class StepInputs:
-    """A step checked against its session: what the engine runs."""
-
-    hidden: torch.Tensor  # [B, T, H]
-    position: int  # absolute position of its first token
-    prompts: torch.Tensor | None
-    hypo_ids: torch.Tensor | None
-    digest: bytes
-
-    @property
-    def length(self) -> int:
-        return self.hidden.shape[1]
-
-
-async def next_within(messages: AsyncIterator[T], timeout: float) -> T | None:
-    """The next message of a session's stream (None at its end), or SessionTimeout after `timeout`."""
-    try:
-        return await asyncio.wait_for(anext(messages), timeout)
-    except StopAsyncIteration:
-        return None
-    except (asyncio.TimeoutError, TimeoutError):
-        raise SessionTimeout(f"no request arrived within step_timeout={timeout:.1f}s") from None
+PIPELINE_DEPTH = 4  # steps a session may have taken and not yet been replied to
 
 
 class InferenceService:
-    def __init__(self, spans: HostedSpans, config: ServerConfig, hidden_size: int, pusher: Pusher | None):
+    def __init__(  # noqa: PLR0913
+        self,
+        spans: HostedSpans,
+        config: ServerConfig,
+        hidden_size: int,
+        pusher: Pusher | None,
+        num_blocks: int = 2**31,
+    ):
         self.spans, self.config, self.hidden_size, self.pusher = spans, config, hidden_size, pusher
+        self.num_blocks = num_blocks  # the model's: every block range a step names lies within it
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
 
     # --- a session: the client's stream ---------------------------------------------------------------------
 
     async def serve(
-        self, first: StepMessage, later: AsyncIterator[StepMessage], peer: str = "?"
+        self, first: StepMessage, later: AsyncIterator[StepMessage], peer: str
     ) -> AsyncIterator[Completed]:
-        """Open a session with `first`, then run every step of `later`; yields one reply per step."""
+        """Open a session of `peer` with `first`, then run every step of `later`; one reply per step."""
         if self.draining:
             raise ServerUnavailable("this server is shutting down and takes no new sessions")
         meta = first.meta
@@ -99,31 +76,36 @@ class InferenceService:
             )
         hidden = validation.read_hidden(first.tensors, self.hidden_size, self.config.max_batch_size)
         batch = hidden.shape[0]
+        self._check_hops(meta)
         opening = backend.sessions.open(
-            meta.session_id, blocks, batch, meta.max_length, meta.active_adapter, meta.alloc_timeout
+            peer, meta.session_id, blocks, batch, meta.max_length, meta.active_adapter, meta.alloc_timeout
         )
         async with opening as session:
             opened = (session.session_id, peer[-6:], *blocks, batch)
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
                 inputs = self._inputs(session, first, digest(first.tensors[0]), hidden)
+                session.push_from = meta.push_from
                 self._run(session, first.meta, inputs, pushed=False)
                 async for reply in self._replies(session, later):
                     yield reply
             finally:
                 if self.pusher is not None:
-                    self.pusher.end_session(session.session_id)
+                    self.pusher.end_session(*session.key)
 
     async def _replies(
         self, session: ServerSession, later: AsyncIterator[StepMessage]
     ) -> AsyncIterator[Completed]:
         """Each step's reply as soon as it ran, while taking the client's next steps as they come. At the
         end of the client's stream, the steps already taken still run and get their replies."""
-        reading: asyncio.Future | None = asyncio.ensure_future(self._next_step(session, later))
+        reading: asyncio.Future | None = None
+        more = True  # the client's stream may still bring steps
         completion = asyncio.ensure_future(session.completed.get())
         try:
-            while reading is not None or session.num_unreported:
-                waiting = (completion,) if reading is None else (reading, completion)
+            while more or session.num_unreported:
+                if more and reading is None and session.num_unreported < PIPELINE_DEPTH:
+                    reading = asyncio.ensure_future(self._next_step(session, later))
+                waiting = [f for f in (reading, completion) if f is not None]
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if completion.done():
                     done = completion.result()
@@ -134,11 +116,11 @@ class InferenceService:
                     if session.ledger.claim_reply(done.step_id, done.run):
                         yield done
                 elif reading is not None and reading.done():
-                    step = reading.result()
-                    reading = None
-                    if step is not None:
+                    step, reading = reading.result(), None
+                    if step is None:
+                        more = False
+                    else:
                         self._take_from_client(session, step)
-                        reading = asyncio.ensure_future(self._next_step(session, later))
         finally:  # nothing may read the client's stream after this (an error reply drains it)
             waiting = [f for f in (reading, completion) if f is not None]
             for future in waiting:
@@ -152,21 +134,31 @@ class InferenceService:
 
     # --- a step pushed by the previous server -------------------------------------------------------------
 
-    def take_push(self, step: StepMessage) -> None:
-        """A step pushed here by the previous server of a chain; it runs unless the session cannot take it.
+    def take_push(self, step: StepMessage, sender: str) -> None:
+        """A step pushed here by `sender`, the previous server of a chain; it runs unless the session
+        cannot take it.
 
-        A push for a session that is not open, or at another position than the session's (stale, early, or
-        a rollback the client will send itself), or whose tensors do not fit the session, is skipped: the
-        client's own copy does the work. A push that names other blocks than its session's is an error.
+        A push is taken only from the peer that the session's owner named as its previous hop, on behalf
+        of that owner (its `origin`); any other push has no effect, whether or not the session exists
+        (server/push.py). A push for a session that is not open, or at another position than the
+        session's (stale, early, or a rollback the client will send itself), or whose tensors do not fit
+        the session, is skipped: the client's own copy does the work. A push carrying more than hidden
+        states (prompts are the client's to send), naming other blocks than its session's, or reusing a
+        taken step id is an error.
         """
         meta = step.meta
-        session = self.spans.find_session(meta.session_id)
-        if session is None or meta.start_from_position != session.position:
+        if len(step.tensors) > 1:
+            raise InvalidRequest("a pushed step carries hidden_states only (never prompts or hypo_ids)")
+        if not step.tensors:
+            return
+        self._check_hops(meta)
+        session = self.spans.find_session(meta.origin, meta.session_id)
+        if session is None or session.push_from != sender or meta.start_from_position != session.position:
             return
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
             span = f"{session.start}:{session.end}"
             raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
-        inputs_digest = digest(step.tensors[0]) if step.tensors else b""
+        inputs_digest = digest(step.tensors[0])
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
             return
         if session.ledger.conflicts(meta.step_id):
@@ -183,11 +175,30 @@ class InferenceService:
     def _take_from_client(self, session: ServerSession, step: StepMessage) -> None:
         """Run the client's copy of a step, unless it is a second copy of a step already taken (its
         pushed twin ran first). Checked before the tensors are even read: half of a chain's steps are
-        second copies. A client's copy that reuses a step id with other inputs or at another position is
-        a new step: the session's owner decides what runs (a pushed copy that does so is refused)."""
+        second copies. A client's copy that differs from a pushed copy of the same id runs again (the
+        session's owner decides what runs); a client reusing its own step id for another step gets an
+        error."""
+        meta = step.meta
+        self._check_hops(meta)
+        session.push_from = meta.push_from
         inputs_digest = digest(step.tensors[0])
-        if not session.ledger.is_second_copy(step.meta.step_id, step.meta.start_from_position, inputs_digest):
-            self._run(session, step.meta, self._inputs(session, step, inputs_digest), pushed=False)
+        if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
+            return
+        if session.ledger.conflicts(meta.step_id, with_clients_copy=True):
+            raise InvalidRequest(
+                f"step_id {meta.step_id!r} was already used by this session for another step "
+                "(other inputs or another position)"
+            )
+        self._run(session, meta, self._inputs(session, step, inputs_digest), pushed=False)
+
+    def _check_hops(self, meta: InferenceStep) -> None:
+        """A step's next_servers must name block ranges of this model (checked before anything uses them)."""
+        for i, hop in enumerate(meta.next_servers):
+            if hop.end > self.num_blocks:
+                raise InvalidRequest(
+                    f"next_servers[{i}]: blocks {hop.start}:{hop.end} lie outside the model's "
+                    f"{self.num_blocks} blocks"
+                )
 
     def _inputs(
         self,
@@ -223,7 +234,7 @@ class InferenceService:
 
     def _run(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
         """Take a step: ledger, engine and position in one go, synchronous on purpose (see above)."""
-        run = session.ledger.take(meta.step_id, inputs.position, inputs.digest)
+        run = session.ledger.take(meta.step_id, inputs.position, inputs.digest, pushed)
         work = StepWork(
             session.engine_session,
             inputs.hidden,
@@ -258,7 +269,7 @@ class InferenceService:
                 self.steps_from_client += 1
             if meta.next_servers and self.pusher is not None:
                 # the push leaves before the reply: one hop to the next server beats two through the client
-                await self.pusher.push(outputs, meta, work.position, session.session_id)
+                await self.pusher.push(outputs, meta, work.position, *session.key)
             session.completed.put_nowait(Completed(meta.step_id, run, outputs))
         except asyncio.CancelledError:
             session.engine.abort(work.request_id)

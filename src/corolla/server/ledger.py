@@ -3,9 +3,11 @@
 With push, a step can reach a server twice: pushed by the previous server and sent by the client. A step
 is identified by its session, its `step_id`, its position and its inputs together (a digest of the hidden
 states' bytes), so the ledger can tell a second copy of a step (run nothing, reply nothing more) from a
-different step that reuses an id (never trusted as the same step). Each step gets exactly one reply,
-whichever copy ran it. Only the most recent steps are remembered: a copy can lag behind its twin by a
-step or two, never by REMEMBERED_STEPS.
+different step that reuses an id (never trusted as the same step): a pushed copy that reuses a taken id
+is refused, the client's copy of a step whose pushed copy differed runs again (the session's owner
+decides what its cache holds), and a client reusing one of its own step ids for other inputs gets an
+error. Each step gets exactly one reply, whichever copy ran it. Only the most recent steps are
+remembered: a copy can lag behind its twin by a step or two, never by REMEMBERED_STEPS.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class TakenStep:
     position: int
     inputs: bytes  # digest of the hidden states
     run: int  # which run of this step id replies (a client's copy can supersede a pushed one)
+    pushed: bool  # the copy that ran was pushed here (not the client's own)
     replied: bool = False
 
 
@@ -46,16 +49,17 @@ class StepLedger:
         taken = self._steps.get(step_id) if step_id else None
         return taken is not None and taken.inputs == inputs and position in (None, taken.position)
 
-    def conflicts(self, step_id: str | None) -> bool:
+    def conflicts(self, step_id: str | None, *, with_clients_copy: bool = False) -> bool:
         """Whether `step_id` names a step already taken (with other inputs or at another position, when
-        `is_second_copy` said no)."""
-        return bool(step_id) and step_id in self._steps
+        `is_second_copy` said no); with `with_clients_copy`, only a step whose client's copy ran."""
+        taken = self._steps.get(step_id) if step_id else None
+        return taken is not None and not (with_clients_copy and taken.pushed)
 
-    def take(self, step_id: str | None, position: int, inputs: bytes) -> int:
+    def take(self, step_id: str | None, position: int, inputs: bytes, pushed: bool = False) -> int:
         """Record a step that runs now; returns its run number (which its completion must name)."""
         self._runs += 1
         if step_id:
-            self._steps[step_id] = TakenStep(position, inputs, self._runs)
+            self._steps[step_id] = TakenStep(position, inputs, self._runs, pushed)
             self._steps.move_to_end(step_id)
             while len(self._steps) > REMEMBERED_STEPS:
                 self._steps.popitem(last=False)

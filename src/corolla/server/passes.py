@@ -3,16 +3,21 @@
 A pass needs no session and no cache: `forward` runs a span over whole sequences, `backward` recomputes
 it with autograd and returns the gradients wrt its inputs and deep prompts (the weights stay frozen).
 The engine runs this work between inference passes, in row slices, so chat users keep their latency.
+One peer may have at most `max_passes_per_peer` passes running or queued here at once.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
 
 import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
 from corolla.engine.sequence import BackwardWork, ForwardWork, Gradients
-from corolla.errors import InvalidRequest
+from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.server import validation
 from corolla.server.spans import HostedSpans
 from corolla.wire import tensors as wire_tensors
@@ -22,11 +27,40 @@ from corolla.wire.messages import ForwardRequest
 class PassService:
     def __init__(self, spans: HostedSpans, config: ServerConfig, hidden_size: int):
         self.spans, self.config, self.hidden_size = spans, config, hidden_size
+        self._running: Counter[str] = Counter()  # passes running or queued, by peer
+
+    @contextlib.contextmanager
+    def _turn(self, peer: str) -> Iterator[None]:
+        limit = self.config.max_passes_per_peer
+        if self._running[peer] >= limit:
+            raise ServerUnavailable(
+                f"your peer already has max_passes_per_peer={limit} forward/backward requests running here"
+            )
+        self._running[peer] += 1
+        try:
+            yield
+        finally:
+            self._running[peer] -= 1
+            if not self._running[peer]:
+                del self._running[peer]
 
     async def forward(
-        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]
+        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor], peer: str = ""
     ) -> torch.Tensor:
         """Tensors: hidden_states [B, T, H], prompts (empty or [blocks, B or 1, P, H]). Returns [B, T, H]."""
+        with self._turn(peer):
+            return await self._forward(uid, meta, protos)
+
+    async def backward(
+        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor], peer: str = ""
+    ) -> Gradients:
+        """Tensors: inputs [B, T, H], grad_outputs [B, T, H], prompts (empty or [blocks, B or 1, P, H])."""
+        with self._turn(peer):
+            return await self._backward(uid, meta, protos)
+
+    async def _forward(
+        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]
+    ) -> torch.Tensor:
         backend, blocks = self.spans.select(uid, new_session=False)
         self.spans.check_adapter(meta.active_adapter)
         hidden = self._read_inputs(protos)
@@ -34,10 +68,9 @@ class PassService:
         prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
         return await backend.engine.run(ForwardWork(hidden, blocks, prompts, adapter=meta.active_adapter))
 
-    async def backward(
+    async def _backward(
         self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]
     ) -> Gradients:
-        """Tensors: inputs [B, T, H], grad_outputs [B, T, H], prompts (empty or [blocks, B or 1, P, H])."""
         backend, blocks = self.spans.select(uid, new_session=False)
         self.spans.check_adapter(meta.active_adapter)
         inputs = self._read_inputs(protos)

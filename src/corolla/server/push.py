@@ -7,6 +7,12 @@ step itself (it keeps the inputs for failover), and the receiver runs each step 
 whichever copy arrives first (server/ledger.py). A push that fails changes nothing: the client's copy
 does the work.
 
+Session ids are not secrets (they travel to every server of a chain), so a push proves where it comes
+from instead: the receiver takes it only from the peer that the session's client named as its previous
+hop (`push_from`, authenticated by libp2p), and only if it names that client as its `origin`, the peer
+that opened the pushing server's session. An honest server thus never relays one client's hidden states
+into another client's session (InferenceService.take_push).
+
 Pushes for one session travel over one open stream to the next server's session (a `PushLink`), opened
 by the first push and closed when the session ends here. Opening a libp2p stream per step would cost a
 protocol negotiation (a round trip on a real network) every token, and on loopback it made the push lose
@@ -67,13 +73,15 @@ class PushLink:
 class Pusher:
     def __init__(self, p2p: P2P, dht_prefix: str):
         self.p2p, self.dht_prefix = p2p, dht_prefix
-        self._links: dict[tuple[str, str, str], PushLink] = {}  # (our session, next peer, its session)
+        # (our session's client, our session, next peer, its session)
+        self._links: dict[tuple[str, str, str, str], PushLink] = {}
         self._closing: set[asyncio.Task] = set()  # links sending their last pushes
 
-    async def push(
-        self, outputs: runtime_pb2.Tensor, meta: InferenceStep, position: int, from_session: str
+    async def push(  # noqa: PLR0913
+        self, outputs: runtime_pb2.Tensor, meta: InferenceStep, position: int, origin: str, from_session: str
     ) -> None:
-        """Send a step's outputs (computed at `position` in `from_session`) on to the next server.
+        """Send a step's outputs (computed at `position` in `from_session`, opened by peer `origin`) on to
+        the next server.
 
         Returns once the request is on its way, without waiting for the receiver: the caller replies to the
         client after this, so the push (one hop to the next server) starts ahead of the client's copy (two
@@ -86,13 +94,14 @@ class Pusher:
             next_servers=rest,
             pushed=True,
             session_id=target.session_id,
+            origin=origin,
         )
         request = runtime_pb2.ExpertRequest(
             uid=block_uids(self.dht_prefix, target.start, target.end),
             tensors=[outputs],
             metadata=step.to_bytes(),
         )
-        key = (from_session, target.peer_id, target.session_id)
+        key = (origin, from_session, target.peer_id, target.session_id)
         link = self._links.get(key)
         if link is None or link.task.done():
             link = self._links[key] = PushLink(self.p2p, target.peer_id)
@@ -100,9 +109,9 @@ class Pusher:
         for _ in range(HANDOFF_TURNS):
             await asyncio.sleep(0)
 
-    def end_session(self, session_id: str) -> None:
+    def end_session(self, origin: str, session_id: str) -> None:
         """Close the links of a session that ended here."""
-        for key in [key for key in self._links if key[0] == session_id]:
+        for key in [key for key in self._links if key[:2] == (origin, session_id)]:
             link = self._links.pop(key)
             link.close()
             self._closing.add(link.task)

@@ -86,6 +86,7 @@ class Server:
             self.dtype,
             config.engine,
             config.session_timeout,
+            max_sessions_per_peer=config.max_sessions_per_peer,
             budgeted=config.memory_budget is not None and config.engine.max_cache_tokens is None,
             pass_delay=config.simulate_slow_ms / 1000,
             adapters=self.adapters,
@@ -102,7 +103,7 @@ class Server:
         config, hidden_size, num_blocks = self.config, self.model.hidden_size, self.model.num_hidden_layers
         self.p2p = await self.dht.replicate_p2p()
         self.pusher = Pusher(self.p2p, self.dht_prefix)
-        self.inference = InferenceService(self.spans, config, hidden_size, self.pusher)
+        self.inference = InferenceService(self.spans, config, hidden_size, self.pusher, num_blocks)
         passes = PassService(self.spans, config, hidden_size)
         period = config.announce_period
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)

@@ -1,10 +1,13 @@
 """Inference sessions on one hosted span: their ids, limits, deadlines and state, and their lifetime.
 
-A session exists from the first `rpc_inference` message to the end of its stream. `SessionRegistry.open`
-checks that the session id is free and opens the engine's session; leaving the context closes it whatever
-happened (normal end, error, timeout, vanished client): its running steps are cancelled and the engine
-frees its cache pages at its next pass. The protocol that runs steps in a session is the inference
-service's (server/inference.py); this module only holds a session's state.
+A session exists from the first `rpc_inference` message to the end of its stream. It belongs to the peer
+that opened it (its owner, authenticated by libp2p): session ids are chosen by clients and are no
+secrets, so sessions are kept by (owner, session id), and another peer naming the same id opens its own
+session or finds nothing, never someone else's. `SessionRegistry.open` checks that the id is free for
+its owner and that the owner is within its share of sessions, then opens the engine's session; leaving
+the context closes it whatever happened (normal end, error, timeout, vanished client): its running
+steps are cancelled and the engine frees its cache pages at its next pass. The protocol that runs steps
+in a session is the inference service's (server/inference.py); this module only holds a session's state.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import EngineSession
-from corolla.errors import InvalidRequest, SessionTimeout
+from corolla.errors import InvalidRequest, ServerUnavailable, SessionTimeout
 from corolla.server.ledger import StepLedger
 
 
@@ -37,6 +40,7 @@ class Completed:
 @dataclass(eq=False)
 class ServerSession:
     session_id: str
+    owner: str  # the peer id that opened it: only its stream steps it
     engine: AsyncEngine
     engine_session: EngineSession
     start: int  # absolute block range this session runs
@@ -52,6 +56,11 @@ class ServerSession:
     completed: asyncio.Queue[Completed] = field(default_factory=asyncio.Queue)
     running: set[asyncio.Task] = field(default_factory=set)  # steps taken, not yet completed
     num_unreported: int = 0  # steps taken whose completion the session's stream has not read yet
+    push_from: str | None = None  # the peer the owner named as its previous hop: the only one that may push
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.owner, self.session_id
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -68,17 +77,25 @@ class ServerSession:
 class SessionRegistry:
     """The open sessions of one engine, by id."""
 
-    def __init__(self, engine: AsyncEngine, session_timeout: float):
+    def __init__(self, engine: AsyncEngine, session_timeout: float, max_sessions_per_peer: int = 2**31):
         self.engine, self.session_timeout = engine, session_timeout
-        self.sessions: dict[str, ServerSession] = {}
-        self._claimed: set[str] = set()  # ids in use, including sessions still being opened
+        self.max_sessions_per_peer = max_sessions_per_peer
+        self.sessions: dict[tuple[str, str], ServerSession] = {}  # by (owner, session id)
+        self._claimed: set[tuple[str, str]] = set()  # keys in use, including sessions still being opened
 
     def __len__(self) -> int:
         return len(self.sessions)
 
+    def get(self, owner: str | None, session_id: str | None) -> ServerSession | None:
+        return self.sessions.get((owner, session_id))
+
+    def num_opened_by(self, owner: str) -> int:
+        return sum(key[0] == owner for key in self._claimed)
+
     @contextlib.asynccontextmanager
     async def open(  # noqa: PLR0913
         self,
+        owner: str,
         session_id: str | None,
         blocks: tuple[int, int],
         batch_size: int,
@@ -87,16 +104,25 @@ class SessionRegistry:
         alloc_timeout: float = 0.0,
     ) -> AsyncIterator[ServerSession]:
         session_id = session_id or uuid.uuid4().hex
-        if session_id in self._claimed:
-            raise InvalidRequest(f"session_id {session_id!r} is already in use on this server")
-        self._claimed.add(session_id)
+        key = (owner, session_id)
+        if key in self._claimed:
+            raise InvalidRequest(f"session_id {session_id!r} is already in use by one of your sessions here")
+        if self.num_opened_by(owner) >= self.max_sessions_per_peer:
+            raise ServerUnavailable(
+                f"your peer already holds max_sessions_per_peer={self.max_sessions_per_peer} sessions here"
+            )
+        engine_id = f"{owner}/{session_id}"  # peer ids are base58: no two keys give one engine id
+        self._claimed.add(key)
         try:
             engine_session = await self.engine.call(
-                lambda: self.engine.engine.open_session(session_id, blocks, batch_size, max_length, adapter)
+                lambda: self.engine.engine.open_session(
+                    engine_id, blocks, batch_size, max_length, adapter, owner=owner
+                )
             )
             now = time.monotonic()
             session = ServerSession(
                 session_id,
+                owner,
                 self.engine,
                 engine_session,
                 *blocks,
@@ -105,16 +131,16 @@ class SessionRegistry:
                 deadline=now + self.session_timeout,
                 admit_deadline=now + alloc_timeout,
             )
-            self.sessions[session_id] = session
+            self.sessions[key] = session
             try:
                 yield session
             finally:
-                del self.sessions[session_id]
+                del self.sessions[key]
                 await _cancel(session.running)
         finally:
             # also when the open itself was cancelled: commands run in order, so this close follows it
-            self.engine.close_session(session_id)
-            self._claimed.discard(session_id)
+            self.engine.close_session(engine_id)
+            self._claimed.discard(key)
 
 
 async def _cancel(tasks: set[asyncio.Task]) -> None:

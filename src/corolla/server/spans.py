@@ -75,9 +75,10 @@ class HostedSpans:
             return backend, blocks
         raise error
 
-    def find_session(self, session_id: str | None) -> ServerSession | None:
+    def find_session(self, owner: str | None, session_id: str | None) -> ServerSession | None:
+        """The session `session_id` opened by peer `owner`, if it is open here."""
         for backend in self._backends:
-            session = backend.sessions.sessions.get(session_id)
+            session = backend.sessions.get(owner, session_id)
             if session is not None:
                 return session
         return None

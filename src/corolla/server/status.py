@@ -47,6 +47,8 @@ class StatusBoard:
             dht_prefix=self.spans.dht_prefix,
             model_fingerprint=self.model_fingerprint,
             max_batch_size=self.config.max_batch_size,
+            max_sessions_per_peer=self.config.max_sessions_per_peer,
+            max_passes_per_peer=self.config.max_passes_per_peer,
             cache_tokens_total=stats[0].total_cache_tokens,
             num_sessions=self.spans.num_sessions,
             queued_tokens=sum(s.queued_tokens for s in stats),

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -22,7 +23,7 @@ def parse_uid(uid: str, dht_prefix: str, start: int, end: int) -> tuple[int, int
     if not uid or len(uid) > MAX_UID_CHARS:
         raise InvalidRequest(f"uid must name 1 or more blocks (got {len(uid)} characters)")
     indices = []
-    pattern = re.compile(re.escape(dht_prefix) + r"\.(\d{1,9})")
+    pattern = re.compile(re.escape(dht_prefix) + r"\.([0-9]{1,9})")  # not \d: it takes any Unicode digit
     for part in uid.split(" "):
         match = pattern.fullmatch(part)
         if match is None:
@@ -41,35 +42,73 @@ def parse_uid(uid: str, dht_prefix: str, start: int, end: int) -> tuple[int, int
     return first, first + len(indices)
 
 
-def read_hidden(protos: list[runtime_pb2.Tensor], hidden_size: int, max_batch_size: int) -> torch.Tensor:
-    """The first tensor of a request: hidden states [B, T, hidden] in a float dtype."""
-    if not protos:
-        raise InvalidRequest("hidden_states: the request carries no tensors")
-    hidden = wire_tensors.deserialize(protos[0], "hidden_states")
-    if hidden.dim() != 3 or hidden.shape[2] != hidden_size:
-        raise InvalidRequest(
-            f"hidden_states must have shape [batch, length, {hidden_size}], got {list(hidden.shape)}"
-        )
-    if hidden.dtype not in wire_tensors.FLOAT_DTYPES:
-        raise InvalidRequest(f"hidden_states must be float32, float16 or bfloat16, got {hidden.dtype}")
-    batch, length = hidden.shape[:2]
+def check_hidden(
+    proto: runtime_pb2.Tensor,
+    hidden_size: int,
+    max_batch_size: int,
+    max_length: int | None = None,
+    limit: str = "max_length",
+) -> tuple[int, int]:
+    """Hidden states' declared [B, T, hidden] and dtype against the limits, before a byte is decoded.
+
+    The buffer must then match that shape (deserialize checks it before copying), so an oversized one
+    costs nothing beyond the message hivemind has already read. `limit` names `max_length` in the error.
+    Returns (batch, length).
+    """
+    shape = list(wire_tensors.declared_shape(proto, "hidden_states"))
+    if len(shape) != 3 or shape[2] != hidden_size:
+        raise InvalidRequest(f"hidden_states must have shape [batch, length, {hidden_size}], got {shape}")
+    dtype = wire_tensors.declared_dtype(proto, "hidden_states")
+    if dtype not in wire_tensors.FLOAT_DTYPES:
+        raise InvalidRequest(f"hidden_states must be float32, float16 or bfloat16, got {dtype}")
+    batch, length = shape[:2]
     if not 1 <= batch <= max_batch_size:
         raise InvalidRequest(f"hidden_states: batch size {batch} is outside 1..{max_batch_size}")
     if length < 1:
         raise InvalidRequest("hidden_states: length must be at least 1 token")
-    return hidden
+    if max_length is not None and length > max_length:
+        raise InvalidRequest(f"hidden_states: length {length} exceeds {limit}={max_length}")
+    return batch, length
+
+
+def check_pass_hidden(
+    proto: runtime_pb2.Tensor, hidden_size: int, max_batch_size: int, max_forward_tokens: int
+) -> None:
+    """A forward or backward pass's inputs against max_forward_tokens, before a byte is decoded."""
+    batch, length = check_hidden(proto, hidden_size, max_batch_size)
+    if batch * length > max_forward_tokens:
+        raise InvalidRequest(
+            f"hidden_states: {batch} x {length} tokens exceed max_forward_tokens={max_forward_tokens}"
+        )
+
+
+def read_hidden(
+    protos: list[runtime_pb2.Tensor],
+    hidden_size: int,
+    max_batch_size: int,
+    max_length: int | None = None,
+    limit: str = "max_length",
+) -> torch.Tensor:
+    """The first tensor of a request: hidden states [B, T, hidden] in a float dtype, T <= max_length,
+    checked (`check_hidden`) before it is decoded."""
+    if not protos:
+        raise InvalidRequest("hidden_states: the request carries no tensors")
+    check_hidden(protos[0], hidden_size, max_batch_size, max_length, limit)
+    return wire_tensors.deserialize(protos[0], "hidden_states")
 
 
 def read_grad_outputs(protos: list[runtime_pb2.Tensor], like: torch.Tensor) -> torch.Tensor:
     """Tensor 1 of a backward request: the gradient of the span's outputs, shaped like its inputs."""
     if len(protos) < 2:
         raise InvalidRequest("grad_outputs: a backward request carries inputs, grad_outputs and prompts")
-    grad = wire_tensors.deserialize(protos[1], "grad_outputs")
-    if grad.shape != like.shape or grad.dtype not in wire_tensors.FLOAT_DTYPES:
+    shape = wire_tensors.declared_shape(protos[1], "grad_outputs")
+    dtype = wire_tensors.declared_dtype(protos[1], "grad_outputs")
+    if shape != tuple(like.shape) or dtype not in wire_tensors.FLOAT_DTYPES:
         raise InvalidRequest(
             f"grad_outputs must be a float tensor shaped like the inputs {list(like.shape)}, "
-            f"got {grad.dtype} {list(grad.shape)}"
+            f"got {dtype} {list(shape)}"
         )
+    grad = wire_tensors.deserialize(protos[1], "grad_outputs")
     if not bool(torch.isfinite(grad).all()):
         raise InvalidRequest("grad_outputs holds NaN or infinite values")
     return grad
@@ -90,23 +129,25 @@ def read_prompts(
     """
     if len(protos) <= index:
         return None
-    prompts = wire_tensors.deserialize(protos[index], "prompts")
-    if prompts.numel() == 0:
+    shape = list(wire_tensors.declared_shape(protos[index], "prompts"))
+    if math.prod(shape) == 0:
+        wire_tensors.deserialize(protos[index], "prompts")  # an empty tensor's buffer must be empty too
         return None
-    shape = list(prompts.shape)
+    dtype = wire_tensors.declared_dtype(protos[index], "prompts")
     if (
-        prompts.dim() != 4
+        len(shape) != 4
         or shape[0] != num_blocks
         or shape[1] not in (1, batch)
         or shape[3] != hidden_size
-        or prompts.dtype not in wire_tensors.FLOAT_DTYPES
+        or dtype not in wire_tensors.FLOAT_DTYPES
     ):
         raise InvalidRequest(
             f"prompts must be empty or a float tensor [{num_blocks}, {batch}, prefix, "
-            f"{hidden_size}], got {prompts.dtype} {shape}"
+            f"{hidden_size}], got {dtype} {shape}"
         )
     if shape[2] > max_length:
         raise InvalidRequest(f"prompts: prefix length {shape[2]} exceeds max_length={max_length}")
+    prompts = wire_tensors.deserialize(protos[index], "prompts")
     return prompts.expand(num_blocks, batch, shape[2], hidden_size) if expand else prompts
 
 
@@ -114,11 +155,13 @@ def read_hypo_ids(protos: list[runtime_pb2.Tensor], batch: int) -> torch.Tensor 
     """Optional beam reordering (tensor 2): empty, or int64 [B] with values in [0, B)."""
     if len(protos) < 3:
         return None
+    shape = list(wire_tensors.declared_shape(protos[2], "hypo_ids"))
+    dtype = wire_tensors.declared_dtype(protos[2], "hypo_ids")
+    if math.prod(shape) != 0 and (dtype != torch.int64 or shape != [batch]):
+        raise InvalidRequest(f"hypo_ids must be int64 [{batch}], got {dtype} {shape}")
     hypo_ids = wire_tensors.deserialize(protos[2], "hypo_ids")
     if hypo_ids.numel() == 0:
         return None
-    if hypo_ids.dtype != torch.int64 or list(hypo_ids.shape) != [batch]:
-        raise InvalidRequest(f"hypo_ids must be int64 [{batch}], got {hypo_ids.dtype} {list(hypo_ids.shape)}")
     if int(hypo_ids.min()) < 0 or int(hypo_ids.max()) >= batch:
         raise InvalidRequest(f"hypo_ids values must lie in [0, {batch}), got {hypo_ids.tolist()[:16]}")
     return hypo_ids

@@ -64,6 +64,10 @@ class InferenceStep:
     start_from_position: int | None = None
     next_servers: tuple[NextServer, ...] = ()
     pushed: bool = False
+    # from the client: the peer (the previous hop of its chain) that may push steps into this session
+    push_from: str | None = None
+    # in a push: the peer that opened the pushing server's session (the chain's client)
+    origin: str | None = None
     # session parameters, present on the first message only
     max_length: int | None = None
     session_id: str | None = None
@@ -73,12 +77,14 @@ class InferenceStep:
 
     @classmethod
     def from_push_bytes(cls, raw: bytes) -> InferenceStep:
-        """A step pushed by the previous server: receiver's session_id, step_id and position are required."""
+        """A step pushed by the previous server: the receiver's session_id, the session's origin (its
+        client), step_id and position are required."""
         fields = unpack(raw, "rpc_push")
         fields.str("step_id", required=True)
         fields.int("start_from_position", required=True, low=0)
-        step = {**cls._step_fields(fields), "pushed": True}
-        return cls(**step, session_id=fields.str("session_id", required=True))
+        step = {**cls._step_fields(fields), "pushed": True, "push_from": None}
+        session_id = fields.str("session_id", required=True)
+        return cls(**step, session_id=session_id, origin=fields.str("origin", required=True))
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, first: bool) -> InferenceStep:
@@ -104,6 +110,7 @@ class InferenceStep:
             start_from_position=fields.int("start_from_position", low=0),
             next_servers=tuple(NextServer.parse(item, fields, i) for i, item in enumerate(hops)),
             pushed=fields.bool("pushed"),
+            push_from=fields.str("push_from"),
         )
 
     def to_bytes(self) -> bytes:
@@ -114,6 +121,8 @@ class InferenceStep:
                 start_from_position=self.start_from_position,
                 next_servers=[[h.peer_id, h.session_id, h.start, h.end] for h in self.next_servers] or None,
                 pushed=self.pushed or None,
+                push_from=self.push_from,
+                origin=self.origin,
                 max_length=self.max_length,
                 session_id=self.session_id,
                 alloc_timeout=self.alloc_timeout or None,

@@ -52,6 +52,8 @@ class ServerStatus:
     dht_prefix: str = ""
     model_fingerprint: str = ""  # ModelConfig.fingerprint(): clients skip servers of another model
     max_batch_size: int | None = None  # rows per inference session or forward request
+    max_sessions_per_peer: int | None = None  # what one peer may hold here at once
+    max_passes_per_peer: int | None = None
     cache_tokens_total: int | None = None
     num_sessions: int = 0
     queued_tokens: int = 0  # live load: tokens waiting in the server's engines
@@ -109,6 +111,8 @@ class ServerStatus:
             dht_prefix=fields.str("dht_prefix", max_chars=256) or "",
             model_fingerprint=fields.str("model_fingerprint", max_chars=64) or "",
             max_batch_size=fields.int("max_batch_size", low=1),
+            max_sessions_per_peer=fields.int("max_sessions_per_peer", low=1),
+            max_passes_per_peer=fields.int("max_passes_per_peer", low=1),
             cache_tokens_total=fields.int("cache_tokens_total", low=0),
             num_sessions=fields.int("num_sessions", default=0, low=0) or 0,
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,

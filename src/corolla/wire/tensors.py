@@ -2,11 +2,15 @@
 
 Serialization uses hivemind's own format (so hivemind and Petals peers can read it). Deserialization is
 ours: a peer controls every byte, so the compression type, dtype, rank, shape and buffer length are all
-checked before a tensor is built, and a bad one raises `InvalidRequest` naming the tensor.
+checked before a tensor is built, and a bad one raises `InvalidRequest` naming the tensor. A receiver
+checks the declared shape and dtype (`declared_shape`, `declared_dtype`) against its own limits first,
+so an oversized tensor is refused before a byte of it is copied. A stream's chunk counts are checked
+against its byte limit as its first chunks arrive.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -45,19 +49,41 @@ def empty() -> runtime_pb2.Tensor:
     return serialize(torch.empty(0))
 
 
-def deserialize(proto: runtime_pb2.Tensor, name: str) -> torch.Tensor:
-    """Decode a tensor sent by a peer, checking every field against the buffer it came with."""
+def declared_shape(proto: runtime_pb2.Tensor, name: str) -> tuple[int, ...]:
+    """A tensor's shape as its sender declared it, checked without reading its buffer.
+
+    Every dimension is bounded, zero-sized tensors included: [0, 2**32-1, 2**32-1] holds no element, but
+    its strides overflow when torch builds it. So the product of the non-zero dimensions is bounded too.
+    """
     shape = tuple(int(s) for s in proto.size)
     if len(shape) > MAX_RANK:
         raise InvalidRequest(f"tensor {name}: rank {len(shape)} exceeds the maximum of {MAX_RANK}")
-    numel = 1
+    extent = 1
     for dim in shape:
-        numel *= dim
-    if numel > MAX_NUMEL:
-        raise InvalidRequest(f"tensor {name}: {numel} elements exceed the maximum of {MAX_NUMEL}")
+        if not 0 <= dim <= MAX_NUMEL:
+            raise InvalidRequest(f"tensor {name}: dimension {dim} in {list(shape)} is outside 0..{MAX_NUMEL}")
+        extent *= max(dim, 1)
+        if extent > MAX_NUMEL:
+            raise InvalidRequest(
+                f"tensor {name}: shape {list(shape)} has more elements than the maximum of {MAX_NUMEL} "
+                f"(zero dimensions aside)"
+            )
+    return shape
+
+
+def declared_dtype(proto: runtime_pb2.Tensor, name: str) -> torch.dtype:
+    """A tensor's dtype as its sender declared it, one of the dtypes corolla reads."""
     dtype = _DTYPES.get(proto.dtype)
     if dtype is None:
         raise InvalidRequest(f"tensor {name}: dtype {proto.dtype!r} is not one of {sorted(_DTYPES)}")
+    return dtype
+
+
+def deserialize(proto: runtime_pb2.Tensor, name: str) -> torch.Tensor:
+    """Decode a tensor sent by a peer, checking every field against the buffer it came with."""
+    shape = declared_shape(proto, name)
+    numel = math.prod(shape)
+    dtype = declared_dtype(proto, name)
     if proto.compression == NONE:
         return _from_raw(proto.buffer, dtype, shape, numel, name)
     if proto.compression == FLOAT16:
@@ -123,11 +149,30 @@ def combine_tensors(parts: list[runtime_pb2.Tensor], names: tuple[str, ...]) -> 
     return tensors
 
 
-def count_expected_chunks(parts: list[runtime_pb2.Tensor], num_tensors: int) -> int | None:
-    """How many chunks make `num_tensors` whole tensors, or None while a first chunk is still missing."""
+def max_stream_chunks(limit_bytes: int, num_tensors: int) -> int:
+    """The most chunks `num_tensors` tensors of `limit_bytes` bytes in all split into (each tensor may end
+    in a partial chunk, and an empty one still takes a chunk)."""
+    return -(-limit_bytes // STREAM_CHUNK_BYTES) + num_tensors
+
+
+def count_expected_chunks(
+    parts: list[runtime_pb2.Tensor], num_tensors: int, limit_bytes: int | None = None
+) -> int | None:
+    """How many chunks make `num_tensors` whole tensors, or None while a first chunk is still missing.
+
+    With `limit_bytes` (the stream's byte limit), a first chunk announcing more chunks than that many bytes
+    can fill is refused as soon as it arrives, not when the stream ends.
+    """
+    most = None if limit_bytes is None else max_stream_chunks(limit_bytes, num_tensors)
     index = 0
-    for _ in range(num_tensors):
+    for i in range(num_tensors):
         if index >= len(parts):
             return None
-        index += max(parts[index].chunks, 1)
+        announced = parts[index].chunks
+        index += max(announced, 1)
+        if most is not None and index > most:
+            raise InvalidRequest(
+                f"tensor #{i}: its first chunk announces {announced} chunks; a stream of at most "
+                f"{limit_bytes} bytes here carries at most {most} chunks of {STREAM_CHUNK_BYTES} bytes"
+            )
     return index

@@ -8,6 +8,7 @@ must equal a plain forward pass with a contiguous cache over the steps that shou
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from corolla.config import EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.models.config import ModelConfig
 from corolla.server.backend import SpanLoader
-from corolla.server.inference import InferenceService, StepMessage
+from corolla.server.inference import PIPELINE_DEPTH, InferenceService, StepMessage
 from corolla.server.spans import HostedSpans
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep, NextServer
@@ -26,6 +27,7 @@ from engine_helpers import assert_close, reference_outputs
 
 H = 64
 UID = block_uids("tiny", 0, 6)
+CLIENT, PREVIOUS = "client-peer", "previous-server"  # the session's owner, the hop it names as pushing
 
 
 class RecordingPusher:
@@ -34,10 +36,10 @@ class RecordingPusher:
     def __init__(self):
         self.pushed: list[tuple[str | None, int]] = []
 
-    async def push(self, outputs, meta, position, from_session):
+    async def push(self, outputs, meta, position, origin, from_session):
         self.pushed.append((meta.step_id, position))
 
-    def end_session(self, session_id):
+    def end_session(self, origin, session_id):
         pass
 
 
@@ -48,16 +50,19 @@ async def service(tiny_models):
     loader = SpanLoader(path, ModelConfig.from_folder(path), torch.float32, engine, session_timeout=60)
     spans = HostedSpans("tiny", loader.load)
     await spans.start((0, 6))
-    service = InferenceService(spans, ServerConfig(model=str(path), step_timeout=10), H, RecordingPusher())
+    config = ServerConfig(model=str(path), step_timeout=10)
+    service = InferenceService(spans, config, H, RecordingPusher(), num_blocks=8)
     yield service
     await spans.stop()
 
 
 def message(hidden, step_id=None, position=None, first=False, session_id="s", pushed=False, **meta):
     if first:
-        meta = dict(max_length=32, session_id=session_id, **meta)
+        meta = dict(max_length=32, session_id=session_id, push_from=PREVIOUS, **meta)
     elif pushed:
-        meta = dict(session_id=session_id, pushed=True, **meta)
+        meta = dict(session_id=session_id, pushed=True, origin=CLIENT, **meta)
+    else:
+        meta = dict(push_from=PREVIOUS, **meta)
     step = InferenceStep(step_id=step_id, start_from_position=position, **meta)
     return StepMessage(UID, step, [wire_tensors.serialize(hidden)])
 
@@ -65,9 +70,9 @@ def message(hidden, step_id=None, position=None, first=False, session_id="s", pu
 class Session:
     """One client session on the service: its stream of steps in, its replies out."""
 
-    def __init__(self, service, first):
+    def __init__(self, service, first, owner=CLIENT):
         self.steps: asyncio.Queue = asyncio.Queue()
-        self.replies = service.serve(first, self._later())
+        self.replies = service.serve(first, self._later(), owner)
 
     async def _later(self):
         while (step := await self.steps.get()) is not None:
@@ -92,7 +97,7 @@ async def test_a_step_pushed_before_the_clients_copy_runs_once_and_replies_at_on
     first, second = inputs(0, 5, 1)
     session = Session(service, message(first, "a", 0, first=True))
     assert (await session.reply())[0] == "a"
-    service.take_push(message(second, "b", 5, pushed=True))
+    service.take_push(message(second, "b", 5, pushed=True), PREVIOUS)
     step_id, outputs = await session.reply()  # before the client has sent its own copy
     assert step_id == "b"
     await session.steps.put(message(second, "b", 5))  # the client's copy: nothing runs, no second reply
@@ -107,7 +112,9 @@ async def test_a_second_copy_of_a_step_runs_nothing_and_replies_nothing(service)
     await session.reply()
     await session.steps.put(message(second, "b", 3))
     await session.reply()
-    service.take_push(message(second, "b", 3, pushed=True))  # a late push of "b": stale position, skipped
+    service.take_push(
+        message(second, "b", 3, pushed=True), PREVIOUS
+    )  # a late push of "b": stale position, skipped
     await session.steps.put(message(second, "b", 3))  # the client's copy again: a second copy
     assert await session.close() == []  # no reply of its own
     assert service.steps_from_client == 2 and service.steps_from_push == 0
@@ -133,7 +140,7 @@ async def test_a_late_reply_to_an_abandoned_step_then_the_next_step_rolls_back(s
     first, abandoned, honest = inputs(3, 4, 1, 1)
     session = Session(service, message(first, "a", 0, first=True))
     await session.reply()
-    service.take_push(message(abandoned, "x", 4, pushed=True))
+    service.take_push(message(abandoned, "x", 4, pushed=True), PREVIOUS)
     assert (await session.reply())[0] == "x"
     await session.steps.put(message(honest, "y", 4))
     step_id, outputs = await session.reply()
@@ -166,7 +173,7 @@ async def test_garbage_pushes_right_after_an_honest_step_change_nothing(service)
     first, *decodes = inputs(5, 4, 1, 1, 1)
     session = Session(service, message(first, "a", 0, first=True))
     await session.reply()
-    outputs, state = [], service.spans.find_session("s")
+    outputs, state = [], service.spans.find_session(CLIENT, "s")
     for i, hidden in enumerate(decodes):
         position = 4 + i
         await session.steps.put(message(hidden, f"d{i}", position))
@@ -174,7 +181,9 @@ async def test_garbage_pushes_right_after_an_honest_step_change_nothing(service)
         while not state.num_unreported:  # until the honest step is taken; the engine runs it meanwhile
             await asyncio.sleep(0)
         for garbage in range(3):  # aimed at the step's own position: stale now, skipped
-            service.take_push(message(torch.randn(1, 1, H) * 100, f"g{i}{garbage}", position, pushed=True))
+            service.take_push(
+                message(torch.randn(1, 1, H) * 100, f"g{i}{garbage}", position, pushed=True), PREVIOUS
+            )
         step_id, output = await replying
         assert step_id == f"d{i}"
         outputs.append(output)
@@ -190,18 +199,81 @@ async def test_a_step_id_is_never_trusted_for_other_inputs(service):
     session = Session(service, message(first, "a", 0, first=True))
     await session.reply()
     await session.steps.put(message(second, "b", 3))
-    _, outputs = await session.reply()
+    await session.reply()
     # a pushed copy naming "b" at the session's position with other inputs is refused, with an error
     with pytest.raises(InvalidRequest, match="step_id 'b' was already taken here with other inputs"):
-        service.take_push(message(other, "b", 4, pushed=True))
-    # the owner reusing "b" with new inputs is a new step: it runs and gets its reply
+        service.take_push(message(other, "b", 4, pushed=True), PREVIOUS)
+    # the owner reusing "b" for another step gets an error reply (it used to be dropped without one)
     await session.steps.put(message(other, "b", 4))
-    step_id, reused = await session.reply()
+    with pytest.raises(InvalidRequest, match="step_id 'b' was already used by this session"):
+        await session.reply()
+    assert service.spans.num_sessions == 0
+
+
+async def test_pushes_count_only_from_the_named_previous_hop_for_the_sessions_owner(service):
+    """Session ids are no secret: a push naming one must come from the peer the owner named as its
+    previous hop, relaying that same owner's chain, or it has no effect."""
+    first, hostile, honest = inputs(11, 3, 1, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    service.take_push(message(hostile, "x1", 3, pushed=True), "attacker-peer")  # not the named hop
+    relayed = message(hostile, "x2", 3, pushed=True)  # the named hop, relaying another client's chain
+    relayed = StepMessage(relayed.uid, replace(relayed.meta, origin="attacker-peer"), relayed.tensors)
+    service.take_push(relayed, PREVIOUS)
+    state = service.spans.find_session(CLIENT, "s")
+    assert state.position == 3 and state.num_unreported == 0  # neither ran
+    with pytest.raises(InvalidRequest, match="hidden_states only"):
+        prompts = wire_tensors.serialize(torch.zeros(6, 1, 1, H))
+        service.take_push(StepMessage(UID, relayed.meta, [relayed.tensors[0], prompts]), PREVIOUS)
+    await session.steps.put(message(honest, "b", 3))
+    step_id, outputs = await session.reply()
     await session.close()
-    expected = reference_outputs(service.spans.primary.span, [first, second, other])
-    assert step_id == "b"
-    assert_close(outputs, expected[1])
-    assert_close(reused, expected[2])
+    assert step_id == "b" and service.steps_from_push == 0
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, honest])[1])
+
+
+async def test_another_peer_naming_a_session_id_gets_a_session_of_its_own(service):
+    first, other, second = inputs(12, 3, 2, 1)
+    victim = Session(service, message(first, "a", 0, first=True))
+    await victim.reply()
+    intruder = Session(service, message(other, "i", 0, first=True), owner="attacker-peer")
+    await intruder.reply()  # its own session "s": a fresh cache, nothing of the victim's
+    assert service.spans.find_session("attacker-peer", "s").position == 2
+    await victim.steps.put(message(second, "b", 3))
+    _, outputs = await victim.reply()
+    await victim.close(), await intruder.close()
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, second])[1])
+
+
+async def test_next_servers_must_lie_within_the_model(service):
+    (first,) = inputs(13, 2)
+    hop = NextServer("next-peer", "next-session", 0, 2_000_000)
+    with pytest.raises(InvalidRequest, match=r"next_servers\[0\]: blocks 0:2000000 lie outside"):
+        await anext(Session(service, message(first, "a", 0, first=True, next_servers=(hop,))).replies)
+    assert service.spans.num_sessions == 0
+
+
+async def test_a_session_takes_only_a_few_steps_ahead_of_its_replies(service):
+    """Steps sent all at once are taken at most PIPELINE_DEPTH ahead of their replies: the rest wait in
+    the stream, so one client cannot queue unbounded work."""
+    first, *later = inputs(14, 2, *[1] * 12)
+    service.spans.primary.engine.pass_delay = 0.05  # replies come slower than steps
+    session = Session(service, message(first, "a", 0, first=True))
+    for i, hidden in enumerate(later):
+        await session.steps.put(message(hidden, f"s{i}", 2 + i))
+
+    async def read_all():
+        return [await session.reply() for _ in range(len(later) + 1)]
+
+    replies = asyncio.ensure_future(read_all())
+    most = 0
+    while not replies.done():
+        state = service.spans.find_session(CLIENT, "s")
+        most = max(most, state.num_unreported if state is not None else 0)
+        await asyncio.sleep(0)
+    await session.close()
+    assert [step_id for step_id, _ in replies.result()] == ["a", *[f"s{i}" for i in range(len(later))]]
+    assert 1 <= most <= PIPELINE_DEPTH
 
 
 async def test_the_owners_copy_supersedes_a_pushed_copy_with_other_inputs(service):
@@ -210,7 +282,7 @@ async def test_the_owners_copy_supersedes_a_pushed_copy_with_other_inputs(servic
     first, pushed, owners, after = inputs(7, 3, 1, 1, 1)
     session = Session(service, message(first, "a", 0, first=True))
     await session.reply()
-    service.take_push(message(pushed, "b", 3, pushed=True))
+    service.take_push(message(pushed, "b", 3, pushed=True), PREVIOUS)
     await session.reply()
     await session.steps.put(message(owners, "b", 3))
     await session.reply()  # the rerun's reply (skipped by a client that already read the first one)

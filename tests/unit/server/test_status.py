@@ -51,7 +51,7 @@ async def test_every_report_reads_the_same_snapshot(board):
         while (step := await steps.get()) is not None:
             yield step
 
-    replies = board.inference.serve(first, later())
+    replies = board.inference.serve(first, later(), "client-peer")
     await anext(replies)  # one session of 2 rows x 9 positions: 3 pages of 4 per row
     for _ in range(50):  # the engine publishes its stats snapshot right after the pass
         if board.snapshot().cache_tokens_available < 256:

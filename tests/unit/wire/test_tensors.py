@@ -43,7 +43,16 @@ def bad(**changes):
         (bad(dtype="float64"), "dtype 'float64' is not one of"),
         (bad(compression=runtime_pb2.CompressionType.QUANTILE_8BIT), "compression type 3 is not supported"),
         (bad(size=[1] * 9), "rank 9 exceeds the maximum of 5"),
-        (bad(size=[2**20, 2**20]), "elements exceed the maximum"),
+        (bad(size=[2**20, 2**20]), "has more elements than the maximum"),
+        # no element, but strides that overflow: torch raised an untyped RuntimeError
+        (
+            bad(size=[0, 2**32 - 1, 2**32 - 1]),
+            "dimension 4294967295 in [0, 4294967295, 4294967295] is outside",
+        ),
+        (
+            bad(size=[0, 2**20, 2**20]),
+            "has more elements than the maximum of 2147483647 (zero dimensions aside)",
+        ),
     ],
 )
 def test_malformed_tensors_are_rejected(proto, message):
@@ -65,3 +74,31 @@ def test_chunking_roundtrip_and_lost_chunk_detection():
     first_tensor_chunks = parts[0].chunks
     with pytest.raises(InvalidRequest, match="received 2 chunks"):
         tensors.combine(parts[: min(2, first_tensor_chunks - 1)], "big")
+
+
+def test_declared_shape_and_dtype_are_read_without_the_buffer():
+    proto = bad(size=[1, 2**20, 64], buffer=b"")  # the buffer is not looked at
+    assert tensors.declared_shape(proto, "x") == (1, 2**20, 64)
+    assert tensors.declared_dtype(proto, "x") == torch.float32
+    with pytest.raises(InvalidRequest, match="tensor x: dtype 'int8' is not one of"):
+        tensors.declared_dtype(bad(dtype="int8"), "x")
+
+
+def test_a_first_chunk_announcing_more_chunks_than_the_byte_limit_allows_is_refused_at_once():
+    limit = 3 * tensors.STREAM_CHUNK_BYTES
+    assert tensors.max_stream_chunks(limit, 2) == 5  # 3 full chunks, and a partial one per tensor
+    first = runtime_pb2.Tensor(chunks=2**31 - 1, size=[1, 2, 64], dtype="float32", buffer=b"")
+    with pytest.raises(InvalidRequest, match=r"tensor #0: its first chunk announces 2147483647 chunks"):
+        tensors.count_expected_chunks([first], 2, limit)
+    assert tensors.count_expected_chunks([first], 2) is None  # without a limit (a client's read): waits
+
+
+def test_streams_up_to_the_byte_limit_pass_the_chunk_count_check():
+    limit = 3 * tensors.STREAM_CHUNK_BYTES
+    for sizes in ([limit // 4, 0], [limit // 8, limit // 8 - 1], [limit // 4 - 1, 1]):  # float32 elements
+        parts = list(tensors.split_tensors([tensors.serialize(torch.zeros(n)) for n in sizes]))
+        assert tensors.count_expected_chunks(parts, 2, limit) == len(parts)
+    big = list(tensors.split(tensors.serialize(torch.zeros(limit // 4))))  # 3 chunks: the whole limit
+    second = runtime_pb2.Tensor(chunks=3, size=[3], dtype="float32")  # 3 + 3 > 5
+    with pytest.raises(InvalidRequest, match="tensor #1: its first chunk announces 3 chunks"):
+        tensors.count_expected_chunks([*big, second], 2, limit)
