@@ -33,7 +33,7 @@ browser: ## install headless Chromium for the dashboard test (Debian's package; 
 	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
 	  else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi; }
 
-example: $(STAMP) ## deep prompt tuning of SmolLM2 through a local 3-server swarm (examples/prompt_tuning.py, ~4 min)
+example: $(STAMP) ## deep prompt tuning of SmolLM2 through a local 3-server swarm (examples/prompt_tuning.py, ~9 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/prompt_tuning.py
 
 demo: $(STAMP) ## start a local 3-server swarm serving SmolLM2-135M-Instruct and stream a chat answer

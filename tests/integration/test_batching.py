@@ -39,7 +39,7 @@ QUESTIONS = [
     "I am planning a trip to Japan next spring with two friends. We like food, old temples and long walks. "
     "Which three cities should we visit, and what should we eat there?",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
