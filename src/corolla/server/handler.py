@@ -143,8 +143,7 @@ class TransformerConnectionHandler:
     async def rpc_forward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         meta = ForwardRequest.from_bytes(request.metadata)
         compression = output_compression(meta)
-        tensors = self._pass_inputs(list(request.tensors))
-        outputs = await self.passes.forward(request.uid, meta, tensors, str(context.remote_id))
+        outputs = await self.passes.forward(request.uid, meta, list(request.tensors), str(context.remote_id))
         return ExpertResponse(tensors=[wire_tensors.serialize(outputs, compression)])
 
     async def rpc_forward_stream(
@@ -164,8 +163,7 @@ class TransformerConnectionHandler:
     async def rpc_backward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         meta = ForwardRequest.from_bytes(request.metadata)
         compression = output_compression(meta)
-        tensors = self._pass_inputs(list(request.tensors))
-        grads = await self.passes.backward(request.uid, meta, tensors, str(context.remote_id))
+        grads = await self.passes.backward(request.uid, meta, list(request.tensors), str(context.remote_id))
         return ExpertResponse(tensors=[wire_tensors.serialize(g, compression) for g in _grad_tensors(grads)])
 
     async def rpc_backward_stream(
@@ -182,13 +180,6 @@ class TransformerConnectionHandler:
                     yield ExpertResponse(tensors=[chunk])
             await self._until_end(requests)
 
-    def _pass_inputs(self, tensors: list[runtime_pb2.Tensor]) -> list[runtime_pb2.Tensor]:
-        """A pass's tensors, its inputs checked against max_forward_tokens before anything decodes them."""
-        if tensors:
-            limits = (self.config.max_batch_size, self.config.max_forward_tokens)
-            validation.check_pass_hidden(tensors[0], self.hidden_size, *limits)
-        return tensors
-
     async def _collect_stream(
         self, requests: AsyncIterator[ExpertRequest], num_tensors: int
     ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
@@ -202,7 +193,9 @@ class TransformerConnectionHandler:
                 raise InvalidRequest(f"stream: a message after {len(parts)} chunks carries no tensors")
             if not parts:
                 uid, metadata = request.uid, request.metadata
-                self._pass_inputs(list(request.tensors))
+                # the inputs' first chunk declares their whole shape: refuse an oversized pass at once
+                limits = (self.config.max_batch_size, self.config.max_forward_tokens)
+                validation.check_pass_hidden(request.tensors[0], self.hidden_size, *limits)
             parts.extend(request.tensors)
             received += sum(len(part.buffer) for part in request.tensors)
             if received > limit:

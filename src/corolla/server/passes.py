@@ -92,14 +92,11 @@ class PassService:
         return (2 + longest) * self.config.max_forward_tokens * self.hidden_size * 4
 
     def _read_inputs(self, protos: list[runtime_pb2.Tensor]) -> torch.Tensor:
-        hidden = validation.read_hidden(protos, self.hidden_size, self.config.max_batch_size)
-        batch, length = hidden.shape[:2]
-        if batch * length > self.config.max_forward_tokens:
-            raise InvalidRequest(
-                f"hidden_states: {batch} x {length} tokens exceed max_forward_tokens="
-                f"{self.config.max_forward_tokens}"
-            )
-        return hidden
+        """The inputs, checked against max_forward_tokens from their declared shape before decoding."""
+        if protos:
+            limits = (self.config.max_batch_size, self.config.max_forward_tokens)
+            validation.check_pass_hidden(protos[0], self.hidden_size, *limits)
+        return validation.read_hidden(protos, self.hidden_size, self.config.max_batch_size)
 
 
 def output_compression(meta: ForwardRequest) -> int:
