@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
-from corolla.models.attention import causal_attention
+from corolla.models.attention import Scores, causal_attention
 from corolla.models.lora import use_adapters
 from corolla.models.span import Span, align_prompts
 
@@ -78,20 +78,23 @@ class PagedAttention:
             ]
         )
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
-    ) -> torch.Tensor:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         cache = self.pool.data[self.first_layer + layer]  # [keys|values, num_pages, page_size, kv_heads, d]
         kv_heads, head_dim = cache.shape[3], cache.shape[4]
         cache[0].view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
         cache[1].view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
+    ) -> torch.Tensor:
+        cache = self.pool.data[self.first_layer + layer]
         out = torch.empty_like(q)  # [1, heads, N, d]
         for row in self.rows:
             # keys and values of the row's pages in one copy: [2, pages * page_size, kv_heads, d]
             gathered = cache.index_select(1, row.table).flatten(1, 2)[:, : row.context].transpose(1, 2)
             keys, values = gathered[0:1], gathered[1:2]  # [1, kv_heads, context, d]
             span = slice(row.offset, row.offset + row.length)
-            out[:, :, span] = causal_attention(q[:, :, span], keys, values, row.position, window)
+            out[:, :, span] = causal_attention(q[:, :, span], keys, values, row.position, scores)
         return out
 
 

@@ -1,54 +1,173 @@
-"""Attention over a sequence's own keys and values, with or without a cache.
+"""corolla's attention inside transformers' own decoder layers: where keys and values live, and how a
+token attends to them.
 
-A block computes queries, keys and values for its new tokens and hands them to an attention context,
-which owns where past keys live: `NoCache` (a forward pass over whole sequences) or `ContiguousCache`
-(one inference session's [B, kv_heads, max_length, head_dim] buffers per block). Positions are absolute;
-causal and sliding-window masks are built from them.
+transformers' attention modules compute queries, keys and values, apply their rotary embeddings, then
+call `cache.update(keys, values, layer_idx)` and the attention function registered under
+`config._attn_implementation`. corolla plugs in at both points: `ContextCache` (a `Cache`) hands the new
+keys and values to the pass's attention context, which stores them (a session's contiguous buffers, or
+the engine's paged pool), and `attention` (registered as "corolla") lets the context compute each
+sequence's attention over its own keys, with the layer's scaling, sliding window and logit soft-capping.
+Positions are absolute; causal and sliding-window masks are built from them, so no padding mask is ever
+needed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+import math
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from corolla.errors import UnsupportedModel
+from corolla.models.config import ATTENTION_NAME
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """How a layer turns q.k into attention weights (its own settings, passed by transformers)."""
+
+    scaling: float | None = None
+    window: int | None = None  # keys at positions > q - window are seen (transformers' convention)
+    softcap: float | None = None
 
 
 class AttentionContext(Protocol):
+    """Owns the keys and values of one pass; `layer` counts from the first block the pass runs."""
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, kv_heads, T, d] of the new tokens."""
+
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
-        """q: [B, heads, T, d]; k, v: [B, kv_heads, T, d] of the new tokens. Returns [B, heads, T, d]."""
+        """q: [B, heads, T, d]; k, v: the new tokens' keys and values. Returns [B, heads, T, d]."""
         ...
 
 
+@dataclass
+class _Pass:
+    context: AttentionContext
+    first_layer: int  # the global layer index of the context's layer 0
+
+
+_ACTIVE: ContextVar[_Pass | None] = ContextVar("corolla_attention_pass", default=None)
+
+
+@contextlib.contextmanager
+def active_context(context: AttentionContext, first_layer: int) -> Iterator[None]:
+    token = _ACTIVE.set(_Pass(context, first_layer))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _current() -> _Pass:
+    current = _ACTIVE.get()
+    if current is None:
+        raise RuntimeError("corolla attention ran outside a span's pass")
+    return current
+
+
+class ContextCache(Cache):
+    """transformers' cache interface over the active pass: `update` stores the new keys and values and
+    returns them unchanged (the attention function reads the rest from the context)."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        current = _current()
+        current.context.store(layer_idx - current.first_layer, key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls as "corolla": [B, T, heads, d] out, no weights.
+    Dropout (in kwargs) never applies: spans run in eval mode."""
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModel(f"{type(module).__name__}: attention sinks are not supported")
+    current = _current()
+    scores = Scores(scaling, sliding_window, softcap)
+    out = current.context.attend(module.layer_idx - current.first_layer, query, key, value, scores)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, attention)
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scores: Scores
 ) -> torch.Tensor:
     """Attention of queries at positions [q_start, q_start + T) over keys at positions [0, len(k))."""
-    num_queries, num_keys = q.shape[2], k.shape[2]
+    if scores.softcap is not None:
+        return _softcapped(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window), scores)
+    num_queries, num_keys, window = q.shape[2], k.shape[2], scores.window
+    sdpa = {"scale": scores.scaling, "enable_gqa": True}
     if num_queries == 1 and (window is None or num_keys <= window):
         # one new token sees every key: no mask at all, SDPA's fastest path
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, **sdpa)
     if num_queries == 1:
-        return F.scaled_dot_product_attention(q, k[:, :, -window:], v[:, :, -window:], enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k[:, :, -window:], v[:, :, -window:], **sdpa)
     if q_start == 0 and num_keys == num_queries and (window is None or num_keys <= window):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa)
+    mask = _mask(q_start, num_queries, num_keys, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa)
+
+
+def _mask(q_start: int, num_queries: int, num_keys: int, window: int | None) -> torch.Tensor:
     q_pos = torch.arange(q_start, q_start + num_queries)[:, None]  # [T, 1]
     k_pos = torch.arange(num_keys)[None, :]  # [1, K]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return mask
+
+
+def _softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scores: Scores
+) -> torch.Tensor:
+    """Attention with tanh soft-capping of the logits (Gemma 2), which SDPA cannot do."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scaling = scores.scaling if scores.scaling is not None else 1 / math.sqrt(q.shape[-1])
+    logits = torch.matmul(q, k.transpose(2, 3)) * scaling
+    logits = torch.tanh(logits / scores.softcap) * scores.softcap
+    logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 class NoCache:
-    """A forward pass over whole sequences that start at position 0: nothing is stored."""
+    """A pass over whole sequences that start at position 0: nothing is stored."""
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pass
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
-        return causal_attention(q, k, v, 0, window)
+        return causal_attention(q, k, v, 0, scores)
 
 
 class ContiguousCache:
@@ -76,14 +195,17 @@ class ContiguousCache:
     def batch_size(self) -> int:
         return self.buffer.shape[2]
 
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        start, end = self.position, self.position + k.shape[2]
+        self.buffer[layer, 0, :, :, start:end] = k
+        self.buffer[layer, 1, :, :, start:end] = v
+
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
-        start, end = self.position, self.position + q.shape[2]
-        keys, values = self.buffer[layer, 0], self.buffer[layer, 1]
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        return causal_attention(q, keys[:, :, :end], values[:, :, :end], start, window)
+        end = self.position + q.shape[2]
+        keys, values = self.buffer[layer, 0, :, :, :end], self.buffer[layer, 1, :, :, :end]
+        return causal_attention(q, keys, values, self.position, scores)
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Beam search: row i of the batch continues from row hypo_ids[i]."""

@@ -56,8 +56,8 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read the named tensors (full names), opening each shard once."""
+    def read(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read the named tensors (full names), opening each shard once; in their stored dtype by default."""
         by_file: dict[str, list[str]] = defaultdict(list)
         for name in names:
             if name not in self.weight_map:
@@ -67,27 +67,19 @@ class Checkpoint:
         for file_name, file_names in by_file.items():
             with safe_open(self.folder / file_name, framework="pt") as f:
                 for name in file_names:
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    tensors[name] = tensor if dtype is None else tensor.to(dtype)
         return tensors
 
-    def read_block(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The state dict of block `index`, with names relative to the block."""
+    def block_names(self, index: int) -> list[str]:
+        """The full names of block `index`'s tensors."""
         block_prefix = f"{self.prefix}layers.{index}."
         names = [name for name in self.weight_map if name.startswith(block_prefix)]
         if not names:
             raise UnsupportedModel(f"{self.folder}: the checkpoint has no tensors for block {index}")
-        return {name[len(block_prefix) :]: t for name, t in self.read(names, dtype).items()}
+        return names
 
-    def read_head(self, tie_word_embeddings: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Embeddings, final norm and LM head (the embedding matrix when they are tied)."""
-        embed, norm = f"{self.prefix}embed_tokens.weight", f"{self.prefix}norm.weight"
-        head = "lm_head.weight"
-        tied = tie_word_embeddings
-        if not tied and not self.has(head):
-            raise UnsupportedModel(f"{self.folder}: untied model without an lm_head.weight tensor")
-        tensors = self.read([embed, norm] if tied else [embed, norm, head], dtype)
-        return {
-            "embed_tokens.weight": tensors[embed],
-            "norm.weight": tensors[norm],
-            "lm_head.weight": tensors[embed] if tied else tensors[head],
-        }
+    def head_names(self) -> list[str]:
+        """Every tensor outside the transformer blocks: embeddings, final norm, LM head (and a multimodal
+        checkpoint's other towers, which the caller leaves out)."""
+        return [name for name in self.weight_map if not name.startswith(f"{self.prefix}layers.")]

@@ -1,16 +1,17 @@
-"""The model hyper-parameters corolla needs, read straight from a checkpoint's config.json.
+"""A checkpoint's configuration: transformers' own config object, plus the few numbers corolla needs.
 
-Servers parse config.json themselves instead of importing transformers: a server must stay light (it
-holds a few blocks, not the whole model), and transformers' config classes change between releases.
-Family differences (Qwen2's qkv bias, Mistral's sliding window) become plain fields here.
+The configuration is read with transformers (`AutoConfig`), so every decoder-only causal LM that
+transformers implements is described the way its modeling code expects. `ModelConfig` keeps that object
+(`hf`) and lifts out what the swarm needs without knowing the family: block count, hidden size, the
+attention cache's shape, token ids, the checkpoint's dtype, and a fingerprint of the blocks'
+computation. Multimodal wrappers (a language model plus a vision tower) are served by their text model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,63 +20,60 @@ import torch
 from corolla.errors import InvalidRequest, UnsupportedModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# fields that replicas of the same blocks may differ in: precision, token ids, the context limit
-NOT_FINGERPRINTED = (
+ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# config keys that replicas of the same blocks may differ in (precision, token ids, the context limit,
+# bookkeeping), or that do not change what the blocks compute
+NOT_FINGERPRINTED = {
+    "dtype",
     "torch_dtype",
     "bos_token_id",
-    "eos_token_ids",
+    "eos_token_id",
     "pad_token_id",
     "max_position_embeddings",
-)
+    "transformers_version",
+    "architectures",
+    "use_cache",
+    "initializer_range",
+    "quantization_config",
+    "id2label",
+    "label2id",
+}
 
 
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    theta: float
-    kind: str = "default"  # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ModelConfig:
+    hf: Any = field(repr=False, compare=False)  # transformers.PretrainedConfig of the language model
     model_type: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     max_position_embeddings: int
-    rope: RopeConfig
     tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    sliding_windows: tuple[int | None, ...] = ()  # one per layer; None means full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     torch_dtype: str | None = None
 
     @property
-    def num_key_value_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
+    def layer_types(self) -> tuple[str, ...]:
+        types = getattr(self.hf, "layer_types", None)
+        return tuple(types) if types else ("full_attention",) * self.num_hidden_layers
 
     def fingerprint(self) -> str:
-        """A short hash of what makes two servers' blocks interchangeable: the fields that set the blocks'
-        shapes and computation. Floats count to 6 significant digits, so a GGUF conversion (which stores
-        them as float32) matches the original config.json. It cannot tell two sets of weights of the same
-        architecture apart (a fine-tune): checking outputs is what catches those."""
-        fields = dataclasses.asdict(self)
-        for name in NOT_FINGERPRINTED:
-            fields.pop(name)
-        text = json.dumps(_rounded(fields), sort_keys=True)
+        """A short hash of what makes two servers' blocks interchangeable: the configuration's fields that
+        set the blocks' shapes and computation. Floats count to 6 significant digits, so a GGUF conversion
+        (which stores them as float32) matches the original config.json. It cannot tell two sets of
+        weights of the same architecture apart (a fine-tune): checking outputs is what catches those."""
+        fields = {
+            key: value
+            for key, value in self.hf.to_dict().items()
+            if key not in NOT_FINGERPRINTED and not key.startswith(("_", "output_", "return_"))
+        }
+        text = json.dumps(_rounded(fields), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
@@ -94,9 +92,77 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        from corolla.models.registry import get_family  # the registry imports this module
+        return cls.from_hf(_hf_config(raw))
 
-        return get_family(raw.get("model_type")).parse_config(raw)
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        hf = hf.get_text_config()  # a multimodal wrapper's language model; the config itself otherwise
+        _check_supported(hf)
+        heads = int(hf.num_attention_heads)
+        eos = getattr(hf, "eos_token_id", None)
+        dtype = getattr(hf, "dtype", None)
+        return cls(
+            hf=hf,
+            model_type=str(hf.model_type),
+            vocab_size=int(hf.vocab_size),
+            hidden_size=int(hf.hidden_size),
+            num_hidden_layers=int(hf.num_hidden_layers),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 2048),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            pad_token_id=getattr(hf, "pad_token_id", None),
+            torch_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """The same model with changed config.json fields (tests and benchmarks)."""
+        return ModelConfig.from_dict({**self.hf.to_dict(), **changes})
+
+
+def _hf_config(raw: dict[str, Any]) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not one transformers knows; corolla serves the decoder-only "
+            f"causal LMs that transformers implements ({supported_summary()})"
+        )
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as e:  # transformers' validators raise their own error types
+        raise UnsupportedModel(f"config.json of a {model_type} model is invalid: {e}") from None
+
+
+def _check_supported(hf: Any) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = hf.model_type
+    if getattr(hf, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not a decoder-only causal LM; corolla serves the decoder-only "
+            f"causal LMs that transformers implements ({supported_summary()})"
+        )
+    for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if not isinstance(getattr(hf, name, None), int):
+            raise UnsupportedModel(f"config.json of a {model_type} model is missing or has an invalid {name}")
+    unknown = set(getattr(hf, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
+    if unknown:
+        raise UnsupportedModel(
+            f"{model_type}: layer types {sorted(unknown)} are not supported (corolla caches attention "
+            f"layers only: {', '.join(SUPPORTED_LAYER_TYPES)})"
+        )
+
+
+def supported_summary() -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    tested = "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, granite"
+    return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 
 
 def _rounded(value: Any) -> Any:
@@ -107,83 +173,6 @@ def _rounded(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_rounded(v) for v in value]
     return value
-
-
-def parse_llama_like(
-    raw: dict[str, Any],
-    *,
-    qkv_bias: bool | None = None,
-    sliding_windows: tuple[int | None, ...] | None = None,
-) -> ModelConfig:
-    """Parse the fields shared by Llama, Mistral and Qwen2 configs; families override what differs."""
-    text = raw.get("text_config")
-    if isinstance(text, dict):  # multimodal wrappers keep the language model's fields one level down
-        raw = {**raw, **text}
-    try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        layers = int(raw["num_hidden_layers"])
-        config = dict(
-            model_type=str(raw["model_type"]),
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise UnsupportedModel(f"config.json is missing or has an invalid field: {e}") from None
-    attention_bias = bool(raw.get("attention_bias", False))
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    model = ModelConfig(
-        **config,
-        rope=_parse_rope(raw, config["max_position_embeddings"]),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
-        o_bias=attention_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        hidden_act=str(raw.get("hidden_act", "silu")),
-        sliding_windows=sliding_windows if sliding_windows is not None else (None,) * layers,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        pad_token_id=raw.get("pad_token_id"),
-        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-    )
-    _check_supported(model)
-    return model
-
-
-def _parse_rope(raw: dict[str, Any], max_positions: int) -> RopeConfig:
-    # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    merged = {**scaling, **params}
-    kind = str(merged.get("rope_type", merged.get("type", "default")))
-    if kind not in ("default", "linear", "llama3"):
-        raise UnsupportedModel(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=merged.get("original_max_position_embeddings", max_positions),
-    )
-
-
-def _check_supported(config: ModelConfig) -> None:
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise UnsupportedModel(
-            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads={config.num_key_value_heads}"
-        )
-    if config.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-        raise UnsupportedModel(f"hidden_act={config.hidden_act!r} is not supported")
 
 
 def parse_dtype(name: str, model: ModelConfig | None = None) -> torch.dtype:

@@ -1,7 +1,14 @@
-"""What a client holds locally: token embeddings, the final norm and the LM head.
+"""What a client holds locally: token embeddings, the final norm and the LM head, as the family has them.
 
-Loaded alone from the checkpoint (no transformer block is read). With tied embeddings the LM head shares
-the embedding matrix, as in the original model, so trainable embeddings stay tied.
+The head is the family's own causal LM from transformers, with its decoder layers left on the meta
+device (never loaded). Embedding and logits run the family's own code, so whatever a family does around
+its blocks comes with it, read from the checkpoint's config rather than written per family: scaled
+embeddings (Gemma, Granite's multiplier), the final norm's variant, tied or separate LM heads, logit
+scaling (Granite) and final logit soft-capping (Gemma 2/3).
+
+- `embed` runs the decoder's forward up to its first layer and returns what that layer would receive.
+- `logits` runs the causal LM's forward over given final hidden states: the decoder is swapped for
+  `_FinalNorm`, which only applies the final norm, so the LM head and anything after it run unchanged.
 """
 
 from __future__ import annotations
@@ -10,32 +17,64 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ModelConfig
-from corolla.models.llama import RMSNorm
+from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
+
+
+class _Embedded(Exception):
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+
+def _stop_at_first_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    raise _Embedded(args[0] if args else kwargs["hidden_states"])
+
+
+class _FinalNorm(nn.Module):
+    """Stands in for the decoder inside the causal LM: its `inputs_embeds` are final hidden states."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs_embeds: torch.Tensor, **kwargs) -> BaseModelOutputWithPast:
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(inputs_embeds))
 
 
 class ModelHead(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        model = empty_model(config, "sdpa")
+        prefix, decoder = decoder_of(model)
+        self.embed_tokens = decoder.get_input_embeddings()
+        self.norm = decoder.norm
+        self.lm_head = model.get_output_embeddings()
+        if prefix != "model.":
+            raise UnsupportedModel(f"{type(model).__name__} keeps its decoder at {prefix!r}, not at 'model.'")
+        decoder.layers[0].register_forward_pre_hook(_stop_at_first_layer, with_kwargs=True)
+        # lists: not submodules (only the embeddings, norm and head above are the head's own modules)
+        self._model, self._decoder = [model], [decoder]
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> ModelHead:
-        config = ModelConfig.from_folder(folder)
-        head = cls(config)
-        tensors = Checkpoint(folder).read_head(config.tie_word_embeddings, dtype)
-        head.embed_tokens.load_state_dict({"weight": tensors["embed_tokens.weight"]}, assign=True)
-        head.norm.load_state_dict({"weight": tensors["norm.weight"]}, assign=True)
-        if config.tie_word_embeddings:
+        head = cls(ModelConfig.from_folder(folder))
+        checkpoint = Checkpoint(folder)
+        names = [
+            n for n in checkpoint.head_names() if n.startswith(checkpoint.prefix) or n.startswith("lm_head.")
+        ]
+        model = head._model[0]
+        load_weights(model, checkpoint, names, dtype)
+        if head.config.tie_word_embeddings:
             head.lm_head.weight = head.embed_tokens.weight
-        else:
-            head.lm_head.load_state_dict({"weight": tensors["lm_head.weight"]}, assign=True)
+        missing = missing_on_meta(head)
+        if missing:
+            raise UnsupportedModel(f"{folder}: the checkpoint lacks the head's tensors {missing[:5]}")
+        model.model = _FinalNorm(head.norm)  # logits() runs the LM's forward from the final hidden states
         head.requires_grad_(False)
         return head.eval()
 
@@ -44,7 +83,17 @@ class ModelHead(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # [B, T] -> [B, T, hidden]
+        """[B, T] token ids -> [B, T, hidden], what the first block receives."""
+        if input_ids.dim() != 2:
+            return self.embed(input_ids.reshape(1, -1)).view(*input_ids.shape, -1)
+        try:
+            self._decoder[0](input_ids=input_ids, use_cache=False)
+        except _Embedded as embedded:
+            return embedded.hidden
+        raise RuntimeError("the decoder returned without reaching its first layer")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # [B, T, hidden] -> [B, T, vocab]
+        """[..., hidden] outputs of the last block -> [..., vocab]."""
+        packed = hidden.reshape(1, -1, hidden.shape[-1])
+        logits = self._model[0](inputs_embeds=packed, use_cache=False).logits
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])

@@ -1,25 +1,28 @@
-"""A contiguous span of a model's transformer blocks: loaded alone, run alone.
+"""A contiguous span of a model's transformer blocks: transformers' own decoder layers, loaded alone.
 
-`Span.load(folder, start, end)` builds blocks [start, end) on the meta device and fills them with just
-those blocks' tensors from the checkpoint, so a server hosting 10 of 30 layers never allocates the other
-20. `Span.forward` runs any sub-range of the span over hidden states at absolute positions, with an
-attention context that owns the cache (or none for a plain forward pass).
+`Span.load(folder, start, end)` builds the family's model with meta parameters, keeps its decoder layers
+[start, end) and its rotary embedding, and fills those layers with just their tensors from the
+checkpoint, so a server hosting 10 of 30 layers never allocates the other 20. `Span.forward` runs any
+sub-range of the span over hidden states at absolute positions. Keys and values go to an attention
+context (models/attention.py) through transformers' cache and attention-function extension points; the
+per-layer context a family needs (rotary embeddings per layer type, sliding windows, soft-capping, MoE
+routing) is the layers' own business.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from corolla.errors import InvalidRequest
-from corolla.models.attention import AttentionContext, NoCache
+from corolla.errors import InvalidRequest, UnsupportedModel
+from corolla.models.attention import AttentionContext, ContextCache, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ModelConfig
-from corolla.models.llama import LlamaBlock
-from corolla.models.rotary import RotaryEmbedding
+from corolla.models.config import ATTENTION_NAME, ModelConfig
+from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
 
 
 class Span(nn.Module):
@@ -31,27 +34,41 @@ class Span(nn.Module):
                 f"{config.num_hidden_layers} blocks"
             )
         self.config, self.start, self.end = config, start, end
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
-        with torch.device("meta"):
-            self.blocks = nn.ModuleList(LlamaBlock(config, i) for i in range(start, end))
+        self._model = [empty_model(config, ATTENTION_NAME)]  # a list: not a submodule, not in state_dict
+        _, decoder = decoder_of(self._model[0])
+        self.blocks = nn.ModuleList(decoder.layers[start:end])
+        self.rotary = decoder.rotary_emb
+        self.layer_types = config.layer_types
+        self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
+        self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
 
     @classmethod
     def load(cls, folder: str | Path, start: int, end: int, dtype: torch.dtype = torch.float32) -> Span:
-        config = ModelConfig.from_folder(folder)
-        span = cls(config, start, end)
+        span = cls(ModelConfig.from_folder(folder), start, end)
         checkpoint = Checkpoint(folder)
         # a progress bar on a terminal (tqdm leaves logs and pipes alone): big spans take minutes to read
-        blocks = tqdm(
-            span.blocks, desc=f"Loading blocks {start}:{end}", unit="block", disable=None, leave=False
+        indices = tqdm(
+            range(start, end), desc=f"Loading blocks {start}:{end}", unit="block", disable=None, leave=False
         )
-        for offset, block in enumerate(blocks):
-            block.load_state_dict(checkpoint.read_block(start + offset, dtype), strict=True, assign=True)
+        for index in indices:
+            load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype)
+        missing = missing_on_meta(span.blocks)
+        if missing:
+            raise UnsupportedModel(
+                f"{folder}: the checkpoint lacks tensors of blocks {start}:{end}: {missing[:5]}"
+            )
+        span._model.clear()  # the rest of the model (meta tensors) is no longer needed
         span.requires_grad_(False)
         return span.eval()
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.blocks[0].input_layernorm.weight.dtype
+        return next(p.dtype for p in self.blocks.parameters() if p.is_floating_point())
+
+    @property
+    def precision(self) -> str:
+        """What the weights are stored in: float32 | float16 | bfloat16 | int8 | int4."""
+        return self.quantized or str(self.dtype).removeprefix("torch.")
 
     def forward(
         self,
@@ -70,15 +87,32 @@ class Span(nn.Module):
         `align_prompts`), added to each block's input. The context's cache layer i belongs to block a + i.
         """
         first, last = blocks or (self.start, self.end)
-        context = context or NoCache()
         if positions is None:
             positions = torch.arange(position, position + hidden.shape[1])
-        rotary = self.rotary(positions, hidden.dtype)
-        for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
-            if prompts is not None:
-                hidden = hidden + prompts[layer].to(hidden.dtype)
-            hidden = block(hidden, rotary, context, layer)
+        position_ids = positions[None]
+        rotary = self._rotary(hidden, position_ids, first, last)
+        cache = ContextCache()
+        with active_context(context or NoCache(), first):
+            for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
+                if prompts is not None:
+                    hidden = hidden + prompts[layer].to(hidden.dtype)
+                hidden = block(
+                    hidden,
+                    attention_mask=None,
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=rotary[self.layer_types[first + layer]],
+                )
         return hidden
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> dict:
+        """(cos, sin) per layer type of blocks [first, last), as the family's model computes them."""
+        types = set(self.layer_types[first:last])
+        if self._typed_rotary:
+            return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
+        shared = self.rotary(hidden, position_ids)
+        return dict.fromkeys(types, shared)
 
 
 def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:

@@ -77,18 +77,12 @@ def my_move(servers: dict[str, Placed], me: str, total: int) -> tuple[int, int] 
 
 
 def block_bytes(model: ModelConfig, dtype_bytes: int) -> int:
-    """Weights of one block: attention projections, gated MLP, two norms (and biases where present)."""
-    hidden, heads, kv_heads, head_dim = (
-        model.hidden_size,
-        model.num_attention_heads,
-        model.num_key_value_heads,
-        model.head_dim,
-    )
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    if model.qkv_bias:
-        attention += head_dim * (heads + 2 * kv_heads)
-    mlp = 3 * hidden * model.intermediate_size
-    return (attention + mlp + 2 * hidden) * dtype_bytes
+    """Weights of one block (the largest, for models whose blocks differ), counted on the family's own
+    layer classes built with meta tensors (no memory)."""
+    from corolla.models.loading import decoder_of, empty_model
+
+    _, decoder = decoder_of(empty_model(model, "sdpa"))
+    return max(sum(p.numel() for p in layer.parameters()) for layer in decoder.layers) * dtype_bytes
 
 
 def blocks_for_budget(model: ModelConfig, dtype_bytes: int, budget: int, cache_tokens: int) -> int:

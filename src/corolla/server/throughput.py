@@ -73,12 +73,9 @@ def _cache_key(span: Span) -> str:
     config = span.config
     shape = (
         "engine",  # measured through the engine (earlier versions timed a block on its own)
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
+        config.fingerprint(),  # the blocks' architecture and shapes
         str(span.dtype),
+        span.precision,
         torch.get_num_threads(),
         torch.__version__,
         _cpu_name(),

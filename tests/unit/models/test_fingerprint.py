@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from corolla.models.config import ModelConfig
 from corolla.models.source import resolve_model
 
@@ -14,25 +12,28 @@ def smollm2() -> ModelConfig:
 
 def test_replicas_in_other_precisions_and_limits_share_it():
     config = smollm2()
-    other = dataclasses.replace(config, torch_dtype="float16", max_position_embeddings=512, pad_token_id=7)
+    other = config.replace(
+        dtype="float16", max_position_embeddings=512, pad_token_id=7, transformers_version="9"
+    )
     assert other.fingerprint() == config.fingerprint()
 
 
 def test_float32_rounding_of_a_gguf_conversion_does_not_change_it():
     config = smollm2()  # converted from GGUF: rms_norm_eps is float32's 9.999999747378752e-06
-    assert config.rms_norm_eps != 1e-5
-    assert dataclasses.replace(config, rms_norm_eps=1e-5).fingerprint() == config.fingerprint()
+    assert config.hf.rms_norm_eps != 1e-5
+    assert config.replace(rms_norm_eps=1e-5).fingerprint() == config.fingerprint()
 
 
 def test_any_field_of_the_blocks_changes_it():
     config = smollm2()
     others = [
-        dataclasses.replace(config, hidden_size=64),
-        dataclasses.replace(config, num_key_value_heads=1),
-        dataclasses.replace(config, num_hidden_layers=31),
-        dataclasses.replace(config, rms_norm_eps=1e-6),
-        dataclasses.replace(config, rope=dataclasses.replace(config.rope, theta=10_000.0)),
-        dataclasses.replace(config, qkv_bias=True),
+        config.replace(hidden_size=1152),
+        config.replace(num_key_value_heads=1),
+        config.replace(num_hidden_layers=31),
+        config.replace(rms_norm_eps=1e-6),
+        config.replace(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+        config.replace(attention_bias=True),
+        config.replace(model_type="mistral"),
     ]
     prints = {config.fingerprint(), *(other.fingerprint() for other in others)}
     assert len(prints) == 1 + len(others)

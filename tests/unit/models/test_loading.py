@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
-from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ModelConfig
 from corolla.models.head import ModelHead
 from corolla.models.source import dht_prefix_for, resolve_model
@@ -42,24 +41,33 @@ def test_sharded_checkpoint_reads_only_the_blocks_asked_for(tmp_path, monkeypatc
     torch.testing.assert_close(span(hidden), expected, atol=1e-5, rtol=0)
 
 
-def test_head_reads_no_block_and_ties_embeddings(tiny_models):
-    checkpoint = Checkpoint(tiny_models["llama"])
-    tensors = checkpoint.read_head(tie_word_embeddings=True, dtype=torch.float32)
-    assert set(tensors) == {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
+def test_head_reads_no_block_and_ties_embeddings(tiny_models, monkeypatch):
+    import corolla.models.checkpoint as checkpoint_module
+
+    read = []
+    real_read = checkpoint_module.Checkpoint.read
+    monkeypatch.setattr(
+        checkpoint_module.Checkpoint,
+        "read",
+        lambda self, names, *a: read.extend(names) or real_read(self, names, *a),
+    )
     head = ModelHead.load(tiny_models["llama"])
+    assert set(read) == {"model.embed_tokens.weight", "model.norm.weight"}
     assert head.lm_head.weight is head.embed_tokens.weight
     untied = ModelHead.load(tiny_models["mistral"])
     assert untied.lm_head.weight is not untied.embed_tokens.weight
+    assert not [name for name, _ in untied.named_parameters() if "layers" in name]
 
 
-def test_config_fields_per_family(tiny_models):
+def test_config_fields_come_from_transformers(tiny_models):
     llama = ModelConfig.from_folder(tiny_models["llama"])
-    assert (llama.rope.kind, llama.rope.factor, llama.tie_word_embeddings) == ("llama3", 8.0, True)
-    assert ModelConfig.from_folder(tiny_models["qwen2"]).qkv_bias is True
-    assert ModelConfig.from_folder(tiny_models["mistral"]).sliding_windows == (7,) * 6
+    assert (llama.hf.rope_parameters["rope_type"], llama.tie_word_embeddings) == ("llama3", True)
+    assert (llama.num_key_value_heads, llama.head_dim, llama.eos_token_ids) == (2, 16, (2,))
+    mistral = ModelConfig.from_folder(tiny_models["mistral"])
+    assert (mistral.hf.sliding_window, mistral.layer_types) == (7, ("full_attention",) * 6)
 
 
-def test_legacy_rope_scaling_and_unsupported_models():
+def test_unsupported_models_get_errors_naming_the_type():
     base = dict(
         model_type="llama",
         vocab_size=10,
@@ -67,22 +75,24 @@ def test_legacy_rope_scaling_and_unsupported_models():
         intermediate_size=16,
         num_hidden_layers=2,
         num_attention_heads=2,
-        rope_theta=500000.0,
-        rope_scaling={"type": "linear", "factor": 2.0},
     )
-    config = ModelConfig.from_dict(base)
-    assert (config.rope.theta, config.rope.kind, config.rope.factor, config.num_key_value_heads) == (
-        500000.0,
-        "linear",
-        2.0,
-        2,
-    )
-    with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported"):
-        ModelConfig.from_dict({**base, "model_type": "gpt2"})
-    with pytest.raises(UnsupportedModel, match="rope type 'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(UnsupportedModel, match="missing or has an invalid field"):
-        ModelConfig.from_dict({"model_type": "llama"})
+    assert ModelConfig.from_dict(base).num_key_value_heads == 2
+    with pytest.raises(UnsupportedModel, match="model_type 't5' is not a decoder-only causal LM"):
+        ModelConfig.from_dict({**base, "model_type": "t5"})
+    with pytest.raises(UnsupportedModel, match="model_type 'vit' is not a decoder-only causal LM"):
+        ModelConfig.from_dict({**base, "model_type": "vit"})
+    with pytest.raises(UnsupportedModel, match="model_type 'no-such' is not one transformers knows"):
+        ModelConfig.from_dict({**base, "model_type": "no-such"})
+    with pytest.raises(UnsupportedModel, match="config.json of a llama model is invalid"):
+        ModelConfig.from_dict({**base, "hidden_size": 9})
+    with pytest.raises(UnsupportedModel, match="layer types \\['linear_attention'\\] are not supported"):
+        ModelConfig.from_dict(
+            {
+                "model_type": "qwen3_next",
+                **{k: v for k, v in base.items() if k != "model_type"},
+                "layer_types": ["linear_attention", "full_attention"],
+            }
+        )
 
 
 def test_span_range_is_checked(tiny_models):

@@ -1,0 +1,88 @@
+"""Building part of a model from transformers' own classes, and filling just that part with weights.
+
+`empty_model` builds the family's `...ForCausalLM` with every parameter on the meta device (no memory;
+buffers such as rotary frequencies are real), so a server of blocks 70:80 holds the module objects of
+the other layers but none of their weights. `load_weights` reads the checkpoint tensors under the given
+prefixes and loads them through transformers' own weight loading (`convert_and_load_state_dict_in_model`
+with the model's conversion mapping), which also converts checkpoint layouts that differ from the
+modules' (per-expert MoE weights into fused experts, renamed keys) exactly as `from_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+
+from corolla.errors import UnsupportedModel
+from corolla.models.checkpoint import Checkpoint
+from corolla.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def empty_model(config: ModelConfig, attention: str) -> nn.Module:
+    """The family's causal LM with meta parameters, its attention set to `attention`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = config.hf.__class__.from_dict(config.hf.to_dict())  # a copy: the attention choice is per model
+    hf._attn_implementation = attention
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    return model.eval()
+
+
+def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
+    """The module holding the decoder layers, with its name inside the causal LM ("model." usually)."""
+    for name, module in model.named_modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == model.config.num_hidden_layers:
+            if not hasattr(module, "rotary_emb"):
+                break
+            return (f"{name}." if name else ""), module
+    raise UnsupportedModel(
+        f"{model.config.model_type}: corolla needs a decoder with `layers` and rotary position embeddings "
+        f"(`rotary_emb`), which {type(model).__name__} does not have"
+    )
+
+
+def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dtype: torch.dtype) -> None:
+    """Load the named checkpoint tensors (full names) into the meta model, converted as transformers does.
+
+    Checkpoint names are renamed to the model's own prefix first (a bare `LlamaModel` checkpoint keeps its
+    layers under `layers.`, a multimodal one under `model.language_model.`)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    prefix, _ = decoder_of(model)
+    state_dict = {}
+    for name, tensor in checkpoint.read(names).items():
+        local = name[len(checkpoint.prefix) :] if name.startswith(checkpoint.prefix) else None
+        state_dict[prefix + local if local is not None else name] = tensor
+    mapping = get_model_conversion_mapping(model)
+    load_config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
+    info, _ = convert_and_load_state_dict_in_model(model, state_dict, load_config)
+    problems = _problems(info)
+    if problems:
+        raise UnsupportedModel(
+            f"{checkpoint.folder}: the checkpoint does not fit {type(model).__name__}: {problems}"
+        )
+
+
+def _problems(info: Any) -> str:
+    parts = []
+    for field in ("unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors"):
+        value = getattr(info, field, None)
+        if value:
+            parts.append(f"{field.replace('_', ' ')}: {sorted(map(str, value))[:5]}")
+    return "; ".join(parts)
+
+
+def missing_on_meta(module: nn.Module) -> list[str]:
+    """Parameters and buffers of `module` still on the meta device (weights the checkpoint lacked)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return [name for name, tensor in tensors if tensor.device.type == "meta"]
