@@ -21,30 +21,69 @@ COMMON = dict(
     initializer_range=0.3,
 )
 
-FAMILIES = ("llama", "mistral", "qwen2")
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+ALTERNATING = ["sliding_attention", "full_attention"] * 3
+# family -> (config class, what sets the family apart), each exercising what its modeling code adds
+LAYOUTS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=7)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, use_sliding_window=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),  # q/k norms, head_dim != H / heads
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            mlp_only_layers=[0, 3],
+            norm_topk_prob=True,
+        ),
+    ),
+    "gemma2": (  # soft-capped attention and logits, alternating sliding/global layers, scaled embeddings
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=10.0,
+            sliding_window=4,
+            layer_types=ALTERNATING,
+        ),
+    ),
+    "gemma3_text": (  # local and global rotary bases, q/k norms, sliding window pattern
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            rope_local_base_freq=1000.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),  # fused qkv and gate_up projections
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),  # norms after attention and MLP, q/k norms
+    "granite": (  # embedding, attention, residual and logit multipliers
+        "GraniteConfig",
+        dict(embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0),
+    ),
+}
+FAMILIES = tuple(LAYOUTS)
+LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
 
 def tiny_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    import transformers
 
-    if family == "llama":
-        return LlamaConfig(
-            **COMMON,
-            tie_word_embeddings=True,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
-        )
-    if family == "mistral":
-        return MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=7)
-    if family == "qwen2":
-        return Qwen2Config(**COMMON, tie_word_embeddings=False, use_sliding_window=False)
-    raise ValueError(family)
+    class_name, extra = LAYOUTS[family]
+    return getattr(transformers, class_name)(**{**COMMON, **extra})
 
 
 def save_tiny_model(family: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
@@ -60,5 +99,8 @@ def save_tiny_model(family: str, path: Path, *, seed: int = 0, max_shard_size: s
 def load_reference(path: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError:  # families without an SDPA implementation (Gemma 2's soft-capping)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()

@@ -1,10 +1,17 @@
 """corolla: run large language models across a swarm of ordinary machines.
 
 Public API: `DistributedModelForCausalLM` (client), `SamplingParams`, and the error types. Importing
-corolla has no side effects; heavy modules load when first used.
+corolla has one side effect: torchao, which transformers imports whenever it is installed, logs at import
+that it cannot load its CUDA-only extensions on a CPU machine and torch deprecation notes about its
+enums; those two loggers only report errors. Heavy modules load when first used.
 """
 
 from __future__ import annotations
+
+import logging
+
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 __version__ = "0.1.0"
 

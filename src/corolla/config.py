@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from corolla.errors import InvalidRequest
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
+QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
 
 
 def _check(
@@ -123,6 +124,7 @@ class ServerConfig:
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
     simulate_slow_ms: float = 0.0  # testing aid: sleep this long after every engine pass
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders served for this span (NAME=PATH or PATH)
+    quantize: str | None = None  # weight-only int8 | int4 through torchao (models/quantize.py); None: off
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port (None: do not)
     metrics_host: str = "127.0.0.1"
 
@@ -133,6 +135,10 @@ class ServerConfig:
         _check(self, 0, ("balance_period", "drain_timeout", "simulate_slow_ms"), strict=False)
         if self.blocks is not None and not 0 <= self.blocks[0] < self.blocks[1]:
             raise InvalidRequest(f"blocks (--blocks) must be A:B with 0 <= A < B, got {self.blocks}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise InvalidRequest(
+                f"quantize (--quantize) must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
+            )
         if self.dtype not in DTYPES:
             raise InvalidRequest(f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
@@ -154,6 +160,7 @@ class ClientConfig:
     refresh_period: float = 10.0  # re-read the DHT and ping the servers this often
     use_push: bool = True  # ask each server to push its outputs straight to the next one
     active_adapter: str | None = None  # a LoRA adapter by its name on servers; only servers with it are used
+    exact: bool = False  # route only through servers with full-precision weights (no int8/int4 servers)
     max_request_tokens: int = 4096  # rows * length per forward/backward request (bigger batches are split)
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent
 

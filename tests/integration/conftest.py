@@ -7,7 +7,7 @@ import torch
 
 from corolla.swarm.local import LocalSwarm
 from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, TINY_SPANS, connect
-from tiny_models import FAMILIES, load_reference
+from tiny_models import LLAMA_LIKE, load_reference
 
 
 def pytest_collection_modifyitems(items):
@@ -46,7 +46,7 @@ def smol_client(smollm2_path, smol_swarm):
     model.shutdown()
 
 
-@pytest.fixture(scope="session", params=FAMILIES)
+@pytest.fixture(scope="session", params=LLAMA_LIKE)
 def family_swarm(request, tiny_models):
     """A swarm of each tiny family over TINY_SPANS (chains of 1, 2 and 3 servers), shared by every test
     module that needs one: pytest runs the tests of one family together, then stops its swarm."""

@@ -55,6 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="use only servers with full-precision weights (skip servers started with --quantize)",
+    )
     add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
     parser.set_defaults(run=run)
 
@@ -78,7 +83,9 @@ def run(args: argparse.Namespace) -> None:
     if args.routing_timeout < 0:
         raise InvalidRequest(f"--routing-timeout must not be negative, got {args.routing_timeout}")
     check_http_port(args.http_host, args.http_port)  # before the swarm and the "Serving at" line
-    config = ClientConfig(swarm=swarm_config(args, client_mode=True), routing_timeout=args.routing_timeout)
+    config = ClientConfig(
+        swarm=swarm_config(args, client_mode=True), routing_timeout=args.routing_timeout, exact=args.exact
+    )
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
     ) as model:

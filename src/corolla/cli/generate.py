@@ -31,6 +31,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="use only servers with full-precision weights (skip servers started with --quantize)",
+    )
     add_generation_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1")
     parser.set_defaults(run=run)
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
         )
     exit_on(signal.SIGTERM, signal.SIGHUP)  # through `with model`: its DHT process and daemon stop too
     params = sampling_params(args)
-    config = ClientConfig(swarm=swarm_config(args, client_mode=True))
+    config = ClientConfig(swarm=swarm_config(args, client_mode=True), exact=args.exact)
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
     ) as model:

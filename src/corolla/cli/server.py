@@ -12,7 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from corolla.cli.common import add_swarm_args, swarm_config
-from corolla.config import DTYPES, EngineConfig, ServerConfig
+from corolla.config import DTYPES, QUANTIZE_MODES, EngineConfig, ServerConfig
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
     from corolla.server.server import Server
@@ -43,6 +43,7 @@ SERVER_OPTIONS = (
     "announce_period",
     "drain_timeout",
     "simulate_slow_ms",
+    "quantize",
     "num_threads",
     "metrics_port",
     "metrics_host",
@@ -93,6 +94,13 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="compute dtype (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        choices=QUANTIZE_MODES,
+        help="store the blocks' weights in int8 or int4 (weight-only, torchao; lossy: announced, and "
+        "clients with --exact skip this server); activations and cache stay in --dtype (default: off)",
     )
 
 

@@ -156,8 +156,12 @@ class SwarmClient:
         while True:
             if time.monotonic() - self._refreshed_at > self.config.refresh_period or not self.spans:
                 await self.refresh()
-            adapter = self.config.active_adapter
-            spans = [s for s in self.spans if adapter is None or adapter in s.info.adapters]
+            adapter, exact = self.config.active_adapter, self.config.exact
+            spans = [
+                s
+                for s in self.spans
+                if (adapter is None or adapter in s.info.adapters) and not (exact and s.info.quantized)
+            ]
             spans = self._long_enough(spans, start, end, max_length)
             try:
                 return choose_chain(
@@ -175,6 +179,7 @@ class SwarmClient:
             except MissingBlocks as e:
                 if time.monotonic() + delay > deadline:
                     with_adapter = f" with adapter {adapter!r}" if adapter is not None else ""
+                    with_adapter += " with full-precision weights (exact)" if exact else ""
                     raise MissingBlocks(
                         f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers{with_adapter}",
                         e.blocks,

@@ -45,15 +45,14 @@ class Engine:
         if config.max_cache_tokens is None:
             raise InvalidRequest("the engine needs max_cache_tokens: the size of its attention cache")
         self.span, self.config = span, config
-        model = span.config
         num_pages = config.max_cache_tokens // config.page_size
         self.pages = PageAllocator(num_pages, config.page_size)
         self.pool = KVPool(
             span.end - span.start,
             num_pages,
             config.page_size,
-            model.num_key_value_heads,
-            model.head_dim,
+            span.kv_heads,
+            span.head_dim,
             span.dtype,
         )
         self.scheduler = Scheduler(self.pages, config.max_batch_tokens, config.max_batch_rows)

@@ -21,8 +21,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ModelConfig
-from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
+from corolla.models.config import ATTENTION_NAME, ModelConfig
+from corolla.models.loading import decoder_of, empty_model, final_norm, load_weights, missing_on_meta
 
 
 class _Embedded(Exception):
@@ -34,6 +34,16 @@ def _stop_at_first_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
     raise _Embedded(args[0] if args else kwargs["hidden_states"])
 
 
+class _Outputs(BaseModelOutputWithPast):
+    """The decoder's outputs as the causal LM reads them; extras it may look for (an MoE model's
+    router_logits) are None, as in a forward without them."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return None
+
+
 class _FinalNorm(nn.Module):
     """Stands in for the decoder inside the causal LM: its `inputs_embeds` are final hidden states."""
 
@@ -41,31 +51,35 @@ class _FinalNorm(nn.Module):
         super().__init__()
         self.norm = norm
 
-    def forward(self, inputs_embeds: torch.Tensor, **kwargs) -> BaseModelOutputWithPast:
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(inputs_embeds))
+    def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs) -> BaseModelOutputWithPast:
+        return _Outputs(last_hidden_state=self.norm(inputs_embeds))
 
 
 class ModelHead(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        model = empty_model(config, "sdpa")
+        model = empty_model(config, ATTENTION_NAME)  # attention never runs here
         prefix, decoder = decoder_of(model)
         self.embed_tokens = decoder.get_input_embeddings()
-        self.norm = decoder.norm
+        self.norm = final_norm(decoder)
         self.lm_head = model.get_output_embeddings()
-        if prefix != "model.":
-            raise UnsupportedModel(f"{type(model).__name__} keeps its decoder at {prefix!r}, not at 'model.'")
+        if prefix.count(".") != 1:
+            raise UnsupportedModel(f"{type(model).__name__} keeps its decoder at {prefix!r}, not at the top")
         decoder.layers[0].register_forward_pre_hook(_stop_at_first_layer, with_kwargs=True)
         # lists: not submodules (only the embeddings, norm and head above are the head's own modules)
-        self._model, self._decoder = [model], [decoder]
+        self._model, self._decoder, self._decoder_name = [model], [decoder], prefix[:-1]
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> ModelHead:
         head = cls(ModelConfig.from_folder(folder))
         checkpoint = Checkpoint(folder)
+        # a multimodal checkpoint's other towers live beside its language model: leave them out
+        other_towers = checkpoint.prefix.split(".")[0] + "." if checkpoint.prefix.count(".") > 1 else None
         names = [
-            n for n in checkpoint.head_names() if n.startswith(checkpoint.prefix) or n.startswith("lm_head.")
+            n
+            for n in checkpoint.head_names()
+            if n.startswith(checkpoint.prefix) or not (other_towers and n.startswith(other_towers))
         ]
         model = head._model[0]
         load_weights(model, checkpoint, names, dtype)
@@ -74,7 +88,8 @@ class ModelHead(nn.Module):
         missing = missing_on_meta(head)
         if missing:
             raise UnsupportedModel(f"{folder}: the checkpoint lacks the head's tensors {missing[:5]}")
-        model.model = _FinalNorm(head.norm)  # logits() runs the LM's forward from the final hidden states
+        # logits() runs the LM's forward from the final hidden states, the decoder swapped for its norm
+        setattr(model, head._decoder_name, _FinalNorm(head.norm))
         head.requires_grad_(False)
         return head.eval()
 

@@ -18,6 +18,7 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from corolla.errors import UnsupportedModel
+from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ModelConfig
 
@@ -26,12 +27,19 @@ logger = logging.getLogger(__name__)
 
 def empty_model(config: ModelConfig, attention: str) -> nn.Module:
     """The family's causal LM with meta parameters, its attention set to `attention`."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     hf = config.hf.__class__.from_dict(config.hf.to_dict())  # a copy: the attention choice is per model
     hf._attn_implementation = attention
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = model_class._from_config(hf, dtype=torch.float32)
+    except (KeyError, ValueError) as e:  # a family that picks attention classes by name (Falcon, Bloom)
+        raise UnsupportedModel(
+            f"{config.model_type}: {model_class.__name__} does not take its attention function from "
+            f"transformers' registry, which corolla's cache plugs into ({type(e).__name__}: {e})"
+        ) from None
     return model.eval()
 
 
@@ -47,6 +55,17 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
         f"{model.config.model_type}: corolla needs a decoder with `layers` and rotary position embeddings "
         f"(`rotary_emb`), which {type(model).__name__} does not have"
     )
+
+
+def final_norm(decoder: nn.Module) -> nn.Module:
+    """The decoder's norm after its last layer: its one child besides the embeddings, the layers, the
+    rotary embedding and dropouts (`norm`, `final_layernorm`, `final_layer_norm`, ... by family)."""
+    skip = (decoder.get_input_embeddings(), decoder.layers, decoder.rotary_emb)
+    children = [m for m in decoder.children() if m not in skip and not isinstance(m, nn.Dropout)]
+    if len(children) != 1:
+        names = [name for name, m in decoder.named_children() if m in children]
+        raise UnsupportedModel(f"{type(decoder).__name__}: cannot tell its final norm among {names}")
+    return children[0]
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dtype: torch.dtype) -> None:

@@ -39,8 +39,12 @@ class Span(nn.Module):
         self.blocks = nn.ModuleList(decoder.layers[start:end])
         self.rotary = decoder.rotary_emb
         self.layer_types = config.layer_types
+        # the cache's shape per token: the config's, until loading measures what the layers store
+        self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.dtype = torch.float32  # of the computation and the cache (quantized weights keep their own)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self._cache_kwarg = _cache_kwarg(self.blocks[0])
 
     @classmethod
     def load(cls, folder: str | Path, start: int, end: int, dtype: torch.dtype = torch.float32) -> Span:
@@ -58,12 +62,10 @@ class Span(nn.Module):
                 f"{folder}: the checkpoint lacks tensors of blocks {start}:{end}: {missing[:5]}"
             )
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
+        span.dtype = dtype
+        _check_cache_shape(span)
         span.requires_grad_(False)
         return span.eval()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(p.dtype for p in self.blocks.parameters() if p.is_floating_point())
 
     @property
     def precision(self) -> str:
@@ -100,7 +102,7 @@ class Span(nn.Module):
                     hidden,
                     attention_mask=None,
                     position_ids=position_ids,
-                    cache=cache,
+                    **{self._cache_kwarg: cache},
                     use_cache=True,
                     position_embeddings=rotary[self.layer_types[first + layer]],
                 )
@@ -113,6 +115,48 @@ class Span(nn.Module):
             return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
         shared = self.rotary(hidden, position_ids)
         return dict.fromkeys(types, shared)
+
+
+def _cache_kwarg(block: nn.Module) -> str:
+    """The name a family's decoder layer takes its cache under (`cache` in most of transformers 5)."""
+    parameters = inspect.signature(block.forward).parameters
+    return next((n for n in ("cache", "past_key_values", "layer_past") if n in parameters), "cache")
+
+
+class _ShapeProbe:
+    """An attention context that records the keys' and values' shapes of one token and attends to none."""
+
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.shapes = self.shapes or (tuple(k.shape[1:]), tuple(v.shape[1:]))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores) -> torch.Tensor:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+
+
+@torch.inference_mode()
+def _check_cache_shape(span: Span) -> None:
+    """The cache holds [kv_heads, head_dim] keys and values per token: refuse layers that store otherwise
+    (multi-head latent attention keeps other shapes) rather than corrupt their cache."""
+    probe = _ShapeProbe()
+    span(
+        torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype),
+        probe,
+        blocks=(span.start, span.start + 1),
+    )
+    model_type = span.config.model_type
+    if probe.shapes is None:
+        raise UnsupportedModel(
+            f"{model_type}: its attention does not go through transformers' cache interface"
+        )
+    keys, values = probe.shapes
+    if keys != values or keys[1] != 1:
+        raise UnsupportedModel(
+            f"{model_type}: its attention stores keys {list(keys)} and values {list(values)} per token; "
+            "corolla's cache holds keys and values of one shape [kv_heads, 1, head_dim]"
+        )
+    span.kv_heads, span.head_dim = keys[0], keys[2]
 
 
 def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ import torch
 from corolla.config import EngineConfig
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.engine import Engine
-from corolla.models import lora
+from corolla.models import lora, quantize
 from corolla.models.config import ModelConfig
 from corolla.models.span import Span
 from corolla.server.sessions import SessionRegistry
@@ -59,9 +59,18 @@ class SpanLoader:
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) pairs loaded for every span
     # called on the engine's thread after every pass with (rows, seconds): metrics, never engine state
     pass_listeners: tuple[Callable[[int, float], None], ...] = ()
+    quantize: str | None = None  # int8 | int4 weight-only (models/quantize.py)
+
+    def load_span(self, blocks: tuple[int, int]) -> Span:
+        """The blocks' weights in the dtype, quantized when asked (blocking: reads the checkpoint)."""
+        span = Span.load(self.folder, blocks[0], blocks[1], self.dtype)
+        if self.quantize is not None:
+            quantize.quantize_blocks(span.blocks, self.quantize)
+            span.quantized = self.quantize
+        return span
 
     async def load(self, blocks: tuple[int, int]) -> SpanBackend:
-        span = await asyncio.to_thread(Span.load, self.folder, blocks[0], blocks[1], self.dtype)
+        span = await asyncio.to_thread(self.load_span, blocks)
         for name, path in self.adapters:
             adapter = await asyncio.to_thread(lora.load_adapter, path, range(*blocks), name)
             lora.attach(span.blocks, span.start, adapter)

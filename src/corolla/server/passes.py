@@ -68,9 +68,7 @@ class PassService:
         prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
         return await backend.engine.run(ForwardWork(hidden, blocks, prompts, adapter=meta.active_adapter))
 
-    async def _backward(
-        self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]
-    ) -> Gradients:
+    async def _backward(self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]) -> Gradients:
         backend, blocks = self.spans.select(uid, new_session=False)
         self.spans.check_adapter(meta.active_adapter)
         inputs = self._read_inputs(protos)

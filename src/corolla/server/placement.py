@@ -79,15 +79,22 @@ def my_move(servers: dict[str, Placed], me: str, total: int) -> tuple[int, int] 
 def block_bytes(model: ModelConfig, dtype_bytes: int) -> int:
     """Weights of one block (the largest, for models whose blocks differ), counted on the family's own
     layer classes built with meta tensors (no memory)."""
+    from corolla.models.config import ATTENTION_NAME
     from corolla.models.loading import decoder_of, empty_model
 
-    _, decoder = decoder_of(empty_model(model, "sdpa"))
+    _, decoder = decoder_of(empty_model(model, ATTENTION_NAME))
     return max(sum(p.numel() for p in layer.parameters()) for layer in decoder.layers) * dtype_bytes
 
 
-def blocks_for_budget(model: ModelConfig, dtype_bytes: int, budget: int, cache_tokens: int) -> int:
-    """How many blocks fit in `budget` bytes, each with its weights and `cache_tokens` of attention cache."""
-    per_block = block_bytes(model, dtype_bytes) + cache_tokens * model.kv_bytes_per_token_per_block(
-        dtype_bytes
-    )
+# bytes per weight of a quantized block, scales and zero points included (models/quantize.py)
+QUANTIZED_WEIGHT_BYTES = {"int8": 1.02, "int4": 0.57}
+
+
+def blocks_for_budget(
+    model: ModelConfig, dtype_bytes: int, budget: int, cache_tokens: int, quantize: str | None = None
+) -> int:
+    """How many blocks fit in `budget` bytes, each with its weights (quantized or in the dtype) and
+    `cache_tokens` of attention cache (in the dtype)."""
+    weights = block_bytes(model, 1) * QUANTIZED_WEIGHT_BYTES.get(quantize or "", dtype_bytes)
+    per_block = int(weights) + cache_tokens * model.kv_bytes_per_token_per_block(dtype_bytes)
     return max(0, min(model.num_hidden_layers, budget // per_block))

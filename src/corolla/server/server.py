@@ -24,7 +24,6 @@ from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.source import dht_prefix_for, resolve_model
-from corolla.models.span import Span
 from corolla.server.announcer import Announcer
 from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader
 from corolla.server.handler import TransformerConnectionHandler
@@ -74,12 +73,6 @@ class Server:
             raise InvalidRequest(f"--blocks {start}:{end} is not a range inside the model's {total} blocks")
         self.dht = start_dht(config.swarm)
         self.peer_id = str(self.dht.peer_id)
-        # measured on one block before choosing blocks: placement weighs the swarm by throughput
-        probe = await asyncio.to_thread(Span.load, source.path, 0, 1, self.dtype)
-        self.throughput = await asyncio.to_thread(measure_throughput, probe)
-        del probe
-        blocks = await self._choose_blocks()
-        logger.info("Loading blocks %d:%d of %s (%s)", *blocks, source.path, self.dtype)
         loader = SpanLoader(
             Path(source.path),
             self.model,
@@ -91,7 +84,15 @@ class Server:
             pass_delay=config.simulate_slow_ms / 1000,
             adapters=self.adapters,
             pass_listeners=(self.metrics.observe_pass,) if self.metrics is not None else (),
+            quantize=config.quantize,
         )
+        # measured on one block before choosing blocks: placement weighs the swarm by throughput
+        probe = await asyncio.to_thread(loader.load_span, (0, 1))
+        self.throughput = await asyncio.to_thread(measure_throughput, probe)
+        del probe
+        blocks = await self._choose_blocks()
+        precision = config.quantize or str(self.dtype).removeprefix("torch.")
+        logger.info("Loading blocks %d:%d of %s (%s weights)", *blocks, source.path, precision)
         adapters = frozenset(name for name, _ in self.adapters)
         self.spans = HostedSpans(self.dht_prefix, loader.load, adapters, config.drain_timeout)
         await self.spans.start(blocks)
@@ -155,7 +156,7 @@ class Server:
     def _blocks_in_budget(self) -> int:
         budget = self.config.memory_budget or int(psutil.virtual_memory().available * 0.5)
         cache = self.config.engine.max_cache_tokens or BUDGET_CACHE_TOKENS
-        num_blocks = blocks_for_budget(self.model, self.dtype.itemsize, budget, cache)
+        num_blocks = blocks_for_budget(self.model, self.dtype.itemsize, budget, cache, self.config.quantize)
         message = "A memory budget of %.0f MB holds %d blocks (with %d cache tokens)"
         logger.info(message, budget / 2**20, num_blocks, cache)
         return num_blocks

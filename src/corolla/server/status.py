@@ -58,5 +58,6 @@ class StatusBoard:
             steps_from_push=self.inference.steps_from_push,
             throughput=self.throughput,
             adapters=tuple(sorted(self.spans.adapters)),
+            precision=primary.span.precision,
             next_pings=tuple(self.links.pings.items()) if self.links is not None else (),
         )

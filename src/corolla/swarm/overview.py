@@ -74,6 +74,7 @@ def _row(span: RemoteSpan, state: str) -> dict:
         "free_cache_tokens": info.cache_tokens_available,
         "inference_max_length": info.inference_max_length,
         "dtype": info.dtype,
+        "precision": info.precision or info.dtype,  # of the weights: int8 | int4 when quantized
         "version": info.version,
     }
 
@@ -120,7 +121,7 @@ def format_table(overview: SwarmOverview) -> str:
     lines.append(f"coverage (servers per block, 0-{overview.num_blocks - 1}): {counts}")
     uncovered = overview.uncovered
     lines.append(f"uncovered blocks: {_ranges(uncovered)}" if uncovered else "every block is covered")
-    header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "dtype")
+    header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "weights")
     rows = [
         (
             f"...{span.peer_id[-8:]}",
@@ -130,7 +131,7 @@ def format_table(overview: SwarmOverview) -> str:
             str(span.info.num_sessions),
             str(span.info.queued_tokens),
             str(span.info.cache_tokens_available),
-            span.info.dtype,
+            span.info.precision or span.info.dtype,
         )
         for span in overview.servers
     ]

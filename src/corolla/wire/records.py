@@ -16,6 +16,7 @@ from corolla.errors import InvalidRequest
 from corolla.wire.fields import Fields, pack, unpack
 
 MAX_PINGS = 64
+QUANTIZED = ("int8", "int4")  # weight precisions that change outputs (models/quantize.py)
 
 
 class ServerState(enum.IntEnum):
@@ -45,7 +46,7 @@ class ServerStatus:
     start: int
     end: int
     version: str
-    dtype: str
+    dtype: str  # of the computation (activations, cache)
     inference_max_length: int
     cache_tokens_available: int
     state: ServerState = ServerState.ONLINE
@@ -63,7 +64,13 @@ class ServerStatus:
     steps_from_push: int = 0  # ... and from a copy pushed by the previous server
     throughput: float | None = None  # blocks per second for one decode step; None until measured
     adapters: tuple[str, ...] = ()
+    precision: str = ""  # of the weights: the dtype's name, or int8 | int4 when quantized ("" = dtype)
     next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weights are quantized: outputs differ a little from full precision's."""
+        return self.precision in QUANTIZED
 
     def serves_model(self, fingerprint: str) -> bool:
         """Whether this server's blocks are those of the model with `fingerprint`; a record (or a model)
@@ -122,6 +129,7 @@ class ServerStatus:
             steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
             throughput=fields.float("throughput", low=0.0),
             adapters=tuple(adapters),
+            precision=fields.str("precision", max_chars=16) or "",
             next_pings=_read_pings(fields),
         )
 

@@ -109,9 +109,7 @@ def test_beam_reordering_and_rollback_on_paged_caches(tiny_models):
     plan = [torch.randn(3, 6, H), torch.randn(3, 1, H), torch.randn(3, 2, H), torch.randn(3, 1, H)]
     hypo = [None, torch.tensor([2, 2, 0]), None, torch.tensor([1, 0, 0])]
     rollbacks = [None, None, 5, None]
-    results = run_sessions(
-        engine, {"beam": plan}, hypo_ids={"beam": hypo}, position={"beam": rollbacks}
-    )
+    results = run_sessions(engine, {"beam": plan}, hypo_ids={"beam": hypo}, position={"beam": rollbacks})
     expected = reference_outputs(engine.span, plan, hypo_ids=hypo, rollbacks=rollbacks)
     for actual, reference in zip(results["beam"], expected, strict=True):
         assert_close(actual, reference)

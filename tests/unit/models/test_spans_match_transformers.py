@@ -55,7 +55,7 @@ def test_cached_steps_match_transformers_cache(tiny_models, references, family):
         for span, cache in zip(spans, caches, strict=True):
             hidden = span(hidden, cache, position=start)
             cache.position = end
-        torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=1e-4)  # logits reach ~10
 
 
 def test_sub_range_of_a_span_and_rollback(tiny_models):
@@ -76,7 +76,8 @@ def test_sub_range_of_a_span_and_rollback(tiny_models):
 def test_reorder_for_beam_search(tiny_models):
     path = tiny_models["qwen2"]
     span, config = Span.load(path, 0, 6), ModelConfig.from_folder(path)
-    prefix, step = torch.randn(3, 4, 64), torch.randn(3, 1, 64)
+    generator = torch.Generator().manual_seed(4)
+    prefix, step = torch.randn(3, 4, 64, generator=generator), torch.randn(3, 1, 64, generator=generator)
     cache = ContiguousCache(6, 3, config.num_key_value_heads, 8, config.head_dim, torch.float32)
     span(prefix, cache)
     cache.position = 4

@@ -75,5 +75,8 @@ def test_a_move_that_helps_too_little_is_not_made():
     # the three equal candidates leave it to the smallest peer id
     servers["c"], servers["d"] = (15, 30, 1.0), (15, 30, 1.0)
     assert {peer: my_move(servers, peer, 30) for peer in servers} == {
-        "a": None, "b": (0, 15), "c": None, "d": None
+        "a": None,
+        "b": (0, 15),
+        "c": None,
+        "d": None,
     }

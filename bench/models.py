@@ -1,0 +1,210 @@
+"""Every Hugging Face decoder family: swarm decode speed versus local transformers, per family.
+
+For each family of tests/tiny_models.py (a tiny random-weight config, 6 blocks), saves the checkpoint in a
+temporary folder, then times greedy generation of `--new-tokens` tokens from a fixed 16-token prompt
+(batch 1) twice: with transformers in this process, and through a local swarm of 2 servers (blocks 0:3
+and 3:6) on 127.0.0.1 with NAT port mapping off. One torch thread in every process. Each side has one
+warm-up run, then `--repeats` timed runs; the JSON reports medians. End-to-end tokens/s counts the whole
+call (prefill included); decode tokens/s counts the tokens after the first, from the arrival time of the
+first to that of the last (a streamer stamps each token). The swarm ignores EOS (transformers is told
+`min_new_tokens`), and `tokens_equal` says whether both chose the same greedy tokens. JSON goes to
+stdout, logs to stderr.
+
+    python bench/models.py [--families llama mistral ...] [--new-tokens 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+
+from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
+from corolla.swarm.local import LocalSwarm  # noqa: E402
+from tiny_models import FAMILIES, load_reference, save_tiny_model, tiny_config  # noqa: E402
+
+logger = logging.getLogger("bench.models")
+
+SPANS = [(0, 3), (3, 6)]
+PROMPT_TOKENS = 16
+PROMPT_SEED = 1234
+TINY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class Stamps:
+    """Records when each new token arrives (a transformers streamer, or a corolla streamer via `new`)."""
+
+    def __init__(self, skip_first_put: bool) -> None:
+        self.times: list[float] = []
+        self.skip = skip_first_put  # transformers' first put() carries the prompt
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skip:
+            self.skip = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def special_ids(config) -> set[int]:
+    ids = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return ids
+
+
+def eos_ids(config) -> list[int]:
+    eos = config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def prompt_ids(config) -> torch.Tensor:
+    """A fixed prompt [1, 16] of ordinary tokens (no pad, BOS or EOS ids)."""
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    low = max(special_ids(config)) + 1
+    return torch.randint(low, config.vocab_size, (1, PROMPT_TOKENS), generator=generator)
+
+
+def decode_rate(times: list[float]) -> float:
+    """Tokens per second after the first token (the first one includes the prefill)."""
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def timed_runs(generate, repeats: int) -> tuple[torch.Tensor, float, float]:
+    """Call `generate(stamps)` once to warm up, then `repeats` times; returns the last run's new tokens,
+    the median end-to-end seconds and the median decode tokens/s."""
+    generate(Stamps(skip_first_put=True))
+    seconds, rates, tokens = [], [], None
+    for _ in range(repeats):
+        stamps = Stamps(skip_first_put=True)
+        start = time.perf_counter()
+        tokens = generate(stamps)
+        seconds.append(time.perf_counter() - start)
+        rates.append(decode_rate(stamps.times))
+    return tokens, statistics.median(seconds), statistics.median(rates)
+
+
+def run_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int):
+    reference = load_reference(path)
+
+    def generate(stamps: Stamps) -> torch.Tensor:
+        with torch.no_grad():
+            out = reference.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                streamer=stamps,
+            )
+        return out[0, ids.shape[1] :]
+
+    return timed_runs(generate, repeats)
+
+
+def run_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int):
+    with LocalSwarm(str(path), SPANS, num_threads=1) as swarm:
+        config = swarm.client_config()
+        with DistributedModelForCausalLM.from_pretrained(str(path), config=config) as model:
+
+            def generate(stamps: Stamps) -> torch.Tensor:
+                stamps.skip = False  # corolla's streamer sees new tokens only
+                out = model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, streamer=stamps.put)
+                return out[0, ids.shape[1] :]
+
+            return timed_runs(generate, repeats)
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    if a.shape != b.shape:
+        return min(a.numel(), b.numel())
+    diff = (a != b).nonzero()
+    return int(diff[0, 0]) if diff.numel() else None
+
+
+def bench_family(family: str, root: Path, new_tokens: int, repeats: int) -> dict:
+    path = save_tiny_model(family, root / f"tiny-{family}")
+    config = tiny_config(family)
+    ids = prompt_ids(config)
+    logger.info("%s: local transformers", family)
+    local_tokens, local_s, local_decode = run_local(path, ids, new_tokens, repeats)
+    logger.info("%s: swarm of %d servers", family, len(SPANS))
+    swarm_tokens, swarm_s, swarm_decode = run_swarm(path, ids, new_tokens, repeats)
+    local_rate, swarm_rate = new_tokens / local_s, new_tokens / swarm_s
+    diff = first_difference(swarm_tokens, local_tokens)
+    result = {
+        "local_tokens_per_s": round(local_rate, 2),
+        "local_decode_tokens_per_s": round(local_decode, 2),
+        "swarm_tokens_per_s": round(swarm_rate, 2),
+        "swarm_decode_tokens_per_s": round(swarm_decode, 2),
+        "swarm_vs_local": round(swarm_rate / local_rate, 2),
+        "swarm_vs_local_decode": round(swarm_decode / local_decode, 2),
+        "tokens_equal": diff is None,
+    }
+    if diff is not None:
+        swarm_token = int(swarm_tokens[diff]) if diff < swarm_tokens.numel() else None
+        result["first_difference"] = {
+            "index": diff,
+            "swarm_token": swarm_token,
+            "local_token": int(local_tokens[diff]) if diff < local_tokens.numel() else None,
+            "swarm_chose_eos": swarm_token in eos_ids(config),  # transformers masks EOS there
+        }
+    logger.info("%s: %s", family, result)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.new_tokens < 2 or args.repeats < 1:
+        parser.error("--new-tokens must be at least 2 (decode speed) and --repeats at least 1")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="corolla-bench-models-") as root:
+        for family in args.families:
+            try:
+                results[family] = bench_family(family, Path(root), args.new_tokens, args.repeats)
+            except Exception as error:  # one family failing does not stop the others
+                logger.error("%s failed:\n%s", family, traceback.format_exc())
+                results[family] = {"error": f"{type(error).__name__}: {error}"}
+    config = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "batch_size": 1,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "warmup_runs": 1,
+        "servers": [f"{start}:{end}" for start, end in SPANS],
+        "dtype": "float32",
+        "torch_threads_per_process": 1,
+        "tiny_config": {k: getattr(tiny_config(FAMILIES[0]), k) for k in TINY_FIELDS},
+        "families_run": args.families,
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+    print(json.dumps({"families": results, "config": config}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Weight-only int8 / int4 quantization of a server's transformer blocks, through torchao.
+
+`quantize_blocks(span, mode)` replaces the weight of every `nn.Linear` inside `span` (attention
+projections, MLPs, and MoE experts or routers that are `nn.Linear`) with a torchao tensor subclass, in
+place. The span keeps its dtype: activations, norms, biases and the attention cache stay in it.
+
+- "int8": `Int8WeightOnlyConfig()`: symmetric per-output-row int8, a float32 scale per row. Any dtype,
+  device and shape. torchao computes `x @ qdata.t().to(x.dtype) * scale`, rebuilding a full-precision
+  copy of each weight on every call: it saves memory, not time. On CPU, one token through an
+  11008x4096 linear takes ~15x as long as in float32; layers that fit in cache (SmolLM2) cost ~the same.
+- "int4": asymmetric groups of `GROUP_SIZE` input features, packed by tinygemm from a bfloat16 copy of
+  the weight (bfloat16 scales and zero points). Its kernels take bfloat16 activations: `Int4Linear`
+  casts its input to bfloat16 and its output back, so a float32 or float16 span stays one. On CPU the
+  kernel is also 10-40x slower on float32 or float16 inputs than on bfloat16 ones (AVX2, torch 2.13).
+  On CPU: `PrototypeInt4WeightOnlyConfig` (torchao 0.18 moved the CPU "opaque" packing out of
+  `Int4WeightOnlyConfig` into its prototype namespace), kernel `_weight_int4pack_mm_for_cpu`; it needs
+  out_features % 16 == 0. On CUDA: `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")`,
+  kernel `_weight_int4pack_mm`, compute capability 8.0 or newer; it pads in_features to a multiple of
+  1024, so a 576-wide layer stores 1.8x the packed bytes. (The default "plain" packing needs the mslk
+  package, which corolla does not install.) The CUDA path has not been run on a GPU yet.
+  A linear whose in_features `GROUP_SIZE` does not divide uses `FALLBACK_GROUP_SIZE` if that divides
+  it; otherwise, or when the CPU kernel's out_features rule fails, it stays at full precision. Groups of
+  64, not 32: 4.5 bits per weight instead of 5, for ~15% more rounding noise; 128 would not divide
+  common widths such as 576.
+
+MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
+`...Experts` module: Mixtral, Qwen3-MoE) are not `nn.Linear`: they stay at full precision.
+
+Autograd with respect to the input (frozen weights, as in a client's fine-tuning backward pass):
+int8 works as is, torchao's int8 linear being made of differentiable torch ops. The int4 kernels have
+no derivative ("derivative for aten::_weight_int4pack_mm_for_cpu is not implemented"), so each int4
+linear becomes an `Int4Linear`, whose backward computes `grad @ W`, W dequantized by the kernel itself
+(applied to an identity matrix), one layer at a time, only while the backward runs.
+Both modes run under `torch.inference_mode()` and survive `copy.deepcopy`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from corolla.config import QUANTIZE_MODES
+from corolla.errors import InvalidRequest
+
+GROUP_SIZE = 64  # int4 group of input features sharing a scale and a zero point
+FALLBACK_GROUP_SIZE = 32  # for in_features that GROUP_SIZE does not divide
+INT4_DTYPE = torch.bfloat16  # of the weights packed in int4 and the activations fed to their kernels
+CPU_INT4_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+
+
+def check_mode(mode: str) -> None:
+    if mode not in QUANTIZE_MODES:
+        raise InvalidRequest(f"quantization mode {mode!r} is not supported; choose one of {QUANTIZE_MODES}")
+
+
+def quantize_blocks(module: nn.Module, mode: str) -> None:
+    """Weight-only quantizes every nn.Linear inside `module`, in place (see the module docstring)."""
+    check_mode(mode)
+    if mode == "int4" and any(_old_gpu(p.device) for p in module.parameters()):
+        raise InvalidRequest("int4 needs a GPU of compute capability 8.0 or newer: use int8")
+    for linear in [m for m in module.modules() if isinstance(m, nn.Linear)]:
+        config = _config(mode, linear)
+        if config is None:
+            continue
+        if mode == "int4":
+            linear.weight = nn.Parameter(linear.weight.detach().to(INT4_DTYPE), requires_grad=False)
+        _torchao().quantize_(linear, config)
+        if mode == "int4":
+            linear.__class__ = Int4Linear
+
+
+def _old_gpu(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)
+
+
+def _torchao():
+    """torchao.quantization, imported on first use (about 2 s). Its import logs warnings that matter
+    nothing here: it could not load CUDA-only kernels (mxfp8, cutlass sm90a) on a CPU torch, and
+    torch's pytree deprecates how it registers enums; they are kept out of the server's log."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.prototype.quantization.int4
+        import torchao.quantization
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+    return torchao.quantization
+
+
+def _config(mode: str, linear: nn.Linear):
+    """The torchao config for one linear layer, or None to leave it at full precision."""
+    ao = _torchao()
+    if mode == "int8":
+        return ao.Int8WeightOnlyConfig(set_inductor_config=False)  # no global torch._inductor changes
+    group = next((g for g in (GROUP_SIZE, FALLBACK_GROUP_SIZE) if linear.in_features % g == 0), None)
+    if group is None:
+        return None
+    if linear.weight.device.type == "cuda":
+        return ao.Int4WeightOnlyConfig(
+            group_size=group, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+        )
+    if linear.out_features % CPU_INT4_OUT_MULTIPLE != 0:
+        return None
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+    return PrototypeInt4WeightOnlyConfig(group_size=group, set_inductor_config=False)
+
+
+class _Int4LinearFunction(torch.autograd.Function):
+    """F.linear with a frozen int4 weight, differentiable with respect to its input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight  # frozen: nothing of the input is saved
+        return nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.weight
+        eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=grad.device)
+        weight_t = nn.functional.linear(eye, weight).to(grad.dtype)  # [in, out], as the kernel sees it
+        return grad @ weight_t.t(), None
+
+
+class Int4Linear(nn.Linear):
+    """An nn.Linear whose weight torchao packed in int4; its forward supports backward to the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _Int4LinearFunction.apply(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers as stored (inner tensors of torchao subclasses)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(_tensor_bytes(t) for t in tensors)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
+
+
+def precision_name(dtype: torch.dtype, mode: str | None) -> str:
+    """The precision a span serves in: the mode when quantized, else its dtype ("bfloat16", ...)."""
+    if mode is not None:
+        check_mode(mode)
+        return mode
+    return str(dtype).removeprefix("torch.")
