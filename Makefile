@@ -51,7 +51,7 @@ test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
 test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, training, abuse; ~28 min)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, training, abuse, models, quantize; ~45 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
@@ -61,6 +61,8 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/api.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/training.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/abuse.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/models.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/quantize.py
 
 bench-wan: $(STAMP) ## push on/off across an emulated 50 ms internet (../shared/tools/wan; needs root + iptables)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -86,3 +87,25 @@ def test_a_second_peer_on_the_same_port_is_refused(tmp_path):
         assert first.alive
     finally:
         first.stop()
+
+
+def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
+    def folder(name: str, config: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    t5 = folder("t5", {"model_type": "t5", "d_model": 64, "num_layers": 2})
+    vit = folder("vit", {"model_type": "vit", "hidden_size": 64})
+    hybrid = folder("qwen3-next", {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2})
+    results = run_corolla(
+        ["server", t5, "--blocks", "0:1", *LOOPBACK],
+        ["server", vit, "--blocks", "0:1", *LOOPBACK],
+        ["server", hybrid, "--blocks", "0:1", *LOOPBACK],
+    )
+    for result, model_type in zip(results, ("t5", "vit"), strict=False):
+        assert_one_line(result, f"corolla server: model_type '{model_type}' is not a decoder-only causal LM")
+        assert "tested: llama, mistral" in result.stderr
+    assert_one_line(
+        results[2], "corolla server: qwen3_next: layer types ['linear_attention'] are not supported"
+    )

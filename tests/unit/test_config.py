@@ -19,6 +19,10 @@ from corolla.errors import InvalidRequest
         (lambda: ServerConfig(model="m", step_timeout=0), r"step_timeout \(--step-timeout\) must be greater"),
         (lambda: ServerConfig(model="m", blocks=(3, 1)), r"blocks \(--blocks\) must be A:B with 0 <= A < B"),
         (lambda: ServerConfig(model="m", dtype="int3"), r"dtype \(--dtype\) must be one of float32"),
+        (
+            lambda: ServerConfig(model="m", quantize="nf4"),
+            r"quantize \(--quantize\) must be one of int8, int4",
+        ),
         (lambda: ServerConfig(model="m", metrics_port=70000), "metrics_port .* must lie in 1..65535"),
         (lambda: SwarmConfig(port=-1), "port .* must lie in 0..65535"),
         (lambda: ClientConfig(request_timeout=0), "request_timeout must be greater than 0"),

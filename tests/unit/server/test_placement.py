@@ -56,6 +56,9 @@ def test_memory_budget_sets_the_number_of_blocks():
     cache = 1024 * config.kv_bytes_per_token_per_block(4)
     assert blocks_for_budget(config, 4, 12 * (per_block + cache), 1024) == 12
     assert blocks_for_budget(config, 4, 10**12, 1024) == 30
+    weights = block_bytes(config, 1)  # int8 servers hold about 4x, int4 ones about 7x the blocks' weights
+    assert blocks_for_budget(config, 4, 12 * int(weights * 1.02), 0, "int8") == 12
+    assert blocks_for_budget(config, 4, 12 * int(weights * 4), 0, "int4") == 30
 
 
 def test_only_one_server_moves_into_a_hole():

@@ -94,3 +94,15 @@ def test_step_reply_names_its_step_and_rejects_garbage():
         StepReply.from_bytes(msgpack.packb({"step_id": 7}))
     with pytest.raises(InvalidRequest, match="rpc_inference reply: metadata is not valid msgpack"):
         StepReply.from_bytes(b"\xc1")
+
+
+def test_a_status_record_carries_the_weights_precision():
+    from corolla.wire.records import ServerStatus
+
+    status = ServerStatus(0, 3, "0.1.0", "float32", 64, 100, precision="int4")
+    again = ServerStatus.from_dict(status.to_dict())
+    assert (again.precision, again.quantized) == ("int4", True)
+    older = {k: v for k, v in status.to_dict().items() if k != "precision"}  # a peer that predates it
+    assert (ServerStatus.from_dict(older).precision, ServerStatus.from_dict(older).quantized) == ("", False)
+    with pytest.raises(InvalidRequest, match="precision"):
+        ServerStatus.from_dict({**status.to_dict(), "precision": 4})
