@@ -11,6 +11,7 @@ modules' (per-expert MoE weights into fused experts, renamed keys) exactly as `f
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -23,6 +24,10 @@ from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+# init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another
+# thread meanwhile (two clients connecting at once, a server loading a span while it moves) would get
+# meta parameters. Building and loading take turns.
+_MODEL_LOCK = threading.Lock()
 
 
 def empty_model(config: ModelConfig, attention: str) -> nn.Module:
@@ -33,7 +38,7 @@ def empty_model(config: ModelConfig, attention: str) -> nn.Module:
     hf._attn_implementation = attention
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
     try:
-        with init_empty_weights(include_buffers=False):
+        with _MODEL_LOCK, init_empty_weights(include_buffers=False):
             model = model_class._from_config(hf, dtype=torch.float32)
     except (KeyError, ValueError) as e:  # a family that picks attention classes by name (Falcon, Bloom)
         raise UnsupportedModel(
@@ -84,7 +89,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dty
         state_dict[prefix + local if local is not None else name] = tensor
     mapping = get_model_conversion_mapping(model)
     load_config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
-    info, _ = convert_and_load_state_dict_in_model(model, state_dict, load_config)
+    with _MODEL_LOCK:
+        info, _ = convert_and_load_state_dict_in_model(model, state_dict, load_config)
     problems = _problems(info)
     if problems:
         raise UnsupportedModel(

@@ -29,16 +29,8 @@ from corolla.errors import InvalidRequest, UnsupportedModel
 Active = str | tuple[tuple[int, int, str | None], ...] | None
 ACTIVE: ContextVar[Active] = ContextVar("corolla_active_adapters", default=None)
 
-MODULES = {  # PEFT target name -> path of the linear layer inside a block
-    "q_proj": ("self_attn", "q_proj"),
-    "k_proj": ("self_attn", "k_proj"),
-    "v_proj": ("self_attn", "v_proj"),
-    "o_proj": ("self_attn", "o_proj"),
-    "gate_proj": ("mlp", "gate_proj"),
-    "up_proj": ("mlp", "up_proj"),
-    "down_proj": ("mlp", "down_proj"),
-}
-KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# ...layers.{block}.{path of the linear layer inside the block}.lora_A|B[.adapter name].weight
+KEY = re.compile(r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
 @contextlib.contextmanager
@@ -98,8 +90,6 @@ def load_adapter(path: str | Path, blocks: Sequence[int], name: str | None = Non
             if match is None:
                 continue
             block, module, which = int(match.group(1)), match.group(2), match.group(3)
-            if module not in MODULES:
-                raise UnsupportedModel(f"adapter {name}: LoRA on {module} is not supported")
             if block in wanted:
                 pairs.setdefault((block, module), {})[which] = f.get_tensor(key)
     weights = {}
@@ -130,9 +120,14 @@ def _read_scale(folder: Path, name: str) -> float:
 def attach(blocks: nn.ModuleList, first_block: int, adapter: LoraAdapter) -> None:
     """Make the adapter available on blocks [first_block, first_block + len(blocks))."""
     for (block, module), (a, b) in adapter.weights.items():
-        parent_name, layer_name = MODULES[module]
-        parent = getattr(blocks[block - first_block], parent_name)
-        layer = getattr(parent, layer_name)
+        parent_name, _, layer_name = module.rpartition(".")
+        try:  # the family's own module path: self_attn.q_proj, self_attn.qkv_proj (Phi-3), mlp.down_proj...
+            parent = blocks[block - first_block].get_submodule(parent_name)
+            layer = getattr(parent, layer_name)
+        except AttributeError:
+            raise UnsupportedModel(f"adapter {adapter.name}: block {block} has no layer {module}") from None
+        if not isinstance(layer, (nn.Linear, LoraLinear)):
+            raise UnsupportedModel(f"adapter {adapter.name}: {module} is not a linear layer (LoRA needs one)")
         if not isinstance(layer, LoraLinear):
             layer = LoraLinear(layer)
             setattr(parent, layer_name, layer)

@@ -109,3 +109,15 @@ def test_model_sources(tiny_models, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(UnsupportedModel, match="not a .gguf"):
         resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_heads_and_spans_load_at_once_in_several_threads(tiny_models):
+    """accelerate's init_empty_weights patches torch.nn.Module process-wide: without the lock in
+    models/loading.py, a head loading in one thread got meta weights from another thread's build."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tiny_models["mistral"]
+    loads = [lambda: ModelHead.load(path), lambda: Span.load(path, 0, 6)] * 4
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda load: load(), loads))
+    assert all(p.device.type == "cpu" for module in loaded for p in module.parameters())
