@@ -69,6 +69,19 @@ def quantize_blocks(module: nn.Module, mode: str) -> None:
         _torchao().quantize_(linear, config)
         if mode == "int4":
             linear.__class__ = Int4Linear
+    _own_plain_tensors(module)
+
+
+def _own_plain_tensors(module: nn.Module) -> None:
+    """Copy the tensors left in full precision (norms, biases, fused experts) out of the checkpoint's
+    memory map: they would keep the whole map alive, with every page that quantizing read still resident."""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if type(param.data) is torch.Tensor:
+                setattr(sub, name, nn.Parameter(param.data.clone(), requires_grad=param.requires_grad))
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            if type(buffer) is torch.Tensor:
+                setattr(sub, name, buffer.clone())
 
 
 def _old_gpu(device: torch.device) -> bool:

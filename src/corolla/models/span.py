@@ -23,6 +23,7 @@ from corolla.models.attention import AttentionContext, ContextCache, NoCache, ac
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
+from corolla.models.quantize import quantize_blocks
 
 
 class Span(nn.Module):
@@ -47,7 +48,16 @@ class Span(nn.Module):
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
 
     @classmethod
-    def load(cls, folder: str | Path, start: int, end: int, dtype: torch.dtype = torch.float32) -> Span:
+    def load(
+        cls,
+        folder: str | Path,
+        start: int,
+        end: int,
+        dtype: torch.dtype = torch.float32,
+        quantize: str | None = None,
+    ) -> Span:
+        """Blocks [start, end) in `dtype`; with `quantize` (int8 | int4), each block is quantized as soon as
+        it is read, so the span never holds more than one block in full precision."""
         span = cls(ModelConfig.from_folder(folder), start, end)
         checkpoint = Checkpoint(folder)
         # a progress bar on a terminal (tqdm leaves logs and pipes alone): big spans take minutes to read
@@ -56,13 +66,15 @@ class Span(nn.Module):
         )
         for index in indices:
             load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype)
+            if quantize is not None:
+                quantize_blocks(span.blocks[index - start], quantize)
         missing = missing_on_meta(span.blocks)
         if missing:
             raise UnsupportedModel(
                 f"{folder}: the checkpoint lacks tensors of blocks {start}:{end}: {missing[:5]}"
             )
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
-        span.dtype = dtype
+        span.dtype, span.quantized = dtype, quantize
         _check_cache_shape(span)
         span.requires_grad_(False)
         return span.eval()

@@ -19,7 +19,7 @@ import torch
 from corolla.config import EngineConfig
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.engine import Engine
-from corolla.models import lora, quantize
+from corolla.models import lora
 from corolla.models.config import ModelConfig
 from corolla.models.span import Span
 from corolla.server.sessions import SessionRegistry
@@ -63,11 +63,7 @@ class SpanLoader:
 
     def load_span(self, blocks: tuple[int, int]) -> Span:
         """The blocks' weights in the dtype, quantized when asked (blocking: reads the checkpoint)."""
-        span = Span.load(self.folder, blocks[0], blocks[1], self.dtype)
-        if self.quantize is not None:
-            quantize.quantize_blocks(span.blocks, self.quantize)
-            span.quantized = self.quantize
-        return span
+        return Span.load(self.folder, blocks[0], blocks[1], self.dtype, self.quantize)
 
     async def load(self, blocks: tuple[int, int]) -> SpanBackend:
         span = await asyncio.to_thread(self.load_span, blocks)
