@@ -56,10 +56,10 @@ class _FinalNorm(nn.Module):
 
 
 class ModelHead(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
-        model = empty_model(config, ATTENTION_NAME)  # attention never runs here
+        model = empty_model(config, ATTENTION_NAME, dtype)  # attention never runs here
         prefix, decoder = decoder_of(model)
         self.embed_tokens = decoder.get_input_embeddings()
         self.norm = final_norm(decoder)
@@ -72,7 +72,7 @@ class ModelHead(nn.Module):
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> ModelHead:
-        head = cls(ModelConfig.from_folder(folder))
+        head = cls(ModelConfig.from_folder(folder), dtype)
         checkpoint = Checkpoint(folder)
         # a multimodal checkpoint's other towers live beside its language model: leave them out
         other_towers = checkpoint.prefix.split(".")[0] + "." if checkpoint.prefix.count(".") > 1 else None

@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 _MODEL_LOCK = threading.Lock()
 
 
-def empty_model(config: ModelConfig, attention: str) -> nn.Module:
-    """The family's causal LM with meta parameters, its attention set to `attention`."""
+def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The family's causal LM with meta parameters in `dtype` (weights loaded into it are cast to it),
+    its attention set to `attention`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     hf = config.hf.__class__.from_dict(config.hf.to_dict())  # a copy: the attention choice is per model
@@ -39,7 +40,7 @@ def empty_model(config: ModelConfig, attention: str) -> nn.Module:
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
     try:
         with _MODEL_LOCK, init_empty_weights(include_buffers=False):
-            model = model_class._from_config(hf, dtype=torch.float32)
+            model = model_class._from_config(hf, dtype=dtype)
     except (KeyError, ValueError) as e:  # a family that picks attention classes by name (Falcon, Bloom)
         raise UnsupportedModel(
             f"{config.model_type}: {model_class.__name__} does not take its attention function from "

@@ -137,4 +137,5 @@ def attach(blocks: nn.ModuleList, first_block: int, adapter: LoraAdapter) -> Non
                 f"adapter {adapter.name}: block {block} {module} has shapes A {list(a.shape)}, "
                 f"B {list(b.shape)}, which do not fit a {base.in_features} -> {base.out_features} layer"
             )
-        layer.adapters[adapter.name] = (a.to(base.weight.dtype), b.to(base.weight.dtype), adapter.scale)
+        dtype = base.weight.dtype if base.weight.is_floating_point() else torch.float32  # int8 weights
+        layer.adapters[adapter.name] = (a.to(dtype), b.to(dtype), adapter.scale)

@@ -4,10 +4,10 @@
 projections, MLPs, and MoE experts or routers that are `nn.Linear`) with a torchao tensor subclass, in
 place. The span keeps its dtype: activations, norms, biases and the attention cache stay in it.
 
-- "int8": `Int8WeightOnlyConfig()`: symmetric per-output-row int8, a float32 scale per row. Any dtype,
-  device and shape. torchao computes `x @ qdata.t().to(x.dtype) * scale`, rebuilding a full-precision
-  copy of each weight on every call: it saves memory, not time. On CPU, one token through an
-  11008x4096 linear takes ~15x as long as in float32; layers that fit in cache (SmolLM2) cost ~the same.
+- "int8": `Int8WeightOnlyConfig()` chooses symmetric per-output-row scales. On CPU the layer becomes an
+  `Int8Linear`, multiplied by torch's `_weight_int8pack_mm` on bfloat16 activations (torchao's own int8
+  path rebuilds a float copy of each weight on every call: ~8x slower than float32 on 1B-size layers).
+  On CUDA torchao's tensor subclass runs as is.
 - "int4": asymmetric groups of `GROUP_SIZE` input features, packed by tinygemm from a bfloat16 copy of
   the weight (bfloat16 scales and zero points). Its kernels take bfloat16 activations: `Int4Linear`
   casts its input to bfloat16 and its output back, so a float32 or float16 span stays one. On CPU the
@@ -46,6 +46,7 @@ from corolla.errors import InvalidRequest
 
 GROUP_SIZE = 64  # int4 group of input features sharing a scale and a zero point
 FALLBACK_GROUP_SIZE = 32  # for in_features that GROUP_SIZE does not divide
+INT8_CPU_DTYPE = torch.bfloat16  # of the activations and scales fed to torch's CPU int8 kernel
 INT4_DTYPE = torch.bfloat16  # of the weights packed in int4 and the activations fed to their kernels
 CPU_INT4_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 
@@ -69,6 +70,8 @@ def quantize_blocks(module: nn.Module, mode: str) -> None:
         _torchao().quantize_(linear, config)
         if mode == "int4":
             linear.__class__ = Int4Linear
+        elif linear.weight.device.type == "cpu":
+            Int8Linear.adopt(linear)
     _own_plain_tensors(module)
 
 
@@ -122,6 +125,42 @@ def _config(mode: str, linear: nn.Linear):
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
     return PrototypeInt4WeightOnlyConfig(group_size=group, set_inductor_config=False)
+
+
+class _Int8LinearFunction(torch.autograd.Function):
+    """x @ (qweight * scales).T by torch's CPU kernel on bfloat16 activations; differentiable wrt x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(qweight, scales)
+        rows = x.reshape(-1, x.shape[-1]).to(INT8_CPU_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(rows, qweight, scales)
+        return out.view(*x.shape[:-1], -1).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        qweight, scales = ctx.saved_tensors
+        weight = qweight.to(grad.dtype) * scales[:, None].to(grad.dtype)  # [out, in], only while it runs
+        return grad @ weight, None, None
+
+
+class Int8Linear(nn.Linear):
+    """An int8 linear layer on CPU: torchao chooses the per-row scales; torch's `_weight_int8pack_mm`
+    multiplies without rebuilding a float copy of the weight (torchao's own int8 path does, on every call:
+    8x slower than float32 on Llama-3.2-1B's layers here). Its kernel is fast on bfloat16 activations
+    only (2.7 vs 3.8 ms float32 dense for one token through 8192x2048; 24 ms with float32 activations),
+    so activations are cast to bfloat16 around it."""
+
+    @classmethod
+    def adopt(cls, linear: nn.Linear) -> None:
+        quantized = linear.weight.data  # torchao's Int8Tensor: qdata [out, in] int8, scale [out, 1]
+        linear.weight = nn.Parameter(quantized.qdata.contiguous(), requires_grad=False)
+        linear.register_buffer("scales", quantized.scale.reshape(-1).to(INT8_CPU_DTYPE).contiguous())
+        linear.__class__ = cls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _Int8LinearFunction.apply(x, self.weight, self.scales)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 class _Int4LinearFunction(torch.autograd.Function):

@@ -27,7 +27,7 @@ from corolla.models.quantize import quantize_blocks
 
 
 class Span(nn.Module):
-    def __init__(self, config: ModelConfig, start: int, end: int):
+    def __init__(self, config: ModelConfig, start: int, end: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         if not 0 <= start < end <= config.num_hidden_layers:
             raise InvalidRequest(
@@ -35,14 +35,16 @@ class Span(nn.Module):
                 f"{config.num_hidden_layers} blocks"
             )
         self.config, self.start, self.end = config, start, end
-        self._model = [empty_model(config, ATTENTION_NAME)]  # a list: not a submodule, not in state_dict
+        self._model = [
+            empty_model(config, ATTENTION_NAME, dtype)
+        ]  # a list: not a submodule, not in state_dict
         _, decoder = decoder_of(self._model[0])
         self.blocks = nn.ModuleList(decoder.layers[start:end])
         self.rotary = decoder.rotary_emb
         self.layer_types = config.layer_types
         # the cache's shape per token: the config's, until loading measures what the layers store
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
-        self.dtype = torch.float32  # of the computation and the cache (quantized weights keep their own)
+        self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
@@ -58,7 +60,7 @@ class Span(nn.Module):
     ) -> Span:
         """Blocks [start, end) in `dtype`; with `quantize` (int8 | int4), each block is quantized as soon as
         it is read, so the span never holds more than one block in full precision."""
-        span = cls(ModelConfig.from_folder(folder), start, end)
+        span = cls(ModelConfig.from_folder(folder), start, end, dtype)
         checkpoint = Checkpoint(folder)
         # a progress bar on a terminal (tqdm leaves logs and pipes alone): big spans take minutes to read
         indices = tqdm(

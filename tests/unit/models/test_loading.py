@@ -121,3 +121,11 @@ def test_heads_and_spans_load_at_once_in_several_threads(tiny_models):
     with ThreadPoolExecutor(4) as pool:
         loaded = list(pool.map(lambda load: load(), loads))
     assert all(p.device.type == "cpu" for module in loaded for p in module.parameters())
+
+
+def test_spans_and_heads_load_in_the_dtype_asked_for(tiny_models):
+    span = Span.load(tiny_models["qwen3"], 0, 2, torch.bfloat16)
+    head = ModelHead.load(tiny_models["qwen3"], torch.bfloat16)
+    assert {p.dtype for p in [*span.parameters(), *head.parameters()]} == {torch.bfloat16}
+    assert span.rotary.inv_freq.dtype == torch.float32  # as transformers keeps it
+    assert span(head.embed(torch.tensor([[5, 6, 7]]))).dtype == torch.bfloat16
