@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -18,6 +19,18 @@ with torch.no_grad():
     model(torch.arange(1, 33)[None])
 print(peak_rss_bytes())
 """
+
+
+def release_freed_memory() -> None:
+    """Hand memory that Python and torch have freed back to the OS (glibc's malloc_trim), so that a
+    server's RSS after quantizing its span is its weights, not the full-precision copies it dropped.
+    A no-op where the C library has no malloc_trim."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def peak_rss_bytes(pid: int | None = None) -> int:

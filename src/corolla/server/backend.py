@@ -22,6 +22,7 @@ from corolla.engine.engine import Engine
 from corolla.models import lora
 from corolla.models.config import ModelConfig
 from corolla.models.span import Span
+from corolla.utils import release_freed_memory
 from corolla.server.sessions import SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class SpanLoader:
 
     def load_span(self, blocks: tuple[int, int]) -> Span:
         """The blocks' weights in the dtype, quantized when asked (blocking: reads the checkpoint)."""
-        return Span.load(self.folder, blocks[0], blocks[1], self.dtype, self.quantize)
+        span = Span.load(self.folder, blocks[0], blocks[1], self.dtype, self.quantize)
+        release_freed_memory()  # the full-precision copies that loading and quantizing let go of
+        return span
 
     async def load(self, blocks: tuple[int, int]) -> SpanBackend:
         span = await asyncio.to_thread(self.load_span, blocks)

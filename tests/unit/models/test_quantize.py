@@ -110,13 +110,13 @@ def test_int4_keeps_the_dtype(dtype):
 def test_shapes_the_int4_kernel_cannot_take_stay_full_precision():
     block = nn.ModuleDict(
         {
-            "fallback": nn.Linear(96, 32),  # 96 % 64 != 0: groups of 32
-            "odd_in": nn.Linear(48, 32),  # neither 64 nor 32 divides 48
+            "grouped": nn.Linear(96, 32),  # groups of 32
+            "odd_in": nn.Linear(48, 32),  # 32 does not divide 48 (the kernels take groups of 32, 64, 128)
             "odd_out": nn.Linear(64, 24),  # the CPU kernel needs out_features % 16 == 0
         }
     )
     quantize_blocks(block, "int4")
-    assert block["fallback"].weight.block_size == [1, 32]
+    assert block["grouped"].weight.block_size == [1, 32]
     assert type(block["odd_in"]) is nn.Linear and type(block["odd_in"].weight) is nn.Parameter
     assert type(block["odd_out"]) is nn.Linear and type(block["odd_out"].weight) is nn.Parameter
 
