@@ -22,8 +22,8 @@ from corolla.engine.engine import Engine
 from corolla.models import lora
 from corolla.models.config import ModelConfig
 from corolla.models.span import Span
-from corolla.utils import release_freed_memory
 from corolla.server.sessions import SessionRegistry
+from corolla.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
