@@ -70,6 +70,10 @@ LAYOUTS = {
     ),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),  # fused qkv and gate_up projections
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),  # norms after attention and MLP, q/k norms
+    "gpt_oss": (  # attention sinks, alternating sliding/global layers, its own fused experts
+        "GptOssConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4),
+    ),
     "granite": (  # embedding, attention, residual and logit multipliers
         "GraniteConfig",
         dict(embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0),

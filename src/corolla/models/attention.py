@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from corolla.errors import UnsupportedModel
 from corolla.models.config import ATTENTION_NAME
 
 
@@ -36,6 +35,7 @@ class Scores:
     scaling: float | None = None
     window: int | None = None  # keys at positions > q - window are seen (transformers' convention)
     softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [heads] logits of a sink every query also attends to (gpt-oss)
 
 
 class AttentionContext(Protocol):
@@ -105,10 +105,8 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """The attention function transformers calls as "corolla": [B, T, heads, d] out, no weights.
     Dropout (in kwargs) never applies: spans run in eval mode."""
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedModel(f"{type(module).__name__}: attention sinks are not supported")
     current = _current()
-    scores = Scores(scaling, sliding_window, softcap)
+    scores = Scores(scaling, sliding_window, softcap, kwargs.get("s_aux"))
     out = current.context.attend(module.layer_idx - current.first_layer, query, key, value, scores)
     return out.transpose(1, 2).contiguous(), None
 
@@ -120,8 +118,8 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scores: Scores
 ) -> torch.Tensor:
     """Attention of queries at positions [q_start, q_start + T) over keys at positions [0, len(k))."""
-    if scores.softcap is not None:
-        return _softcapped(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window), scores)
+    if scores.softcap is not None or scores.sinks is not None:
+        return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window), scores)
     num_queries, num_keys, window = q.shape[2], k.shape[2], scores.window
     sdpa = {"scale": scores.scaling, "enable_gqa": True}
     if num_queries == 1 and (window is None or num_keys <= window):
@@ -144,16 +142,23 @@ def _mask(q_start: int, num_queries: int, num_keys: int, window: int | None) -> 
     return mask
 
 
-def _softcapped(
+def _by_hand(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scores: Scores
 ) -> torch.Tensor:
-    """Attention with tanh soft-capping of the logits (Gemma 2), which SDPA cannot do."""
+    """Attention with tanh soft-capping of the logits (Gemma 2) or attention sinks (gpt-oss), which SDPA
+    cannot do."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scaling = scores.scaling if scores.scaling is not None else 1 / math.sqrt(q.shape[-1])
     logits = torch.matmul(q, k.transpose(2, 3)) * scaling
-    logits = torch.tanh(logits / scores.softcap) * scores.softcap
+    if scores.softcap is not None:
+        logits = torch.tanh(logits / scores.softcap) * scores.softcap
     logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    if scores.sinks is not None:  # a column per head that every query sees; its weight is dropped
+        sinks = scores.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        return torch.matmul(torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(q.dtype), v)
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, v)
 
