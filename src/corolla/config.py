@@ -113,6 +113,7 @@ class ServerConfig:
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request
+    max_tree_tokens: int = 64  # batch * tokens of one speculative tree step (at most max_batch_tokens)
     step_timeout: float = 300.0  # an inference session waiting longer than this for its next step is closed
     session_timeout: float = 1800.0  # no session lives longer than this
     # fair share: what one peer (one client, or one API gateway serving many users) may hold here at once;
@@ -131,7 +132,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(self, 0, ("inference_max_length", "max_batch_size", "max_forward_tokens", "step_timeout"))
         _check(self, 0, ("session_timeout", "announce_period", "num_blocks", "memory_budget", "num_threads"))
-        _check(self, 0, ("max_sessions_per_peer", "max_passes_per_peer"))
+        _check(self, 0, ("max_sessions_per_peer", "max_passes_per_peer", "max_tree_tokens"))
+        if self.max_tree_tokens > self.engine.max_batch_tokens:
+            raise InvalidRequest(
+                f"max_tree_tokens (--max-tree-tokens) must be at most max_batch_tokens "
+                f"(--max-batch-tokens, {self.engine.max_batch_tokens}): a tree runs in one pass, got "
+                f"{self.max_tree_tokens}"
+            )
         _check(self, 0, ("balance_period", "drain_timeout", "simulate_slow_ms"), strict=False)
         if self.blocks is not None and not 0 <= self.blocks[0] < self.blocks[1]:
             raise InvalidRequest(f"blocks (--blocks) must be A:B with 0 <= A < B, got {self.blocks}")
@@ -144,6 +151,34 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             port = self.metrics_port
             raise InvalidRequest(f"metrics_port (--metrics-port) must lie in 1..65535, got {port}")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding on the client (client/speculative.py): a drafter guesses the next tokens, the
+    swarm verifies them in one step, and the output is exactly what decoding without a draft gives."""
+
+    # "lookup": n-grams of the prompt and the text so far (no model); else a causal LM sharing the target's
+    # tokenizer (a folder, a .gguf file, a hub id or `smollm2`), run on the client
+    draft: str = "lookup"
+    quantize: str | None = None  # the draft model's weights: int8 | int4 (torchao), or as stored
+    max_depth: int = 6  # drafted tokens along any path
+    width: int = 1  # a draft model's tokens per tree level: 1 drafts a chain, more a SpecExec-style tree
+    max_tokens: int = 32  # drafted tokens per step (also bounded by the servers' max_tree_tokens)
+    adaptive: bool = True  # the depth follows the measured acceptance and step times (False: max_depth)
+
+    def __post_init__(self) -> None:
+        _check(self, 0, ("max_depth", "width", "max_tokens"), cli=False)
+        if not self.draft:
+            raise InvalidRequest("draft must be 'lookup' or a model")
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise InvalidRequest(
+                f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
+            )
+
+    @property
+    def uses_model(self) -> bool:
+        return self.draft != "lookup"
 
 
 @dataclass(frozen=True)
@@ -163,6 +198,7 @@ class ClientConfig:
     exact: bool = False  # route only through servers with full-precision weights (no int8/int4 servers)
     max_request_tokens: int = 4096  # rows * length per forward/backward request (bigger batches are split)
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent
+    speculation: SpeculationConfig | None = None  # speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         _check(self, 0, ("request_timeout", "refresh_period", "max_request_tokens"), cli=False)

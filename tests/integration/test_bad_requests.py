@@ -52,6 +52,8 @@ LIMITS = [
     "128",
     "--step-timeout",
     "4",
+    "--max-tree-tokens",
+    "8",
 ]
 
 
@@ -156,6 +158,37 @@ BAD_INFERENCE = {
     "rollback past the present": (
         [request(), request(metadata=meta(start_from_position=9))],
         "start_from_position=9 is after the session's current position 2",
+    ),
+    "a token tree with a cycle": (
+        [request(), request(metadata=meta(tree=[-1, 1]))],
+        "tree[1]=1: a token cannot be its own parent (a cycle)",
+    ),
+    "a token tree with a parent out of range": (
+        [
+            request(),
+            request(metadata=meta(tree=[-1, 0, 7], start_from_position=2), hidden=torch.randn(1, 3, HIDDEN)),
+        ],
+        "tree[2]=7: a parent must come before its child (-1 or 0..1)",
+    ),
+    "a token tree over the server's limit": (
+        [request(), request(metadata=meta(tree=list(range(-1, 8))), hidden=torch.randn(1, 9, HIDDEN))],
+        "tree: 1 x 9 tokens exceed this server's max_tree_tokens=8",
+    ),
+    "a token tree with fewer parents than tokens": (
+        [request(), request(metadata=meta(tree=[-1]))],
+        "tree: 1 parents for a step of 2 tokens",
+    ),
+    "an accepted path the tree does not have": (
+        [
+            request(),
+            request(metadata=meta(tree=[-1, -1])),
+            request(metadata=meta(accepted=[0, 1], start_from_position=4), hidden=torch.randn(1, 1, HIDDEN)),
+        ],
+        "accepted=[0, 1] is not a path from a root of the session's last tree",
+    ),
+    "a token tree of strings": (
+        [request(), request(metadata=meta(tree=["a", "b"]))],
+        "field 'tree[0]' must be an integer",
     ),
     "batch changes mid-session": (
         [request(), request(metadata=meta(), hidden=torch.randn(2, 1, HIDDEN))],
@@ -265,6 +298,18 @@ async def run_inference(p2p, peer, messages):
     return [response async for response in stream]
 
 
+async def inference_error(p2p, peer, messages) -> str:
+    """The error a session's messages get: the whole session's (a bad first message, an oversized step),
+    or a later step's own error reply (the step is refused, the session goes on)."""
+    try:
+        responses = await run_inference(p2p, peer, messages)
+    except P2PHandlerError as e:
+        return str(e)
+    errors = [StepReply.from_bytes(r.metadata).error for r in responses]
+    assert any(errors), f"no error for {len(messages)} messages: {errors}"
+    return next(e for e in errors if e)
+
+
 async def run_push(p2p, peer, messages):
     async def requests():
         for message in messages:
@@ -307,9 +352,8 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
 
         await good_step()
         for name, (messages, expected) in BAD_INFERENCE.items():
-            with pytest.raises(P2PHandlerError) as info:
-                await run_inference(p2p, peer, messages)
-            assert expected in str(info.value), f"{name}: {info.value}"
+            error = await inference_error(p2p, peer, messages)
+            assert expected in error, f"{name}: {error}"
             await good_step()
         for name, (message, expected) in BAD_FORWARD.items():
             with pytest.raises(P2PHandlerError) as info:
@@ -395,6 +439,45 @@ async def test_bad_pushes_get_precise_errors_and_a_pushed_step_runs_and_replies_
     torch.testing.assert_close(
         torch.cat(outputs, dim=1), tensors.deserialize(whole.tensors[0], "outputs"), atol=1e-4, rtol=0
     )
+
+
+async def test_a_refused_tree_step_leaves_the_session_usable(raw_peer):
+    """Malformed speculative steps get error replies; the same session then verifies a tree and keeps its
+    path, with the outputs of a plain forward pass over that path."""
+    p2p, peer = raw_peer
+    queue: asyncio.Queue = asyncio.Queue()
+    hidden = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(6))
+    nodes = torch.randn(1, 3, HIDDEN, generator=torch.Generator().manual_seed(7))
+
+    async def session_requests():
+        while (item := await queue.get()) is not None:
+            yield item
+
+    await queue.put(request(hidden=hidden[:, :2], metadata=meta(max_length=16)))
+    session = await p2p.iterate_protobuf_handler(
+        peer, RPC_INFERENCE, session_requests(), runtime_pb2.ExpertResponse
+    )
+    assert (await anext(session)).tensors
+    for bad, expected in [
+        (meta(step_id="x", tree=[-1, 2, 0]), "tree[1]=2: a parent must come before its child"),
+        (meta(step_id="y", tree=[-1, 0]), "tree: 2 parents for a step of 3 tokens"),
+    ]:
+        await queue.put(request(hidden=nodes, metadata=bad))
+        reply = StepReply.from_bytes((await anext(session)).metadata)
+        assert reply.error is not None and expected in reply.error, reply
+    await queue.put(request(hidden=nodes, metadata=meta(step_id="t", tree=[-1, -1, 0])))  # paths 0-2 and 1
+    await anext(session)
+    await queue.put(
+        request(hidden=hidden[:, 2:3], metadata=meta(step_id="n", accepted=[0, 2], start_from_position=4))
+    )
+    outputs = tensors.deserialize((await anext(session)).tensors[0], "outputs")
+    await queue.put(None)
+    assert [r async for r in session] == []
+    path = torch.cat([hidden[:, :2], nodes[:, [0, 2]], hidden[:, 2:3]], dim=1)
+    forward = request(hidden=path, metadata=meta())
+    whole = await p2p.call_protobuf_handler(peer, RPC_FORWARD, forward, runtime_pb2.ExpertResponse)
+    expected = tensors.deserialize(whole.tensors[0], "outputs")[:, -1:]
+    torch.testing.assert_close(outputs, expected, atol=1e-4, rtol=0)
 
 
 async def test_reused_session_id_is_refused_while_the_first_session_lives(raw_peer):

@@ -36,6 +36,7 @@ SERVER_OPTIONS = (
     "inference_max_length",
     "max_batch_size",
     "max_forward_tokens",
+    "max_tree_tokens",
     "step_timeout",
     "session_timeout",
     "max_sessions_per_peer",
@@ -144,6 +145,12 @@ def _limit_options(parser: argparse.ArgumentParser, defaults: ServerConfig) -> N
     option("inference_max_length", int, "longest inference session a client may open")
     option("max_batch_size", int, "most rows per session or forward request")
     option("max_forward_tokens", int, "most batch x length tokens per forward request")
+    option(
+        "max_tree_tokens",
+        int,
+        "most batch x tokens of one speculative step (a draft tree verified in one pass; at most "
+        "--max-batch-tokens)",
+    )
     option("step_timeout", float, "close a session whose next step does not come within this many seconds")
     option("session_timeout", float, "close any session after this many seconds")
     option("max_sessions_per_peer", int, "most inference sessions one peer may hold open here")

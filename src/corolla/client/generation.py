@@ -4,7 +4,8 @@
 when asked for) as soon as they are chosen, so callers stream them. Rows that hit an EOS token or a stop
 string are finished and padded until every row is done. The last sampled token is left in
 `session.pending_token_ids`, so a later call on the same session continues the conversation without
-recomputing anything.
+recomputing anything. With speculative decoding (client/speculative.py) a step through the swarm may
+yield several tokens, each one exactly the token this loop would have chosen.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.sampling import SamplingParams, next_tokens, top_logprobs
+from corolla.client.speculative import Speculation, speculate
 from corolla.client.text import IncrementalText
 from corolla.errors import InvalidRequest
 
@@ -52,6 +54,33 @@ class RowEnds:
         return self.finished
 
 
+class Chooser:
+    """Chooses each row's next token from logits as transformers' `generate` would (penalties, sampling
+    with the request's own generator), keeps the text so far and which rows have ended."""
+
+    def __init__(self, params: SamplingParams, ends: RowEnds, pad_token_id: int, input_ids: torch.Tensor):
+        self.params, self.ends, self.pad_token_id = params, ends, pad_token_id
+        self.generator = params.make_generator() if params.do_sample else None
+        self.context, self.prompt_length = input_ids, input_ids.shape[1]  # [B, T]: prompt + chosen tokens
+        self.num_chosen = 0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.ends.finished.all()) or self.num_chosen >= self.params.max_new_tokens
+
+    def choose(self, logits: torch.Tensor) -> GenerationStep:
+        """logits [B, vocab] after the text so far -> the next token of every row."""
+        params, context = self.params, self.context
+        tokens = next_tokens(logits, context, params, self.generator, context[:, self.prompt_length :])
+        tokens = torch.where(self.ends.finished, torch.full_like(tokens, self.pad_token_id), tokens)
+        self.context = torch.cat([context, tokens[:, None]], dim=1)
+        self.num_chosen += 1
+        finished = self.ends.update(tokens)
+        if params.logprobs is None:
+            return GenerationStep(tokens, finished)
+        return GenerationStep(tokens, finished, *top_logprobs(logits, tokens, params.logprobs))
+
+
 async def generate_steps(  # noqa: PLR0913
     head: HeadBatcher,
     session: InferenceSession,
@@ -61,17 +90,19 @@ async def generate_steps(  # noqa: PLR0913
     pad_token_id: int,
     tokenizer: Any = None,
     tuned: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    speculation: Speculation | None = None,
 ) -> AsyncIterator[GenerationStep]:
     """Yield every row's next token, up to params.max_new_tokens steps.
 
     `tuned` (a new session only): trained prompts, (input prefix [B, P, H], deep prompts or None); the
     prefix goes before the first step's inputs and the deep prompts to the servers with it (they keep
-    them for the session).
+    them for the session). With `speculation` (a batch of one row), each step verifies a draft and may
+    yield several tokens: the same tokens, one at a time.
     """
     inputs = _first_inputs(session, input_ids, params, tuned)
-    ends = RowEnds(params, eos_token_ids, tokenizer, input_ids.shape[0])
-    generator = params.make_generator() if params.do_sample else None
-    context, prompt_length = input_ids, input_ids.shape[1]
+    chooser = Chooser(
+        params, RowEnds(params, eos_token_ids, tokenizer, input_ids.shape[0]), pad_token_id, input_ids
+    )
     head.register()  # lets the head batcher know how many sessions may join a batch
     try:
         with torch.no_grad():
@@ -79,22 +110,19 @@ async def generate_steps(  # noqa: PLR0913
             deep = None
             if tuned is not None:
                 hidden, deep = torch.cat([tuned[0].to(hidden.dtype), hidden], dim=1), tuned[1]
-            for _ in range(params.max_new_tokens):
-                outputs = await session.astep(hidden, deep)
-                deep = None  # the servers keep the session's deep prompts
+            outputs = await session.astep(hidden, deep)
+            while True:
                 logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
-                tokens = next_tokens(logits, context, params, generator, context[:, prompt_length:])
-                tokens = torch.where(ends.finished, torch.full_like(tokens, pad_token_id), tokens)
-                session.pending_token_ids = tokens[:, None]
-                context = torch.cat([context, tokens[:, None]], dim=1)
-                finished = ends.update(tokens)
-                if params.logprobs is None:
-                    yield GenerationStep(tokens, finished)
-                else:
-                    yield GenerationStep(tokens, finished, *top_logprobs(logits, tokens, params.logprobs))
-                if bool(finished.all()):
-                    break
-                hidden = head.head.embed(tokens[:, None])
+                step = chooser.choose(logits)
+                session.pending_token_ids = step.tokens[:, None]
+                yield step
+                if chooser.done:
+                    return
+                if speculation is not None and input_ids.shape[0] == 1:
+                    async for step in speculate(head, session, chooser, speculation):
+                        yield step
+                    return
+                outputs = await session.astep(head.head.embed(step.tokens[:, None]))
     finally:
         head.unregister()
 

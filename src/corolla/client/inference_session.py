@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import torch
 
@@ -24,6 +25,7 @@ from corolla.client.runtime import LoopThread
 from corolla.client.span_session import SpanSession
 from corolla.client.swarm import RETRYABLE, SwarmClient
 from corolla.errors import InvalidRequest, ServerUnavailable, counted
+from corolla.models.tree import TokenTree
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
@@ -41,6 +43,7 @@ class InferenceSession:
         self.pending_token_ids: torch.Tensor | None = None  # [B, 1]: sampled, not yet sent to the servers
         self.boundary_outputs: list[torch.Tensor] = []  # each hop's outputs of the last step (for checks)
         self.num_failovers = 0
+        self._tree: tuple[int, TokenTree] | None = None  # the last step's token tree, until accepted
         self._background: set[asyncio.Task] = set()
         self._opened = False
         self.closed = False
@@ -48,6 +51,12 @@ class InferenceSession:
     @property
     def route(self) -> list[Hop]:
         return [span.hop for span in self.spans]
+
+    @property
+    def max_tree_tokens(self) -> int:
+        """Tokens of one speculative tree step every server of the chain takes (0: some takes none)."""
+        limits = [self.swarm.status_of(span.hop.peer_id) for span in self.spans]
+        return min((0 if status is None else status.max_tree_tokens for status in limits), default=0)
 
     async def aopen(self) -> InferenceSession:
         self.spans = await self._open_chain(0, self.swarm.num_blocks)
@@ -95,11 +104,14 @@ class InferenceSession:
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
         start_from_position: int | None = None,
+        tree: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Run hidden states [B, T, H] of the next tokens through every block; returns [B, T, H].
 
         The step goes at the session's position (or at `start_from_position`, which rolls back): this
-        session is the one owner of the position, and every hop is told it with every step.
+        session is the one owner of the position, and every hop is told it with every step. With `tree`
+        (parents, models/tree.py) the T tokens form a token tree, verified in one pass on every server;
+        `accept` then names the path the session keeps.
         """
         if self.closed or not self._opened:
             raise InvalidRequest("the inference session is closed or was never opened")
@@ -111,9 +123,28 @@ class InferenceSession:
                 f"{hidden.shape[1]} more tokens at position {position} exceed the session's "
                 f"max_length={self.max_length}"
             )
-        self.boundary_outputs = await self._through_chain(hidden, prompts, hypo_ids, position)
+        if tree is not None:
+            TokenTree(tree)  # checked here: a server refusing it would be taken for a faulty one
+            if len(tree) != hidden.shape[1]:
+                raise InvalidRequest(f"tree: {len(tree)} parents for {hidden.shape[1]} tokens")
+        self.boundary_outputs = await self._through_chain(hidden, prompts, hypo_ids, position, tree)
         self.position = position + hidden.shape[1]
+        self._tree = (position, TokenTree(tree)) if tree is not None else None
         return self.boundary_outputs[-1]
+
+    def accept(self, path: Sequence[int]) -> None:
+        """Keep `path` (token indices of the last step's tree, root first, a path from a root): the session
+        then holds the positions before the tree and that path's tokens, in order."""
+        if self._tree is None:
+            raise InvalidRequest("accept: the session's last step was not a token tree")
+        start, tree = self._tree
+        path = tuple(path)
+        if not tree.is_path(path):
+            raise InvalidRequest(f"accept: {list(path)} is not a path from a root of the tree {tree}")
+        for span in self.spans:
+            span.accept(path)
+        self.position = start + len(path)
+        self._tree = None
 
     async def _through_chain(
         self,
@@ -121,6 +152,7 @@ class InferenceSession:
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         position: int,
+        tree: tuple[int, ...] | None = None,
     ) -> list[torch.Tensor]:
         """Each hop's outputs for one step, replacing servers that fail on the way."""
         boundaries, index, failures = [], 0, 0
@@ -140,7 +172,7 @@ class InferenceSession:
             push_from = self.spans[index - 1].hop.peer_id if index and self.swarm.config.use_push else None
             try:
                 hidden = await span.step(
-                    hidden, span_prompts, hypo_ids, position, step_id, next_servers, pushed, push_from
+                    hidden, span_prompts, hypo_ids, position, step_id, next_servers, pushed, push_from, tree
                 )
                 pushed_to.update(s.session_id for s in next_servers)
             except RETRYABLE as e:
@@ -204,8 +236,9 @@ class InferenceSession:
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
         start_from_position: int | None = None,
+        tree: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        return self.runtime.run(self.astep(hidden, prompts, hypo_ids, start_from_position))
+        return self.runtime.run(self.astep(hidden, prompts, hypo_ids, start_from_position, tree))
 
     def close(self) -> None:
         if not self.closed and self.runtime.loop.is_running():

@@ -7,7 +7,6 @@ or from its own event loop (the `a*` coroutines).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -22,6 +21,7 @@ from corolla.client.inference_session import InferenceSession
 from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
 from corolla.client.sampling import SamplingParams
+from corolla.client.speculative import Speculator
 from corolla.client.swarm import SwarmClient
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
@@ -50,6 +50,7 @@ class DistributedModelForCausalLM:
         self.source, self.config, self.head, self.swarm, self.runtime = source, config, head, swarm, runtime
         self.head_batcher = HeadBatcher(head)
         self.ptune = ptune  # trainable prompts (tuning_mode), or None
+        self.speculator: Speculator | None = None  # speculative decoding (ClientConfig.speculation)
 
     @classmethod
     def from_pretrained(
@@ -67,7 +68,7 @@ class DistributedModelForCausalLM:
 
         `tuning_mode` "ptune" adds `pre_seq_len` trainable input embeddings, "deep_ptune" also a trainable
         prompt per block (see client/ptune.py). `overrides` are ClientConfig fields (request_timeout,
-        routing_timeout, allowed_servers, ...).
+        routing_timeout, allowed_servers, speculation, ...).
         """
         config = replace(config or ClientConfig(), **overrides)
         if initial_peers:
@@ -76,6 +77,8 @@ class DistributedModelForCausalLM:
         model_config = ModelConfig.from_folder(source.path)
         head = ModelHead.load(source.path, parse_dtype(config.dtype, model_config))
         prefix = dht_prefix or config.dht_prefix or dht_prefix_for(source.name)
+        speculation = config.speculation
+        speculator = speculation and Speculator.create(speculation, model_config, source.path)
         runtime = LoopThread()
         swarm = SwarmClient(config, prefix, model_config.num_hidden_layers, model_config.fingerprint())
         try:
@@ -86,30 +89,20 @@ class DistributedModelForCausalLM:
         ptune = None
         if tuning_mode is not None:
             ptune = PromptTuning(tuning_mode, pre_seq_len, model_config.num_hidden_layers, head.embed_tokens)
-        return cls(source, model_config, head, swarm, runtime, ptune)
+        model = cls(source, model_config, head, swarm, runtime, ptune)
+        model.speculator = speculator
+        return model
 
     # --- tokenizer and special tokens ----------------------------------------------------------------------
 
     @cached_property
     def tokenizer(self) -> Any:
         """The model folder's tokenizer (transformers' AutoTokenizer), or None if the folder has none."""
-        if not any(
-            (self.source.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
-        ):
-            return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.source.path)
+        return self.source.load_tokenizer()
 
     @cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = list(self.config.eos_token_ids)
-        path = self.source.path / "generation_config.json"
-        if path.is_file():
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
-        return tuple(dict.fromkeys(ids))
+        return self.source.eos_token_ids(self.config.eos_token_ids)
 
     @property
     def pad_token_id(self) -> int:
@@ -145,7 +138,9 @@ class DistributedModelForCausalLM:
 
         Without `session`, one is opened for max_length = prompt + max_new_tokens (+ the trained prefix)
         and closed on every server of its chain as soon as the generation ends, fails or is cancelled.
-        With a tuning_mode, a new session starts with the trained prompts, as `forward` uses them.
+        With a tuning_mode, a new session starts with the trained prompts, as `forward` uses them. With a
+        drafter (ClientConfig.speculation) and params.speculative, a one-row generation drafts and
+        verifies several tokens per step: the tokens are the same.
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
@@ -159,6 +154,9 @@ class DistributedModelForCausalLM:
             session = await InferenceSession(
                 self.swarm, self.runtime, prefix + input_ids.shape[1] + params.max_new_tokens
             ).aopen()
+        speculation = None
+        if self.speculator is not None and params.speculative and input_ids.shape[0] == 1:
+            speculation = self.speculator.start(session.max_length)
         try:
             async for step in generate_steps(
                 self.head_batcher,
@@ -169,6 +167,7 @@ class DistributedModelForCausalLM:
                 self.pad_token_id,
                 self.tokenizer if params.stop else None,
                 tuned,
+                speculation,
             ):
                 yield step
         finally:
@@ -272,6 +271,8 @@ class DistributedModelForCausalLM:
 
     def shutdown(self) -> None:
         self.head_batcher.shutdown()
+        if self.speculator is not None:
+            self.speculator.shutdown()
         if self.runtime.loop.is_running():
             self.runtime.run(self.swarm.shutdown())
         self.runtime.stop()

@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per earlier occurrence in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
+    speculative: bool = True  # draft and verify when the model has a drafter (never changes the tokens)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -4,8 +4,10 @@ The first message carries the session parameters (max_length, session_id, alloc_
 the first step's tensors; every message gets exactly one reply, whose shape is checked. Closing sends
 the end of stream and waits for the server to finish, so the server frees the cache at once.
 
-A span session keeps the inputs it has sent (after rollbacks and beam reordering), so that if its server
-fails, a replacement can be brought to the same state by replaying them (`replay`). The session's
+A span session keeps the inputs it has sent (after rollbacks, beam reordering and speculative trees: once
+a tree's accepted path is known, only that path is kept), so that if its server fails, a replacement can
+be brought to the same state by replaying them (`replay`). The server holds the whole tree until the
+session's next step, which names the path to keep (`accepted`). The session's
 position is the inference session's (client/inference_session.py): every step names its own. A server
 that dies with a step in flight is noticed when its stream ends, not at the timeout (swarm/p2p_io.py).
 """
@@ -53,6 +55,8 @@ class SpanSession:
         self.session_id = uuid.uuid4().hex
         self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
         self.prompts: torch.Tensor | None = None  # the deep prompts last sent
+        # the server's pending token tree: (its start, the path to keep once known), named by the next step
+        self.tree: tuple[int, tuple[int, ...] | None] | None = None
         self._stream: Stream | None = None
         self._stepped = False
         self.closed = False
@@ -73,6 +77,7 @@ class SpanSession:
         next_servers: tuple[NextServer, ...] = (),
         pushed: bool = False,
         push_from: str | None = None,
+        tree: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Send hidden states [B, T, H] for positions [start_from_position, + T); returns the outputs.
 
@@ -80,20 +85,40 @@ class SpanSession:
         straight to the next one (which then runs the step once, whichever copy arrives first). `pushed`:
         the previous server pushes this step here, so its reply may come before our copy is even sent, and
         the time it took says nothing about this server. `push_from`: the peer (the previous hop) whose
-        pushes this server may take for this session.
+        pushes this server may take for this session. `tree`: the parents of the step's tokens, a token
+        tree (models/tree.py); `accept` then names the path of it to keep.
         """
         if self.closed or self._stream is None:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
         step_id = step_id or uuid.uuid4().hex
         request = self._request(
-            hidden, prompts, hypo_ids, start_from_position, step_id, next_servers, push_from
+            hidden, prompts, hypo_ids, start_from_position, step_id, next_servers, push_from, tree
         )
         started = time.perf_counter()
         outputs = await self._reply(self._stream, request, step_id, hidden.shape)
         if self.observe is not None and hidden.shape[1] == 1 and not pushed:
             self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
         self._remember(hidden, prompts, hypo_ids, start_from_position)
+        self.tree = (start_from_position, None) if tree is not None else None
         return outputs
+
+    def accept(self, path: tuple[int, ...]) -> None:
+        """The path (token indices, root first) of the last step's tree that the session keeps: the kept
+        inputs become that path at once (a replacement replays it as a plain sequence); the server is told
+        with the next step."""
+        if self.tree is None or self.inputs is None:
+            raise InvalidRequest("accept: the last step was not a token tree")
+        start = self.tree[0]
+        kept = start + torch.tensor(path, dtype=torch.long)
+        self.inputs = torch.cat([self.inputs[:, :start], self.inputs[:, kept]], dim=1)
+        self.tree = (start, tuple(path))
+
+    def _accepted(self, position: int) -> tuple[int, ...] | None:
+        """What the next step, at `position`, tells the server to keep of its pending tree."""
+        if self.tree is None or self.tree[1] is None or position <= self.tree[0]:
+            return None
+        start, path = self.tree
+        return path[: position - start]
 
     def _request(  # noqa: PLR0913
         self,
@@ -104,6 +129,7 @@ class SpanSession:
         step_id: str,
         next_servers: tuple[NextServer, ...],
         push_from: str | None = None,
+        tree: tuple[int, ...] | None = None,
     ) -> runtime_pb2.ExpertRequest:
         first = (
             {}
@@ -122,6 +148,8 @@ class SpanSession:
             start_from_position=position,
             next_servers=next_servers,
             push_from=push_from,
+            tree=tree,
+            accepted=self._accepted(position),
             **first,
         )
         tensors = [wire_tensors.serialize(hidden)]  # trailing absent tensors are simply left out
@@ -142,12 +170,16 @@ class SpanSession:
                     response = await asyncio.wait_for(stream.receive(ExpertResponse), self.timeout)
                     if response is None:  # the server finished, closed or died: no reply is coming
                         raise ConnectionResetError("the stream ended before the reply")
-                    if _replied_step(response, self.hop.peer_id) in (None, step_id):
+                    reply = _reply_meta(response, self.hop.peer_id)
+                    if reply.step_id in (None, step_id):
                         break
         except BaseException:  # a failed stream takes no more steps (a cancelled read leaves it unreadable)
             self.closed, self._stream = True, None
             stream.close()
             raise
+        if reply.error is not None:  # the client checked what it sent: this server is at fault
+            self.closed = True
+            raise ServerUnavailable(f"server ...{self.hop.peer_id[-6:]} refused a step: {reply.error}")
         outputs = wire_tensors.deserialize(response.tensors[0], "outputs") if response.tensors else None
         if outputs is None or outputs.shape != shape:
             self.closed = True
@@ -202,8 +234,8 @@ async def _end_and_drain(stream: Stream) -> None:
         pass
 
 
-def _replied_step(response: runtime_pb2.ExpertResponse, peer_id: str) -> str | None:
+def _reply_meta(response: runtime_pb2.ExpertResponse, peer_id: str) -> StepReply:
     try:
-        return StepReply.from_bytes(response.metadata).step_id
+        return StepReply.from_bytes(response.metadata)
     except InvalidRequest as e:  # a broken or hostile server: the client replaces it
         raise ServerUnavailable(f"server ...{peer_id[-6:]} sent a malformed reply: {e}") from None

@@ -189,6 +189,10 @@ class SwarmClient:
             delay = min(delay * 2, 2.0)
             await self.refresh()
 
+    def status_of(self, peer_id: str) -> ServerStatus | None:
+        """A server's record as last read from the DHT (None: not seen)."""
+        return next((s.info for s in self.spans if s.peer_id == peer_id), None)
+
     def ban(self, peer_id: str) -> None:
         """Avoid a server that failed: for ban_time, doubling with each failure in a row (at most 16x)."""
         _, failures = self._bans.get(peer_id, (0.0, 0))

@@ -55,7 +55,9 @@ class Engine:
             span.head_dim,
             span.dtype,
         )
-        self.scheduler = Scheduler(self.pages, config.max_batch_tokens, config.max_batch_rows)
+        self.scheduler = Scheduler(
+            self.pages, config.max_batch_tokens, config.max_batch_rows, self.pool.move_positions
+        )
         self.runner = ModelRunner(span, self.pool)
         self.num_passes, self.batched_rows, self.total_rows = 0, 0, 0
         self.pass_seconds = 0.0  # a moving average of recent passes' duration

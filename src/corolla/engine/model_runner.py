@@ -15,6 +15,7 @@ from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
 from corolla.models.attention import Scores, causal_attention
 from corolla.models.lora import use_adapters
 from corolla.models.span import Span, align_prompts
+from corolla.models.tree import TokenTree
 
 
 class KVPool:
@@ -44,6 +45,18 @@ class KVPool:
         for source, destination in copies:
             self.data[:, :, destination] = self.data[:, :, source]
 
+    def move_positions(self, table: list[int], sources: list[int], destinations: list[int]) -> None:
+        """Copy one row's keys and values from positions `sources` to `destinations` (every layer)."""
+        size = self.page_size
+        pages = torch.tensor(table, dtype=torch.long)
+
+        def slots(positions: list[int]) -> torch.Tensor:
+            positions = torch.tensor(positions, dtype=torch.long)
+            return pages[positions // size] * size + positions % size
+
+        flat = self.data.flatten(2, 3)  # [layers, 2, pages * page_size, kv_heads, d]
+        flat[:, :, slots(destinations)] = flat[:, :, slots(sources)]
+
 
 @dataclass(frozen=True, slots=True)
 class Row:
@@ -53,6 +66,7 @@ class Row:
     length: int
     position: int
     table: torch.Tensor  # int64 page ids
+    tree: TokenTree | None = None  # the row's tokens form this tree (a speculative step)
 
     @property
     def context(self) -> int:
@@ -94,7 +108,7 @@ class PagedAttention:
             gathered = cache.index_select(1, row.table).flatten(1, 2)[:, : row.context].transpose(1, 2)
             keys, values = gathered[0:1], gathered[1:2]  # [1, kv_heads, context, d]
             span = slice(row.offset, row.offset + row.length)
-            out[:, :, span] = causal_attention(q[:, :, span], keys, values, row.position, scores)
+            out[:, :, span] = causal_attention(q[:, :, span], keys, values, row.position, scores, row.tree)
         return out
 
 
@@ -109,11 +123,15 @@ class ModelRunner:
         pieces, positions, rows, prompts, offset = [], [], [], [], 0
         for chunk in chunks:
             inputs = _chunk_inputs(chunk).to(self.span.dtype)  # [B, T, H]
+            tree = chunk.work.tree if chunk.work is not None else None  # a tree runs in one chunk
             for row in range(chunk.num_rows):
                 table = torch.tensor(chunk.session.page_tables[row], dtype=torch.long)
-                rows.append(Row(offset, chunk.num_tokens, chunk.position, table))
+                rows.append(Row(offset, chunk.num_tokens, chunk.position, table, tree))
                 pieces.append(inputs[row])
-                positions.append(torch.arange(chunk.position, chunk.position + chunk.num_tokens))
+                if tree is None:
+                    positions.append(torch.arange(chunk.position, chunk.position + chunk.num_tokens))
+                else:
+                    positions.append(tree.positions(chunk.position))
                 offset += chunk.num_tokens
             aligned = align_prompts(chunk.session.prompts, chunk.position, chunk.num_tokens)
             prompts.append(aligned)

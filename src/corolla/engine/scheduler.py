@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,9 +48,15 @@ class Plan:
         return not self.chunks and self.forward is None and not self.failed
 
 
+MoveKV = Callable[[list[int], list[int], list[int]], None]  # (row's page table, from positions, to positions)
+
+
 class Scheduler:
-    def __init__(self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int):
+    def __init__(
+        self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int, move_kv: MoveKV | None = None
+    ):
         self.pages, self.max_batch_tokens, self.max_batch_rows = pages, max_batch_tokens, max_batch_rows
+        self.move_kv = move_kv  # copies cached keys and values within a row (keeping a tree's path)
         self.sessions: dict[str, EngineSession] = {}
         self.forwards: deque[ForwardWork] = deque()
         self._admissions = itertools.count()
@@ -105,6 +112,8 @@ class Scheduler:
             length = min(goal - position, tokens // session.batch_size)
             if length <= 0:
                 continue
+            if work.tree is not None and not session.needs_recompute and length < work.remaining:
+                continue  # a token tree runs whole, in a pass of its own if need be
             if not self._reserve(session, position, position + length, plan):
                 if self._never_fits(session, session.position + work.remaining):
                     plan.failed.append((work, self._exhausted(work, ever=True)))
@@ -133,6 +142,7 @@ class Scheduler:
             )
         if not session.page_tables:
             session.page_tables = [[] for _ in range(session.batch_size)]
+        self._keep_tree_path(session, work)
         if work.position < session.position:
             session.inputs = session.inputs[:, : work.position]
             session.num_cached = min(session.num_cached, work.position)
@@ -144,7 +154,32 @@ class Scheduler:
                 session.inputs = session.inputs[work.hypo_ids]
         if work.prompts is not None:
             session.prompts = work.prompts
+        if work.tree is not None:
+            session.tree = (work.position, work.tree)
         return None
+
+    def _keep_tree_path(self, session: EngineSession, work: StepWork) -> None:
+        """The step after a tree step: keep the tree's accepted path (`work.accepted`, or its first tokens
+        up to the step's position when none is named), moved to the positions right after the tree's
+        start; its other tokens are dropped with their cache pages. The caller has checked the path."""
+        if session.tree is None:
+            return
+        (start, tree), session.tree = session.tree, None
+        if work.position <= start:
+            return  # rolled back to before the tree: the rollback drops all of it
+        nodes = list(work.accepted) if work.accepted is not None else list(range(work.position - start))
+        assert tree.is_path(nodes) and start + len(nodes) == work.position, (tree, nodes, work.position)
+        kept = range(start, work.position)
+        if session.num_cached >= start + len(tree):
+            for table in session.page_tables:
+                self.move_kv(table, [start + node for node in nodes], list(kept))
+            session.num_cached = work.position
+        else:  # preempted since: the path is recomputed from the inputs kept below
+            session.num_cached = min(session.num_cached, start)
+        path = start + torch.tensor(nodes, dtype=torch.long)
+        session.inputs = torch.cat([session.inputs[:, :start], session.inputs[:, path]], dim=1)
+        for table in session.page_tables:
+            self.pages.truncate(table, session.num_cached)
 
     def _reserve(self, session: EngineSession, start: int, end: int, plan: Plan) -> bool:
         """Allocate pages for positions [start, end) of every row, preempting others if needed.

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corolla.models.tree import TokenTree
+
 _ids = itertools.count()
 
 
@@ -43,6 +45,8 @@ class EngineSession:
     admitted_order: int = -1  # for preemption: the most recently admitted session goes first
     last_step_at: float = float("-inf")  # monotonic time its last step completed
     pending: deque[StepWork] = field(default_factory=deque)
+    # the token tree its last step stored at [start, start + T), until the next step keeps one path of it
+    tree: tuple[int, TokenTree] | None = None
 
     @property
     def position(self) -> int:
@@ -64,7 +68,9 @@ class StepWork:
 
     `position` is absolute and required: the session's current position appends, an earlier one rolls
     the session back first (its later positions are dropped). The caller decides which; the engine only
-    applies it.
+    applies it. With `tree`, the step's tokens form a token tree (models/tree.py), run in one chunk; the
+    session's next step keeps one path of it: `accepted` (checked by the caller), else the tree's first
+    tokens up to that step's position (a chain).
     """
 
     session: EngineSession
@@ -72,6 +78,8 @@ class StepWork:
     position: int
     prompts: torch.Tensor | None = None
     hypo_ids: torch.Tensor | None = None
+    tree: TokenTree | None = None
+    accepted: tuple[int, ...] | None = None  # the path of the session's last tree to keep, root first
     admit_deadline: float = float("inf")  # monotonic time; past it, a waiting first step fails
     request_id: int = field(default_factory=lambda: next(_ids))
     arrived_at: float = field(default_factory=time.monotonic)

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from corolla.models.config import ATTENTION_NAME
+from corolla.models.tree import TokenTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +116,19 @@ AttentionInterface.register(ATTENTION_NAME, attention)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scores: Scores
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    scores: Scores,
+    tree: TokenTree | None = None,
 ) -> torch.Tensor:
-    """Attention of queries at positions [q_start, q_start + T) over keys at positions [0, len(k))."""
+    """Attention of queries at positions [q_start, q_start + T) over keys at positions [0, len(k)).
+
+    With `tree`, the T queries are a token tree starting at q_start (models/tree.py): each attends to the
+    keys before q_start and to its own ancestors among the last T keys."""
+    if tree is not None:
+        return masked_attention(q, k, v, tree.mask(q_start, scores.window), scores)
     if scores.softcap is not None or scores.sinks is not None:
         return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window), scores)
     num_queries, num_keys, window = q.shape[2], k.shape[2], scores.window
@@ -129,8 +140,16 @@ def causal_attention(
         return F.scaled_dot_product_attention(q, k[:, :, -window:], v[:, :, -window:], **sdpa)
     if q_start == 0 and num_keys == num_queries and (window is None or num_keys <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa)
-    mask = _mask(q_start, num_queries, num_keys, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa)
+    return masked_attention(q, k, v, _mask(q_start, num_queries, num_keys, window), scores)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scores: Scores
+) -> torch.Tensor:
+    """Attention where `mask` [T, K] (True: visible) says which keys each query sees."""
+    if scores.softcap is not None or scores.sinks is not None:
+        return _by_hand(q, k, v, mask, scores)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scores.scaling, enable_gqa=True)
 
 
 def _mask(q_start: int, num_queries: int, num_keys: int, window: int | None) -> torch.Tensor:
@@ -179,7 +198,9 @@ class ContiguousCache:
     """Keys and values of one session for a run of blocks, in preallocated buffers.
 
     `position` is the number of tokens already stored; a step writes its tokens at [position, position + T)
-    and the caller advances `position` once every block has run.
+    and the caller advances `position` once every block has run. With `tree` set, the positions up to the
+    step's end hold a token tree (models/tree.py) whose last tokens are the step's (a tree can grow over
+    several steps, a draft model's level by level); `keep` then keeps one path of it.
     """
 
     def __init__(
@@ -195,6 +216,7 @@ class ContiguousCache:
         self.buffer = torch.empty(num_layers, 2, batch_size, num_kv_heads, max_length, head_dim, dtype=dtype)
         self.max_length = max_length
         self.position = 0
+        self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
 
     @property
     def batch_size(self) -> int:
@@ -210,7 +232,18 @@ class ContiguousCache:
     ) -> torch.Tensor:
         end = self.position + q.shape[2]
         keys, values = self.buffer[layer, 0, :, :, :end], self.buffer[layer, 1, :, :, :end]
+        if self.tree is not None:  # the tree ends with the pass's tokens; earlier ones are stored already
+            size = len(self.tree)
+            mask = self.tree.mask(end - size, scores.window)[size - q.shape[2] :]
+            return masked_attention(q, keys, values, mask, scores)
         return causal_attention(q, keys, values, self.position, scores)
+
+    def keep(self, start: int, nodes: list[int]) -> None:
+        """After a tree step stored at [start, start + T): keep the keys and values of `nodes` (a path, in
+        order) at start, start + 1, ...; the cache then holds start + len(nodes) positions."""
+        source = start + torch.tensor(nodes, dtype=torch.long)
+        self.buffer[..., start : start + len(nodes), :] = self.buffer[..., source, :]
+        self.position = start + len(nodes)
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Beam search: row i of the batch continues from row hypo_ids[i]."""

@@ -19,6 +19,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from corolla.errors import UnsupportedModel
 
@@ -38,6 +39,24 @@ CONVERTED_MARKER = "corolla-source.json"
 class ModelSource:
     path: Path  # a folder with config.json and safetensors weights
     name: str  # a human name, also the default DHT prefix
+
+    def load_tokenizer(self) -> Any:
+        """The folder's tokenizer (transformers' AutoTokenizer), or None if the folder has none."""
+        if not any((self.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    def eos_token_ids(self, config_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The config's EOS tokens and generation_config.json's (chat models often add one there)."""
+        ids = list(config_ids)
+        path = self.path / "generation_config.json"
+        if path.is_file():
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+        return tuple(dict.fromkeys(ids))
 
 
 def cache_dir() -> Path:

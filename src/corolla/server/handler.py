@@ -224,6 +224,8 @@ class TransformerConnectionHandler:
 
 
 def _reply(reply: Completed) -> ExpertResponse:
+    if reply.refused is not None:  # the step never ran; the session goes on
+        return ExpertResponse(metadata=StepReply(reply.step_id, error=reply.refused).to_bytes())
     return ExpertResponse(tensors=[reply.outputs], metadata=StepReply(reply.step_id).to_bytes())
 
 

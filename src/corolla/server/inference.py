@@ -35,7 +35,7 @@ from corolla.server.ledger import digest
 from corolla.server.push import Pusher
 from corolla.server.sessions import Completed, ServerSession
 from corolla.server.spans import HostedSpans
-from corolla.server.steps import StepInputs, StepMessage, next_within
+from corolla.server.steps import StepInputs, StepMessage, next_within, read_inputs
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep
 
@@ -84,7 +84,7 @@ class InferenceService:
             opened = (session.session_id, peer[-6:], *blocks, batch)
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
-                inputs = self._inputs(session, first, digest(first.tensors[0]), hidden)
+                inputs = self._inputs(session, first, digest(first.tensors[0], meta), hidden)
                 session.push_from = meta.push_from
                 self._run(session, first.meta, inputs, pushed=False)
                 async for reply in self._replies(session, later):
@@ -113,14 +113,14 @@ class InferenceService:
                     completion = asyncio.ensure_future(session.completed.get())
                     if done.error is not None:
                         raise done.error
-                    if session.ledger.claim_reply(done.step_id, done.run):
+                    if done.refused is not None or session.ledger.claim_reply(done.step_id, done.run):
                         yield done
                 elif reading is not None and reading.done():
                     step, reading = reading.result(), None
                     if step is None:
                         more = False
                     else:
-                        self._take_from_client(session, step)
+                        self._take_or_refuse(session, step)
         finally:  # nothing may read the client's stream after this (an error reply drains it)
             waiting = [f for f in (reading, completion) if f is not None]
             for future in waiting:
@@ -141,8 +141,9 @@ class InferenceService:
         A push is taken only from the peer that the session's owner named as its previous hop, on behalf
         of that owner (its `origin`); any other push has no effect, whether or not the session exists
         (server/push.py). A push for a session that is not open, or at another position than the
-        session's (stale, early, or a rollback the client will send itself), or whose tensors do not fit
-        the session, is skipped: the client's own copy does the work. A push carrying more than hidden
+        session's next one (after a token tree: the tree's start + the path it keeps), stale, early, or a
+        rollback the client will send itself, or whose tensors do not fit the session, is skipped: the
+        client's own copy does the work. A push carrying more than hidden
         states (prompts are the client's to send), naming other blocks than its session's, or reusing a
         taken step id is an error.
         """
@@ -153,12 +154,16 @@ class InferenceService:
             return
         self._check_hops(meta)
         session = self.spans.find_session(meta.origin, meta.session_id)
-        if session is None or session.push_from != sender or meta.start_from_position != session.position:
+        if (
+            session is None
+            or session.push_from != sender
+            or meta.start_from_position != _next_position(session, meta)
+        ):
             return
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
             span = f"{session.start}:{session.end}"
             raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
-        inputs_digest = digest(step.tensors[0])
+        inputs_digest = digest(step.tensors[0], meta)
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
             return
         if session.ledger.conflicts(meta.step_id):
@@ -172,6 +177,15 @@ class InferenceService:
 
     # --- taking a step ------------------------------------------------------------------------------------
 
+    def _take_or_refuse(self, session: ServerSession, step: StepMessage) -> None:
+        """A step that fails its checks is refused (an error reply), and the session goes on: the checks
+        change nothing, so the session is as if the step had never been sent."""
+        try:
+            self._take_from_client(session, step)
+        except InvalidRequest as e:
+            logger.debug("Refused a step of session %s: %s", session.session_id, e)
+            session.refuse(step.meta.step_id, e)
+
     def _take_from_client(self, session: ServerSession, step: StepMessage) -> None:
         """Run the client's copy of a step, unless it is a second copy of a step already taken (its
         pushed twin ran first). Checked before the tensors are even read: half of a chain's steps are
@@ -181,7 +195,7 @@ class InferenceService:
         meta = step.meta
         self._check_hops(meta)
         session.push_from = meta.push_from
-        inputs_digest = digest(step.tensors[0])
+        inputs_digest = digest(step.tensors[0], meta)
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
             return
         if session.ledger.conflicts(meta.step_id, with_clients_copy=True):
@@ -207,30 +221,7 @@ class InferenceService:
         inputs_digest: bytes,
         hidden: torch.Tensor | None = None,
     ) -> StepInputs:
-        """Check a step's tensors and position against its session (nothing here changes the session)."""
-        tensors = step.tensors
-        if hidden is None:
-            hidden = validation.read_hidden(tensors, self.hidden_size, self.config.max_batch_size)
-        batch, length = hidden.shape[:2]
-        if batch != session.batch_size:
-            raise InvalidRequest(
-                f"hidden_states: batch size {batch} differs from the session's {session.batch_size}"
-            )
-        position = step.meta.start_from_position
-        position = session.position if position is None else position
-        if position > session.position:
-            raise InvalidRequest(
-                f"start_from_position={position} is after the session's current position {session.position}"
-            )
-        if position + length > session.max_length:
-            raise InvalidRequest(
-                f"step of {length} tokens at position {position} goes past the session's "
-                f"max_length={session.max_length}"
-            )
-        num_blocks = session.end - session.start
-        prompts = validation.read_prompts(tensors, num_blocks, batch, self.hidden_size, session.max_length)
-        hypo_ids = validation.read_hypo_ids(tensors, batch)
-        return StepInputs(hidden, position, prompts, hypo_ids, inputs_digest)
+        return read_inputs(session, step, inputs_digest, self.hidden_size, self.config, hidden)
 
     def _run(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
         """Take a step: ledger, engine and position in one go, synchronous on purpose (see above)."""
@@ -241,11 +232,14 @@ class InferenceService:
             inputs.position,
             inputs.prompts,
             inputs.hypo_ids,
+            inputs.tree,
+            inputs.accepted,
             admit_deadline=session.admit_deadline,
         )
         stream = session.engine.stream()
         session.engine.submit(work, stream)
         session.position = inputs.position + inputs.length
+        session.tree = (inputs.position, inputs.tree) if inputs.tree is not None else None
         session.num_unreported += 1
         task = asyncio.create_task(self._complete(session, meta, work, stream, run, pushed))
         session.running.add(task)
@@ -277,3 +271,11 @@ class InferenceService:
         except Exception as e:  # the step did not run: the session's cache no longer follows its steps
             error = e if isinstance(e, CorollaError) else ServerUnavailable(f"{type(e).__name__}: {e}")
             session.completed.put_nowait(Completed(meta.step_id, run, error=error))
+
+
+def _next_position(session: ServerSession, meta: InferenceStep) -> int:
+    """Where the session's next step goes: its position, or after a token tree, the tree's start + the
+    path the step keeps."""
+    if session.tree is not None and meta.accepted is not None:
+        return session.tree[0] + len(meta.accepted)
+    return session.position

@@ -18,13 +18,18 @@ from dataclasses import dataclass
 
 from hivemind.proto import runtime_pb2
 
+from corolla.wire.messages import InferenceStep
+
 REMEMBERED_STEPS = 8
 
 
-def digest(tensor: runtime_pb2.Tensor) -> bytes:
-    """What identifies a step's inputs: their bytes, dtype, shape and compression."""
+def digest(tensor: runtime_pb2.Tensor, meta: InferenceStep | None = None) -> bytes:
+    """What identifies a step's inputs: their bytes, dtype, shape and compression, and the token tree
+    they form and the path of the previous tree they keep (speculative decoding)."""
     hasher = hashlib.blake2b(digest_size=16)
     hasher.update(f"{tensor.dtype}|{list(tensor.size)}|{tensor.compression}|".encode())
+    if meta is not None and (meta.tree is not None or meta.accepted is not None):
+        hasher.update(f"tree={meta.tree}|accepted={meta.accepted}|".encode())
     hasher.update(tensor.buffer)
     return hasher.digest()
 

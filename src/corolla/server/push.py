@@ -95,6 +95,8 @@ class Pusher:
             pushed=True,
             session_id=target.session_id,
             origin=origin,
+            tree=meta.tree,
+            accepted=meta.accepted,
         )
         request = runtime_pb2.ExpertRequest(
             uid=block_uids(self.dht_prefix, target.start, target.end),

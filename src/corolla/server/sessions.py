@@ -24,6 +24,7 @@ from hivemind.proto import runtime_pb2
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.sequence import EngineSession
 from corolla.errors import InvalidRequest, ServerUnavailable, SessionTimeout
+from corolla.models.tree import TokenTree
 from corolla.server.ledger import StepLedger
 
 
@@ -34,7 +35,8 @@ class Completed:
     step_id: str | None
     run: int  # the ledger's run number of this copy
     outputs: runtime_pb2.Tensor | None = None  # serialized once, for the reply and the push alike
-    error: Exception | None = None
+    error: Exception | None = None  # the step failed: the session ends
+    refused: str | None = None  # the step failed its checks and never ran: the session goes on
 
 
 @dataclass(eq=False)
@@ -57,6 +59,8 @@ class ServerSession:
     running: set[asyncio.Task] = field(default_factory=set)  # steps taken, not yet completed
     num_unreported: int = 0  # steps taken whose completion the session's stream has not read yet
     push_from: str | None = None  # the peer the owner named as its previous hop: the only one that may push
+    # the token tree of the last step taken (start, tree), until the next step keeps one path of it
+    tree: tuple[int, TokenTree] | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -65,6 +69,20 @@ class ServerSession:
     @property
     def blocks(self) -> tuple[int, int]:
         return self.start, self.end
+
+    def refuse(self, step_id: str | None, error: Exception) -> None:
+        """A step that failed its checks changes nothing: it gets an error reply, after the replies of the
+        steps taken before it."""
+        self.num_unreported += 1
+        earlier = list(self.running)
+
+        async def in_turn() -> None:
+            await asyncio.gather(*earlier, return_exceptions=True)
+            self.completed.put_nowait(Completed(step_id, 0, refused=str(error)))
+
+        task = asyncio.create_task(in_turn())
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
 
     def time_left(self, step_timeout: float) -> float:
         """How long to wait for the next step: the step timeout, cut short by the session's deadline."""

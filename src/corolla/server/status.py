@@ -59,5 +59,6 @@ class StatusBoard:
             throughput=self.throughput,
             adapters=tuple(sorted(self.spans.adapters)),
             precision=primary.span.precision,
+            max_tree_tokens=self.config.max_tree_tokens,
             next_pings=tuple(self.links.pings.items()) if self.links is not None else (),
         )

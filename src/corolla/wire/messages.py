@@ -15,6 +15,7 @@ from corolla.wire.fields import Fields, pack, unpack
 PROTOCOL_VERSION = 1
 MAX_HOPS = 64
 MAX_TIMEOUT = 3600.0
+MAX_TREE_TOKENS = 1024  # tokens of one speculative tree step, whatever a server allows (it announces less)
 
 # hivemind registers a servicer's handlers as "{ClassName}.{method}"; Petals' servers are named so.
 HANDLER_PREFIX = "TransformerConnectionHandler"
@@ -58,6 +59,10 @@ class InferenceStep:
     The first message of a session also carries the session's parameters (`max_length` is then required);
     later messages carry only the step fields. Tensors: hidden_states [B, T, H], prompts (empty or
     [blocks, B, P, H]), hypo_ids (empty or int64 [B]).
+
+    Speculative decoding: `tree` makes the step's T tokens a token tree (their parents, models/tree.py);
+    the step after it names the path it keeps (`accepted`, indices into that tree, root first), and its
+    start_from_position is the tree's start + len(accepted).
     """
 
     step_id: str | None = None
@@ -68,6 +73,8 @@ class InferenceStep:
     push_from: str | None = None
     # in a push: the peer that opened the pushing server's session (the chain's client)
     origin: str | None = None
+    tree: tuple[int, ...] | None = None  # parents of the step's tokens: a token tree
+    accepted: tuple[int, ...] | None = None  # the path of the session's last tree step to keep
     # session parameters, present on the first message only
     max_length: int | None = None
     session_id: str | None = None
@@ -111,6 +118,8 @@ class InferenceStep:
             next_servers=tuple(NextServer.parse(item, fields, i) for i, item in enumerate(hops)),
             pushed=fields.bool("pushed"),
             push_from=fields.str("push_from"),
+            tree=_tree_field(fields),
+            accepted=_indices(fields, "accepted"),
         )
 
     def to_bytes(self) -> bytes:
@@ -123,6 +132,8 @@ class InferenceStep:
                 pushed=self.pushed or None,
                 push_from=self.push_from,
                 origin=self.origin,
+                tree=list(self.tree) if self.tree is not None else None,
+                accepted=list(self.accepted) if self.accepted is not None else None,
                 max_length=self.max_length,
                 session_id=self.session_id,
                 alloc_timeout=self.alloc_timeout or None,
@@ -138,17 +149,20 @@ class StepReply:
 
     A server replies once per step, and replies to a pushed step as soon as it ran, possibly before the
     client's own copy of the step arrives; a reply to an abandoned step names a step the client no longer
-    waits for.
+    waits for. A step the server refuses (it failed a check, nothing ran) gets a reply with `error` and no
+    tensors; the session goes on as if the step had not been sent.
     """
 
     step_id: str | None = None
+    error: str | None = None
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> StepReply:
-        return cls(step_id=unpack(raw, "rpc_inference reply").str("step_id"))
+        fields = unpack(raw, "rpc_inference reply")
+        return cls(step_id=fields.str("step_id"), error=fields.str("error", max_chars=4096))
 
     def to_bytes(self) -> bytes:
-        return pack(dict(step_id=self.step_id))
+        return pack(dict(step_id=self.step_id, error=self.error))
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +196,25 @@ class ForwardRequest:
                 output_compression=compression,
             )
         )
+
+
+def _indices(fields: Fields, name: str, low: int = 0) -> tuple[int, ...] | None:
+    """A list of token indices; what they must point to is checked against the session (server/steps.py),
+    so a bad one is refused as that step's error, not the whole session's."""
+    if name not in fields:
+        return None
+    values = fields.list(name, max_items=MAX_TREE_TOKENS)
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise fields.error(f"{name}[{i}]", f"must be an integer >= {low}, got {value!r}")
+    return tuple(values)
+
+
+def _tree_field(fields: Fields) -> tuple[int, ...] | None:
+    parents = _indices(fields, "tree", low=-(2**31))
+    if parents is not None and not parents:
+        raise fields.error("tree", "must hold one parent per token of the step")
+    return parents
 
 
 def _check_version(fields: Fields) -> None:

@@ -65,6 +65,7 @@ class ServerStatus:
     throughput: float | None = None  # blocks per second for one decode step; None until measured
     adapters: tuple[str, ...] = ()
     precision: str = ""  # of the weights: the dtype's name, or int8 | int4 when quantized ("" = dtype)
+    max_tree_tokens: int = 0  # tokens of one speculative tree step it takes (0: a server without trees)
     next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
 
     @property
@@ -130,6 +131,7 @@ class ServerStatus:
             throughput=fields.float("throughput", low=0.0),
             adapters=tuple(adapters),
             precision=fields.str("precision", max_chars=16) or "",
+            max_tree_tokens=fields.int("max_tree_tokens", default=0, low=0) or 0,
             next_pings=_read_pings(fields),
         )
 

@@ -9,88 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from corolla.config import EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest, ServerUnavailable
-from corolla.models.config import ModelConfig
-from corolla.server.backend import SpanLoader
-from corolla.server.inference import PIPELINE_DEPTH, InferenceService, StepMessage
-from corolla.server.spans import HostedSpans
+from corolla.server.inference import PIPELINE_DEPTH, StepMessage
 from corolla.wire import tensors as wire_tensors
-from corolla.wire.messages import InferenceStep, NextServer
-from corolla.wire.records import block_uids
+from corolla.wire.messages import NextServer
 from engine_helpers import assert_close, reference_outputs
-
-H = 64
-UID = block_uids("tiny", 0, 6)
-CLIENT, PREVIOUS = "client-peer", "previous-server"  # the session's owner, the hop it names as pushing
-
-
-class RecordingPusher:
-    """Stands in for the link to the next server: records what would be pushed."""
-
-    def __init__(self):
-        self.pushed: list[tuple[str | None, int]] = []
-
-    async def push(self, outputs, meta, position, origin, from_session):
-        self.pushed.append((meta.step_id, position))
-
-    def end_session(self, origin, session_id):
-        pass
-
-
-@pytest.fixture
-async def service(tiny_models):
-    path = Path(tiny_models["llama"])
-    engine = EngineConfig(max_cache_tokens=256, page_size=4, max_batch_wait_ms=0)
-    loader = SpanLoader(path, ModelConfig.from_folder(path), torch.float32, engine, session_timeout=60)
-    spans = HostedSpans("tiny", loader.load)
-    await spans.start((0, 6))
-    config = ServerConfig(model=str(path), step_timeout=10)
-    service = InferenceService(spans, config, H, RecordingPusher(), num_blocks=8)
-    yield service
-    await spans.stop()
-
-
-def message(hidden, step_id=None, position=None, first=False, session_id="s", pushed=False, **meta):
-    if first:
-        meta = dict(max_length=32, session_id=session_id, push_from=PREVIOUS, **meta)
-    elif pushed:
-        meta = dict(session_id=session_id, pushed=True, origin=CLIENT, **meta)
-    else:
-        meta = dict(push_from=PREVIOUS, **meta)
-    step = InferenceStep(step_id=step_id, start_from_position=position, **meta)
-    return StepMessage(UID, step, [wire_tensors.serialize(hidden)])
-
-
-class Session:
-    """One client session on the service: its stream of steps in, its replies out."""
-
-    def __init__(self, service, first, owner=CLIENT):
-        self.steps: asyncio.Queue = asyncio.Queue()
-        self.replies = service.serve(first, self._later(), owner)
-
-    async def _later(self):
-        while (step := await self.steps.get()) is not None:
-            yield step
-
-    async def reply(self, timeout=10):
-        done = await asyncio.wait_for(anext(self.replies), timeout)
-        return done.step_id, wire_tensors.deserialize(done.outputs, "outputs")
-
-    async def close(self):
-        """End the client's stream; returns the replies that still came."""
-        await self.steps.put(None)
-        return [r async for r in self.replies]
-
-
-def inputs(seed, *lengths):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, n, H, generator=generator) for n in lengths]
+from service_helpers import CLIENT, PREVIOUS, UID, H, Session, inputs, message
 
 
 async def test_a_step_pushed_before_the_clients_copy_runs_once_and_replies_at_once(service):
@@ -157,14 +85,20 @@ async def test_a_late_reply_to_an_abandoned_step_then_the_next_step_rolls_back(s
         (lambda h: message(torch.randn(2, 1, H), "b", 3), "batch size 2 differs from the session's 1"),
     ],
 )
-async def test_position_and_shape_errors_end_the_session_with_the_field_named(service, step, error):
+async def test_position_and_shape_errors_refuse_the_step_naming_the_field_and_the_session_goes_on(
+    service, step, error
+):
     (first, later) = inputs(4, 3, 1)
     session = Session(service, message(first, "a", 0, first=True))
     await session.reply()
     await session.steps.put(step(later))
-    with pytest.raises(InvalidRequest, match=error):
-        await session.reply()
-    assert service.spans.num_sessions == 0
+    refused = await asyncio.wait_for(anext(session.replies), 10)
+    assert refused.step_id == "b" and refused.outputs is None and error in refused.refused
+    await session.steps.put(message(later, "c", 3))
+    step_id, outputs = await session.reply()
+    await session.close()
+    assert step_id == "c"
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, later])[1])
 
 
 async def test_garbage_pushes_right_after_an_honest_step_change_nothing(service):
@@ -203,11 +137,15 @@ async def test_a_step_id_is_never_trusted_for_other_inputs(service):
     # a pushed copy naming "b" at the session's position with other inputs is refused, with an error
     with pytest.raises(InvalidRequest, match="step_id 'b' was already taken here with other inputs"):
         service.take_push(message(other, "b", 4, pushed=True), PREVIOUS)
-    # the owner reusing "b" for another step gets an error reply (it used to be dropped without one)
+    # the owner reusing "b" for another step gets an error reply (it used to be dropped without one); the
+    # step never ran, and the session goes on
     await session.steps.put(message(other, "b", 4))
-    with pytest.raises(InvalidRequest, match="step_id 'b' was already used by this session"):
-        await session.reply()
-    assert service.spans.num_sessions == 0
+    refused = await asyncio.wait_for(anext(session.replies), 10)
+    assert "step_id 'b' was already used by this session" in refused.refused
+    await session.steps.put(message(other, "c", 4))
+    _, outputs = await session.reply()
+    await session.close()
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, second, other])[2])
 
 
 async def test_pushes_count_only_from_the_named_previous_hop_for_the_sessions_owner(service):

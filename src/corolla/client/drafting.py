@@ -1,0 +1,111 @@
+"""Drafters for speculative decoding: cheap guesses of the next tokens, which the swarm then verifies.
+
+A drafter proposes a `Draft`: tokens that may follow the current text, as a chain or a tree (each drafted
+token's parent is another drafted token or the tree's root, the last token chosen). The swarm runs the
+root and the draft in one step; the client keeps what the model itself would have chosen
+(client/speculative.py), so a draft can only change the speed, never the output. A drafter serves many
+generations: `start()` gives the state of one (`DraftSession`).
+
+- `PromptLookup`: n-grams of the prompt and the text so far, through transformers'
+  `PromptLookupCandidateGenerator` (no model; helps most where answers quote their input).
+- `DraftModel` (client/draft_model.py): a small causal LM run on the client, a chain or a tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from corolla.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from corolla.models.config import ModelConfig
+
+NGRAM = 3  # prompt lookup matches the last 3 tokens first, then 2, then 1
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # per drafted token: -1 (it follows the root) or the index of an earlier drafted token
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
+
+    def tree(self) -> tuple[int, ...]:
+        """The parents of the verified step's tokens: the root (index 0), then the drafted tokens."""
+        return (-1, *(parent + 1 for parent in self.parents))
+
+
+class DraftSession(Protocol):
+    def propose(self, context: list[int], depth: int, max_tokens: int) -> Draft:
+        """Tokens that may follow `context` (the text so far, its last token being the root), at most
+        `depth` along any path and `max_tokens` in all."""
+        ...
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, max_length: int) -> DraftSession:
+        """The drafting state of one generation whose text stays within `max_length` tokens."""
+        ...
+
+
+class PromptLookup:
+    """Prompt lookup decoding: when the last tokens of the text appeared before, draft what followed."""
+
+    name = "lookup"
+
+    def start(self, max_length: int) -> PromptLookup:
+        return self  # nothing per generation
+
+    def propose(self, context: list[int], depth: int, max_tokens: int) -> Draft:
+        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+        length = min(depth, max_tokens)
+        if length < 1 or len(context) < 2:
+            return Draft()
+        lookup = PromptLookupCandidateGenerator(
+            num_output_tokens=length,
+            max_matching_ngram_size=NGRAM,
+            max_length=len(context) + length + 1,
+        )
+        candidates, _ = lookup.get_candidates(torch.tensor([context], dtype=torch.long))
+        tokens = candidates[0, len(context) :].tolist()
+        return Draft(tokens, list(range(-1, len(tokens) - 1)))
+
+
+def check_same_tokenizer(draft_folder: Path, target_folder: Path, target: ModelConfig) -> None:
+    """A draft model must speak the target's tokens: the same tokenizer vocabulary (from tokenizer.json
+    when both folders have one, else the same vocabulary size)."""
+    from tokenizers import Tokenizer
+
+    from corolla.models.config import ModelConfig
+
+    files = [Path(folder) / "tokenizer.json" for folder in (draft_folder, target_folder)]
+    if all(f.is_file() for f in files):
+        draft_vocab, target_vocab = (Tokenizer.from_file(str(f)).get_vocab() for f in files)
+        if draft_vocab != target_vocab:
+            raise InvalidRequest(
+                f"draft model {draft_folder}: its tokenizer differs from the model's ({len(draft_vocab)} vs "
+                f"{len(target_vocab)} tokens, or other ids); a draft model must share the model's tokenizer"
+            )
+        return
+    draft = ModelConfig.from_folder(draft_folder)
+    if draft.vocab_size != target.vocab_size:
+        raise InvalidRequest(
+            f"draft model {draft_folder}: a vocabulary of {draft.vocab_size} tokens, the model's has "
+            f"{target.vocab_size}; a draft model must share the model's tokenizer"
+        )
