@@ -3,14 +3,15 @@
 Public API: `DistributedModelForCausalLM` (client), `SamplingParams`, and the error types. Importing
 corolla has one side effect: torchao, which transformers imports whenever it is installed, logs at import
 that it cannot load its CUDA-only extensions on a CPU machine and torch deprecation notes about its
-enums; those two loggers only report errors. Heavy modules load when first used.
+enums, and bitsandbytes (blockwise 8-bit wire encoding) that a 4-bit CPU kernel it offers is missing;
+those loggers only report errors. Heavy modules load when first used.
 """
 
 from __future__ import annotations
 
 import logging
 
-for _noisy in ("torchao", "torch.utils._pytree"):
+for _noisy in ("torchao", "torch.utils._pytree", "bitsandbytes"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ from corolla.errors import InvalidRequest
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
+WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
 
 
 def _check(
@@ -162,8 +163,10 @@ class SpeculationConfig:
     # tokenizer (a folder, a .gguf file, a hub id or `smollm2`), run on the client
     draft: str = "lookup"
     quantize: str | None = None  # the draft model's weights: int8 | int4 (torchao), or as stored
-    max_depth: int = 6  # drafted tokens along any path
-    width: int = 1  # a draft model's tokens per tree level: 1 drafts a chain, more a SpecExec-style tree
+    max_depth: int = 8  # drafted tokens along any path
+    # a tree's branching: a draft model's tokens per level (default 1: a chain), prompt lookup's places
+    # the last tokens appeared (default 2); 1 drafts a chain, more a SpecExec-style tree
+    width: int | None = None
     max_tokens: int = 32  # drafted tokens per step (also bounded by the servers' max_tree_tokens)
     adaptive: bool = True  # the depth follows the measured acceptance and step times (False: max_depth)
 
@@ -199,8 +202,15 @@ class ClientConfig:
     max_request_tokens: int = 4096  # rows * length per forward/backward request (bigger batches are split)
     dtype: str = "float32"  # of the local embeddings and head, and of the hidden states sent
     speculation: SpeculationConfig | None = None  # speculative decoding (None: off)
+    # hidden states between hops: "lossless", or, lossy and opt-in, "float16" or "blockwise8" (8-bit), for
+    # tensors of at least 32 KiB (prefills): less to send on slow links (wire/tensors.py)
+    wire_encoding: str = "lossless"
 
     def __post_init__(self) -> None:
         _check(self, 0, ("request_timeout", "refresh_period", "max_request_tokens"), cli=False)
         names = ("routing_timeout", "max_retries", "failover_timeout", "ban_time")
         _check(self, 0, names, strict=False, cli=False)
+        if self.wire_encoding not in WIRE_ENCODINGS:
+            raise InvalidRequest(
+                f"wire_encoding must be one of {', '.join(WIRE_ENCODINGS)}, got {self.wire_encoding!r}"
+            )

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from corolla.config import SpeculationConfig
 from corolla.errors import MissingBlocks
 from corolla.swarm.local import LocalSwarm
 from swarm_helpers import connect
@@ -78,6 +79,21 @@ def test_generation_survives_a_killed_server(smollm2_path, replicated_swarm, pro
     print(f"hop {hop}: stall {stall:.2f}s against a median step of {sorted(gaps)[len(gaps) // 2]:.3f}s")
     assert stall < 10
     (victim,) = killed  # bring the swarm back to two replicas per span for the next test
+    replicated_swarm.servers.remove(victim)
+    replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
+
+
+def test_speculative_generation_survives_a_killed_server(smollm2_path, replicated_swarm, prompt, expected):
+    """The middle server dies while a session speculates with draft trees: its replacement gets the kept
+    path replayed (never a tree), the tree in flight is verified again there, and the tokens are those
+    of plain decoding."""
+    speculation = SpeculationConfig(draft="smollm2", quantize="int8", width=2, max_depth=4)
+    with connect(smollm2_path, replicated_swarm, speculation=speculation) as model:
+        tokens, _, killed, failovers = generate_with_kill(model, replicated_swarm, prompt, hop=1)
+        assert model.speculator.stats.tokens_per_step > 1.5
+    assert torch.equal(tokens, expected)
+    assert failovers == 1 and len(killed) == 1
+    (victim,) = killed
     replicated_swarm.servers.remove(victim)
     replicated_swarm.add_server(victim.blocks, extra_args=["--announce-period", "2"])
 

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from corolla.client.span_session import StepRoute
 from corolla.swarm.local import LocalSwarm
 from corolla.wire.messages import NextServer
 from swarm_helpers import connect
@@ -71,7 +72,7 @@ def test_a_step_abandoned_midway_is_rolled_back_and_its_late_replies_are_skipped
         before = step_counts(model, chain)
         next_servers = tuple(NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later)
         abandoned = first.step(
-            model.head.embed(torch.tensor([[7]])), None, None, 5, "abandoned", next_servers
+            model.head.embed(torch.tensor([[7]])), None, None, 5, StepRoute("abandoned", next_servers)
         )
         model.runtime.run(abandoned)  # only the first hop: the client never sends this step further
 

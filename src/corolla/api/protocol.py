@@ -60,6 +60,11 @@ class SamplingRequest(OpenAIBaseModel):
     top_k: int | None = Field(None, description="extension: keep the k likeliest tokens (-1 or null: all)")
     repetition_penalty: float = Field(1.0, gt=0, description="extension: transformers' repetition penalty")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
+    speculative: bool = Field(
+        True,
+        description="extension: with a server started with --draft, draft and verify several tokens per "
+        "step (false: one token per step); the output is the same either way",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -115,6 +120,7 @@ class SamplingRequest(OpenAIBaseModel):
             frequency_penalty=self.frequency_penalty,
             logit_bias=bias,
             logprobs=logprobs,
+            speculative=self.speculative,
         )
 
 

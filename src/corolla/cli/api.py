@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 
-from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.cli.common import add_client_args, add_swarm_args, client_config
 from corolla.cli.signals import exit_on
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest, StartFailed
@@ -55,11 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
-    parser.add_argument(
-        "--exact",
-        action="store_true",
-        help="use only servers with full-precision weights (skip servers started with --quantize)",
-    )
+    add_client_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
     parser.set_defaults(run=run)
 
@@ -83,9 +79,7 @@ def run(args: argparse.Namespace) -> None:
     if args.routing_timeout < 0:
         raise InvalidRequest(f"--routing-timeout must not be negative, got {args.routing_timeout}")
     check_http_port(args.http_host, args.http_port)  # before the swarm and the "Serving at" line
-    config = ClientConfig(
-        swarm=swarm_config(args, client_mode=True), routing_timeout=args.routing_timeout, exact=args.exact
-    )
+    config = client_config(args, routing_timeout=args.routing_timeout)
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
     ) as model:

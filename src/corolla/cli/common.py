@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
-from corolla.config import SwarmConfig
+from corolla.config import QUANTIZE_MODES, WIRE_ENCODINGS, ClientConfig, SpeculationConfig, SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm.addresses import parse_peer
 
@@ -64,6 +65,65 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen
         default=None,
         metavar="PATH",
         help="private key file that fixes this peer's id across restarts (created if missing)",
+    )
+
+
+def add_client_args(parser: argparse.ArgumentParser) -> None:
+    """How a client uses the swarm: which servers, speculative decoding, the wire's encoding."""
+    group = parser.add_argument_group("client")
+    group.add_argument(
+        "--exact",
+        action="store_true",
+        help="use only servers with full-precision weights (skip servers started with --quantize)",
+    )
+    defaults = SpeculationConfig()
+    group.add_argument(
+        "--draft",
+        default=None,
+        metavar="lookup|MODEL",
+        help="speculative decoding: draft tokens with prompt lookup (`lookup`: n-grams of the prompt and "
+        "the text so far) or with a draft MODEL run here, sharing the model's tokenizer (a folder, .gguf "
+        "file, hub id or `smollm2`); the swarm verifies several tokens per round trip and the output is "
+        "the same as without (default: off)",
+    )
+    group.add_argument(
+        "--draft-quantize",
+        default=None,
+        choices=QUANTIZE_MODES,
+        help="store the draft model's weights in int8 or int4 (faster drafts; default: as stored)",
+    )
+    group.add_argument(
+        "--draft-width",
+        type=int,
+        default=None,
+        help="a tree's branching: a draft model's tokens per level (default 1), prompt lookup's places the "
+        "last tokens appeared (default 2); 1 drafts a chain",
+    )
+    group.add_argument(
+        "--draft-depth",
+        type=int,
+        default=defaults.max_depth,
+        help="most drafted tokens along a path; each step's depth follows the measured acceptance and "
+        "round trips (default: %(default)s)",
+    )
+    group.add_argument(
+        "--wire-encoding",
+        default="lossless",
+        choices=WIRE_ENCODINGS,
+        help="hidden states between hops: lossless, or (lossy, for slow links) float16 or blockwise8 "
+        "(8-bit) for tensors of 32 KiB or more, such as prompts (default: %(default)s)",
+    )
+
+
+def client_config(args: argparse.Namespace, **extra: Any) -> ClientConfig:
+    speculation = None
+    if args.draft is not None:
+        speculation = SpeculationConfig(
+            draft=args.draft, quantize=args.draft_quantize, width=args.draft_width, max_depth=args.draft_depth
+        )
+    swarm = swarm_config(args, client_mode=True)
+    return ClientConfig(
+        swarm=swarm, exact=args.exact, speculation=speculation, wire_encoding=args.wire_encoding, **extra
     )
 
 

@@ -7,9 +7,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.cli.common import add_client_args, add_swarm_args, client_config
 from corolla.cli.signals import exit_on
-from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
@@ -31,12 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
-    parser.add_argument(
-        "--exact",
-        action="store_true",
-        help="use only servers with full-precision weights (skip servers started with --quantize)",
-    )
     add_generation_args(parser)
+    add_client_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1")
     parser.set_defaults(run=run)
 
@@ -118,7 +113,7 @@ def run(args: argparse.Namespace) -> None:
         )
     exit_on(signal.SIGTERM, signal.SIGHUP)  # through `with model`: its DHT process and daemon stop too
     params = sampling_params(args)
-    config = ClientConfig(swarm=swarm_config(args, client_mode=True), exact=args.exact)
+    config = client_config(args)
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
     ) as model:

@@ -2,11 +2,14 @@
 
 A speculative step with a draft of depth d emits 1 + (the drafted tokens the model accepts) tokens and
 costs its drafting, its round trip through the swarm and the verification of its tokens. `DraftBudget`
-keeps, per depth j, the share of steps whose accepted path reached j (`reach`), and fits the cost of a
-whole step as a + b * d over the recent steps. It picks the depth with the best expected tokens per
+keeps, per level j, the share of steps that accepted level j once they had accepted level j - 1
+(`acceptance`; levels never drafted yet take the mean of those measured), and fits the cost of a whole
+step as a + b * d over the recent steps. It picks the depth with the best expected tokens per
 second: deep drafts when round trips are long and drafts are good, none at all when verifying costs
 more than it saves (a fast local swarm and a drafter that guesses badly). Every EXPLORE_EVERY steps it
-tries one level more or less, so the figures of the neighbouring depths stay fresh.
+tries one level more or less, so the figures of the neighbouring depths stay fresh; while the best depth
+stays the same, twice as rarely each time (at most every MAX_EXPLORE_EVERY steps). One budget serves all
+generations of a model (client/speculative.py `Speculator`): each starts from what the others measured.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-PRIOR_REACH = 0.6  # before anything is measured: each level is accepted 60% of the time
+PRIOR_ACCEPTANCE = 0.6  # before anything is measured: each level is accepted 60% of the time
 RATE = 0.15  # weight of a new observation in the running shares
-EXPLORE_EVERY = 8
+EXPLORE_EVERY, MAX_EXPLORE_EVERY = 8, 64
 WINDOW = 48  # steps in the cost fit
 PRIOR_SLOPE = 0.1  # until two depths have been timed: each level adds this share of a step's cost
 
@@ -48,9 +51,11 @@ class SpeculationStats:
 class DraftBudget:
     def __init__(self, max_depth: int, adaptive: bool = True):
         self.max_depth, self.adaptive = max_depth, adaptive
-        self.reach = [PRIOR_REACH ** (j + 1) for j in range(max_depth)]
+        self.acceptance: list[float | None] = [None] * max_depth  # per level, once it was ever drafted
+        self.observed = [0] * max_depth
         self.costs: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (depth drafted, seconds)
-        self.num_steps = 0
+        self.num_steps = self.num_explorations = 0
+        self.explore_every = self.next_exploration = EXPLORE_EVERY
         self.last_best = max_depth
 
     def depth(self, limit: int) -> int:
@@ -60,22 +65,42 @@ class DraftBudget:
             return limit
         self.num_steps += 1
         best = max(range(limit + 1), key=self._rate)
-        self.last_best = best
-        if self.num_steps % EXPLORE_EVERY == 0:  # a neighbour, in turn above and below
-            above = (self.num_steps // EXPLORE_EVERY) % 2 == 1
-            return min(limit, best + 1) if above or best == 0 else best - 1
-        return best
+        if self.num_steps < self.next_exploration:
+            self.last_best = best
+            return best
+        # a neighbour, in turn above and below; while the best depth stays the same, less and less
+        # often (trying to draft costs a draft model its catching up with the text)
+        self.explore_every = (
+            min(2 * self.explore_every, MAX_EXPLORE_EVERY) if best == self.last_best else EXPLORE_EVERY
+        )
+        self.next_exploration = self.num_steps + self.explore_every
+        self.last_best, self.num_explorations = best, self.num_explorations + 1
+        above = self.num_explorations % 2 == 1
+        return min(limit, best + 1) if above or best == 0 else best - 1
 
     def record(self, drafted_depth: int, accepted_depth: int, seconds: float) -> None:
         """A step drafted `drafted_depth` levels, the model accepted `accepted_depth` of them, and the
         whole step (drafting, swarm, verification) took `seconds`."""
-        for j in range(drafted_depth):
-            reached = 1.0 if accepted_depth > j else 0.0
-            self.reach[j] += RATE * (reached - self.reach[j])
+        for j in range(min(drafted_depth, accepted_depth + 1)):  # the levels whose parent was accepted
+            accepted = 1.0 if accepted_depth > j else 0.0
+            known = self.acceptance[j]
+            known = self._default() if known is None else known
+            self.observed[j] += 1  # a running mean over the first observations, then a moving one
+            self.acceptance[j] = known + max(RATE, 1 / (self.observed[j] + 1)) * (accepted - known)
         self.costs.append((drafted_depth, seconds))
 
+    def _default(self) -> float:
+        """What a level never drafted is expected to accept: what the measured levels do."""
+        measured = [a for a in self.acceptance if a is not None]
+        return sum(measured) / len(measured) if measured else PRIOR_ACCEPTANCE
+
     def expected_tokens(self, depth: int) -> float:
-        return 1.0 + sum(self.reach[:depth])
+        default = self._default()
+        expected, reach = 1.0, 1.0
+        for level in self.acceptance[:depth]:
+            reach *= default if level is None else level
+            expected += reach
+        return expected
 
     def step_cost(self, depth: int) -> float:
         """a + b * depth, fitted by least squares over the recent steps."""

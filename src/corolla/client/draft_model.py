@@ -5,15 +5,17 @@ so any family corolla serves can draft, at full precision or quantized (torchao 
 local copy of the target is a good drafter for a swarm of full-precision servers). Each generation keeps
 its own attention cache (`DraftModelSession`): the text so far, then the last draft tree.
 
-Drafting a tree (SpecExec's idea, with a fixed width): from the root (the last token chosen), each level
-takes the `width` likeliest continuations of the previous level's tokens (by the draft's cumulative
-log-probability) and runs them in one pass over the tree's attention mask, so a tree of depth d costs d
-passes of the draft model whatever its width. Width 1 drafts a chain. At the next proposal the session
+Drafting a tree (SpecExec's idea, with a bounded width): from the root (the last token chosen), each
+level takes the `width` likeliest continuations of the previous level's tokens (by the draft's cumulative
+log-probability; only those at least a tenth as likely as the level's best, so the tree branches where
+the draft hesitates) and runs them in one pass over the tree's attention mask, so a tree of depth d costs
+d passes of the draft model whatever its width. Width 1 drafts a chain. At the next proposal the session
 keeps the tree's path that the text followed (its keys and values moved into place) and drops the rest.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -23,6 +25,8 @@ from corolla.models.attention import ContiguousCache
 from corolla.models.head import ModelHead
 from corolla.models.span import Span
 from corolla.models.tree import TokenTree
+
+BRANCH_LOG_RATIO = math.log(0.1)  # a level keeps alternatives at least a tenth as likely as its best
 
 
 class DraftModel:
@@ -104,6 +108,8 @@ class DraftModelSession:
                     for v, t in zip(best.values.tolist(), best.indices.tolist(), strict=True)
                 ]
             chosen = sorted(candidates, key=lambda c: -c[0])[: min(width, max_tokens - len(tokens))]
+            # branch only where the draft hesitates: a confident level stays one token wide
+            chosen = [c for c in chosen if c[0] >= chosen[0][0] + BRANCH_LOG_RATIO] if chosen else []
             if not chosen:
                 break
             first = len(tokens)

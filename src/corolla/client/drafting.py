@@ -6,8 +6,8 @@ root and the draft in one step; the client keeps what the model itself would hav
 (client/speculative.py), so a draft can only change the speed, never the output. A drafter serves many
 generations: `start()` gives the state of one (`DraftSession`).
 
-- `PromptLookup`: n-grams of the prompt and the text so far, through transformers'
-  `PromptLookupCandidateGenerator` (no model; helps most where answers quote their input).
+- `PromptLookup`: n-grams of the prompt and the text so far (no model; helps most where answers quote
+  their input), a chain or a tree of every place the last tokens appeared.
 - `DraftModel` (client/draft_model.py): a small causal LM run on the client, a chain or a tree.
 """
 
@@ -24,7 +24,7 @@ from corolla.errors import InvalidRequest
 if TYPE_CHECKING:
     from corolla.models.config import ModelConfig
 
-NGRAM = 3  # prompt lookup matches the last 3 tokens first, then 2, then 1
+NGRAM, MIN_NGRAM = 3, 1  # prompt lookup matches the last 3 tokens, else the last 2, else the last one
 
 
 @dataclass(frozen=True)
@@ -64,27 +64,48 @@ class Drafter(Protocol):
 
 
 class PromptLookup:
-    """Prompt lookup decoding: when the last tokens of the text appeared before, draft what followed."""
+    """Prompt lookup: where the text's last tokens appeared before, draft what followed them there.
+
+    The last NGRAM tokens are looked up in the prompt and the text so far (then fewer, down to one,
+    when they never appeared); the continuations of the `width` most recent places they appeared are
+    merged into a tree (shared beginnings once), so a passage quoted twice with different endings drafts
+    both. transformers' `PromptLookupCandidateGenerator` does the same lookup for one chain, from the
+    earliest place only (the start of the prompt), which drafts worse for answers that quote their
+    input late in it and gives no branches; hence this tensor search over every match.
+    """
 
     name = "lookup"
+
+    def __init__(self, width: int = 2):
+        self.width = width
 
     def start(self, max_length: int) -> PromptLookup:
         return self  # nothing per generation
 
     def propose(self, context: list[int], depth: int, max_tokens: int) -> Draft:
-        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-
-        length = min(depth, max_tokens)
-        if length < 1 or len(context) < 2:
+        ids = torch.tensor(context, dtype=torch.long)
+        for size in range(NGRAM, MIN_NGRAM - 1, -1):
+            if len(context) <= size:
+                continue
+            windows = ids.unfold(0, size, 1)[:-1]  # every earlier n-gram, not the text's own end
+            starts = ((windows == ids[-size:]).all(dim=1).nonzero().flatten() + size).tolist()
+            if starts:
+                break
+        else:
             return Draft()
-        lookup = PromptLookupCandidateGenerator(
-            num_output_tokens=length,
-            max_matching_ngram_size=NGRAM,
-            max_length=len(context) + length + 1,
-        )
-        candidates, _ = lookup.get_candidates(torch.tensor([context], dtype=torch.long))
-        tokens = candidates[0, len(context) :].tolist()
-        return Draft(tokens, list(range(-1, len(tokens) - 1)))
+        draft = Draft()
+        nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> index: the branches' shared beginnings
+        for start in reversed(starts[-self.width :]):  # the most recent first
+            parent = -1
+            for token in context[start : start + depth]:
+                if (parent, token) not in nodes:
+                    if len(draft) >= max_tokens:
+                        break
+                    nodes[parent, token] = len(draft)
+                    draft.tokens.append(token)
+                    draft.parents.append(parent)
+                parent = nodes[parent, token]
+        return draft
 
 
 def check_same_tokenizer(draft_folder: Path, target_folder: Path, target: ModelConfig) -> None:

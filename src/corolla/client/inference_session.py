@@ -22,12 +22,13 @@ from collections.abc import Sequence
 import torch
 
 from corolla.client.runtime import LoopThread
-from corolla.client.span_session import SpanSession
+from corolla.client.span_session import SpanSession, StepRoute
 from corolla.client.swarm import RETRYABLE, SwarmClient
 from corolla.errors import InvalidRequest, ServerUnavailable, counted
 from corolla.models.tree import TokenTree
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
+from corolla.wire.tensors import supported_encodings
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,9 @@ class InferenceSession:
                     self.alloc_timeout,
                     swarm.estimates.observe_step,
                     swarm.config.active_adapter,
+                    encodings,
                 )
-                for hop in hops
+                for hop, encodings in zip(hops, self._encodings(hops), strict=True)
             ]
             results = await asyncio.gather(*(span.open() for span in spans), return_exceptions=True)
             failed = [
@@ -97,6 +99,26 @@ class InferenceSession:
         raise ServerUnavailable(
             f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
         )
+
+    def _encodings(self, hops: list[Hop]) -> list[tuple[str, str]]:
+        """Per hop, the encoding of its inputs and of its outputs: the client's wire_encoding where that
+        server (and, for its outputs, the next one, which takes them by push) reads it; else lossless."""
+        wanted = self.swarm.config.wire_encoding
+        if wanted not in supported_encodings():
+            raise InvalidRequest(
+                f"wire_encoding {wanted!r} is not available here ({', '.join(supported_encodings())})"
+            )
+
+        def reads(hop: Hop) -> bool:
+            status = self.swarm.status_of(hop.peer_id)
+            return wanted == "lossless" or (status is not None and wanted in status.encodings)
+
+        pairs = []
+        for i, hop in enumerate(hops):
+            inbound = wanted if reads(hop) else "lossless"
+            later = hops[i + 1 : i + 2]
+            pairs.append((inbound, inbound if all(reads(h) for h in later) else "lossless"))
+        return pairs
 
     async def astep(
         self,
@@ -155,7 +177,7 @@ class InferenceSession:
         tree: tuple[int, ...] | None = None,
     ) -> list[torch.Tensor]:
         """Each hop's outputs for one step, replacing servers that fail on the way."""
-        boundaries, index, failures = [], 0, 0
+        boundaries, index, failures, encoded = [], 0, 0, None
         deadline = time.monotonic() + self.swarm.config.failover_timeout
         step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
         push = self.swarm.config.use_push and prompts is None and hypo_ids is None
@@ -163,18 +185,11 @@ class InferenceSession:
         while index < len(self.spans):
             span = self.spans[index]
             span_prompts = prompts[span.hop.start : span.hop.end] if prompts is not None else None
-            later = self.spans[index + 1 :] if push else []
-            next_servers = tuple(
-                NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later
-            )
-            pushed = span.session_id in pushed_to
-            # the one peer this server may take pushed steps from (for this step or later ones)
-            push_from = self.spans[index - 1].hop.peer_id if index and self.swarm.config.use_push else None
+            route = self._route(index, step_id, push, pushed_to)
             try:
-                hidden = await span.step(
-                    hidden, span_prompts, hypo_ids, position, step_id, next_servers, pushed, push_from, tree
-                )
-                pushed_to.update(s.session_id for s in next_servers)
+                hidden = await span.step(hidden, span_prompts, hypo_ids, position, route, tree, encoded)
+                encoded = span.reply  # sent on to the next server as it came: byte for byte its push
+                pushed_to.update(s.session_id for s in route.next_servers)
             except RETRYABLE as e:
                 failures += 1
                 if failures > self.swarm.config.max_retries or time.monotonic() > deadline:
@@ -185,11 +200,22 @@ class InferenceSession:
                 await self._replace(index)
                 # later servers may hold this step as pushed by the failed one: a new id makes the rest
                 # of the chain run it again (servers refuse a step id reused for other inputs)
-                step_id = uuid.uuid4().hex
+                step_id, encoded = uuid.uuid4().hex, None
                 continue
             boundaries.append(hidden)
             index += 1
         return boundaries
+
+    def _route(self, index: int, step_id: str, push: bool, pushed_to: set[str]) -> StepRoute:
+        span = self.spans[index]
+        later = self.spans[index + 1 :] if push else []
+        return StepRoute(
+            step_id,
+            tuple(NextServer(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end) for s in later),
+            span.session_id in pushed_to,
+            # the one peer this server may take pushed steps from (for this step or later ones)
+            self.spans[index - 1].hop.peer_id if index and self.swarm.config.use_push else None,
+        )
 
     async def _replace(self, index: int) -> None:
         """Swap the failed hop for a new chain over its blocks, brought to the same state."""

@@ -18,6 +18,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P
@@ -36,6 +37,18 @@ CLOSE_TIMEOUT = 5.0
 REPLAY_CHUNK = 512  # tokens per message when replaying a failed server's inputs to its replacement
 
 
+@dataclass(frozen=True)
+class StepRoute:
+    """How a step travels the chain: its id (the same at every hop: a server runs it once, pushed or not),
+    the later servers this one pushes its outputs to, whether the previous server pushes it here (its
+    reply may then come before our copy is even sent), and the peer this server may take pushes from."""
+
+    step_id: str | None = None
+    next_servers: tuple[NextServer, ...] = ()
+    pushed: bool = False
+    push_from: str | None = None
+
+
 class SpanSession:
     def __init__(  # noqa: PLR0913
         self,
@@ -47,9 +60,13 @@ class SpanSession:
         alloc_timeout: float = 0.0,
         observe: Callable[[str, float, int], None] | None = None,
         active_adapter: str | None = None,
+        encodings: tuple[str, str] = ("lossless", "lossless"),
     ):
         self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
         self.alloc_timeout, self.active_adapter = alloc_timeout, active_adapter
+        # what we send the server in, and what it replies (and pushes) in: agreed per hop (wire/tensors.py)
+        self.encoding, self.output_encoding = encodings
+        self.reply: runtime_pb2.Tensor | None = None  # the last reply's outputs as they came
         self.observe = observe  # told how long each decode step took: (peer_id, seconds, num_blocks)
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
@@ -73,30 +90,26 @@ class SpanSession:
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         start_from_position: int,
-        step_id: str | None = None,
-        next_servers: tuple[NextServer, ...] = (),
-        pushed: bool = False,
-        push_from: str | None = None,
+        route: StepRoute = StepRoute(),  # noqa: B008 (frozen)
         tree: tuple[int, ...] | None = None,
+        encoded: runtime_pb2.Tensor | None = None,
     ) -> torch.Tensor:
         """Send hidden states [B, T, H] for positions [start_from_position, + T); returns the outputs.
 
-        `step_id` names the step across the chain; with `next_servers`, this server also pushes its outputs
-        straight to the next one (which then runs the step once, whichever copy arrives first). `pushed`:
-        the previous server pushes this step here, so its reply may come before our copy is even sent, and
-        the time it took says nothing about this server. `push_from`: the peer (the previous hop) whose
-        pushes this server may take for this session. `tree`: the parents of the step's tokens, a token
-        tree (models/tree.py); `accept` then names the path of it to keep.
+        `route`: with next servers, this server also pushes its outputs straight to the next one (which
+        then runs the step once, whichever copy arrives first); a pushed step's time says nothing about
+        this server. `tree`: the parents of the step's tokens, a token
+        tree (models/tree.py); `accept` then names the path of it to keep. `encoded`: the hidden states as
+        the previous server replied them, sent on as they came (byte for byte its push: one step).
         """
         if self.closed or self._stream is None:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
-        step_id = step_id or uuid.uuid4().hex
-        request = self._request(
-            hidden, prompts, hypo_ids, start_from_position, step_id, next_servers, push_from, tree
-        )
+        step_id = route.step_id or uuid.uuid4().hex
+        encoded = encoded if encoded is not None else wire_tensors.encode(hidden, self.encoding)
+        request = self._request(encoded, prompts, hypo_ids, start_from_position, step_id, route, tree)
         started = time.perf_counter()
         outputs = await self._reply(self._stream, request, step_id, hidden.shape)
-        if self.observe is not None and hidden.shape[1] == 1 and not pushed:
+        if self.observe is not None and hidden.shape[1] == 1 and not route.pushed:
             self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
         self._remember(hidden, prompts, hypo_ids, start_from_position)
         self.tree = (start_from_position, None) if tree is not None else None
@@ -122,13 +135,12 @@ class SpanSession:
 
     def _request(  # noqa: PLR0913
         self,
-        hidden: torch.Tensor,
+        hidden: runtime_pb2.Tensor,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         position: int,
         step_id: str,
-        next_servers: tuple[NextServer, ...],
-        push_from: str | None = None,
+        route: StepRoute,
         tree: tuple[int, ...] | None = None,
     ) -> runtime_pb2.ExpertRequest:
         first = (
@@ -139,6 +151,7 @@ class SpanSession:
                 session_id=self.session_id,
                 alloc_timeout=self.alloc_timeout,
                 active_adapter=self.active_adapter,
+                output_encoding=None if self.output_encoding == "lossless" else self.output_encoding,
             )
         )
         self._stepped = True
@@ -146,13 +159,13 @@ class SpanSession:
         meta = InferenceStep(
             step_id=step_id,
             start_from_position=position,
-            next_servers=next_servers,
-            push_from=push_from,
+            next_servers=route.next_servers,
+            push_from=route.push_from,
             tree=tree,
             accepted=self._accepted(position),
             **first,
         )
-        tensors = [wire_tensors.serialize(hidden)]  # trailing absent tensors are simply left out
+        tensors = [hidden]  # trailing absent tensors are simply left out
         if prompts is not None or hypo_ids is not None:
             tensors.append(wire_tensors.serialize(prompts) if prompts is not None else wire_tensors.empty())
         if hypo_ids is not None:
@@ -180,7 +193,8 @@ class SpanSession:
         if reply.error is not None:  # the client checked what it sent: this server is at fault
             self.closed = True
             raise ServerUnavailable(f"server ...{self.hop.peer_id[-6:]} refused a step: {reply.error}")
-        outputs = wire_tensors.deserialize(response.tensors[0], "outputs") if response.tensors else None
+        self.reply = response.tensors[0] if response.tensors else None
+        outputs = wire_tensors.deserialize(self.reply, "outputs") if self.reply is not None else None
         if outputs is None or outputs.shape != shape:
             self.closed = True
             raise ServerUnavailable(

@@ -40,6 +40,8 @@ from corolla.models.tree import TokenTree
 if TYPE_CHECKING:
     from corolla.client.generation import Chooser, GenerationStep
 
+LOOKUP_WIDTH = 2  # prompt lookup's default branching: the 2 latest places the last tokens appeared
+
 
 @dataclass
 class Speculation:
@@ -114,6 +116,8 @@ class Speculator:
     def __init__(self, config: SpeculationConfig, drafter: Drafter):
         self.config, self.drafter = config, drafter
         self.stats = SpeculationStats()
+        # one budget for all generations of the model: what one measured, the next starts from
+        self.budget = DraftBudget(config.max_depth, config.adaptive)
         # a draft model's passes run off the event loop, one at a time (OpenMP settings are per thread)
         self.executor = (
             ThreadPoolExecutor(
@@ -126,20 +130,19 @@ class Speculator:
     @classmethod
     def create(cls, config: SpeculationConfig, target: ModelConfig, target_folder: Path) -> Speculator:
         if not config.uses_model:
-            return cls(config, PromptLookup())
+            return cls(config, PromptLookup(config.width or LOOKUP_WIDTH))
         from corolla.client.draft_model import DraftModel
         from corolla.models.source import resolve_model
 
         source = resolve_model(config.draft)
         check_same_tokenizer(source.path, target_folder, target)
-        drafter = DraftModel.load(source.path, config.width, config.quantize, source.name, target.vocab_size)
+        width = config.width or 1
+        drafter = DraftModel.load(source.path, width, config.quantize, source.name, target.vocab_size)
         return cls(config, drafter)
 
     def start(self, max_length: int) -> Speculation:
-        budget = DraftBudget(self.config.max_depth, self.config.adaptive)
-        return Speculation(
-            self.drafter.start(max_length), budget, self.config.max_tokens, self.executor, self.stats
-        )
+        drafter = self.drafter.start(max_length)
+        return Speculation(drafter, self.budget, self.config.max_tokens, self.executor, self.stats)
 
     def shutdown(self) -> None:
         if self.executor is not None:

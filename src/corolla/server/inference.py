@@ -77,6 +77,10 @@ class InferenceService:
         hidden = validation.read_hidden(first.tensors, self.hidden_size, self.config.max_batch_size)
         batch = hidden.shape[0]
         self._check_hops(meta)
+        encoding = meta.output_encoding or "lossless"
+        if encoding not in wire_tensors.supported_encodings():
+            supported = ", ".join(wire_tensors.supported_encodings())
+            raise InvalidRequest(f"output_encoding {encoding!r} is not one this server writes ({supported})")
         opening = backend.sessions.open(
             peer, meta.session_id, blocks, batch, meta.max_length, meta.active_adapter, meta.alloc_timeout
         )
@@ -85,7 +89,7 @@ class InferenceService:
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
                 inputs = self._inputs(session, first, digest(first.tensors[0], meta), hidden)
-                session.push_from = meta.push_from
+                session.push_from, session.output_encoding = meta.push_from, encoding
                 self._run(session, first.meta, inputs, pushed=False)
                 async for reply in self._replies(session, later):
                     yield reply
@@ -256,7 +260,7 @@ class InferenceService:
     ) -> None:
         """Wait for a taken step's outputs, push them on, then queue its reply."""
         try:
-            outputs = wire_tensors.serialize(await stream.next())
+            outputs = wire_tensors.encode(await stream.next(), session.output_encoding)
             if pushed:
                 self.steps_from_push += 1
             else:

@@ -61,6 +61,7 @@ class ServerSession:
     push_from: str | None = None  # the peer the owner named as its previous hop: the only one that may push
     # the token tree of the last step taken (start, tree), until the next step keeps one path of it
     tree: tuple[int, TokenTree] | None = None
+    output_encoding: str = "lossless"  # of its replies and pushes, as its owner asked (wire/tensors.py)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
 from corolla.server.spans import HostedSpans
 from corolla.wire.records import ServerState, ServerStatus
+from corolla.wire.tensors import supported_encodings
 
 
 class StatusBoard:
@@ -60,5 +61,6 @@ class StatusBoard:
             adapters=tuple(sorted(self.spans.adapters)),
             precision=primary.span.precision,
             max_tree_tokens=self.config.max_tree_tokens,
+            encodings=tuple(e for e in supported_encodings() if e != "lossless"),
             next_pings=tuple(self.links.pings.items()) if self.links is not None else (),
         )

@@ -81,6 +81,7 @@ class InferenceStep:
     alloc_timeout: float = 0.0
     active_adapter: str | None = None
     points: float = 0.0
+    output_encoding: str | None = None  # how the server encodes this session's outputs (wire/tensors.py)
 
     @classmethod
     def from_push_bytes(cls, raw: bytes) -> InferenceStep:
@@ -106,6 +107,7 @@ class InferenceStep:
             alloc_timeout=fields.float("alloc_timeout", default=0.0, low=0.0, high=MAX_TIMEOUT),
             active_adapter=fields.str("active_adapter") or None,
             points=fields.float("points", default=0.0, low=0.0),
+            output_encoding=fields.str("output_encoding", max_chars=32),
         )
 
     @staticmethod
@@ -139,6 +141,7 @@ class InferenceStep:
                 alloc_timeout=self.alloc_timeout or None,
                 active_adapter=self.active_adapter,
                 points=self.points or None,
+                output_encoding=self.output_encoding,
             )
         )
 

@@ -66,6 +66,7 @@ class ServerStatus:
     adapters: tuple[str, ...] = ()
     precision: str = ""  # of the weights: the dtype's name, or int8 | int4 when quantized ("" = dtype)
     max_tree_tokens: int = 0  # tokens of one speculative tree step it takes (0: a server without trees)
+    encodings: tuple[str, ...] = ()  # hidden-state encodings it reads and writes besides lossless
     next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
 
     @property
@@ -82,6 +83,7 @@ class ServerStatus:
         record = {name: getattr(self, name) for name in self.__slots__}
         record["state"] = int(self.state)
         record["adapters"] = list(self.adapters)
+        record["encodings"] = list(self.encodings)
         record["next_pings"] = {peer: round(rtt, 6) for peer, rtt in self.next_pings}
         return {k: v for k, v in record.items() if v is not None}
 
@@ -108,6 +110,9 @@ class ServerStatus:
         adapters = fields.list("adapters", max_items=256)
         if not all(isinstance(a, str) for a in adapters):
             raise fields.error("adapters", "must be a list of strings")
+        encodings = fields.list("encodings", max_items=16)
+        if not all(isinstance(e, str) and len(e) <= 32 for e in encodings):
+            raise fields.error("encodings", "must be a list of encoding names")
         return cls(
             state=ServerState(state),
             start=start,
@@ -132,6 +137,7 @@ class ServerStatus:
             adapters=tuple(adapters),
             precision=fields.str("precision", max_chars=16) or "",
             max_tree_tokens=fields.int("max_tree_tokens", default=0, low=0) or 0,
+            encodings=tuple(encodings),
             next_pings=_read_pings(fields),
         )
 

@@ -6,11 +6,24 @@ checked before a tensor is built, and a bad one raises `InvalidRequest` naming t
 checks the declared shape and dtype (`declared_shape`, `declared_dtype`) against its own limits first,
 so an oversized tensor is refused before a byte of it is copied. A stream's chunk counts are checked
 against its byte limit as its first chunks arrive.
+
+Encodings of hidden states between hops (`ENCODINGS`): lossless by default; opt-in, lossy and announced,
+"float16" (hivemind's FLOAT16: half the bytes of float32) and "blockwise8" (bitsandbytes' blockwise
+8-bit codes, in hivemind's BLOCKWISE_8BIT layout: the block count, the blocks' scales, the codebook, a
+byte per value; a little over a quarter of the bytes). corolla writes blocks of BLOCKWISE_BLOCK values,
+not hivemind's 4096: hidden states have outlier channels, and a block's scale is set by its largest
+value (measured on SmolLM2: blocks of 4096 changed the greedy text after a 2,000-token prompt far
+more often); the reader infers the block size from the block count. A lossy encoding applies only to
+tensors of at least LOSSY_MIN_BYTES (prefills, big trees): a decode step's few kilobytes cost the same
+time on any link, so they stay exact.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import struct
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -18,10 +31,16 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
+from corolla.config import WIRE_ENCODINGS
 from corolla.errors import InvalidRequest
 
 NONE = runtime_pb2.CompressionType.NONE
 FLOAT16 = runtime_pb2.CompressionType.FLOAT16
+BLOCKWISE_8BIT = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+ENCODINGS = dict(zip(WIRE_ENCODINGS, (NONE, FLOAT16, BLOCKWISE_8BIT), strict=True))
+LOSSY_MIN_BYTES = 32 * 1024  # smaller tensors (decode steps) always travel lossless
+BLOCKWISE_BLOCK, BLOCKWISE_CODES = 256, 256  # values per scale; bitsandbytes' dynamic 8-bit map
+BLOCKWISE_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsandbytes quantizes in
 MAX_RANK = 5
 MAX_NUMEL = 2**31 - 1
 STREAM_CHUNK_BYTES = 2**20  # big chunks: p2pd streams cost per message, and the unary cap is 4 MiB
@@ -37,11 +56,42 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def serialize(tensor: torch.Tensor, compression: int = NONE) -> runtime_pb2.Tensor:
-    """Encode a CPU tensor; FLOAT16 compression is applied to float32 tensors only."""
+    """Encode a CPU tensor; FLOAT16 and BLOCKWISE_8BIT compression apply to float32 tensors only."""
     tensor = tensor.detach()
-    if compression == FLOAT16 and tensor.dtype != torch.float32:
+    if compression in (FLOAT16, BLOCKWISE_8BIT) and (tensor.dtype != torch.float32 or tensor.numel() == 0):
         compression = NONE
+    if compression == BLOCKWISE_8BIT:
+        return _to_blockwise(tensor)
     return serialize_torch_tensor(tensor.contiguous(), compression)
+
+
+def _to_blockwise(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    from bitsandbytes.functional import quantize_blockwise
+
+    codes, state = quantize_blockwise(tensor.contiguous(), blocksize=BLOCKWISE_BLOCK, nested=False)
+    header = struct.pack("<qq", state.absmax.numel(), state.code.numel())
+    parts = (header, state.absmax.float().numpy().tobytes(), state.code.float().numpy().tobytes())
+    return runtime_pb2.Tensor(
+        buffer=b"".join(parts) + codes.numpy().tobytes(),
+        size=tensor.shape,
+        dtype="float32",
+        compression=BLOCKWISE_8BIT,
+    )
+
+
+def encode(tensor: torch.Tensor, encoding: str = "lossless") -> runtime_pb2.Tensor:
+    """Hidden states in a hop's agreed encoding (lossy ones only from LOSSY_MIN_BYTES on)."""
+    compression = ENCODINGS[encoding]
+    if tensor.numel() * tensor.element_size() < LOSSY_MIN_BYTES:
+        compression = NONE
+    return serialize(tensor, compression)
+
+
+@functools.cache
+def supported_encodings() -> tuple[str, ...]:
+    """The encodings this peer reads and writes (blockwise8 needs bitsandbytes)."""
+    has_bnb = importlib.util.find_spec("bitsandbytes") is not None
+    return tuple(name for name in ENCODINGS if name != "blockwise8" or has_bnb)
 
 
 def empty() -> runtime_pb2.Tensor:
@@ -86,11 +136,47 @@ def deserialize(proto: runtime_pb2.Tensor, name: str) -> torch.Tensor:
     dtype = declared_dtype(proto, name)
     if proto.compression == NONE:
         return _from_raw(proto.buffer, dtype, shape, numel, name)
+    if proto.compression in (FLOAT16, BLOCKWISE_8BIT) and dtype not in FLOAT_DTYPES:
+        raise InvalidRequest(
+            f"tensor {name}: compression {proto.compression} is only valid for float tensors"
+        )
     if proto.compression == FLOAT16:
-        if dtype not in FLOAT_DTYPES:
-            raise InvalidRequest(f"tensor {name}: FLOAT16 compression is only valid for float tensors")
         return _from_raw(proto.buffer, torch.float16, shape, numel, name).to(dtype)
+    if proto.compression == BLOCKWISE_8BIT and "blockwise8" in supported_encodings():
+        return _from_blockwise(proto, dtype, numel, name)
     raise InvalidRequest(f"tensor {name}: compression type {proto.compression} is not supported")
+
+
+def _from_blockwise(proto: runtime_pb2.Tensor, dtype: torch.dtype, numel: int, name: str) -> torch.Tensor:
+    """hivemind's blockwise 8-bit layout, checked before bitsandbytes reads it: the block and code counts,
+    their float32 scales and codebook, then one uint8 code per value; the block size is the one of
+    bitsandbytes' sizes that gives that many blocks (hivemind writes 4096, corolla BLOCKWISE_BLOCK)."""
+    if numel == 0 or len(proto.buffer) < 16:
+        raise InvalidRequest(f"tensor {name}: a blockwise 8-bit tensor needs values and a header")
+    blocks, codes = struct.unpack_from("<qq", proto.buffer)
+    size = next((b for b in BLOCKWISE_SIZES if -(-numel // b) == blocks), None)
+    if size is None or codes != BLOCKWISE_CODES:
+        raise InvalidRequest(
+            f"tensor {name}: blockwise 8-bit header ({blocks} blocks, {codes} codes) does not match its "
+            f"{numel} values"
+        )
+    expected = 16 + 4 * (blocks + BLOCKWISE_CODES) + numel
+    if len(proto.buffer) != expected:
+        raise InvalidRequest(
+            f"tensor {name}: buffer has {len(proto.buffer)} bytes, blockwise 8-bit of {numel} values "
+            f"needs {expected}"
+        )
+    # read here, not by hivemind's BlockwiseQuantization.extract: it fails on numpy 2 (int() of an array)
+    from bitsandbytes.functional import dequantize_blockwise
+
+    buffer = bytearray(proto.buffer)
+    absmax = torch.frombuffer(buffer, dtype=torch.float32, offset=16, count=blocks)
+    code = torch.frombuffer(buffer, dtype=torch.float32, offset=16 + 4 * blocks, count=BLOCKWISE_CODES)
+    codes = torch.frombuffer(buffer, dtype=torch.uint8, offset=16 + 4 * (blocks + BLOCKWISE_CODES))
+    values = dequantize_blockwise(
+        codes.reshape(tuple(proto.size)), absmax=absmax, code=code, blocksize=size, nested=False
+    )
+    return values.to(dtype)
 
 
 def _from_raw(

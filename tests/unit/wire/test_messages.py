@@ -1,3 +1,5 @@
+import re
+
 import msgpack
 import pytest
 
@@ -106,3 +108,21 @@ def test_a_status_record_carries_the_weights_precision():
     assert (ServerStatus.from_dict(older).precision, ServerStatus.from_dict(older).quantized) == ("", False)
     with pytest.raises(InvalidRequest, match="precision"):
         ServerStatus.from_dict({**status.to_dict(), "precision": 4})
+
+
+def test_tree_and_accepted_fields_roundtrip_and_reject_garbage():
+    step = InferenceStep(step_id="s", start_from_position=4, tree=(-1, 0, 0), accepted=(0, 2))
+    assert InferenceStep.from_bytes(step.to_bytes(), first=False) == step
+    for fields, message in [
+        (dict(tree=[]), "'tree' must hold one parent per token"),
+        (dict(tree=[-1, "x"]), "'tree[1]' must be an integer"),
+        (dict(accepted=[0, -1]), "'accepted[1]' must be an integer >= 0"),
+        (dict(tree=list(range(2000))), "'tree' has 2000 items, the limit is 1024"),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            InferenceStep.from_bytes(msgpack.packb(fields), first=False)
+
+
+def test_a_refused_steps_reply_carries_its_error():
+    reply = StepReply.from_bytes(StepReply("s", error="tree[1]=1: a cycle").to_bytes())
+    assert reply == StepReply("s", "tree[1]=1: a cycle")

@@ -102,3 +102,36 @@ def test_streams_up_to_the_byte_limit_pass_the_chunk_count_check():
     second = runtime_pb2.Tensor(chunks=3, size=[3], dtype="float32")  # 3 + 3 > 5
     with pytest.raises(InvalidRequest, match="tensor #1: its first chunk announces 3 chunks"):
         tensors.count_expected_chunks([*big, second], 2, limit)
+
+
+def test_lossy_encodings_shrink_big_tensors_within_their_error_and_leave_small_ones_exact():
+    hidden = torch.randn(1, 64, 576, generator=torch.Generator().manual_seed(0)) * 4  # 147 KB
+    lossless = tensors.encode(hidden)
+    half = tensors.encode(hidden, "float16")
+    eight = tensors.encode(hidden, "blockwise8")
+    assert len(half.buffer) == len(lossless.buffer) // 2
+    assert len(eight.buffer) < len(lossless.buffer) / 3.8  # a byte per value, a scale per 4096, a codebook
+    assert torch.equal(tensors.deserialize(lossless, "h"), hidden)
+    assert (tensors.deserialize(half, "h") - hidden).abs().max() < 1e-2
+    scale = hidden.abs().max()
+    assert (tensors.deserialize(eight, "h") - hidden).abs().max() < 0.03 * scale  # 8-bit codes per block
+    step = hidden[:, :1]  # a decode step: 2.3 KB, always lossless
+    assert tensors.encode(step, "blockwise8").compression == tensors.NONE
+    assert torch.equal(tensors.deserialize(tensors.encode(step, "blockwise8"), "h"), step)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: p.buffer[:-1], "blockwise 8-bit of 36864 values needs"),
+        (
+            lambda p: (3).to_bytes(8, "little") + p.buffer[8:],
+            "blockwise 8-bit header \\(3 blocks, 256 codes\\) does not match",
+        ),
+    ],
+)
+def test_a_malformed_blockwise_tensor_is_refused_before_bitsandbytes_reads_it(change, message):
+    proto = tensors.encode(torch.randn(1, 64, 576), "blockwise8")
+    proto.buffer = change(proto)
+    with pytest.raises(InvalidRequest, match=message):
+        tensors.deserialize(proto, "h")

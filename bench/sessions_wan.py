@@ -1,0 +1,175 @@
+"""Many sessions across an emulated internet: aggregate tokens/s of 1 and of N concurrent sessions, and
+where the CPU goes.
+
+The swarm of bench/wan.py (DHT, 3 SmolLM2 servers and the client in 5 network namespaces, 50 ms round
+trips by default); the client runs 1, then N sessions at once (threads of one client, as `corolla api`
+serves concurrent users), each generating the same number of tokens with push. Reports aggregate decode
+tokens/s, its ratio to N x the single session's, per-token latency percentiles, the servers' mean rows per
+engine pass, and the CPU seconds each part of the machine used meanwhile: the servers (with their
+libp2p daemons), the client, the DHT and the emulator's packet delayers (one Python process per host,
+handling every packet), against the 2 cores' wall time. The same client on loopback shows the swarm
+without the emulator.
+
+    python bench/sessions_wan.py [--delay-ms 25] [--sessions 8] [--new-tokens 48] [--runs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from wan import SPANS, WanSwarm, address  # noqa: E402
+
+DELAYERS = Path("/run/wan-netsim/delayer.pids")
+PROMPT = "Tell me about the sea."
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) of these processes and all their descendants."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            family = [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for member in family:
+            try:
+                times = member.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+    return total
+
+
+def run_sessions(model, ids: list[int], count: int, new_tokens: int) -> tuple[float, list[float]]:
+    """`count` sessions at once; (aggregate decode tokens/s, every per-token gap)."""
+    barrier = threading.Barrier(count)
+    stamps: list[list[float]] = [[] for _ in range(count)]
+
+    def one(i: int) -> None:
+        barrier.wait()
+        for _ in model.generate_stream(ids, max_new_tokens=new_tokens, ignore_eos=True):
+            stamps[i].append(time.perf_counter())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    start, end = min(s[0] for s in stamps), max(s[-1] for s in stamps)
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False)]
+    return sum(len(s) - 1 for s in stamps) / (end - start), gaps
+
+
+def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[str, list[int]]) -> dict:
+    import torch
+
+    from corolla.client.model import DistributedModelForCausalLM
+
+    torch.set_num_threads(1)
+    me = os.getpid()
+    groups = {**groups, "client": [me]}
+    with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
+        tokenizer = model.tokenizer
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(chat, add_special_tokens=False).input_ids
+        run_sessions(model, ids, max(counts), 8)  # warm-up: connections, caches
+        results = {}
+        for count in counts:
+            rates, gaps, cpu, wall = [], [], dict.fromkeys(groups, 0.0), 0.0
+            passes = _engine_counters(model)
+            for _ in range(runs):
+                before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+                started = time.perf_counter()
+                rate, run_gaps = run_sessions(model, ids, count, new_tokens)
+                wall += time.perf_counter() - started
+                for name, pids in groups.items():
+                    cpu[name] += cpu_seconds(pids) - before[name]
+                rates.append(rate)
+                gaps += run_gaps
+            rows, num = (a - b for a, b in zip(_engine_counters(model), passes, strict=True))
+            gaps.sort()
+            results[str(count)] = {
+                "tokens_per_s": round(statistics.median(rates), 2),
+                "token_latency_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
+                "token_latency_p90_ms": round(1000 * gaps[int(len(gaps) * 0.9)], 1),
+                "rows_per_pass": round(rows / max(num, 1), 2),
+                "cpu_share_of_2_cores": {
+                    name: round(seconds / (2 * wall), 3) for name, seconds in cpu.items()
+                },
+            }
+    single = results[str(counts[0])]["tokens_per_s"]
+    for count in counts[1:]:
+        entry = results[str(count)]
+        entry["vs_single_times_sessions"] = round(entry["tokens_per_s"] / (count * single), 2)
+    return results
+
+
+def _engine_counters(model) -> tuple[int, int]:
+    """(rows, passes) run so far by every server the client knows."""
+    infos = [model.runtime.run(model.swarm.server_info(s.peer_id)) for s in model.swarm.spans]
+    return sum(i.engine_rows for i in infos), sum(i.engine_passes for i in infos)
+
+
+def client_config(host: str, peers: list[str]):
+    from corolla.config import ClientConfig, SwarmConfig
+
+    swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
+    return ClientConfig(swarm=swarm, request_timeout=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--delay-ms", type=float, default=25.0, help="one-way delay between hosts")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--no-loopback", action="store_true")
+    parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)  # internal: the client, inside host 4
+    parser.add_argument("--groups", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    counts = [1, args.sessions]
+    if args.client:
+        config = client_config(address(4), args.client)
+        print(json.dumps(measure(config, counts, args.new_tokens, args.runs, json.loads(args.groups))))
+        return
+    results: dict = {"model": "SmolLM2-135M-Instruct", "servers": 3, "new_tokens": args.new_tokens}
+    with WanSwarm(args.delay_ms) as swarm:
+        groups = {
+            "servers": [p.popen.pid for p in swarm.peers[1:]],
+            "dht": [swarm.peers[0].popen.pid],
+            "emulator": [int(line.split()[0]) for line in DELAYERS.read_text().splitlines()],
+        }
+        client_args = ["--sessions", str(args.sessions), "--new-tokens", str(args.new_tokens)]
+        client_args += ["--runs", str(args.runs), "--groups", json.dumps(groups)]
+        results["wan"] = {"round_trip_ms": 2 * args.delay_ms, **swarm.run_client(__file__, client_args)}
+    if not args.no_loopback:
+        from corolla.models.source import resolve_model
+        from corolla.swarm.local import LocalSwarm
+
+        path = resolve_model("smollm2").path
+        with LocalSwarm(str(path), SPANS, server_args=["--num-threads", "1"]) as local:
+            groups = {"servers": [s.popen.pid for s in local.servers], "dht": [local.dht.popen.pid]}
+            config = client_config("127.0.0.1", local.initial_peers)
+            results["loopback"] = measure(config, counts, args.new_tokens, args.runs, groups)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
