@@ -33,8 +33,9 @@ DELAYERS = Path("/run/wan-netsim/delayer.pids")
 PROMPT = "Tell me about the sea."
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) of these processes and all their descendants."""
+def cpu_seconds(pids: list[int], without: tuple[int, ...] = ()) -> float:
+    """CPU time (user + system) of these processes and all their descendants, except the trees of
+    `without` (a loopback client is the parent of the servers it started)."""
     import psutil
 
     total = 0.0
@@ -44,6 +45,13 @@ def cpu_seconds(pids: list[int]) -> float:
             family = [process, *process.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
+        excluded = set(without)
+        for other in without:
+            try:
+                excluded |= {child.pid for child in psutil.Process(other).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+        family = [member for member in family if member.pid not in excluded]
         for member in family:
             try:
                 times = member.cpu_times()
@@ -79,8 +87,8 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
     from corolla.client.model import DistributedModelForCausalLM
 
     torch.set_num_threads(1)
-    me = os.getpid()
-    groups = {**groups, "client": [me]}
+    others = tuple(pid for pids in groups.values() for pid in pids)
+    groups = {**groups, "client": [os.getpid()]}
     with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
         tokenizer = model.tokenizer
         chat = tokenizer.apply_chat_template(
@@ -92,13 +100,17 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
         for count in counts:
             rates, gaps, cpu, wall = [], [], dict.fromkeys(groups, 0.0), 0.0
             passes = _engine_counters(model)
+            head = (model.head_batcher.num_batches, model.head_batcher.num_rows)
             for _ in range(runs):
-                before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+                before = {
+                    name: cpu_seconds(pids, others if name == "client" else ())
+                    for name, pids in groups.items()
+                }
                 started = time.perf_counter()
                 rate, run_gaps = run_sessions(model, ids, count, new_tokens)
                 wall += time.perf_counter() - started
                 for name, pids in groups.items():
-                    cpu[name] += cpu_seconds(pids) - before[name]
+                    cpu[name] += cpu_seconds(pids, others if name == "client" else ()) - before[name]
                 rates.append(rate)
                 gaps += run_gaps
             rows, num = (a - b for a, b in zip(_engine_counters(model), passes, strict=True))
@@ -108,6 +120,11 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
                 "token_latency_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
                 "token_latency_p90_ms": round(1000 * gaps[int(len(gaps) * 0.9)], 1),
                 "rows_per_pass": round(rows / max(num, 1), 2),
+                "sessions_per_head_batch": round(
+                    (model.head_batcher.num_rows - head[1])
+                    / max(model.head_batcher.num_batches - head[0], 1),
+                    2,
+                ),
                 "cpu_share_of_2_cores": {
                     name: round(seconds / (2 * wall), 3) for name, seconds in cpu.items()
                 },
@@ -141,6 +158,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--no-loopback", action="store_true")
+    parser.add_argument(
+        "--server-args", default="", help="extra options for every server, e.g. '--max-batch-wait-ms 0'"
+    )
     parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)  # internal: the client, inside host 4
     parser.add_argument("--groups", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -150,7 +170,7 @@ def main() -> None:
         print(json.dumps(measure(config, counts, args.new_tokens, args.runs, json.loads(args.groups))))
         return
     results: dict = {"model": "SmolLM2-135M-Instruct", "servers": 3, "new_tokens": args.new_tokens}
-    with WanSwarm(args.delay_ms) as swarm:
+    with WanSwarm(args.delay_ms, server_args=tuple(args.server_args.split())) as swarm:
         groups = {
             "servers": [p.popen.pid for p in swarm.peers[1:]],
             "dht": [swarm.peers[0].popen.pid],
@@ -164,7 +184,8 @@ def main() -> None:
         from corolla.swarm.local import LocalSwarm
 
         path = resolve_model("smollm2").path
-        with LocalSwarm(str(path), SPANS, server_args=["--num-threads", "1"]) as local:
+        server_args = ["--num-threads", "1", *args.server_args.split()]
+        with LocalSwarm(str(path), SPANS, server_args=server_args) as local:
             groups = {"servers": [s.popen.pid for s in local.servers], "dht": [local.dht.popen.pid]}
             config = client_config("127.0.0.1", local.initial_peers)
             results["loopback"] = measure(config, counts, args.new_tokens, args.runs, groups)

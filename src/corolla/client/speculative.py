@@ -50,7 +50,7 @@ class Speculation:
     drafter: DraftSession
     budget: DraftBudget
     max_tokens: int  # drafted tokens per step, before the servers' own limit
-    executor: Executor | None = None  # a draft model runs off the event loop; prompt lookup in it
+    executor: Executor | None = None  # where a draft model runs, off the event loop (None: inline)
     stats: SpeculationStats | None = None
 
 

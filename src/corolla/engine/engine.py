@@ -86,9 +86,13 @@ class Engine:
 
         Sessions cycle through a chain of servers and the client, so their steps reach a server spread
         out in time; running each pass at once gives many small passes, and on a CPU a pass of 16 rows
-        costs little more than a pass of 4. So while some recently active rows have no step pending, a
-        pass waits for them, but never longer than a pass takes (a straggler later than that is cheaper
-        to serve in the next pass) nor than max_batch_wait_ms. A lone session never waits.
+        costs little more than a pass of 4. So a pass waits for the sessions whose next step is due
+        within max_batch_wait_ms of its oldest step (each session's steps come about every `cycle`
+        seconds), until a little after the last of them is due. Sessions due later, or long overdue
+        (idle), are not waited for: across the internet a group of sessions half a cycle behind would
+        otherwise make every pass wait its whole window, at every server of the chain, while groups
+        close enough to be waited for merge and then run in step, one pass per cycle. A lone session
+        never waits.
         """
         max_wait = self.config.max_batch_wait_ms / 1000
         if max_wait <= 0 or self.scheduler.forwards:
@@ -96,11 +100,14 @@ class Engine:
         pending = [s for s in self.sessions.values() if s.pending]
         if not pending or any(s.status != SessionStatus.RUNNING for s in pending):
             return 0.0
-        active = sum(s.batch_size for s in self.sessions.values() if s.pending or now - s.last_step_at < 1.0)
-        if sum(s.batch_size for s in pending) >= min(active, self.config.max_batch_rows):
+        if sum(s.batch_size for s in pending) >= self.config.max_batch_rows:
             return 0.0
         oldest = min(s.pending[0].arrived_at for s in pending)
-        return max(0.0, oldest + min(max_wait, self.pass_seconds) - now)
+        due = [s.due_at(now) for s in self.sessions.values() if not s.pending]
+        due = [t for t in due if t is not None and t <= oldest + max_wait]
+        if not due:
+            return 0.0
+        return max(0.0, min(max(due) + self.pass_seconds / 4, oldest + max_wait) - now)
 
     # --- sessions and work ---------------------------------------------------------------------------------
 
@@ -134,6 +141,7 @@ class Engine:
         return [Completion(work.request_id, error=error) for work in session.pending]
 
     def add_step(self, work: StepWork) -> None:
+        work.session.arrive(work.arrived_at)
         work.session.pending.append(work)
 
     def add_forward(self, work: ForwardWork) -> None:

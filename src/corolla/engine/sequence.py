@@ -44,6 +44,8 @@ class EngineSession:
     status: SessionStatus = SessionStatus.WAITING
     admitted_order: int = -1  # for preemption: the most recently admitted session goes first
     last_step_at: float = float("-inf")  # monotonic time its last step completed
+    last_arrival: float | None = None  # monotonic time its last step arrived
+    cycle: float | None = None  # a moving average of the time between its steps' arrivals
     pending: deque[StepWork] = field(default_factory=deque)
     # the token tree its last step stored at [start, start + T), until the next step keeps one path of it
     tree: tuple[int, TokenTree] | None = None
@@ -60,6 +62,20 @@ class EngineSession:
     @property
     def needs_recompute(self) -> bool:
         return self.num_cached < self.position
+
+    def arrive(self, now: float) -> None:
+        """A step of this session arrived: its cycle is measured from its arrivals."""
+        if self.last_arrival is not None:
+            gap = now - self.last_arrival
+            self.cycle = gap if self.cycle is None else self.cycle + 0.3 * (gap - self.cycle)
+        self.last_arrival = now
+
+    def due_at(self, now: float) -> float | None:
+        """When its next step is expected (None: not known yet, or it is idle: overdue by a cycle)."""
+        if self.cycle is None or self.last_arrival is None:
+            return None
+        expected = self.last_arrival + self.cycle
+        return expected if expected >= now - self.cycle else None
 
 
 @dataclass(eq=False)

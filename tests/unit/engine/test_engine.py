@@ -161,18 +161,24 @@ def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_mode
     assert_close(result.outputs, engine.span(forward.hidden))
 
 
-def test_a_pass_waits_for_active_sessions_but_never_longer_than_a_pass(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=500)
+def test_a_pass_waits_for_sessions_due_soon_and_for_no_one_else(tiny_models):
+    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
     first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
-    for session in (first, second):
-        engine.add_step(StepWork(session, torch.randn(1, 3, H), session.position))
-    while engine.has_work():
-        engine.step()
-    assert engine.pass_seconds > 0
+    for _ in range(2):  # cycles are measured from the arrivals of each session's steps
+        for session in (first, second):
+            engine.add_step(StepWork(session, torch.randn(1, 1, H), session.position))
+        while engine.has_work():
+            engine.step()
+    assert engine.pass_seconds > 0 and second.cycle is not None
     engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
     now = time.monotonic()
+    second.last_arrival, second.cycle = now - 0.190, 0.2  # due in 10 ms
     delay = engine.batch_delay(now)
-    assert 0 < delay <= engine.pass_seconds + 1e-6  # the other active session may come: wait, briefly
+    assert 0.01 <= delay <= 0.01 + engine.pass_seconds / 4 + 1e-3  # until a little after it is due
+    second.last_arrival = now - 0.1  # due in 100 ms: half a cycle away, another group
+    assert engine.batch_delay(now) == 0  # is not waited for
+    second.last_arrival = now - 0.5  # overdue by more than a cycle: idle
+    assert engine.batch_delay(now) == 0
     engine.add_step(StepWork(second, torch.randn(1, 1, H), second.position))
     assert engine.batch_delay(now) == 0  # everyone is here
     engine.step()
