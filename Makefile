@@ -64,8 +64,10 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/models.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/quantize.py
 
-bench-wan: $(STAMP) ## push on/off across an emulated 50 ms internet (../shared/tools/wan; needs root + iptables)
+bench-wan: $(STAMP) ## across an emulated 50 ms internet (../shared/tools/wan; root + iptables): push, speculation and wire encodings, many sessions (~80 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/speculative_wan.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/sessions_wan.py
 
 lint: $(STAMP) ## ruff over the sources, tests and benchmarks; module and function sizes (tools/sizes.py)
 	$(BIN)/ruff check src tests bench examples tools

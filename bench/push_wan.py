@@ -17,27 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
 
-NETSIM = Path(__file__).resolve().parents[2] / "shared" / "tools" / "wan" / "netsim.sh"
-HOSTS = 5
-SPANS = [(0, 10), (10, 20), (20, 30)]
-
-
-def address(host: int) -> str:
-    return f"10.77.0.{10 + host}"
-
-
-def netns(host: int) -> list[str]:
-    return ["ip", "netns", "exec", f"wan-h{host}"]
+from wan import HOSTS, WanSwarm, address  # noqa: E402
 
 
 def run_client(peers: list[str], new_tokens: int, runs: int) -> None:
@@ -88,43 +76,8 @@ def main() -> None:
     if args.client:
         run_client(args.client, args.new_tokens, args.runs)
         return
-    from corolla.models.source import resolve_model
-    from corolla.swarm.addresses import peer_args
-    from corolla.swarm.local import READY_SERVER, PeerProcess
-
-    resolve_model("smollm2")  # convert once, before any server needs it
-    subprocess.run(
-        ["bash", str(NETSIM), "up", str(HOSTS), str(args.delay_ms)], check=True, capture_output=True
-    )
-    workdir = Path(tempfile.mkdtemp(prefix="corolla-wan-"))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    peers: list[PeerProcess] = []
-    try:
-        dht = PeerProcess(
-            "dht", ["dht", "--host", address(0), "--no-nat-port-map"], workdir / "dht.log", env, netns(0)
-        )
-        peers.append(dht)
-        initial = [dht.wait_for(re.compile(r"--initial-peers (/ip4/10\.77\.0\.10/\S+)"), 120).group(1)]
-        for host, (start, end) in enumerate(SPANS, start=1):
-            server_args = ["server", "smollm2", "--blocks", f"{start}:{end}", "--host", address(host),
-                           "--no-nat-port-map", "--num-threads", "1", *peer_args(initial)]  # fmt: skip
-            peers.append(
-                PeerProcess(f"server {host}", server_args, workdir / f"server{host}.log", env, netns(host))
-            )
-        for server in peers[1:]:
-            server.wait_for(READY_SERVER, 300)
-        client = [sys.executable, __file__, "--client", *initial, "--new-tokens", str(args.new_tokens),
-                  "--runs", str(args.runs)]  # fmt: skip
-        out = subprocess.run(
-            [*netns(HOSTS - 1), *client], capture_output=True, text=True, env=env, timeout=1800
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"the client failed:\n{out.stderr[-3000:]}")
-        gaps = json.loads(out.stdout.strip().splitlines()[-1])
-    finally:
-        for peer in reversed(peers):
-            peer.stop(timeout=10)
-        subprocess.run(["bash", str(NETSIM), "down"], check=False, capture_output=True)
+    with WanSwarm(args.delay_ms) as swarm:
+        gaps = swarm.run_client(__file__, ["--new-tokens", str(args.new_tokens), "--runs", str(args.runs)])
     on, off = statistics.median(gaps["true"]), statistics.median(gaps["false"])
     print(
         json.dumps(
