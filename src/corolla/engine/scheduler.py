@@ -52,9 +52,7 @@ MoveKV = Callable[[list[int], list[int], list[int]], None]  # (row's page table,
 
 
 class Scheduler:
-    def __init__(
-        self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int, move_kv: MoveKV | None = None
-    ):
+    def __init__(self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int, move_kv: MoveKV):
         self.pages, self.max_batch_tokens, self.max_batch_rows = pages, max_batch_tokens, max_batch_rows
         self.move_kv = move_kv  # copies cached keys and values within a row (keeping a tree's path)
         self.sessions: dict[str, EngineSession] = {}

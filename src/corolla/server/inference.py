@@ -198,16 +198,18 @@ class InferenceService:
         error."""
         meta = step.meta
         self._check_hops(meta)
-        session.push_from = meta.push_from
         inputs_digest = digest(step.tensors[0], meta)
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
+            session.push_from = meta.push_from
             return
         if session.ledger.conflicts(meta.step_id, with_clients_copy=True):
             raise InvalidRequest(
                 f"step_id {meta.step_id!r} was already used by this session for another step "
                 "(other inputs or another position)"
             )
-        self._run(session, meta, self._inputs(session, step, inputs_digest), pushed=False)
+        inputs = self._inputs(session, step, inputs_digest)  # a step that fails a check changes nothing
+        session.push_from = meta.push_from
+        self._run(session, meta, inputs, pushed=False)
 
     def _check_hops(self, meta: InferenceStep) -> None:
         """A step's next_servers must name block ranges of this model (checked before anything uses them)."""
