@@ -38,6 +38,12 @@ def cpu_seconds(pids: list[int], without: tuple[int, ...] = ()) -> float:
     `without` (a loopback client is the parent of the servers it started)."""
     import psutil
 
+    excluded = set(without)
+    for other in without:
+        try:
+            excluded |= {child.pid for child in psutil.Process(other).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
     total = 0.0
     for pid in pids:
         try:
@@ -45,12 +51,6 @@ def cpu_seconds(pids: list[int], without: tuple[int, ...] = ()) -> float:
             family = [process, *process.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-        excluded = set(without)
-        for other in without:
-            try:
-                excluded |= {child.pid for child in psutil.Process(other).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
         family = [member for member in family if member.pid not in excluded]
         for member in family:
             try:
@@ -100,7 +100,7 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
         for count in counts:
             rates, gaps, cpu, wall = [], [], dict.fromkeys(groups, 0.0), 0.0
             passes = _engine_counters(model)
-            head = (model.head_batcher.num_batches, model.head_batcher.num_rows)
+            head = (model.head_batcher.num_batches, model.head_batcher.num_requests)
             for _ in range(runs):
                 before = {
                     name: cpu_seconds(pids, others if name == "client" else ())
@@ -121,7 +121,7 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
                 "token_latency_p90_ms": round(1000 * gaps[int(len(gaps) * 0.9)], 1),
                 "rows_per_pass": round(rows / max(num, 1), 2),
                 "sessions_per_head_batch": round(
-                    (model.head_batcher.num_rows - head[1])
+                    (model.head_batcher.num_requests - head[1])
                     / max(model.head_batcher.num_batches - head[0], 1),
                     2,
                 ),

@@ -32,7 +32,7 @@ class HeadBatcher:
         self._draining = False
         self._arrived = asyncio.Event()
         self.num_active = 0  # generation loops running: how many requests a batch could hold
-        self.num_batches = self.num_rows = 0  # head passes run, and the rows they computed
+        self.num_batches = self.num_requests = 0  # head passes run, and the logits requests they served
 
     def register(self) -> None:
         self.num_active += 1
@@ -90,7 +90,7 @@ class HeadBatcher:
 
     def _compute(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         self.num_batches += 1
-        self.num_rows += len(pieces)
+        self.num_requests += len(pieces)
         with torch.no_grad():
             logits = self.head.logits(torch.cat(pieces)).float()  # [sum B, vocab]
         return list(logits.split([piece.shape[0] for piece in pieces]))
