@@ -42,8 +42,10 @@ class SwarmConfig:
     # UPnP / NAT-PMP port mapping toward the LAN gateway: right for a home server on the internet, wrong on
     # loopback and in tests. None = on unless every listen address is a loopback address.
     nat_port_map: bool | None = None
-    identity_path: str | None = None
+    identity_path: str | None = None  # the peer's key file (fixes its peer id); None: a new key per run
     client_mode: bool = False
+    # a private swarm: only these peer ids may use this peer, and only their DHT records count (None: open)
+    allowed_peers: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -125,6 +127,7 @@ class ServerConfig:
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
     num_threads: int | None = None  # torch threads for compute (None: torch's default)
     simulate_slow_ms: float = 0.0  # testing aid: sleep this long after every engine pass
+    simulate_faulty: str | None = None  # testing aid: compute wrong outputs on purpose (server/faults.py)
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders served for this span (NAME=PATH or PATH)
     quantize: str | None = None  # weight-only int8 | int4 through torchao (models/quantize.py); None: off
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port (None: do not)
@@ -205,9 +208,13 @@ class ClientConfig:
     # hidden states between hops: "lossless", or, lossy and opt-in, "float16" or "blockwise8" (8-bit), for
     # tensors of at least 32 KiB (prefills): less to send on slow links (wire/tensors.py)
     wire_encoding: str = "lossless"
+    # the share of each server's inference steps re-run on other servers and compared (client/spot_checks.py)
+    spot_checks: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self, 0, ("request_timeout", "refresh_period", "max_request_tokens"), cli=False)
+        if not 0 <= self.spot_checks <= 1:
+            raise InvalidRequest(f"spot_checks (--spot-checks) must lie in [0, 1], got {self.spot_checks}")
         names = ("routing_timeout", "max_retries", "failover_timeout", "ban_time")
         _check(self, 0, names, strict=False, cli=False)
         if self.wire_encoding not in WIRE_ENCODINGS:

@@ -71,13 +71,24 @@ class StartFailed(CorollaError):
     """This peer could not start: its listen address or port, or none of its initial peers answered."""
 
 
+class NotAllowed(CorollaError):
+    """A private swarm's server refused a peer that is not on its list of allowed peers."""
+
+
 class RemoteError(CorollaError):
     """A server failed with an error that is not one of corolla's own types."""
 
 
 _WIRE_ERRORS: dict[str, type[CorollaError]] = {
     cls.__name__: cls
-    for cls in (InvalidRequest, SessionNotFound, CacheExhausted, SessionTimeout, ServerUnavailable)
+    for cls in (
+        InvalidRequest,
+        SessionNotFound,
+        CacheExhausted,
+        SessionTimeout,
+        ServerUnavailable,
+        NotAllowed,
+    )
 }
 _WIRE_PATTERN = re.compile(r"\b(" + "|".join(_WIRE_ERRORS) + r"): (.*)", re.DOTALL)
 

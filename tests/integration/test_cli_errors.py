@@ -109,3 +109,23 @@ def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
     assert_one_line(
         results[2], "corolla server: qwen3_next: layer types ['linear_attention'] are not supported"
     )
+
+
+def test_identities_and_allowed_peer_lists_on_the_command_line(tmp_path):
+    key, ed25519 = tmp_path / "me.key", tmp_path / "ed25519.key"
+    ed25519.write_bytes(bytes([8, 1, 18, 64]) + b"x" * 64)  # a libp2p PrivateKey protobuf of type Ed25519
+    bad_list = tmp_path / "allowed.txt"
+    bad_list.write_text("# members\nQmNotAPeerId0\n")
+    (made,) = run_corolla(["identity", str(key)])
+    results = run_corolla(
+        ["identity", str(key)],
+        ["dht", "--host", "127.0.0.1", "--identity", str(ed25519), *LOOPBACK],
+        ["dht", "--host", "127.0.0.1", "--allowed-peers", str(bad_list), *LOOPBACK],
+        ["dht", "--host", "127.0.0.1", "--allowed-peers", str(tmp_path / "missing.txt"), *LOOPBACK],
+    )
+    again, other_type, bad, missing = results
+    assert made.returncode == 0 and made.stdout.strip() == again.stdout.strip()  # made once, then read
+    assert made.stdout.strip().startswith("Qm") and key.exists()
+    assert_one_line(other_type, f"corolla dht: identity {ed25519} holds a Ed25519 key")
+    assert_one_line(bad, f"corolla dht: allowed peers {bad_list}, line 2: 'QmNotAPeerId0' is not a peer id")
+    assert_one_line(missing, f"corolla dht: --allowed-peers {tmp_path / 'missing.txt'}: No such file")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -48,6 +50,31 @@ class ApiMetrics:
             "generations cancelled because the client went away",
             registry=self.registry,
         )
+
+    def watch_servers(self, swarm: Any) -> None:
+        """What the client (a SwarmClient) found of servers, read when scraped: spot checks by result,
+        servers caught computing wrong outputs, DHT records refused."""
+        checks = Gauge(
+            "corolla_api_spot_checks",
+            "spot checks of servers' outputs so far, by result",
+            ["result"],
+            registry=self.registry,
+        )
+        checker = swarm.spot_checker
+        for result in ("passed", "failed", "unchecked", "third opinions"):
+            checks.labels(result).set_function(lambda r=result, c=checker: c.counts[r] if c else 0)
+        faulty = Gauge(
+            "corolla_api_faulty_servers",
+            "servers caught computing wrong outputs (banned for good)",
+            registry=self.registry,
+        )
+        faulty.set_function(lambda: len(swarm.faulty))
+        refused = Gauge(
+            "corolla_api_refused_records",
+            "unsigned or malformed DHT records read (ignored)",
+            registry=self.registry,
+        )
+        refused.set_function(lambda: sum(swarm.rejected_records.values()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,7 +34,7 @@ from corolla.api.tracker import RequestTracker
 from corolla.client.generation import GenerationStep
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.client.text import IncrementalText
-from corolla.errors import CorollaError, InvalidRequest, MissingBlocks
+from corolla.errors import CorollaError, InvalidRequest, MissingBlocks, ServerUnavailable
 from corolla.swarm.overview import read_overview
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class OpenAIServing:
         self.max_model_len = min(max_model_len, model.config.max_position_embeddings)
         self.tracker = RequestTracker(model.runtime.loop)
         self._overview: tuple[float, dict] | None = None
+        metrics.watch_servers(model.swarm)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.name, max_model_len=self.max_model_len)])
@@ -89,7 +90,8 @@ class OpenAIServing:
             overview = await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(job, self.model.runtime.loop)
             )
-            cached = self._overview = time.monotonic(), {**overview.to_dict(), "served_model": self.name}
+            cached = self._overview = (time.monotonic(), {**overview.to_dict(), **swarm.findings()})
+            cached[1]["served_model"] = self.name
         return cached[1]
 
     # --- endpoints -----------------------------------------------------------------------------------------
@@ -216,6 +218,8 @@ class OpenAIServing:
         comes with its finish_reason set."""
         last = None
         async for prompt_index, step in stream:
+            if step.withdrawn:  # text already sent cannot be taken back (client/generation.py)
+                raise ServerUnavailable("a spot check caught a server lying (now banned): retry the request")
             now = time.perf_counter()
             if last is None:
                 self.metrics.time_to_first_token.observe(now - started)

@@ -60,11 +60,23 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen
         help="ask the LAN gateway (UPnP / NAT-PMP) to forward our port; default: on unless "
         "--host is a loopback address. Turn it off in tests and private networks",
     )
+    _add_identity_args(group)
+
+
+def _add_identity_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--identity",
         default=None,
         metavar="PATH",
-        help="private key file that fixes this peer's id across restarts (created if missing)",
+        help="private key file that fixes this peer's id across restarts and signs its DHT records "
+        "(created if missing; `corolla identity PATH` prints its peer id)",
+    )
+    group.add_argument(
+        "--allowed-peers",
+        default=None,
+        metavar="FILE",
+        help="a private swarm: peer ids (one per line) that may use this peer and whose DHT records count; "
+        "every member, clients included, runs with the same list and its own --identity",
     )
 
 
@@ -106,12 +118,24 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
         help="most drafted tokens along a path; each step's depth follows the measured acceptance and "
         "round trips (default: %(default)s)",
     )
+    _add_trust_args(group)
     group.add_argument(
         "--wire-encoding",
         default="lossless",
         choices=WIRE_ENCODINGS,
         help="hidden states between hops: lossless, or (lossy, for slow links) float16 or blockwise8 "
         "(8-bit) for tensors of 32 KiB or more, such as prompts (default: %(default)s)",
+    )
+
+
+def _add_trust_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--spot-checks",
+        type=float,
+        default=ClientConfig().spot_checks,
+        metavar="SHARE",
+        help="re-run this share of each server's steps on other servers over the same blocks and compare; "
+        "a server caught computing wrong outputs is banned and its tokens redone (default: %(default)s)",
     )
 
 
@@ -123,7 +147,12 @@ def client_config(args: argparse.Namespace, **extra: Any) -> ClientConfig:
         )
     swarm = swarm_config(args, client_mode=True)
     return ClientConfig(
-        swarm=swarm, exact=args.exact, speculation=speculation, wire_encoding=args.wire_encoding, **extra
+        swarm=swarm,
+        exact=args.exact,
+        speculation=speculation,
+        wire_encoding=args.wire_encoding,
+        spot_checks=args.spot_checks,
+        **extra,
     )
 
 
@@ -145,4 +174,16 @@ def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> Swar
         nat_port_map=args.nat_port_map,
         identity_path=args.identity,
         client_mode=client_mode,
+        allowed_peers=_allowed_peers(args.allowed_peers),
     )
+
+
+def _allowed_peers(path: str | None) -> frozenset[str] | None:
+    if path is None:
+        return None
+    from corolla.swarm.identity import read_allowed_peers  # here: `corolla --help` stays quick
+
+    try:
+        return read_allowed_peers(path)
+    except OSError as e:
+        raise InvalidRequest(f"--allowed-peers {path}: {e.strerror}") from None

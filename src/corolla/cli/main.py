@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from corolla import __version__
-from corolla.cli import api, demo, dht, generate, server, status
+from corolla.cli import api, demo, dht, generate, identity, server, status
 from corolla.cli.common import setup_logging
 from corolla.errors import CorollaError
 
-SUBCOMMANDS = (dht, server, generate, api, status, demo)
+SUBCOMMANDS = (dht, server, generate, api, status, demo, identity)
 
 
 def build_parser() -> argparse.ArgumentParser:

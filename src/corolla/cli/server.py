@@ -44,6 +44,7 @@ SERVER_OPTIONS = (
     "announce_period",
     "drain_timeout",
     "simulate_slow_ms",
+    "simulate_faulty",
     "quantize",
     "num_threads",
     "metrics_port",
@@ -191,6 +192,14 @@ def _operation_options(parser: argparse.ArgumentParser, defaults: ServerConfig) 
     )
     option("metrics_host", None, "address for --metrics-port (default: %(default)s)")
     option("simulate_slow_ms", float, "testing aid: make this server slow: sleep this long after every pass")
+    option(
+        "simulate_faulty",
+        None,
+        "testing aid: make this server compute wrong outputs, for spot checks to catch: noise[:SCALE] "
+        "(Gaussian noise, SCALE x each block's output RMS, default 0.1), skip-layer (its last block does "
+        "nothing), wrong-weights (its first block's MLP output weights permuted), garbage-after:N (random "
+        "outputs after N passes)",
+    )
     option(
         "num_threads",
         int,

@@ -20,8 +20,9 @@ from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.sampling import SamplingParams, next_tokens, top_logprobs
 from corolla.client.speculative import Speculation, speculate
+from corolla.client.spot_checks import Rewound
 from corolla.client.text import IncrementalText
-from corolla.errors import InvalidRequest
+from corolla.errors import InvalidRequest, ServerUnavailable
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class GenerationStep:
     logprobs: torch.Tensor | None = None  # [B] the chosen tokens' log-probabilities (params.logprobs set)
     top_values: torch.Tensor | None = None  # [B, k] the k most likely tokens' log-probabilities
     top_ids: torch.Tensor | None = None  # [B, k] and their ids
+    # a spot check caught a server lying: the last `withdrawn` steps yielded are void (tokens is empty);
+    # the steps that follow replace them
+    withdrawn: int = 0
 
 
 class RowEnds:
@@ -40,9 +44,14 @@ class RowEnds:
         if params.stop and tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model folder has none")
         self.eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
-        texts = [IncrementalText(tokenizer, params.stop) for _ in range(batch_size)] if params.stop else []
+        self.params, self.tokenizer, self.batch_size = params, tokenizer, batch_size
+        self.reset()
+
+    def reset(self) -> None:
+        stop, size = self.params.stop, self.batch_size
+        texts = [IncrementalText(self.tokenizer, stop) for _ in range(size)] if stop else []
         self.texts = texts  # the one detokenizer (client/text.py), only where stop strings need the text
-        self.finished = torch.zeros(batch_size, dtype=torch.bool)
+        self.finished = torch.zeros(size, dtype=torch.bool)
 
     def update(self, tokens: torch.Tensor) -> torch.Tensor:
         """Record one step's tokens [B]; returns which rows are finished now."""
@@ -63,6 +72,7 @@ class Chooser:
         self.generator = params.make_generator() if params.do_sample else None
         self.context, self.prompt_length = input_ids, input_ids.shape[1]  # [B, T]: prompt + chosen tokens
         self.num_chosen = 0
+        self.states: list[torch.Tensor] = []  # the generator's state before each choice (for rewinds)
 
     @property
     def done(self) -> bool:
@@ -71,6 +81,8 @@ class Chooser:
     def choose(self, logits: torch.Tensor) -> GenerationStep:
         """logits [B, vocab] after the text so far -> the next token of every row."""
         params, context = self.params, self.context
+        if self.generator is not None:
+            self.states.append(self.generator.get_state())
         tokens = next_tokens(logits, context, params, self.generator, context[:, self.prompt_length :])
         tokens = torch.where(self.ends.finished, torch.full_like(tokens, self.pad_token_id), tokens)
         self.context = torch.cat([context, tokens[:, None]], dim=1)
@@ -79,6 +91,18 @@ class Chooser:
         if params.logprobs is None:
             return GenerationStep(tokens, finished)
         return GenerationStep(tokens, finished, *top_logprobs(logits, tokens, params.logprobs))
+
+    def rewind(self, keep: int) -> int:
+        """Forget every choice after the first `keep`; returns how many were forgotten."""
+        withdrawn, self.num_chosen = self.num_chosen - keep, keep
+        self.context = self.context[:, : self.prompt_length + keep]
+        if self.generator is not None:
+            self.generator.set_state(self.states[keep])
+            del self.states[keep:]
+        self.ends.reset()
+        for tokens in self.context[:, self.prompt_length :].T:
+            self.ends.update(tokens)
+        return withdrawn
 
 
 async def generate_steps(  # noqa: PLR0913
@@ -110,21 +134,75 @@ async def generate_steps(  # noqa: PLR0913
             deep = None
             if tuned is not None:
                 hidden, deep = torch.cat([tuned[0].to(hidden.dtype), hidden], dim=1), tuned[1]
-            outputs = await session.astep(hidden, deep)
+            first = _FirstStep(session.position, hidden, deep)
+            resume = first.start
             while True:
-                logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
-                step = chooser.choose(logits)
-                session.pending_token_ids = step.tokens[:, None]
-                yield step
-                if chooser.done:
-                    return
-                if speculation is not None and input_ids.shape[0] == 1:
-                    async for step in speculate(head, session, chooser, speculation):
+                try:
+                    async for step in _decode(head, session, chooser, speculation, first, resume):
                         yield step
+                    await session.averify()  # with spot checks: the last tokens are checked too
                     return
-                outputs = await session.astep(head.head.embed(step.tokens[:, None]))
+                except Rewound as rewound:  # a server lied: repaired; go back to the first wrong token
+                    resume = rewound.position
+                    yield GenerationStep(
+                        torch.empty(0), chooser.ends.finished, withdrawn=first.rewind(resume, chooser)
+                    )
     finally:
         head.unregister()
+
+
+@dataclass(frozen=True)
+class _FirstStep:
+    """A generation's first step (prefix, pending token and prompt), kept to go back into it."""
+
+    start: int  # the session's position before it
+    hidden: torch.Tensor  # [B, T, H]
+    deep: torch.Tensor | None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.hidden.shape[1]
+
+    def rewind(self, position: int, chooser: Chooser) -> int:
+        """The chooser back to the choices made before `position` was fed; returns how many it forgot."""
+        if position < self.start:
+            raise ServerUnavailable(
+                f"a spot check caught a server computing wrong outputs at position {position}, before this "
+                "generation's start: the session's earlier turns cannot be redone; start a new session"
+            )
+        # the token fed at `position` (a chosen one, at or after `end`) was chosen from the output before it
+        return chooser.rewind(max(position - self.end + 1, 0))
+
+
+async def _decode(  # noqa: PLR0913
+    head: HeadBatcher,
+    session: InferenceSession,
+    chooser: Chooser,
+    speculation: Speculation | None,
+    first: _FirstStep,
+    position: int,
+) -> AsyncIterator[GenerationStep]:
+    """Decode from `position` (the first step's start, or a rewind's position) until the chooser is done."""
+    if position < first.end:  # (again) the first step, or its part from `position`
+        deep = first.deep if position == first.start else None
+        outputs = await session.astep(
+            first.hidden[:, position - first.start :], deep, start_from_position=position
+        )
+    else:  # the chosen token fed at `position`, again
+        token = chooser.context[:, -1:]
+        outputs = await session.astep(head.head.embed(token), start_from_position=position)
+    while True:
+        logits = await head.logits(outputs[:, -1])  # [B, vocab], batched with other sessions'
+        step = chooser.choose(logits)
+        session.pending_token_ids = step.tokens[:, None]
+        yield step
+        if chooser.done:
+            return
+        if speculation is not None and chooser.context.shape[0] == 1:
+            async for step in speculate(head, session, chooser, speculation):
+                yield step
+            return
+        outputs = await session.astep(head.head.embed(step.tokens[:, None]))
 
 
 def _first_inputs(

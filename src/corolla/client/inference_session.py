@@ -7,8 +7,8 @@ a multi-turn chat continues where the previous `generate` call stopped. Async me
 
 Failover: when a hop's server fails (error, timeout, lost connection, dead process), the session bans it,
 routes its blocks again (possibly over several servers), replays the inputs that hop had received to the
-replacement so that its cache matches, and retries the step there. At most `max_retries` replacements
-per step; when no server covers some blocks, routing raises MissingBlocks naming them.
+replacement so that its cache matches, and retries the step there (at most `max_retries` times a step).
+A server caught lying by a spot check is replaced the same way, from its first wrong position.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from collections.abc import Sequence
 import torch
 
 from corolla.client.runtime import LoopThread
-from corolla.client.span_session import SpanSession, StepRoute
+from corolla.client.span_session import SpanSession, StepRoute, hop_encodings
+from corolla.client.spot_checks import Rewound
 from corolla.client.swarm import RETRYABLE, SwarmClient
 from corolla.errors import InvalidRequest, ServerUnavailable, counted
 from corolla.models.tree import TokenTree
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
-from corolla.wire.tensors import supported_encodings
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class InferenceSession:
         self.boundary_outputs: list[torch.Tensor] = []  # each hop's outputs of the last step (for checks)
         self.num_failovers = 0
         self._tree: tuple[int, TokenTree] | None = None  # the last step's token tree, until accepted
+        self._steps, self._check_offsets = 0, []  # steps taken; per hop, its spot-check step in a window
         self._background: set[asyncio.Task] = set()
         self._opened = False
         self.closed = False
@@ -82,7 +83,7 @@ class InferenceSession:
                     swarm.config.active_adapter,
                     encodings,
                 )
-                for hop, encodings in zip(hops, self._encodings(hops), strict=True)
+                for hop, encodings in zip(hops, hop_encodings(swarm, hops), strict=True)
             ]
             results = await asyncio.gather(*(span.open() for span in spans), return_exceptions=True)
             failed = [
@@ -99,26 +100,6 @@ class InferenceSession:
         raise ServerUnavailable(
             f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
         )
-
-    def _encodings(self, hops: list[Hop]) -> list[tuple[str, str]]:
-        """Per hop, the encoding of its inputs and of its outputs: the client's wire_encoding where that
-        server (and, for its outputs, the next one, which takes them by push) reads it; else lossless."""
-        wanted = self.swarm.config.wire_encoding
-        if wanted not in supported_encodings():
-            raise InvalidRequest(
-                f"wire_encoding {wanted!r} is not available here ({', '.join(supported_encodings())})"
-            )
-
-        def reads(hop: Hop) -> bool:
-            status = self.swarm.status_of(hop.peer_id)
-            return wanted == "lossless" or (status is not None and wanted in status.encodings)
-
-        pairs = []
-        for i, hop in enumerate(hops):
-            inbound = wanted if reads(hop) else "lossless"
-            later = hops[i + 1 : i + 2]
-            pairs.append((inbound, inbound if all(reads(h) for h in later) else "lossless"))
-        return pairs
 
     async def astep(
         self,
@@ -137,6 +118,7 @@ class InferenceSession:
         """
         if self.closed or not self._opened:
             raise InvalidRequest("the inference session is closed or was never opened")
+        await self._spot_check(every_hop=False)
         position = self.position if start_from_position is None else start_from_position
         if not 0 <= position <= self.position:
             raise InvalidRequest(f"start_from_position={position} must lie in [0, {self.position}]")
@@ -150,6 +132,7 @@ class InferenceSession:
             if len(tree) != hidden.shape[1]:
                 raise InvalidRequest(f"tree: {len(tree)} parents for {hidden.shape[1]} tokens")
         self.boundary_outputs = await self._through_chain(hidden, prompts, hypo_ids, position, tree)
+        self._steps += 1
         self.position = position + hidden.shape[1]
         self._tree = (position, TokenTree(tree)) if tree is not None else None
         return self.boundary_outputs[-1]
@@ -243,6 +226,40 @@ class InferenceSession:
             time.perf_counter() - started,
             0 if failed.inputs is None else failed.inputs.shape[1],
         )
+
+    async def averify(self) -> None:
+        """Spot-check every hop's outputs not yet verified (a generation's end: all its tokens checked)."""
+        await self._spot_check(every_hop=True)
+
+    async def _spot_check(self, every_hop: bool) -> None:
+        """Check the hops due at this step (each once per window of steps), or every hop; a server caught
+        lying is replaced and Rewound raised (the session goes back to its first wrong position)."""
+        checker = self.swarm.spot_checker
+        if checker is None or self._tree is not None:
+            return
+        if len(self._check_offsets) != len(self.spans):
+            self._check_offsets = checker.offsets(len(self.spans))
+        due = [every_hop or self._steps % checker.window == offset for offset in self._check_offsets]
+        async for index, verdict in checker.check_spans(self.spans, due):
+            await self._repair(verdict.faulty, index, verdict.wrong_from)
+
+    async def _repair(self, faulty: tuple[str, ...], checked: int, wrong_from: int | None) -> None:
+        """Back to the first position a faulty server of the chain may have got wrong; replace it."""
+        starts = [
+            wrong_from if index == checked and wrong_from is not None else span.verified
+            for index, span in enumerate(self.spans)
+            if span.hop.peer_id in faulty
+        ]
+        if not starts:
+            return  # the faulty servers were checkers only
+        position = min(starts)
+        for span in self.spans:
+            span.rewind(position)
+        self.position, self._tree, self._check_offsets = position, None, []
+        for index in reversed(range(len(self.spans))):  # from the end: a replacement may be several hops
+            if self.spans[index].hop.peer_id in faulty:
+                await self._replace(index)
+        raise Rewound(position)
 
     async def aclose(self) -> None:
         if self.closed:

@@ -22,9 +22,10 @@ from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
 from corolla.client.sampling import SamplingParams
 from corolla.client.speculative import Speculator
+from corolla.client.spot_checks import SpotChecker
 from corolla.client.swarm import SwarmClient
 from corolla.config import ClientConfig
-from corolla.errors import InvalidRequest
+from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.head import ModelHead
 from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
@@ -81,6 +82,8 @@ class DistributedModelForCausalLM:
         speculator = speculation and Speculator.create(speculation, model_config, source.path)
         runtime = LoopThread()
         swarm = SwarmClient(config, prefix, model_config.num_hidden_layers, model_config.fingerprint())
+        if config.spot_checks > 0:
+            swarm.spot_checker = SpotChecker(swarm, config.spot_checks)
         try:
             runtime.run(swarm.start())
         except BaseException:
@@ -123,8 +126,14 @@ class DistributedModelForCausalLM:
         session: InferenceSession | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[torch.Tensor]:
-        """Yield each step's new tokens [B]; kwargs are SamplingParams fields."""
+        """Yield each step's new tokens [B]; kwargs are SamplingParams fields. Tokens a spot check finds
+        wrong cannot be taken back here: ServerUnavailable (`generate` replaces them)."""
         async for step in self.agenerate_steps(input_ids, params, session, **kwargs):
+            if step.withdrawn:
+                raise ServerUnavailable(
+                    f"a spot check caught a server computing wrong outputs: the last {step.withdrawn} tokens "
+                    "streamed were wrong (the server is banned; generate again)"
+                )
             yield step.tokens
 
     async def agenerate_steps(
@@ -185,16 +194,7 @@ class DistributedModelForCausalLM:
 
         Tokens, as transformers' `generate(stop_strings=...)` has them: a `stop` string ends a row with the
         token that completes it, which is yielded (the API and the CLI cut the text before it)."""
-        stream = self.agenerate(input_ids, params, session, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self.runtime.run(anext(stream))
-                except StopAsyncIteration:
-                    return
-        finally:
-            if self.runtime.loop.is_running():  # after shutdown() there is nothing left to close
-                self.runtime.run(stream.aclose())
+        yield from self.runtime.iterate(self.agenerate(input_ids, params, session, **kwargs))
 
     def generate(
         self,
@@ -211,10 +211,13 @@ class DistributedModelForCausalLM:
         """
         input_ids = _as_batch(input_ids)
         new_tokens = []
-        for tokens in self.generate_stream(input_ids, params, session, **kwargs):
-            new_tokens.append(tokens[:, None])
+        for step in self.runtime.iterate(self.agenerate_steps(input_ids, params, session, **kwargs)):
+            if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
+                del new_tokens[len(new_tokens) - step.withdrawn :]
+                continue
+            new_tokens.append(step.tokens[:, None])
             if streamer is not None:
-                streamer(tokens)
+                streamer(step.tokens)
         return torch.cat([input_ids, *new_tokens], dim=1)
 
     # --- forward pass --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -48,6 +48,18 @@ class LoopThread:
             future.cancel()
             ended.wait(CANCEL_TIMEOUT)
             raise
+
+    def iterate(self, stream: AsyncIterator[T]) -> Iterator[T]:
+        """An async iterator of this loop, iterated from another thread (closed when left)."""
+        try:
+            while True:
+                try:
+                    yield self.run(anext(stream))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self.loop.is_running():  # after stop() there is nothing left to close
+                self.run(stream.aclose())
 
     def stop(self) -> None:
         if self.loop.is_running():

@@ -25,13 +25,14 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import ExpertResponse
 
-from corolla.client.swarm import peer, remote_errors
+from corolla.client.swarm import SwarmClient, peer, remote_errors
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.swarm.p2p_io import Stream
 from corolla.swarm.routing import Hop
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import RPC_INFERENCE, InferenceStep, NextServer, StepReply
 from corolla.wire.records import block_uids
+from corolla.wire.tensors import supported_encodings
 
 CLOSE_TIMEOUT = 5.0
 REPLAY_CHUNK = 512  # tokens per message when replaying a failed server's inputs to its replacement
@@ -71,6 +72,8 @@ class SpanSession:
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
         self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
+        self.outputs: torch.Tensor | None = None  # [B, position, H]: what it replied for them (spot checks)
+        self.verified = 0  # positions [0, verified) of those outputs passed a spot check
         self.prompts: torch.Tensor | None = None  # the deep prompts last sent
         # the server's pending token tree: (its start, the path to keep once known), named by the next step
         self.tree: tuple[int, tuple[int, ...] | None] | None = None
@@ -111,7 +114,7 @@ class SpanSession:
         outputs = await self._reply(self._stream, request, step_id, hidden.shape)
         if self.observe is not None and hidden.shape[1] == 1 and not route.pushed:
             self.observe(self.hop.peer_id, time.perf_counter() - started, self.hop.end - self.hop.start)
-        self._remember(hidden, prompts, hypo_ids, start_from_position)
+        self._remember(hidden, outputs, prompts, hypo_ids, start_from_position)
         self.tree = (start_from_position, None) if tree is not None else None
         return outputs
 
@@ -124,6 +127,8 @@ class SpanSession:
         start = self.tree[0]
         kept = start + torch.tensor(path, dtype=torch.long)
         self.inputs = torch.cat([self.inputs[:, :start], self.inputs[:, kept]], dim=1)
+        if self.outputs is not None:
+            self.outputs = torch.cat([self.outputs[:, :start], self.outputs[:, kept]], dim=1)
         self.tree = (start, tuple(path))
 
     def _accepted(self, position: int) -> tuple[int, ...] | None:
@@ -203,21 +208,26 @@ class SpanSession:
             )
         return outputs
 
-    def _remember(
+    def _remember(  # noqa: PLR0913
         self,
         hidden: torch.Tensor,
+        outputs: torch.Tensor,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         start_from_position: int,
     ) -> None:
-        kept = self.inputs
-        if kept is not None:
-            kept = kept[:, :start_from_position]
-        if kept is not None and hypo_ids is not None:
-            kept = kept[hypo_ids]
-        self.inputs = hidden if kept is None or kept.shape[1] == 0 else torch.cat([kept, hidden], dim=1)
+        self.inputs = _extended(self.inputs, hidden, hypo_ids, start_from_position)
+        self.outputs = _extended(self.outputs, outputs, hypo_ids, start_from_position)
+        self.verified = min(self.verified, start_from_position)
         if prompts is not None:
             self.prompts = prompts
+
+    def rewind(self, position: int) -> None:
+        """Forget what came at and after `position` (a spot check found it wrong upstream or here)."""
+        for name in ("inputs", "outputs"):
+            kept = getattr(self, name)
+            setattr(self, name, None if kept is None or position == 0 else kept[:, :position])
+        self.verified, self.tree = min(self.verified, position), None
 
     async def replay(self, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
         """Rebuild another server's state here: send its inputs [B, T, H] from position 0, in chunks;
@@ -240,6 +250,38 @@ class SpanSession:
             pass
         finally:
             stream.close()
+
+
+def hop_encodings(swarm: SwarmClient, hops: list[Hop]) -> list[tuple[str, str]]:
+    """Per hop, the encoding of its inputs and of its outputs: the client's wire_encoding where that
+    server (and, for its outputs, the next one, which takes them by push) reads it; else lossless."""
+    wanted = swarm.config.wire_encoding
+    if wanted not in supported_encodings():
+        raise InvalidRequest(
+            f"wire_encoding {wanted!r} is not available here ({', '.join(supported_encodings())})"
+        )
+
+    def reads(hop: Hop) -> bool:
+        status = swarm.status_of(hop.peer_id)
+        return wanted == "lossless" or (status is not None and wanted in status.encodings)
+
+    pairs = []
+    for i, hop in enumerate(hops):
+        inbound = wanted if reads(hop) else "lossless"
+        later = hops[i + 1 : i + 2]
+        pairs.append((inbound, inbound if all(reads(h) for h in later) else "lossless"))
+    return pairs
+
+
+def _extended(
+    kept: torch.Tensor | None, new: torch.Tensor, hypo_ids: torch.Tensor | None, position: int
+) -> torch.Tensor:
+    """Kept per-position tensors [B, P, H] cut at `position`, rows reordered by hypo_ids, then `new`."""
+    if kept is not None:
+        kept = kept[:, :position]
+    if kept is not None and hypo_ids is not None:
+        kept = kept[hypo_ids]
+    return new if kept is None or kept.shape[1] == 0 else torch.cat([kept, new], dim=1)
 
 
 async def _end_and_drain(stream: Stream) -> None:

@@ -1,9 +1,11 @@
 """The client's view of the swarm: its DHT peer, the servers it has seen, and chains through them.
 
 A background task re-reads the DHT and pings every server (rpc_info: round-trip time and live load)
-every `refresh_period`. Routing picks the cheapest chain under those estimates (see client/estimates.py
-and swarm/routing.py), avoiding banned servers; it waits (up to `routing_timeout`) for the swarm to
-cover the blocks it needs, then raises `MissingBlocks` naming the uncovered blocks.
+every `refresh_period`. Only servers that have answered a ping are routed to: a record alone (which any
+peer can sign for itself) never makes a server. Routing picks the cheapest chain under those estimates
+(see client/estimates.py and swarm/routing.py), avoiding banned servers; it waits (up to
+`routing_timeout`) for the swarm to cover the blocks it needs, then raises `MissingBlocks` naming the
+uncovered blocks.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -28,12 +32,16 @@ from corolla.errors import (
     RemoteError,
     ServerUnavailable,
     SessionTimeout,
+    counted,
     decode_remote_error,
 )
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
 from corolla.swarm.ping import fetch_status, ping
 from corolla.swarm.routing import Hop, choose_chain, format_blocks, uncovered_blocks
 from corolla.wire.records import ServerStatus
+
+if TYPE_CHECKING:
+    from corolla.client.spot_checks import SpotChecker
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,11 @@ class SwarmClient:
         self.p2p: P2P | None = None
         self.spans: list[RemoteSpan] = []
         self.estimates = ServerEstimates()
+        self.answered: set[str] = set()  # servers that answered rpc_info: the only ones routed to
+        self.refusals: dict[str, str] = {}  # servers of a private swarm that refuse this peer: why
+        self.faulty: dict[str, str] = {}  # servers caught computing wrong outputs (banned for good): what
+        self.spot_checker: SpotChecker | None = None  # set by the model when config.spot_checks > 0
+        self.rejected_records: Counter[str] = Counter()  # unsigned or malformed records read, by reason
         self._bans: dict[str, tuple[float, int]] = {}  # peer id -> (banned until, failures so far)
         self._refreshed_at = 0.0
         self._rng = random.Random()
@@ -96,7 +109,7 @@ class SwarmClient:
         return await asyncio.shield(self._refreshing)
 
     async def _refresh(self) -> list[RemoteSpan]:
-        spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks)
+        spans = await find_spans(self.dht, self.dht_prefix, self.num_blocks, tally=self.rejected_records)
         self.spans = [s for s in spans if self._same_model(s)]
         self._refreshed_at = time.monotonic()
         banned = self.banned()
@@ -140,16 +153,24 @@ class SwarmClient:
     async def _ping(self, peer_id: str) -> None:
         # a server met for the first time gets a few pings: one round trip alone is noise
         for _ in range(1 if self.estimates.has_rtt(peer_id) else 3):
-            answer = await ping(self.p2p, peer_id, PING_TIMEOUT)
+            answer = await ping(self.p2p, peer_id, PING_TIMEOUT, self.refusals)
             if answer is None:
                 return  # unreachable now: its steps will fail over if it is used anyway
             self.estimates.ping(peer_id, *answer)
+            self.answered.add(peer_id)
 
-    async def route(
-        self, start: int = 0, end: int | None = None, needed_cache: int = 0, max_length: int = 0
+    async def route(  # noqa: PLR0913
+        self,
+        start: int = 0,
+        end: int | None = None,
+        needed_cache: int = 0,
+        max_length: int = 0,
+        avoid: Collection[str] = (),
+        wait: bool = True,
     ) -> list[Hop]:
-        """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage;
-        only servers whose inference_max_length allows `max_length` (an inference session's) count."""
+        """A chain of servers over blocks [start, end), waiting up to routing_timeout for full coverage
+        (`wait`; else MissingBlocks at once); only servers whose inference_max_length allows `max_length`
+        (an inference session's) count, and none in `avoid`."""
         end = self.num_blocks if end is None else end
         deadline = time.monotonic() + self.config.routing_timeout
         delay = 0.2
@@ -160,7 +181,9 @@ class SwarmClient:
             spans = [
                 s
                 for s in self.spans
-                if (adapter is None or adapter in s.info.adapters) and not (exact and s.info.quantized)
+                if s.peer_id in self.answered
+                and (adapter is None or adapter in s.info.adapters)
+                and not (exact and s.info.quantized)
             ]
             spans = self._long_enough(spans, start, end, max_length)
             try:
@@ -174,20 +197,27 @@ class SwarmClient:
                     needed_cache=needed_cache,
                     rng=self._rng,
                     allowed=self.config.allowed_servers,
-                    banned=self.banned(),
+                    banned=self.banned() | set(avoid),
                 )
             except MissingBlocks as e:
+                if not wait:
+                    raise
                 if time.monotonic() + delay > deadline:
-                    with_adapter = f" with adapter {adapter!r}" if adapter is not None else ""
-                    with_adapter += " with full-precision weights (exact)" if exact else ""
-                    raise MissingBlocks(
-                        f"{e.message}; waited {self.config.routing_timeout:.0f}s for servers{with_adapter}",
-                        e.blocks,
-                    ) from None
+                    self._raise_missing(e, adapter, exact)
                 logger.debug("Waiting for servers: %s", e.message)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
             await self.refresh()
+
+    def _raise_missing(self, error: MissingBlocks, adapter: str | None, exact: bool) -> None:
+        with_adapter = f" with adapter {adapter!r}" if adapter is not None else ""
+        with_adapter += " with full-precision weights (exact)" if exact else ""
+        refused = f"; {counted(len(self.refusals), 'server')} refused this peer: " if self.refusals else ""
+        refused += next(iter(self.refusals.values()), "")
+        raise MissingBlocks(
+            f"{error.message}; waited {self.config.routing_timeout:.0f}s for servers{with_adapter}{refused}",
+            error.blocks,
+        ) from None
 
     def status_of(self, peer_id: str) -> ServerStatus | None:
         """A server's record as last read from the DHT (None: not seen)."""
@@ -200,9 +230,20 @@ class SwarmClient:
         self._bans[peer_id] = (time.monotonic() + duration, failures + 1)
         logger.info("Avoiding server ...%s for %.0fs after a failure", peer_id[-6:], duration)
 
+    def ban_for_good(self, peer_id: str, reason: str) -> None:
+        """Never use a server again (this client caught it computing wrong outputs)."""
+        logger.warning("Server ...%s is faulty and banned for good: %s", peer_id[-6:], reason)
+        self.faulty[peer_id] = reason
+
+    def findings(self) -> dict:
+        """What this client found of servers: caught lying (banned for good), its spot checks' counts."""
+        checks = self.spot_checker.counts if self.spot_checker is not None else None
+        return {"faulty_servers": dict(self.faulty), "spot_checks": None if checks is None else dict(checks)}
+
     def banned(self) -> set[str]:
         now = time.monotonic()
-        return set(self.config.blocked_servers) | {p for p, (until, _) in self._bans.items() if until > now}
+        banned = {p for p, (until, _) in self._bans.items() if until > now}
+        return set(self.config.blocked_servers) | set(self.faulty) | banned
 
     async def server_info(self, peer_id: str) -> ServerStatus:
         """A server's own report (rpc_info): its span, limits and live load."""

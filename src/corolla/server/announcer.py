@@ -1,7 +1,8 @@
 """Periodic DHT announcements of a server's status (server/status.py) under every block key it hosts.
 
-Records expire after 2.5 announce periods, so a server that dies without a word disappears from
-clients' views on its own; a server that stops gracefully announces OFFLINE first.
+Records are signed with the server's identity (swarm/dht.py). They expire after 2.5 announce periods,
+so a server that dies without a word disappears from clients' views on its own; a server that stops
+gracefully announces OFFLINE first.
 """
 
 from __future__ import annotations
@@ -9,26 +10,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from hivemind import DHT
-
 from corolla.server.periodic import Periodic
-from corolla.swarm.dht import announce, announce_model
+from corolla.swarm.dht import PeerDHT, announce, announce_model
 from corolla.wire.records import ServerState, ServerStatus
 
 logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
-        dht: DHT,
+        dht: PeerDHT,
         dht_prefix: str,
-        peer_id: str,
         period: float,
         snapshot: Callable[[], ServerStatus],
         num_blocks: int,
     ):
-        self.dht, self.dht_prefix, self.peer_id, self.period = dht, dht_prefix, peer_id, period
+        self.dht, self.dht_prefix, self.period = dht, dht_prefix, period
         self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
         self.snapshot = snapshot
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
@@ -42,7 +40,7 @@ class Announcer:
 
     async def announce(self) -> bool:
         record = self.snapshot()
-        ok = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.expiration, self.leaving)
+        ok = await announce(self.dht, self.dht_prefix, record, self.expiration, self.leaving)
         if record.state == ServerState.ONLINE:
             ok &= await announce_model(self.dht, self.dht_prefix, self.num_blocks, self.expiration)
         if not ok:

@@ -22,6 +22,7 @@ from corolla.engine.engine import Engine
 from corolla.models import lora
 from corolla.models.config import ModelConfig
 from corolla.models.span import Span
+from corolla.server.faults import Fault
 from corolla.server.sessions import SessionRegistry
 from corolla.utils import release_freed_memory
 
@@ -61,10 +62,13 @@ class SpanLoader:
     # called on the engine's thread after every pass with (rows, seconds): metrics, never engine state
     pass_listeners: tuple[Callable[[int, float], None], ...] = ()
     quantize: str | None = None  # int8 | int4 weight-only (models/quantize.py)
+    fault: Fault | None = None  # testing aid: wrong outputs on purpose (server/faults.py)
 
     def load_span(self, blocks: tuple[int, int]) -> Span:
         """The blocks' weights in the dtype, quantized when asked (blocking: reads the checkpoint)."""
         span = Span.load(self.folder, blocks[0], blocks[1], self.dtype, self.quantize)
+        if self.fault is not None:
+            self.fault.apply(span.blocks)
         release_freed_memory()  # the full-precision copies that loading and quantizing let go of
         return span
 

@@ -27,7 +27,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.engine.sequence import Gradients
-from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, WireError, wire_text
+from corolla.errors import CorollaError, InvalidRequest, NotAllowed, ServerUnavailable, WireError, wire_text
 from corolla.server import validation
 from corolla.server.inference import InferenceService, StepMessage, next_within
 from corolla.server.passes import PassService, output_compression
@@ -72,18 +72,50 @@ class TransformerConnectionHandler:
         self.step_timeout = inference.config.step_timeout
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
-        both = dict(stream_input=True, stream_output=True)
-        await p2p.add_protobuf_handler(messages.RPC_INFERENCE, self.rpc_inference, ExpertRequest, **both)
-        await p2p.add_protobuf_handler(messages.RPC_FORWARD, self.rpc_forward, ExpertRequest)
-        await p2p.add_protobuf_handler(
-            messages.RPC_FORWARD_STREAM, self.rpc_forward_stream, ExpertRequest, **both
-        )
-        await p2p.add_protobuf_handler(messages.RPC_BACKWARD, self.rpc_backward, ExpertRequest)
-        await p2p.add_protobuf_handler(
-            messages.RPC_BACKWARD_STREAM, self.rpc_backward_stream, ExpertRequest, **both
-        )
-        await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertUID)
-        await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, ExpertRequest, **both)
+        streams = {
+            messages.RPC_INFERENCE: self.rpc_inference,
+            messages.RPC_FORWARD_STREAM: self.rpc_forward_stream,
+            messages.RPC_BACKWARD_STREAM: self.rpc_backward_stream,
+            messages.RPC_PUSH: self.rpc_push,
+        }
+        for name, handler in streams.items():
+            stream = self._admitted_stream(name, handler)
+            await p2p.add_protobuf_handler(name, stream, ExpertRequest, stream_input=True, stream_output=True)
+        unary = {
+            messages.RPC_FORWARD: (self.rpc_forward, ExpertRequest),
+            messages.RPC_BACKWARD: (self.rpc_backward, ExpertRequest),
+            messages.RPC_INFO: (self.rpc_info, runtime_pb2.ExpertUID),
+        }
+        for name, (handler, request_type) in unary.items():
+            await p2p.add_protobuf_handler(name, self._admitted(handler), request_type)
+
+    # --- a private swarm's admission ----------------------------------------------------------------------
+
+    def _admit(self, context: P2PContext) -> None:
+        allowed = self.config.swarm.allowed_peers
+        if allowed is not None and (peer := str(context.remote_id)) not in allowed:
+            logger.info("Refused a request from ...%s: not an allowed peer", peer[-6:])
+            raise NotAllowed(
+                f"peer {peer} is not allowed in this private swarm (see the server's --allowed-peers)"
+            )
+
+    def _admitted(self, handler: Unary) -> Unary:
+        @functools.wraps(handler)
+        async def admitted(request: Any, context: P2PContext) -> Any:
+            self._admit(context)
+            return await handler(request, context)
+
+        return admitted
+
+    def _admitted_stream(self, name: str, handler: Callable[..., AsyncIterator[ExpertResponse]]) -> Callable:
+        @functools.wraps(handler)
+        async def admitted(requests: AsyncIterator[ExpertRequest], context: P2PContext):  # noqa: ANN202
+            async with _reading_to_the_end(requests, name):
+                self._admit(context)
+            async for reply in handler(requests, context):
+                yield reply
+
+        return admitted
 
     # --- inference ------------------------------------------------------------------------------------------
 

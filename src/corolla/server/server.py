@@ -26,6 +26,7 @@ from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.server.announcer import Announcer
 from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader
+from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
@@ -63,6 +64,7 @@ class Server:
         config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        fault = Fault.parse(config.simulate_faulty) if config.simulate_faulty else None  # before joining
         source = resolve_model(config.model)
         self.model = ModelConfig.from_folder(source.path)
         self.dtype = parse_dtype(config.dtype, self.model)
@@ -85,6 +87,7 @@ class Server:
             adapters=self.adapters,
             pass_listeners=(self.metrics.observe_pass,) if self.metrics is not None else (),
             quantize=config.quantize,
+            fault=fault,
         )
         # measured on one block before choosing blocks: placement weighs the swarm by throughput
         probe = await asyncio.to_thread(loader.load_span, (0, 1))
@@ -122,9 +125,7 @@ class Server:
         if self.metrics is not None:
             self.metrics.serve(config.metrics_host, config.metrics_port, self.status.snapshot)
         await TransformerConnectionHandler(self.inference, passes, self.status).add_p2p_handlers(self.p2p)
-        self.announcer = Announcer(
-            self.dht, self.dht_prefix, self.peer_id, period, self.status.snapshot, num_blocks
-        )
+        self.announcer = Announcer(self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks)
         self.status.state = ServerState.ONLINE
         await self.announcer.announce()
         self.announcer.start()

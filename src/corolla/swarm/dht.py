@@ -1,51 +1,78 @@
 """The swarm's DHT, as client and server both use it: start a peer, announce spans, read spans.
 
 hivemind's DHT runs its node in a child process; functions passed to `dht.run_coroutine` execute there,
-so they are module-level (picklable) and return plain data. Every record read back is validated
-(`ServerStatus.from_dict`); a malformed one is skipped with a debug log, never trusted.
+so they are module-level (picklable) and return plain data. Every peer has an RSA identity (its own file,
+or a new one per run) whose key signs the records it writes; its node refuses records signed in another
+peer's name, or (a private swarm) by peers not allowed (swarm/record_checks.py). Every record read back
+is validated again here: unsigned ones are ignored, the rest read into typed records
+(`ServerStatus.from_dict`); what is refused is counted by reason (`tally`), never trusted.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Collection, Iterable, Sequence
+import tempfile
+from collections import Counter
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm import p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
+from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
+from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
 from corolla.wire.records import ServerState, ServerStatus, block_key
 
 logger = logging.getLogger(__name__)
 
-MODELS_KEY = "corolla.models"  # subkey = a model's DHT prefix, value = {"num_blocks": N}
+MODELS_KEY = "corolla.models"  # subkey = a server's (signed), value = {"dht_prefix": ..., "num_blocks": N}
 MAX_MODEL_BLOCKS = 1024
 
 
-def start_dht(config: SwarmConfig) -> DHT:
+def start_dht(config: SwarmConfig) -> PeerDHT:
     """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready."""
     p2p_io.install()
     check_listen_port(config.host, config.port)
-    try:
-        return PeerDHT(
-            initial_peers=list(config.initial_peers) or None,
-            start=True,
-            client_mode=config.client_mode,
-            host_maddrs=config.host_maddrs,
-            announce_maddrs=config.announce_maddrs,
-            identity_path=config.identity_path,
-            nat_port_map=config.use_nat_port_map,
-            num_workers=4,
-        )
-    except P2PDaemonError as e:
-        raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+    with _identity_file(config.identity_path) as (path, fresh):
+        key = load_identity(path)
+        validators = record_validators(key, config.allowed_peers)
+        try:
+            return PeerDHT(
+                key,
+                validators,
+                initial_peers=list(config.initial_peers) or None,
+                start=True,
+                client_mode=config.client_mode,
+                host_maddrs=config.host_maddrs,
+                announce_maddrs=config.announce_maddrs,
+                identity_path=str(path),
+                check_if_identity_free=not fresh,
+                nat_port_map=config.use_nat_port_map,
+                num_workers=4,
+            )
+        except P2PDaemonError as e:
+            raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+
+
+@contextmanager
+def _identity_file(path: str | None) -> Iterator[tuple[Path, bool]]:
+    """(the identity file, whether it is new): the given one, or a new key in a private folder that is
+    removed once the daemon has read it."""
+    if path is not None:
+        yield Path(path), not Path(path).exists()
+        return
+    with tempfile.TemporaryDirectory(prefix="corolla-identity-") as folder:
+        yield Path(folder) / "identity.key", True
 
 
 class PeerDHT(DHT):
@@ -56,7 +83,20 @@ class PeerDHT(DHT):
     wrote it into the parent's event loop (a second signal there: no drain) and never exited, not even on
     DHT.shutdown()'s SIGTERM, so the parent hung at exit joining it. SIGTERM and SIGHUP end the child
     (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
+
+    It also holds the peer's identity key (`subkey`: what its records are signed under) and its node's
+    record checks, whose counters `rejected_records` reads from the child.
     """
+
+    def __init__(self, key: RSAPrivateKey, validators: list, **kwargs):
+        self.identity = key
+        self.owner_check = next(v for v in validators if isinstance(v, OwnerCheck))
+        super().__init__(record_validators=validators, **kwargs)
+
+    @property
+    def subkey(self) -> str:
+        """The subkey of this peer's records: its peer id and the public key they are signed with."""
+        return owned_subkey(peer_id_of_identity(self.identity), self.identity)
 
     def run(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -84,38 +124,57 @@ class RemoteSpan:
 
 
 async def announce(
-    dht: DHT,
-    dht_prefix: str,
-    peer_id: str,
-    record: ServerStatus,
-    expiration: float,
-    also: Iterable[int] = (),
+    dht: PeerDHT, dht_prefix: str, record: ServerStatus, expiration: float, also: Iterable[int] = ()
 ) -> bool:
-    """Store `record` under every block key of its span (and of the blocks `also`: a server that moves
-    overwrites its records for the blocks it leaves); returns whether every store succeeded."""
+    """Store `record`, signed, under every block key of its span (and of the blocks `also`: a server that
+    moves overwrites its records for the blocks it leaves); returns whether every store succeeded."""
     indices = sorted(set(range(record.start, record.end)) | set(also))
     keys = [block_key(dht_prefix, i) for i in indices]
-    store = partial(_store_records, keys=keys, subkey=peer_id, value=record.to_dict(), ttl=expiration)
+    store = partial(_store_records, keys=keys, subkey=dht.subkey, value=record.to_dict(), ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 
 
-async def announce_model(dht: DHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
+async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
     """List the model under MODELS_KEY, so that tools (`corolla status`) find it without being told."""
-    store = partial(
-        _store_records, keys=[MODELS_KEY], subkey=dht_prefix, value={"num_blocks": num_blocks}, ttl=expiration
-    )
+    value = {"dht_prefix": dht_prefix, "num_blocks": num_blocks}
+    store = partial(_store_records, keys=[MODELS_KEY], subkey=dht.subkey, value=value, ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 
 
-async def find_models(dht: DHT) -> dict[str, int]:
+async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, int]:
     """The models servers have announced recently: DHT prefix -> number of blocks."""
     found = await dht.run_coroutine(partial(_read_records, keys=[MODELS_KEY]), return_future=True)
+    tally = Counter() if tally is None else tally
     models = {}
-    for prefix, value in found.get(MODELS_KEY, {}).items():
-        blocks = value.get("num_blocks") if isinstance(value, dict) else None
-        if isinstance(blocks, int) and not isinstance(blocks, bool) and 0 < blocks <= MAX_MODEL_BLOCKS:
-            models[prefix] = blocks
+    for subkey, value in found.get(MODELS_KEY, {}).items():
+        if _owner(subkey, tally) is None:
+            continue
+        value = value if isinstance(value, dict) else {}
+        prefix, blocks = value.get("dht_prefix"), value.get("num_blocks")
+        if (
+            isinstance(prefix, str)
+            and 0 < len(prefix) <= 256
+            and isinstance(blocks, int)
+            and not isinstance(blocks, bool)
+            and 0 < blocks <= MAX_MODEL_BLOCKS
+        ):
+            models[prefix] = max(blocks, models.get(prefix, 0))
+        else:
+            tally["malformed"] += 1
     return dict(sorted(models.items()))
+
+
+def _owner(subkey: str, tally: Counter) -> str | None:
+    """The peer that signed a record (its node checked the signature), or None: counted and ignored."""
+    owner = record_owner(subkey)
+    if owner is None:
+        tally["unsigned"] += 1
+    return owner
+
+
+async def rejected_records(dht: DHT) -> dict[str, int]:
+    """Records this peer's DHT node refused (bad signatures, another peer's name, not allowed), by reason."""
+    return await dht.run_coroutine(rejected_counts, return_future=True)
 
 
 async def _store_records(
@@ -129,22 +188,31 @@ async def _store_records(
 
 
 async def find_spans(
-    dht: DHT, dht_prefix: str, num_blocks: int, states: Collection[ServerState] = (ServerState.ONLINE,)
+    dht: DHT,
+    dht_prefix: str,
+    num_blocks: int,
+    states: Collection[ServerState] = (ServerState.ONLINE,),
+    tally: Counter | None = None,
 ) -> list[RemoteSpan]:
     """Every server that announced one of `states` for some block of the model, with its announced span.
 
     A server counts only for the blocks under which its record was actually found, so a stale or lying
-    announcement cannot claim blocks it never stored.
+    announcement cannot claim blocks it never stored. Unsigned and malformed records are counted in
+    `tally` (by reason) and skipped.
     """
     keys = [block_key(dht_prefix, i) for i in range(num_blocks)]
     found = await dht.run_coroutine(partial(_read_records, keys=keys), return_future=True)
+    tally = Counter() if tally is None else tally
     blocks_by_peer: dict[str, set[int]] = {}
     records: dict[str, ServerStatus] = {}
     for index, key in enumerate(keys):
-        for peer_id, raw in found.get(key, {}).items():
+        for subkey, raw in found.get(key, {}).items():
+            if (peer_id := _owner(subkey, tally)) is None:
+                continue
             try:
                 record = ServerStatus.from_dict(raw)
             except InvalidRequest as e:
+                tally["malformed"] += 1
                 logger.debug("Skipping a malformed record of %s under %s: %s", peer_id, key, e)
                 continue
             if record.state not in states or not record.start <= index < record.end:

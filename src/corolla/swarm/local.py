@@ -117,9 +117,11 @@ class LocalSwarm:
         num_threads: int = 1,
         server_args: Sequence[str] = (),
         start_timeout: float = 180.0,
+        dht_args: Sequence[str] = (),
     ):
         self.model, self.spans, self.dht_prefix = model, list(spans), dht_prefix
         self.num_threads, self.server_args, self.start_timeout = num_threads, list(server_args), start_timeout
+        self.dht_args = list(dht_args)  # e.g. a private swarm's --identity and --allowed-peers
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="corolla-swarm-")
         self.workdir = Path(workdir or self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,10 @@ class LocalSwarm:
     def start(self) -> LocalSwarm:
         try:
             self.dht = PeerProcess(
-                "dht", ["dht", "--host", "127.0.0.1", "--no-nat-port-map"], self.workdir / "dht.log", self.env
+                "dht",
+                ["dht", "--host", "127.0.0.1", "--no-nat-port-map", *self.dht_args],
+                self.workdir / "dht.log",
+                self.env,
             )
             self.initial_peers = [self.dht.wait_for(READY_DHT, self.start_timeout).group(1)]
             started = [self.add_server(span, wait=False) for span in self.spans]

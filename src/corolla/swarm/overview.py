@@ -20,7 +20,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from corolla.errors import counted
-from corolla.swarm.dht import RemoteSpan, find_spans
+from corolla.swarm.dht import RemoteSpan, find_spans, rejected_records
 from corolla.swarm.ping import ping
 from corolla.wire.records import ServerState
 
@@ -36,6 +36,9 @@ class SwarmOverview:
     coverage: tuple[int, ...]  # ONLINE servers of this model per block
     taken_at: float
     model_fingerprint: str = ""  # the model's; servers announcing another are shown, not counted
+    # DHT records refused by this peer (bad signatures, signed in another's name, unsigned, malformed,
+    # not allowed), by reason: (reason, count) pairs
+    rejected_records: tuple[tuple[str, int], ...] = ()
 
     def other_model(self, span: RemoteSpan) -> bool:
         return not span.info.serves_model(self.model_fingerprint)
@@ -57,6 +60,7 @@ class SwarmOverview:
             "taken_at": self.taken_at,
             "uncovered": list(self.uncovered),
             "model_fingerprint": self.model_fingerprint,
+            "rejected_records": dict(self.rejected_records),
         }
 
 
@@ -103,14 +107,16 @@ async def read_overview(
 ) -> SwarmOverview:
     """With `p2p`, each server's figures are its live report (rpc_info) rather than its last announcement,
     which may be an announce period old; a server that does not answer in time keeps its announced ones."""
-    spans = await find_spans(dht, model, num_blocks, SHOWN_STATES)
+    tally = Counter(await rejected_records(dht))
+    spans = await find_spans(dht, model, num_blocks, SHOWN_STATES, tally)
     if p2p is not None:
         answers = await asyncio.gather(*(ping(p2p, span.peer_id, LIVE_TIMEOUT) for span in spans))
         spans = [
             span if answer is None else dataclasses.replace(span, info=answer[1])
             for span, answer in zip(spans, answers, strict=True)
         ]
-    return build_overview(model, num_blocks, spans, model_fingerprint)
+    overview = build_overview(model, num_blocks, spans, model_fingerprint)
+    return dataclasses.replace(overview, rejected_records=tuple(sorted(tally.items())))
 
 
 def format_table(overview: SwarmOverview) -> str:
@@ -121,6 +127,9 @@ def format_table(overview: SwarmOverview) -> str:
     lines.append(f"coverage (servers per block, 0-{overview.num_blocks - 1}): {counts}")
     uncovered = overview.uncovered
     lines.append(f"uncovered blocks: {_ranges(uncovered)}" if uncovered else "every block is covered")
+    if overview.rejected_records:
+        refused = ", ".join(f"{count} {reason}" for reason, count in overview.rejected_records)
+        lines.append(f"DHT records refused (never used): {refused}")
     header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "weights")
     rows = [
         (

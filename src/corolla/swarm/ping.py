@@ -10,8 +10,10 @@ import asyncio
 import time
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from corolla.errors import NotAllowed, decode_remote_error
 from corolla.wire.messages import RPC_INFO
 from corolla.wire.records import ServerStatus
 
@@ -28,11 +30,20 @@ async def fetch_status(p2p: P2P, peer_id: str, timeout: float) -> ServerStatus:
     return ServerStatus.from_bytes(reply.serialized_info)
 
 
-async def ping(p2p: P2P, peer_id: str, timeout: float) -> tuple[float, ServerStatus] | None:
-    """(round-trip seconds, the server's report), or None if it did not answer properly in time."""
+async def ping(
+    p2p: P2P, peer_id: str, timeout: float, refusals: dict[str, str] | None = None
+) -> tuple[float, ServerStatus] | None:
+    """(round-trip seconds, the server's report), or None if it did not answer properly in time. A private
+    swarm's server that refuses this peer (NotAllowed) gets its reason noted in `refusals`."""
     started = time.perf_counter()
     try:
         status = await fetch_status(p2p, peer_id, timeout)
+    except P2PHandlerError as e:
+        if refusals is not None and isinstance(error := decode_remote_error(str(e)), NotAllowed):
+            refusals[peer_id] = error.message
+        return None
     except Exception:  # unreachable, dead, timed out or a garbled reply: all mean "no answer"
         return None
+    if refusals is not None:
+        refusals.pop(peer_id, None)
     return time.perf_counter() - started, status

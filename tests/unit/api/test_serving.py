@@ -46,6 +46,7 @@ class FakeModel:
         self.tokenizer, self.eos_token_ids = Tokenizer(), (EOS,)
         self.config = SimpleNamespace(vocab_size=1000, max_position_embeddings=256)
         self.runtime = LoopThread("fake-model")
+        self.swarm = SimpleNamespace(spot_checker=None, faulty={}, rejected_records={})  # found nothing
         self.script, self.hang, self.error = script, hang, error
         self.cancelled = threading.Event()
         self.prompts: list[torch.Tensor] = []

@@ -1,0 +1,111 @@
+"""How far honest replicas' outputs drift from each other, and how far faulty servers' do: the spot-check
+tolerance is set between the two (client/spot_checks.py).
+
+SmolLM2-135M-Instruct's spans 0:10, 10:20 and 20:30, loaded here in every precision a server can run
+(float32, bfloat16 and float16 computation; int8 and int4 weights), each run over the same inputs: the
+float32 model's hidden states entering the span for the 8 benchmark prompts (bench/prompts.py, chat
+template applied, every position). For every pair of precisions, the per-position deviation
+`|a - b| / |b|` (L2 over the hidden size; what the client compares) is summarised (median, p99, max);
+then each `--simulate-faulty` mode (server/faults.py) on float32 against honest float32; the pairs once
+more for the span of all 30 blocks alone (a server of every block drifts the most). JSON to stdout.
+
+    python bench/spot_check_calibration.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+from corolla.client.spot_checks import deviation  # noqa: E402
+from corolla.models.head import ModelHead  # noqa: E402
+from corolla.models.source import resolve_model  # noqa: E402
+from corolla.models.span import Span  # noqa: E402
+from corolla.server.faults import Fault  # noqa: E402
+from prompts import PROMPTS  # noqa: E402
+
+SPANS = ((0, 10), (10, 20), (20, 30), (0, 30))  # three servers' spans, and one server of every block
+PRECISIONS = {
+    "float32": (torch.float32, None),
+    "bfloat16": (torch.bfloat16, None),
+    "float16": (torch.float16, None),
+    "int8": (torch.float32, "int8"),
+    "int4": (torch.float32, "int4"),
+}
+FAULTS = ("noise:0.1", "noise:0.03", "skip-layer", "wrong-weights", "garbage-after:0")
+
+
+def span_inputs(folder: Path) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Per span, the float32 model's hidden states entering it, one [1, T, H] tensor per prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    head = ModelHead.load(folder)
+    spans = [Span.load(folder, *blocks) for blocks in SPANS[:3]]
+    inputs = {blocks: [] for blocks in SPANS}
+    with torch.no_grad():
+        for _, text in PROMPTS:
+            chat = [{"role": "user", "content": text}]
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+            ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+            hidden = head.embed(ids)
+            inputs[(0, 30)].append(hidden)
+            for span in spans:
+                inputs[(span.start, span.end)].append(hidden)
+                hidden = span(hidden)
+    return inputs
+
+
+def run(span: Span, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [span(x.to(span.dtype)).float() for x in inputs]
+
+
+def summary(values: torch.Tensor) -> dict:
+    return {
+        "median": round(values.median().item(), 5),
+        "p99": round(values.quantile(0.99).item(), 5),
+        "max": round(values.max().item(), 5),
+    }
+
+
+def deviations(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([deviation(x, y).flatten() for x, y in zip(a, b, strict=True)])
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    folder = Path(resolve_model("smollm2").path)
+    inputs = span_inputs(folder)
+    report = {"model": "SmolLM2-135M-Instruct", "positions": sum(x.shape[1] for x in inputs[SPANS[0]])}
+    honest, faulty = {}, {}
+    for blocks in SPANS:
+        outputs = {
+            name: run(Span.load(folder, *blocks, dtype, quantize), inputs[blocks])
+            for name, (dtype, quantize) in PRECISIONS.items()
+        }
+        for a, b in itertools.combinations(PRECISIONS, 2):
+            honest.setdefault(f"{a} vs {b}", []).append(deviations(outputs[a], outputs[b]))
+        for mode in FAULTS:
+            span = Span.load(folder, *blocks)
+            Fault.parse(mode).apply(span.blocks)
+            faulty.setdefault(mode, []).append(deviations(run(span, inputs[blocks]), outputs["float32"]))
+        print(f"spans {blocks} done", file=sys.stderr, flush=True)
+    report["honest_pairs"] = {pair: summary(torch.cat(values)) for pair, values in honest.items()}
+    report["honest_pairs_blocks_0_30"] = {pair: summary(values[-1]) for pair, values in honest.items()}
+    report["faults_vs_float32"] = {mode: summary(torch.cat(values)) for mode, values in faulty.items()}
+    report["faults_min"] = {mode: round(torch.cat(v).min().item(), 5) for mode, v in faulty.items()}
+    report["honest_max"] = max(s["max"] for s in report["honest_pairs"].values())
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

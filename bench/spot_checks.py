@@ -1,0 +1,153 @@
+"""Spot checks against lying servers: detection, false alarms on honest mixed-precision replicas, overhead.
+
+SmolLM2-135M-Instruct on 127.0.0.1 (no NAT port mapping, one torch thread per process), servers of all
+30 blocks. Sections, one after the other:
+
+- false alarms: honest replicas in float32 (two), bfloat16 and int8; spot checks on every step (share
+  1.0) over the 8 prompts (bench/prompts.py) x 128 tokens, over 1,000 steps, each check comparing two
+  replicas (of any precisions): servers accused.
+- overhead: the same replicas; decode tokens/s over the 8 prompts x 64 tokens without spot checks and at
+  `--share`, median of `--runs` rounds, and their ratio.
+- detection: two float32 replicas slowed by --simulate-slow-ms (clients prefer a faster server); for each
+  --simulate-faulty mode a faulty server joins and a client with spot checks on `--share` of the steps
+  generates 64 greedy tokens for 4 prompts through it. Reported: whether the tokens equal the honest
+  ones, how many wrong tokens were generated before a check caught the server (what the generation
+  withdrew), and whether it was banned.
+
+JSON to stdout, logs to stderr.
+
+    python bench/spot_checks.py [--share 0.1] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
+from corolla.swarm.local import LocalSwarm  # noqa: E402
+from prompts import PROMPTS  # noqa: E402
+
+FAULTS = ("noise:0.1", "noise:0.03", "skip-layer", "wrong-weights", "garbage-after:40")
+HONEST = (["--dtype", "float32"], ["--dtype", "bfloat16"], ["--quantize", "int8"])
+SLOW = ["--simulate-slow-ms", "20"]
+
+
+def connect(swarm: LocalSwarm, share: float) -> DistributedModelForCausalLM:
+    config = swarm.client_config(spot_checks=share, routing_timeout=30.0)
+    return DistributedModelForCausalLM.from_pretrained("smollm2", config=config)
+
+
+def prompt_ids(model: DistributedModelForCausalLM) -> list[torch.Tensor]:
+    tokenizer = model.tokenizer
+    ids = []
+    for _, text in PROMPTS:
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        ids.append(torch.tensor([tokenizer(chat, add_special_tokens=False).input_ids]))
+    return ids
+
+
+def generate(model: DistributedModelForCausalLM, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], int]:
+    """Greedy tokens, and how many tokens the generation withdrew (spot checks caught a liar)."""
+    tokens, withdrawn = [], 0
+    for step in model.runtime.iterate(model.agenerate_steps(ids, max_new_tokens=new_tokens, ignore_eos=True)):
+        if step.withdrawn:
+            withdrawn = max(withdrawn, step.withdrawn)
+            del tokens[len(tokens) - step.withdrawn :]
+        else:
+            tokens.append(int(step.tokens[0]))
+    return tokens, withdrawn
+
+
+def detection(swarm: LocalSwarm, share: float, prompts: list[torch.Tensor], honest: list[list[int]]) -> dict:
+    results = {}
+    for fault in FAULTS:
+        liar = swarm.add_server((0, 30), ["--simulate-faulty", fault, "--simulate-slow-ms", "0"])
+        try:
+            with connect(swarm, share) as model:
+                for server in swarm.servers[:2]:  # timed as slow, which they are: the liar is preferred
+                    model.swarm.estimates.observe_step(server.peer_id, 0.5, 30)
+                model.swarm.estimates.observe_step(liar.peer_id, 0.05, 30)
+                runs = [generate(model, ids, 64) for ids in prompts]
+                results[fault] = {
+                    "identical_to_honest": [tokens for tokens, _ in runs] == honest,
+                    "wrong_tokens_before_caught": [withdrawn for _, withdrawn in runs],
+                    "banned": liar.peer_id in model.swarm.faulty,
+                    "checks": dict(model.swarm.spot_checker.counts),
+                }
+        finally:
+            swarm.servers.remove(liar)
+            liar.stop()
+        print(f"{fault}: {results[fault]}", file=sys.stderr, flush=True)
+    return results
+
+
+def false_alarms(swarm: LocalSwarm, prompts: list[torch.Tensor]) -> dict:
+    with connect(swarm, 1.0) as model:
+        steps = 0
+        for ids in prompts:
+            generate(model, ids, 128)
+            steps += 128
+        return {
+            "steps": steps,
+            "accused": len(model.swarm.faulty),
+            "checks": dict(model.swarm.spot_checker.counts),
+        }
+
+
+def tokens_per_s(swarm: LocalSwarm, share: float, prompts: list[torch.Tensor], runs: int) -> float:
+    with connect(swarm, share) as model:
+        generate(model, prompts[0], 8)  # warm-up
+        rates = []
+        for _ in range(runs):
+            started, count = time.perf_counter(), 0
+            for ids in prompts:
+                count += len(generate(model, ids, 64)[0])
+            rates.append(count / (time.perf_counter() - started))
+        return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--share", type=float, default=0.1, help="spot checks' share of steps")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    report = {"model": "SmolLM2-135M-Instruct", "share": args.share}
+    common = ["--max-cache-tokens", "4096", "--num-threads", "1"]
+    with LocalSwarm("smollm2", [], server_args=common) as swarm:
+        for extra in (*HONEST[:1], *HONEST):
+            swarm.add_server((0, 30), extra)
+        with connect(swarm, 0.0) as model:
+            prompts = prompt_ids(model)
+        report["false_alarms"] = false_alarms(swarm, prompts)
+        plain = tokens_per_s(swarm, 0.0, prompts, args.runs)
+        checked = tokens_per_s(swarm, args.share, prompts, args.runs)
+        report["overhead"] = {
+            "tokens_per_s_off": round(plain, 2),
+            "tokens_per_s_on": round(checked, 2),
+            "ratio": round(checked / plain, 3),
+        }
+    with LocalSwarm("smollm2", [(0, 30), (0, 30)], server_args=[*common, *SLOW]) as swarm:
+        with connect(swarm, 0.0) as model:
+            honest = [generate(model, ids, 64)[0] for ids in prompts[:4]]
+        report["detection"] = detection(swarm, args.share, prompts[:4], honest)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

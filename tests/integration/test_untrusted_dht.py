@@ -1,0 +1,106 @@
+"""Forging peers against a real swarm's DHT: records no one can forge, servers that must answer.
+
+Two raw hivemind DHT nodes join a 2-server swarm: one stores whatever it likes (no validators), the other
+signs records with its own key. They try to overwrite a real server's record (announcing it OFFLINE with
+other blocks), to announce in its name (unsigned, and signed with the forger's key), and to inject a fake
+server with an attractive record of its own. The honest client keeps routing through the real servers
+only, generates exactly the reference model's tokens, and counts what it refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from corolla.swarm.dht import _read_records
+from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity
+from corolla.swarm.local import LocalSwarm
+from corolla.swarm.overview import read_overview
+from corolla.wire.records import ServerState, ServerStatus, block_key
+from swarm_helpers import connect, reference_generate
+from tiny_models import load_reference
+
+PREFIX = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    with LocalSwarm(str(tiny_models["llama"]), [(0, 3), (3, 6)]) as swarm:
+        yield swarm
+
+
+def raw_node(swarm: LocalSwarm, **kwargs) -> DHT:
+    return DHT(
+        initial_peers=swarm.initial_peers,
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        nat_port_map=False,
+        **kwargs,
+    )
+
+
+def forge(dht: DHT, subkey: str, record: ServerStatus, blocks: range) -> None:
+    expiration = get_dht_time() + 600  # outlives the server's own records
+    for index in blocks:
+        dht.store(block_key(PREFIX, index), record.to_dict(), expiration, subkey=subkey)
+
+
+def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
+    victim = pair.servers[0]
+    reference = load_reference(tiny_models["llama"])
+    prompt = torch.tensor([[1, 5, 9, 22, 7]])
+    expected = reference_generate(reference, prompt, max_new_tokens=8)
+    with connect(tiny_models["llama"], pair) as model:
+        found = model.runtime.run(
+            model.swarm.dht.run_coroutine(
+                partial(_read_records, keys=[block_key(PREFIX, 0)]), return_future=True
+            )
+        )
+        [(victim_subkey, raw)] = [
+            (k, v) for k, v in found[block_key(PREFIX, 0)].items() if k.startswith(victim.peer_id)
+        ]
+        honest = ServerStatus.from_dict(raw)
+        lure = dataclasses.replace(honest, start=0, end=6, throughput=1e6, cache_tokens_available=10**9)
+
+        blunt = raw_node(pair)  # stores anything: no validators at all
+        forger_key = load_identity(tmp_path / "forger.key")
+        signer = raw_node(
+            pair,
+            identity_path=str(tmp_path / "forger.key"),
+            record_validators=[RSASignatureValidator(forger_key)],
+        )
+        forger_id = peer_id_of_identity(forger_key)
+        try:
+            offline = dataclasses.replace(honest, state=ServerState.OFFLINE, start=0, end=6)
+            forge(blunt, victim_subkey, offline, range(6))  # overwrite (and take down) the victim's record
+            forge(blunt, victim.peer_id, lure, range(6))  # unsigned, in the victim's name
+            forge(signer, owned_subkey(victim.peer_id, forger_key), lure, range(6))  # signed, victim's name
+            forge(signer, owned_subkey(forger_id, forger_key), lure, range(6))  # a fake server of its own
+
+            spans = model.runtime.run(model.swarm.refresh())
+            by_peer = {span.peer_id: span for span in spans}
+            assert by_peer[victim.peer_id].info.state == ServerState.ONLINE
+            assert (by_peer[victim.peer_id].start, by_peer[victim.peer_id].end) == (0, 3)
+            assert forger_id in by_peer  # its own signed record is read ...
+            assert forger_id not in model.swarm.answered  # ... but it never answered rpc_info
+            for _ in range(5):
+                hops = model.runtime.run(model.swarm.route())
+                assert [hop.peer_id for hop in hops] == [victim.peer_id, pair.servers[1].peer_id]
+            tokens = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+            assert torch.equal(tokens, expected)
+
+            overview = model.runtime.run(read_overview(model.swarm.dht, PREFIX, 6))
+            refused = dict(overview.rejected_records)
+            assert refused.get("unsigned", 0) >= 1, refused
+            assert refused.get("bad signature", 0) + refused.get("signed in another peer's name", 0) >= 1, (
+                refused
+            )
+        finally:
+            blunt.shutdown()
+            signer.shutdown()
