@@ -40,6 +40,7 @@ from corolla.swarm.local import LocalSwarm  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
 FAULTS = ("noise:0.1", "noise:0.03", "skip-layer", "wrong-weights", "garbage-after:40")
+SECTIONS = ("false_alarms", "overhead", "detection")
 HONEST = (["--dtype", "float32"], ["--dtype", "bfloat16"], ["--quantize", "int8"])
 SLOW = ["--simulate-slow-ms", "20"]
 
@@ -126,6 +127,9 @@ def main() -> None:
     )
     parser.add_argument("--share", type=float, default=0.1, help="spot checks' share of steps")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--sections", nargs="+", default=SECTIONS, choices=SECTIONS, help="run only these (default: all)"
+    )
     args = parser.parse_args()
     report = {"model": "SmolLM2-135M-Instruct", "share": args.share}
     common = ["--max-cache-tokens", "4096", "--num-threads", "1"]
@@ -134,14 +138,19 @@ def main() -> None:
             swarm.add_server((0, 30), extra)
         with connect(swarm, 0.0) as model:
             prompts = prompt_ids(model)
-        report["false_alarms"] = false_alarms(swarm, prompts)
-        plain = tokens_per_s(swarm, 0.0, prompts, args.runs)
-        checked = tokens_per_s(swarm, args.share, prompts, args.runs)
-        report["overhead"] = {
-            "tokens_per_s_off": round(plain, 2),
-            "tokens_per_s_on": round(checked, 2),
-            "ratio": round(checked / plain, 3),
-        }
+        if "false_alarms" in args.sections:
+            report["false_alarms"] = false_alarms(swarm, prompts)
+        if "overhead" in args.sections:
+            plain = tokens_per_s(swarm, 0.0, prompts, args.runs)
+            checked = tokens_per_s(swarm, args.share, prompts, args.runs)
+            report["overhead"] = {
+                "tokens_per_s_off": round(plain, 2),
+                "tokens_per_s_on": round(checked, 2),
+                "ratio": round(checked / plain, 3),
+            }
+    if "detection" not in args.sections:
+        print(json.dumps(report, indent=2))
+        return
     with LocalSwarm("smollm2", [(0, 30), (0, 30)], server_args=[*common, *SLOW]) as swarm:
         with connect(swarm, 0.0) as model:
             honest = [generate(model, ids, 64)[0] for ids in prompts[:4]]

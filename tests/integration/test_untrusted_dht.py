@@ -57,11 +57,13 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
     prompt = torch.tensor([[1, 5, 9, 22, 7]])
     expected = reference_generate(reference, prompt, max_new_tokens=8)
     with connect(tiny_models["llama"], pair) as model:
-        found = model.runtime.run(
-            model.swarm.dht.run_coroutine(
+
+        async def read_block_0() -> dict:  # on the client's loop: hivemind's futures need one
+            return await model.swarm.dht.run_coroutine(
                 partial(_read_records, keys=[block_key(PREFIX, 0)]), return_future=True
             )
-        )
+
+        found = model.runtime.run(read_block_0())
         [(victim_subkey, raw)] = [
             (k, v) for k, v in found[block_key(PREFIX, 0)].items() if k.startswith(victim.peer_id)
         ]

@@ -205,18 +205,16 @@ class InferenceSession:
         failed = self.spans[index]
         self.swarm.ban(failed.hop.peer_id)
         self.swarm.estimates.release([failed.hop])
-        closing = asyncio.create_task(failed.close())  # its server is gone or broken: do not wait for it
+        # its server is gone or broken: do not wait for it (nor for the spot checks' shadow of it)
+        closing = asyncio.ensure_future(asyncio.gather(failed.close(), self.swarm.release_checks([failed])))
         self._background.add(closing)
         closing.add_done_callback(self._background.discard)
         started = time.perf_counter()
         replacement = await self._open_chain(failed.hop.start, failed.hop.end)
-        inputs = failed.inputs
+        inputs, prompts, start = failed.inputs, failed.prompts, failed.hop.start
         for span in replacement:
-            if inputs is not None:
-                prompts = failed.prompts
-                if prompts is not None:
-                    prompts = prompts[span.hop.start - failed.hop.start : span.hop.end - failed.hop.start]
-                inputs = await span.replay(inputs, prompts)
+            part = None if prompts is None else prompts[span.hop.start - start : span.hop.end - start]
+            inputs = None if inputs is None else await span.replay(inputs, part)
         self.spans[index : index + 1] = replacement
         self.num_failovers += 1
         logger.info(
@@ -266,7 +264,8 @@ class InferenceSession:
             return
         self.closed = True
         self.swarm.estimates.release(span.hop for span in self.spans)
-        await asyncio.gather(*(span.close() for span in self.spans), return_exceptions=True)
+        closing = [*(span.close() for span in self.spans), self.swarm.release_checks(self.spans)]
+        await asyncio.gather(*closing, return_exceptions=True)
 
     # --- synchronous facade ---------------------------------------------------------------------------------
 

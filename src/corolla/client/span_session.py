@@ -219,6 +219,8 @@ class SpanSession:
         self.inputs = _extended(self.inputs, hidden, hypo_ids, start_from_position)
         self.outputs = _extended(self.outputs, outputs, hypo_ids, start_from_position)
         self.verified = min(self.verified, start_from_position)
+        if hypo_ids is not None and not torch.equal(hypo_ids, torch.arange(len(hypo_ids))):
+            self.verified = 0  # rows reordered: a spot check's shadow must see the new rows from the start
         if prompts is not None:
             self.prompts = prompts
 

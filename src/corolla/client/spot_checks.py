@@ -5,16 +5,17 @@ relative to the reference's norm. Honest replicas in other precisions (bfloat16,
 stay well within TOLERANCE; every simulated fault (server/faults.py) goes far past it
 (bench/spot_check_calibration.py measures both).
 
-A check of one hop of an inference session re-runs everything that hop has computed (its kept inputs,
-from position 0: attention needs the whole context) as one forward pass on a chain of other servers over
-the same blocks, and compares the outputs not yet verified. Outputs that disagree get a third opinion
-from servers outside both chains; the side that the third opinion contradicts is faulty (both, when
+A check of one hop of an inference session sends what that hop has computed since its last check to a
+shadow session on other servers over the same blocks (client/shadows.py), and compares the outputs not
+yet verified. Outputs that disagree get a third opinion from servers outside both chains (the whole
+history as one forward pass there); the side that the third opinion contradicts is faulty (both, when
 there is no third opinion: a client cannot tell). Faulty servers are banned for good by this client,
 reported (log, counters) and the session rewinds to the first wrong position (client/inference_session.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections import Counter
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from corolla.client.remote_passes import remote_forward
+from corolla.client.shadows import Shadow, open_shadow
 from corolla.client.swarm import RETRYABLE
 from corolla.errors import CorollaError, MissingBlocks
 from corolla.swarm.routing import Hop
@@ -79,30 +81,31 @@ class SpotChecker:
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()  # passed, failed, unchecked (no other server), third opinions
         self.found: dict[str, str] = {}  # peer id -> what a check found
+        self._shadows: dict[str, Shadow] = {}  # span session id -> its shadow
 
     def offsets(self, num_hops: int) -> list[int]:
         """Per hop, the step in each window of `window` steps at which it is checked."""
         return [self.rng.randrange(self.window) for _ in range(num_hops)] if self.window else []
 
-    async def check(self, hop: Hop, inputs: torch.Tensor, outputs: torch.Tensor, start: int) -> Verdict:
-        """Check `outputs` [B, T, H] at positions [start, T) of `hop`, which computed them from `inputs`."""
-        avoid = {hop.peer_id}
-        reference, checkers = await self._recompute(hop, inputs, avoid)
+    async def check(self, span: SpanSession) -> Verdict:
+        """Check the span session's outputs not yet verified, on its shadow (client/shadows.py)."""
+        hop, start, inputs, outputs = span.hop, span.verified, span.inputs, span.outputs
+        reference, checkers = await self._shadow_outputs(span, start)
         if reference is None:
             self.counts["unchecked"] += 1
             return Verdict(None)
-        wrong = first_wrong(outputs[:, start:], reference[:, start:])
+        wrong = first_wrong(outputs[:, start:], reference)
         if wrong is None:
             self.counts["passed"] += 1
             return Verdict(None)
         self.counts["third opinions"] += 1
-        third, _ = await self._recompute(hop, inputs, avoid | set(checkers))
+        third, _ = await self._recompute(hop, inputs, {hop.peer_id, *checkers})
         if third is not None and first_wrong(outputs[:, start:], third[:, start:]) is None:
             self._report(checkers, f"disagreed with two others on blocks {hop.start}:{hop.end}")
             return Verdict(None, tuple(checkers))  # the checked outputs are right after all
         # the checked server disagrees with every other opinion; with no third one, both sides are out
         faulty = (hop.peer_id,) if third is not None else (hop.peer_id, *checkers)
-        seen = float(deviation(outputs[:, start:], reference[:, start:]).max())
+        seen = float(deviation(outputs[:, start:], reference).max())
         self._report(faulty, f"wrong outputs for blocks {hop.start}:{hop.end} (deviation {seen:.3g})")
         return Verdict(start + wrong, faulty)
 
@@ -115,11 +118,34 @@ class SpotChecker:
             if not due[index] or span.outputs is None or span.verified >= span.outputs.shape[1]:
                 continue
             checked = span.outputs.shape[1]
-            verdict = await self.check(span.hop, span.inputs, span.outputs, span.verified)
+            verdict = await self.check(span)
             if span.hop.peer_id not in verdict.faulty:
                 span.verified = checked
             if verdict.faulty:
                 yield index, verdict
+
+    async def _shadow_outputs(self, span: SpanSession, start: int) -> tuple[torch.Tensor | None, list[str]]:
+        """The shadow's outputs for the span's positions [start, T), and its servers (None: no shadow)."""
+        shadow = self._shadows.get(span.session_id)
+        if shadow is not None and any(peer in self.swarm.banned() for peer in shadow.peers):
+            await self.release([span])
+            shadow = None
+        if shadow is None:
+            shadow = await open_shadow(self.swarm, span)
+            if shadow is None:
+                return None, []
+            self._shadows[span.session_id] = shadow
+        try:
+            return await shadow.outputs(span.inputs, start), shadow.peers
+        except RETRYABLE as e:
+            logger.info("A spot check of ...%s could not run: %s", span.hop.peer_id[-6:], e)
+            await self.release([span])
+            return None, []
+
+    async def release(self, spans: list[SpanSession]) -> None:
+        """Close the shadows of these span sessions (they ended, or their server was replaced)."""
+        shadows = [self._shadows.pop(span.session_id, None) for span in spans]
+        await asyncio.gather(*(shadow.close() for shadow in shadows if shadow is not None))
 
     async def _recompute(
         self, hop: Hop, inputs: torch.Tensor, avoid: set[str]
@@ -128,7 +154,8 @@ class SpotChecker:
         such chain now, or it failed), and those servers."""
         try:
             chain = await self.swarm.route(hop.start, hop.end, avoid=avoid, wait=False)
-        except MissingBlocks:
+        except MissingBlocks as e:
+            logger.warning("No other servers to check ...%s on: %s", hop.peer_id[-6:], e)
             return None, []
         hidden, config = inputs, self.swarm.config
         try:
@@ -137,7 +164,7 @@ class SpotChecker:
                     self.swarm.p2p, link, self.swarm.dht_prefix, hidden, config.request_timeout
                 )
         except (*RETRYABLE, CorollaError) as e:
-            logger.info("A spot check of ...%s could not run: %s", hop.peer_id[-6:], e)
+            logger.warning("A spot check of ...%s could not run: %s", hop.peer_id[-6:], e)
             return None, []
         return hidden, [link.peer_id for link in chain]
 

@@ -240,6 +240,11 @@ class SwarmClient:
         checks = self.spot_checker.counts if self.spot_checker is not None else None
         return {"faulty_servers": dict(self.faulty), "spot_checks": None if checks is None else dict(checks)}
 
+    async def release_checks(self, spans: list) -> None:
+        """The spot checks' shadows of these span sessions are no longer needed (client/shadows.py)."""
+        if self.spot_checker is not None:
+            await self.spot_checker.release(spans)
+
     def banned(self) -> set[str]:
         now = time.monotonic()
         banned = {p for p, (until, _) in self._bans.items() if until > now}
