@@ -1,11 +1,9 @@
 """What a client knows of each server, turned into routing estimates.
 
 Four sources, freshest first: step times this client observed itself (a server that is slow in practice
-is seen as slow whatever it announces; one not yet timed is taken at its word only up to the speed of
-the fastest server timed: an announcement alone never beats a measurement), round-trip times of its
-pings (rpc_info, which also reports live load), the server's own DHT announcement (throughput,
-sessions), and how many of this client's sessions run there right now (known at once, so a burst of new
-sessions spreads over replicas).
+is seen as slow whatever it announces), round-trip times of its pings (rpc_info, which also reports live
+load), the server's own DHT announcement (throughput, sessions), and how many of this client's sessions
+run there right now (known at once, so a burst of new sessions spreads over replicas).
 """
 
 from __future__ import annotations
@@ -54,10 +52,9 @@ class ServerEstimates:
     def estimate(self, span: RemoteSpan) -> Estimate:
         peer_id = span.peer_id
         seconds_per_block = self.observed.get(peer_id)
-        if seconds_per_block is None:  # a claim, never faster than the fastest server this client has timed
+        if seconds_per_block is None:
             throughput = span.info.throughput
-            claimed = 1 / throughput if throughput else DEFAULT_SECONDS_PER_BLOCK
-            seconds_per_block = max(claimed, min(self.observed.values(), default=0.0))
+            seconds_per_block = 1 / throughput if throughput else DEFAULT_SECONDS_PER_BLOCK
         info = self.infos.get(peer_id)
         others = info.num_sessions if info is not None else span.info.num_sessions
         free = info.cache_tokens_available if info is not None else span.info.cache_tokens_available
