@@ -7,7 +7,9 @@ float32 model's hidden states entering the span for the 8 benchmark prompts (ben
 template applied, every position). For every pair of precisions, the per-position deviation
 `|a - b| / |b|` (L2 over the hidden size; what the client compares) is summarised (median, p99, max);
 then each `--simulate-faulty` mode (server/faults.py) on float32 against honest float32; the pairs once
-more for the span of all 30 blocks alone (a server of every block drifts the most). JSON to stdout.
+more for the span of all 30 blocks alone (a server of every block drifts the most). The same for backward
+passes of the three spans (gradients wrt the inputs for fixed random output gradients, compared per
+prompt as one vector, as spot checks of training compare them). JSON to stdout.
 
     python bench/spot_check_calibration.py
 """
@@ -69,6 +71,19 @@ def run(span: Span, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [span(x.to(span.dtype)).float() for x in inputs]
 
 
+def gradients(span: Span, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per prompt, the gradient wrt the span's inputs for fixed random output gradients (a backward pass
+    as a server runs it), as one vector [1, 1, T * H]: spot checks compare a backward's result whole."""
+    results = []
+    for index, x in enumerate(inputs):
+        x = x.clone().requires_grad_(True)
+        outputs = span(x.to(span.dtype)).float()
+        generator = torch.Generator().manual_seed(index)
+        outputs.backward(torch.randn(outputs.shape, generator=generator))
+        results.append(x.grad.reshape(1, 1, -1))
+    return results
+
+
 def summary(values: torch.Tensor) -> dict:
     return {
         "median": round(values.median().item(), 5),
@@ -81,12 +96,30 @@ def deviations(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([deviation(x, y).flatten() for x, y in zip(a, b, strict=True)])
 
 
+def measure_gradients(
+    folder: Path, blocks: tuple[int, int], inputs: list, honest: dict, faulty: dict
+) -> None:
+    """Backward passes of the span in every precision, and with every fault, against float32."""
+    grads = {}
+    for name, (dtype, quantize) in PRECISIONS.items():
+        try:
+            grads[name] = gradients(Span.load(folder, *blocks, dtype, quantize), inputs)
+        except (RuntimeError, NotImplementedError) as e:  # a precision without backward support
+            print(f"no gradients in {name}: {e}", file=sys.stderr)
+    for a, b in itertools.combinations(grads, 2):
+        honest.setdefault(f"{a} vs {b}", []).append(deviations(grads[a], grads[b]))
+    for mode in FAULTS:
+        span = Span.load(folder, *blocks)
+        Fault.parse(mode).apply(span.blocks)
+        faulty.setdefault(mode, []).append(deviations(gradients(span, inputs), grads["float32"]))
+
+
 def main() -> None:
     torch.manual_seed(0)
     folder = Path(resolve_model("smollm2").path)
     inputs = span_inputs(folder)
     report = {"model": "SmolLM2-135M-Instruct", "positions": sum(x.shape[1] for x in inputs[SPANS[0]])}
-    honest, faulty = {}, {}
+    honest, faulty, grad_honest, grad_faulty = {}, {}, {}, {}
     for blocks in SPANS:
         outputs = {
             name: run(Span.load(folder, *blocks, dtype, quantize), inputs[blocks])
@@ -98,12 +131,17 @@ def main() -> None:
             span = Span.load(folder, *blocks)
             Fault.parse(mode).apply(span.blocks)
             faulty.setdefault(mode, []).append(deviations(run(span, inputs[blocks]), outputs["float32"]))
+        if blocks != SPANS[-1]:
+            measure_gradients(folder, blocks, inputs[blocks], grad_honest, grad_faulty)
         print(f"spans {blocks} done", file=sys.stderr, flush=True)
     report["honest_pairs"] = {pair: summary(torch.cat(values)) for pair, values in honest.items()}
     report["honest_pairs_blocks_0_30"] = {pair: summary(values[-1]) for pair, values in honest.items()}
     report["faults_vs_float32"] = {mode: summary(torch.cat(values)) for mode, values in faulty.items()}
     report["faults_min"] = {mode: round(torch.cat(v).min().item(), 5) for mode, v in faulty.items()}
     report["honest_max"] = max(s["max"] for s in report["honest_pairs"].values())
+    report["gradients_honest_pairs"] = {pair: summary(torch.cat(v)) for pair, v in grad_honest.items()}
+    report["gradients_faults_vs_float32"] = {mode: summary(torch.cat(v)) for mode, v in grad_faulty.items()}
+    report["gradients_honest_max"] = max(s["max"] for s in report["gradients_honest_pairs"].values())
     print(json.dumps(report, indent=2))
 
 

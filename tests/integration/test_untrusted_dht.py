@@ -18,7 +18,7 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from corolla.swarm.dht import _read_records
+from corolla.swarm.dht import read_records
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity
 from corolla.swarm.local import LocalSwarm
 from corolla.swarm.overview import read_overview
@@ -60,7 +60,7 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
 
         async def read_block_0() -> dict:  # on the client's loop: hivemind's futures need one
             return await model.swarm.dht.run_coroutine(
-                partial(_read_records, keys=[block_key(PREFIX, 0)]), return_future=True
+                partial(read_records, keys=[block_key(PREFIX, 0)]), return_future=True
             )
 
         found = model.runtime.run(read_block_0())

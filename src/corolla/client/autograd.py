@@ -20,9 +20,14 @@ import torch
 
 from corolla.client.remote_passes import remote_backward, remote_forward
 from corolla.client.runtime import LoopThread
+from corolla.client.spot_checks import Run
 from corolla.client.swarm import RETRYABLE, SwarmClient
 from corolla.errors import ServerUnavailable, counted
 from corolla.swarm.routing import Hop
+
+
+class FaultyServer(ServerUnavailable):
+    """A spot check caught a hop's server computing wrong gradients (it is banned for good)."""
 
 
 @dataclass
@@ -76,6 +81,9 @@ async def _through(
         except RETRYABLE as e:
             hops[index : index + 1] = await retries.replace(hop, e)
             continue
+        if not await _checked(swarm, hop, outputs, _forward_on(swarm, hidden, prompts)):
+            hops[index : index + 1] = await swarm.route(hop.start, hop.end)  # without the faulty server
+            continue
         trace.append((hop, hidden))
         hidden, index = outputs, index + 1
     return hidden, trace
@@ -94,6 +102,9 @@ async def chain_backward(
         hop, inputs = pending.pop()
         try:
             grad_inputs, hop_grad_prompts = await _backward_rows(swarm, hop, inputs, grad, prompts)
+            checked = _backward_on(swarm, inputs, grad, prompts)
+            if not await _checked(swarm, hop, _joined(grad_inputs, hop_grad_prompts), checked):
+                raise FaultyServer(f"server ...{hop.peer_id[-6:]} computed wrong gradients")
         except RETRYABLE as e:
             # the replacement chain's inputs, recomputed from the failed hop's; then its backward runs
             replacement = await retries.replace(hop, e)
@@ -105,6 +116,51 @@ async def chain_backward(
         if grad_prompts is not None and hop_grad_prompts is not None:
             grad_prompts[hop.start : hop.end] += hop_grad_prompts
     return grad, grad_prompts
+
+
+async def _checked(swarm: SwarmClient, hop: Hop, result: torch.Tensor, run: Run) -> bool:
+    """Whether a hop's pass stands: True unless this pass was drawn for a spot check and failed it."""
+    checker = swarm.spot_checker
+    return checker is None or not checker.draw() or await checker.check_pass(hop, result, run)
+
+
+def _forward_on(swarm: SwarmClient, hidden: torch.Tensor, prompts: torch.Tensor | None) -> Run:
+    """The forward pass of `hidden` through a chain of other servers (a spot check's)."""
+
+    async def run(chain: list[Hop]) -> torch.Tensor:
+        outputs = hidden
+        for hop in chain:
+            outputs = await _forward_rows(swarm, hop, outputs, prompts)
+        return outputs
+
+    return run
+
+
+def _backward_on(
+    swarm: SwarmClient, inputs: torch.Tensor, grad: torch.Tensor, prompts: torch.Tensor | None
+) -> Run:
+    """The backward pass of the same blocks through a chain of other servers (a spot check's): the
+    chain's forward gives each of its hops' inputs, then its backward runs; the gradients joined."""
+
+    async def run(chain: list[Hop]) -> torch.Tensor:
+        trace, hidden = [], inputs
+        for hop in chain:
+            trace.append((hop, hidden))
+            hidden = await _forward_rows(swarm, hop, hidden, prompts) if hop is not chain[-1] else hidden
+        grads, grad_inputs = [], grad
+        for hop, hop_inputs in reversed(trace):
+            grad_inputs, hop_grad_prompts = await _backward_rows(swarm, hop, hop_inputs, grad_inputs, prompts)
+            grads.insert(0, hop_grad_prompts)
+        prompt_grads = None if grads[0] is None else torch.cat(grads)
+        return _joined(grad_inputs, prompt_grads)
+
+    return run
+
+
+def _joined(grad_inputs: torch.Tensor, grad_prompts: torch.Tensor | None) -> torch.Tensor:
+    """A backward's gradients as one vector, as spot checks compare them."""
+    parts = [grad_inputs] if grad_prompts is None else [grad_inputs, grad_prompts]
+    return torch.cat([part.flatten().float() for part in parts])
 
 
 def _row_groups(hidden: torch.Tensor, max_tokens: int) -> list[slice]:

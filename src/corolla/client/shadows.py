@@ -58,7 +58,14 @@ async def open_shadow(swarm: SwarmClient, checked: SpanSession) -> Shadow | None
     except MissingBlocks:
         return None
     spans = [
-        SpanSession(swarm.p2p, link, swarm.dht_prefix, checked.max_length, swarm.config.request_timeout)
+        SpanSession(
+            swarm.p2p,
+            link,
+            swarm.dht_prefix,
+            checked.max_length,
+            swarm.config.request_timeout,
+            active_adapter=swarm.config.active_adapter,
+        )
         for link in hops
     ]
     results = await asyncio.gather(*(span.open() for span in spans), return_exceptions=True)

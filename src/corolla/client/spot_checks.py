@@ -11,6 +11,10 @@ yet verified. Outputs that disagree get a third opinion from servers outside bot
 history as one forward pass there); the side that the third opinion contradicts is faulty (both, when
 there is no third opinion: a client cannot tell). Faulty servers are banned for good by this client,
 reported (log, counters) and the session rewinds to the first wrong position (client/inference_session.py).
+
+Training passes (client/autograd.py) are checked the same way, each hop's forward and backward with
+probability `share`: the pass is run again on other servers and its result compared as one vector (a
+backward's gradients wrt the inputs and the deep prompts); a faulty hop's pass is redone on other servers.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,10 +53,18 @@ def deviation(outputs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (outputs - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(EPSILON)
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A result compared as one vector (a training pass's gradients: positions are not compared alone)."""
+    return tensor.reshape(1, 1, -1)
+
+
 def first_wrong(outputs: torch.Tensor, reference: torch.Tensor) -> int | None:
     """The first position [B, T, H] where any row deviates past TOLERANCE (None: all agree)."""
     wrong = (deviation(outputs, reference) > TOLERANCE).any(dim=0).nonzero()
     return int(wrong[0]) if len(wrong) else None
+
+
+Run = Callable[[list[Hop]], Awaitable[torch.Tensor]]  # a pass run again on a chain of other servers
 
 
 class Rewound(Exception):  # noqa: N818 (an event the generation loop handles, not an error)
@@ -94,20 +106,87 @@ class SpotChecker:
         if reference is None:
             self.counts["unchecked"] += 1
             return Verdict(None)
-        wrong = first_wrong(outputs[:, start:], reference)
+        result = outputs[:, start:]
+        wrong = first_wrong(result, reference)
         if wrong is None:
             self.counts["passed"] += 1
             return Verdict(None)
+
+        async def history(chain: list[Hop]) -> torch.Tensor:  # every position again, as one forward pass
+            return (await self._forward(chain, inputs))[:, start:]
+
+        faulty = await self._judge(hop, result, reference, checkers, history)
+        return Verdict(start + wrong if hop.peer_id in faulty else None, faulty)
+
+    def draw(self) -> bool:
+        """Whether to check this training pass of a hop (each is checked with probability `share`)."""
+        return self.share > 0 and self.rng.random() < self.share
+
+    async def check_pass(self, hop: Hop, result: torch.Tensor, run: Run) -> bool:
+        """Whether a training pass's `result` of `hop` (its outputs or its gradients, compared as one
+        vector) stands, by running the pass again elsewhere (`run` on a chain of other servers over the
+        same blocks). False: its server is faulty (banned for good) and the pass must be redone."""
+        reference, checkers = await self._elsewhere(hop, run, {hop.peer_id})
+        if reference is None:
+            self.counts["unchecked"] += 1
+            return True
+        if first_wrong(_whole(result), _whole(reference)) is None:
+            self.counts["passed"] += 1
+            return True
+        return hop.peer_id not in await self._judge(hop, result, reference, checkers, run, whole=True)
+
+    async def _judge(  # noqa: PLR0913
+        self,
+        hop: Hop,
+        result: torch.Tensor,
+        reference: torch.Tensor,
+        checkers: list[str],
+        run: Run,
+        whole: bool = False,
+    ) -> tuple[str, ...]:
+        """`hop`'s result and its checkers' reference disagree: more opinions decide who is faulty
+        (`_opinions`). Reports and returns the faulty servers."""
         self.counts["third opinions"] += 1
-        third, _ = await self._recompute(hop, inputs, {hop.peer_id, *checkers})
-        if third is not None and first_wrong(outputs[:, start:], third[:, start:]) is None:
-            self._report(checkers, f"disagreed with two others on blocks {hop.start}:{hop.end}")
-            return Verdict(None, tuple(checkers))  # the checked outputs are right after all
-        # the checked server disagrees with every other opinion; with no third one, both sides are out
-        faulty = (hop.peer_id,) if third is not None else (hop.peer_id, *checkers)
-        seen = float(deviation(outputs[:, start:], reference).max())
-        self._report(faulty, f"wrong outputs for blocks {hop.start}:{hop.end} (deviation {seen:.3g})")
-        return Verdict(start + wrong, faulty)
+        shape = _whole if whole else (lambda tensor: tensor)
+
+        def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return first_wrong(shape(a), shape(b)) is None
+
+        faulty = await self._opinions(hop, result, reference, checkers, run, agree)
+        if hop.peer_id not in faulty:  # the checked result is right after all
+            self._report(faulty, f"disagreed with two others on blocks {hop.start}:{hop.end}")
+        else:
+            seen = float(deviation(shape(result), shape(reference)).max())
+            self._report(faulty, f"wrong outputs for blocks {hop.start}:{hop.end} (deviation {seen:.3g})")
+        return faulty
+
+    async def _opinions(  # noqa: PLR0913
+        self,
+        hop: Hop,
+        result: torch.Tensor,
+        reference: torch.Tensor,
+        checkers: list[str],
+        run: Run,
+        agree: Callable[[torch.Tensor, torch.Tensor], bool],
+    ) -> tuple[str, ...]:
+        """Who is faulty, supposing one server of the two chains is (a liar changes every chain it is in).
+
+        A chain of servers outside both decides. Without one (too few replicas), one chain per checker that
+        avoids it and the checked server: one that agrees with the checked result convicts the checkers it
+        avoided; one that agrees with the reference clears the checker it avoided, and the checked server
+        is faulty once every checker is cleared. Undecided, both sides are faulty (the client uses neither).
+        """
+        opinion, _ = await self._elsewhere(hop, run, {hop.peer_id, *checkers})
+        if opinion is not None:
+            return tuple(checkers) if agree(result, opinion) else (hop.peer_id,)
+        cleared = set()
+        for checker in checkers if len(checkers) > 1 else ():
+            opinion, servers = await self._elsewhere(hop, run, {hop.peer_id, checker})
+            if opinion is not None and agree(result, opinion):
+                return tuple(c for c in checkers if c not in servers)
+            if opinion is not None and agree(reference, opinion):
+                cleared.add(checker)
+        return (hop.peer_id,) if cleared == set(checkers) else (hop.peer_id, *checkers)
 
     async def check_spans(
         self, spans: list[SpanSession], due: list[bool]
@@ -147,26 +226,33 @@ class SpotChecker:
         shadows = [self._shadows.pop(span.session_id, None) for span in spans]
         await asyncio.gather(*(shadow.close() for shadow in shadows if shadow is not None))
 
-    async def _recompute(
-        self, hop: Hop, inputs: torch.Tensor, avoid: set[str]
-    ) -> tuple[torch.Tensor | None, list[str]]:
-        """The outputs of blocks [hop.start, hop.end) for `inputs` on servers not in `avoid` (None: no
-        such chain now, or it failed), and those servers."""
+    async def _elsewhere(self, hop: Hop, run: Run, avoid: set[str]) -> tuple[torch.Tensor | None, list[str]]:
+        """`run` on a chain of servers over blocks [hop.start, hop.end), none in `avoid` (None: no such
+        chain now, or it failed), and those servers."""
         try:
             chain = await self.swarm.route(hop.start, hop.end, avoid=avoid, wait=False)
         except MissingBlocks as e:
-            logger.warning("No other servers to check ...%s on: %s", hop.peer_id[-6:], e)
+            logger.info("No other servers to check ...%s on: %s", hop.peer_id[-6:], e)
             return None, []
-        hidden, config = inputs, self.swarm.config
         try:
-            for link in chain:
-                hidden = await remote_forward(
-                    self.swarm.p2p, link, self.swarm.dht_prefix, hidden, config.request_timeout
-                )
+            result = await run(chain)
         except (*RETRYABLE, CorollaError) as e:
             logger.warning("A spot check of ...%s could not run: %s", hop.peer_id[-6:], e)
             return None, []
-        return hidden, [link.peer_id for link in chain]
+        return result, [link.peer_id for link in chain]
+
+    async def _forward(self, chain: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
+        swarm = self.swarm
+        for link in chain:
+            hidden = await remote_forward(
+                swarm.p2p,
+                link,
+                swarm.dht_prefix,
+                hidden,
+                swarm.config.request_timeout,
+                adapter=swarm.config.active_adapter,
+            )
+        return hidden
 
     def _report(self, peers: tuple[str, ...] | list[str], what: str) -> None:
         for peer_id in peers:

@@ -37,6 +37,7 @@ from corolla.errors import (
 )
 from corolla.swarm.dht import RemoteSpan, find_spans, start_dht
 from corolla.swarm.ping import fetch_status, ping
+from corolla.swarm.reports import report_faulty
 from corolla.swarm.routing import Hop, choose_chain, format_blocks, uncovered_blocks
 from corolla.wire.records import ServerStatus
 
@@ -72,6 +73,7 @@ class SwarmClient:
         self._rng = random.Random()
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
+        self._reporting: asyncio.Future | None = None  # this client's report of faulty servers, being stored
 
     async def start(self) -> None:
         self.dht = await asyncio.to_thread(start_dht, self.config.swarm)
@@ -87,7 +89,7 @@ class SwarmClient:
                 logger.debug("Background refresh failed", exc_info=True)
 
     async def shutdown(self) -> None:
-        for task in (self._refresher, self._refreshing):
+        for task in (self._refresher, self._refreshing, self._reporting):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -159,6 +161,14 @@ class SwarmClient:
             self.estimates.ping(peer_id, *answer)
             self.answered.add(peer_id)
 
+    async def _ping_silent(self, avoid: Collection[str]) -> bool:
+        """Ping again the servers found that have not answered yet (a missed ping under load must not
+        leave blocks uncovered for a whole refresh period); whether any of them answered now."""
+        skip = self.banned() | set(avoid) | self.answered
+        silent = {s.peer_id for s in self.spans if s.peer_id not in skip}
+        await asyncio.gather(*(self._ping(peer_id) for peer_id in silent))
+        return bool(silent & self.answered)
+
     async def route(  # noqa: PLR0913
         self,
         start: int = 0,
@@ -200,6 +210,8 @@ class SwarmClient:
                     banned=self.banned() | set(avoid),
                 )
             except MissingBlocks as e:
+                if await self._ping_silent(avoid):
+                    continue  # servers that missed their last ping answered now: route again
                 if not wait:
                     raise
                 if time.monotonic() + delay > deadline:
@@ -234,6 +246,14 @@ class SwarmClient:
         """Never use a server again (this client caught it computing wrong outputs)."""
         logger.warning("Server ...%s is faulty and banned for good: %s", peer_id[-6:], reason)
         self.faulty[peer_id] = reason
+        if self.dht is not None:  # told to the swarm's operators (swarm/reports.py), in the background
+            self._reporting = asyncio.ensure_future(self._report())
+
+    async def _report(self) -> None:
+        try:
+            await report_faulty(self.dht, self.dht_prefix, self.faulty)
+        except Exception:  # a DHT hiccup: the report is for people, the ban stands regardless
+            logger.debug("Could not store this client's report of faulty servers", exc_info=True)
 
     def findings(self) -> dict:
         """What this client found of servers: caught lying (banned for good), its spot checks' counts."""

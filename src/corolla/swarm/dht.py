@@ -130,24 +130,24 @@ async def announce(
     moves overwrites its records for the blocks it leaves); returns whether every store succeeded."""
     indices = sorted(set(range(record.start, record.end)) | set(also))
     keys = [block_key(dht_prefix, i) for i in indices]
-    store = partial(_store_records, keys=keys, subkey=dht.subkey, value=record.to_dict(), ttl=expiration)
+    store = partial(store_records, keys=keys, subkey=dht.subkey, value=record.to_dict(), ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 
 
 async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
     """List the model under MODELS_KEY, so that tools (`corolla status`) find it without being told."""
     value = {"dht_prefix": dht_prefix, "num_blocks": num_blocks}
-    store = partial(_store_records, keys=[MODELS_KEY], subkey=dht.subkey, value=value, ttl=expiration)
+    store = partial(store_records, keys=[MODELS_KEY], subkey=dht.subkey, value=value, ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 
 
 async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, int]:
     """The models servers have announced recently: DHT prefix -> number of blocks."""
-    found = await dht.run_coroutine(partial(_read_records, keys=[MODELS_KEY]), return_future=True)
+    found = await dht.run_coroutine(partial(read_records, keys=[MODELS_KEY]), return_future=True)
     tally = Counter() if tally is None else tally
     models = {}
     for subkey, value in found.get(MODELS_KEY, {}).items():
-        if _owner(subkey, tally) is None:
+        if signer_of(subkey, tally) is None:
             continue
         value = value if isinstance(value, dict) else {}
         prefix, blocks = value.get("dht_prefix"), value.get("num_blocks")
@@ -164,7 +164,7 @@ async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, int]:
     return dict(sorted(models.items()))
 
 
-def _owner(subkey: str, tally: Counter) -> str | None:
+def signer_of(subkey: str, tally: Counter) -> str | None:
     """The peer that signed a record (its node checked the signature), or None: counted and ignored."""
     owner = record_owner(subkey)
     if owner is None:
@@ -177,7 +177,7 @@ async def rejected_records(dht: DHT) -> dict[str, int]:
     return await dht.run_coroutine(rejected_counts, return_future=True)
 
 
-async def _store_records(
+async def store_records(
     dht: DHT, node: DHTNode, keys: list[str], subkey: str, value: dict, ttl: float
 ) -> bool:
     expiration = get_dht_time() + ttl
@@ -201,13 +201,13 @@ async def find_spans(
     `tally` (by reason) and skipped.
     """
     keys = [block_key(dht_prefix, i) for i in range(num_blocks)]
-    found = await dht.run_coroutine(partial(_read_records, keys=keys), return_future=True)
+    found = await dht.run_coroutine(partial(read_records, keys=keys), return_future=True)
     tally = Counter() if tally is None else tally
     blocks_by_peer: dict[str, set[int]] = {}
     records: dict[str, ServerStatus] = {}
     for index, key in enumerate(keys):
         for subkey, raw in found.get(key, {}).items():
-            if (peer_id := _owner(subkey, tally)) is None:
+            if (peer_id := signer_of(subkey, tally)) is None:
                 continue
             try:
                 record = ServerStatus.from_dict(raw)
@@ -242,7 +242,7 @@ def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus) 
     return RemoteSpan(peer_id, blocks[0], end, record)
 
 
-async def _read_records(dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:
+async def read_records(dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     result: dict[str, dict[str, object]] = {}
     for key, entry in found.items():

@@ -14,6 +14,7 @@ fork server started with, which are the first local swarm's; thread counts are s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -59,7 +60,10 @@ class ForkedPeer:
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
+        """Signal it, if it still runs (the fork server, its parent, reaps it: it can be gone before its
+        exit code reaches us)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
 
     def kill_group(self) -> None:
         """SIGKILL its process group (its DHT process and daemon too), or itself if it has none yet."""
@@ -67,7 +71,7 @@ class ForkedPeer:
             os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:  # it had not started its own session yet
             if self._process.exitcode is None:
-                os.kill(self.pid, signal.SIGKILL)
+                self.send_signal(signal.SIGKILL)
 
 
 def _peer_main(args: list[str], log_path: str, env: dict[str, str]) -> None:

@@ -10,6 +10,7 @@ DHT child processes and libp2p daemons of every peer go too. Only processes star
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -215,14 +216,16 @@ class LocalSwarm:
         server.peer_id, server.blocks = match.group(1), (int(match.group(2)), int(match.group(3)))
 
     def stop(self) -> None:
-        for api in self.apis:
-            api.stop()
+        """Stop every peer, even if stopping one of them fails (that error is raised once all are done)."""
+        peers = [*self.apis, *self.servers, *([self.dht] if self.dht is not None else [])]
         for server in self.servers:
             server.signal(signal.SIGTERM)  # all at once: their shutdowns overlap
-        for server in self.servers:
-            server.stop()
-        if self.dht is not None:
-            self.dht.stop()
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._cleanup)  # runs last
+            for peer in reversed(peers):  # the stack stops them in order: APIs, servers, the DHT
+                stack.callback(peer.stop)
+
+    def _cleanup(self) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -22,6 +22,7 @@ from hivemind.p2p import P2P
 from corolla.errors import counted
 from corolla.swarm.dht import RemoteSpan, find_spans, rejected_records
 from corolla.swarm.ping import ping
+from corolla.swarm.reports import find_reports
 from corolla.wire.records import ServerState
 
 SHOWN_STATES = (ServerState.JOINING, ServerState.ONLINE)
@@ -39,6 +40,8 @@ class SwarmOverview:
     # DHT records refused by this peer (bad signatures, signed in another's name, unsigned, malformed,
     # not allowed), by reason: (reason, count) pairs
     rejected_records: tuple[tuple[str, int], ...] = ()
+    # servers that clients' spot checks caught (swarm/reports.py): (peer id, what each client found)
+    reported_faulty: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def other_model(self, span: RemoteSpan) -> bool:
         return not span.info.serves_model(self.model_fingerprint)
@@ -61,6 +64,7 @@ class SwarmOverview:
             "uncovered": list(self.uncovered),
             "model_fingerprint": self.model_fingerprint,
             "rejected_records": dict(self.rejected_records),
+            "reported_faulty": {peer_id: list(reasons) for peer_id, reasons in self.reported_faulty},
         }
 
 
@@ -115,8 +119,13 @@ async def read_overview(
             span if answer is None else dataclasses.replace(span, info=answer[1])
             for span, answer in zip(spans, answers, strict=True)
         ]
+    reports = await find_reports(dht, model, tally)
     overview = build_overview(model, num_blocks, spans, model_fingerprint)
-    return dataclasses.replace(overview, rejected_records=tuple(sorted(tally.items())))
+    return dataclasses.replace(
+        overview,
+        rejected_records=tuple(sorted(tally.items())),
+        reported_faulty=tuple((peer_id, tuple(reasons)) for peer_id, reasons in reports.items()),
+    )
 
 
 def format_table(overview: SwarmOverview) -> str:
@@ -130,6 +139,9 @@ def format_table(overview: SwarmOverview) -> str:
     if overview.rejected_records:
         refused = ", ".join(f"{count} {reason}" for reason, count in overview.rejected_records)
         lines.append(f"DHT records refused (never used): {refused}")
+    for peer_id, reasons in overview.reported_faulty:
+        by = counted(len(reasons), "client")
+        lines.append(f"reported faulty by the spot checks of {by}: ...{peer_id[-8:]} ({reasons[0]})")
     header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "weights")
     rows = [
         (

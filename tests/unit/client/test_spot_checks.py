@@ -1,12 +1,16 @@
-"""Spot checks' pure logic: the comparison, the schedule, a generation's rewind to its first wrong token."""
+"""Spot checks' pure logic: the comparison, the schedule, who is judged faulty, a generation's rewind to its
+first wrong token."""
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
 from corolla.client.generation import Chooser, RowEnds
 from corolla.client.sampling import SamplingParams
 from corolla.client.spot_checks import TOLERANCE, SpotChecker, deviation, first_wrong
+from corolla.swarm.routing import Hop
 
 
 def test_deviation_is_relative_per_position():
@@ -42,3 +46,45 @@ def test_a_rewound_chooser_chooses_the_same_tokens_again():
         assert first.num_chosen == 2 and first.context.tolist() == [[5, 6, *tokens[:2]]]
         again = [int(first.choose(x).tokens) for x in logits[2:]]
         assert again == tokens[2:]  # the sampler's state went back with it
+
+
+class Swarm:  # what the checker's verdicts touch of a swarm client: bans
+    def __init__(self):
+        self.faulty = {}
+
+    def ban_for_good(self, peer_id, reason):
+        self.faulty[peer_id] = reason
+
+
+def judged(liar: str, chains: dict[frozenset, list[str]]) -> tuple[str, ...]:
+    """The verdict on checked server S, checked by the chain A (blocks 0:3) + C (3:6), when the chain
+    that avoids each set of servers is `chains[avoided]` (absent: none) and `liar` corrupts every chain
+    it is in."""
+    right, wrong = torch.ones(1, 4, 8), -torch.ones(1, 4, 8)
+
+    def outcome(servers):
+        return wrong if liar in servers else right
+
+    async def elsewhere(hop, run, avoid):
+        servers = chains.get(frozenset(avoid))
+        return (None, []) if servers is None else (outcome(servers), servers)
+
+    checker = SpotChecker(Swarm(), share=1.0)
+    checker._elsewhere = elsewhere
+    hop = Hop("S", 0, 6)
+    verdict = asyncio.run(checker._judge(hop, outcome(["S"]), outcome(["A", "C"]), ["A", "C"], run=None))
+    assert set(checker.swarm.faulty) == set(verdict)
+    return verdict
+
+
+def test_a_disagreement_is_decided_by_other_chains_or_bans_both_sides():
+    outside = {frozenset({"S", "A", "C"}): ["B"]}  # a server outside both chains
+    assert judged("S", outside) == ("S",)
+    assert judged("A", outside) == ("A", "C")  # the checkers' chain lied: a client cannot tell which
+    # too few replicas for that: one chain per checker, avoiding it (and S)
+    per_checker = {frozenset({"S", "A"}): ["B", "C"], frozenset({"S", "C"}): ["A"]}
+    assert judged("S", per_checker) == ("S",)  # both agree with the checkers: every checker is cleared
+    assert judged("A", per_checker) == ("A",)  # B + C agrees with S: A, which it avoided, lied
+    assert judged("C", per_checker) == ("C",)
+    assert judged("S", {frozenset({"S", "A"}): ["B", "C"]}) == ("S", "A", "C")  # C never cleared
+    assert judged("S", {}) == ("S", "A", "C")

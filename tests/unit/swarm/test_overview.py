@@ -1,9 +1,13 @@
-"""The swarm overview: servers of another model under the same prefix are shown and not counted."""
+"""The swarm overview: servers of another model under the same prefix are shown and not counted; what
+clients reported is shown."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.overview import build_overview, format_table
+from corolla.swarm.reports import MAX_REASON, MAX_REPORTED, well_formed
 from corolla.wire.records import ServerStatus
 
 
@@ -31,3 +35,17 @@ def test_a_given_fingerprint_wins_and_servers_without_one_are_taken_on_trust():
     assert overview.coverage == (1,) * 4 + (2,) * 4  # peer-c and peer-d count; peer-a and peer-b do not
     assert "1 server" in format_table(build_overview("m", 8, [old])).splitlines()[0]
     assert "1 servers" not in format_table(build_overview("m", 8, [old]))
+
+
+def test_reports_of_faulty_servers_are_shown_and_only_well_formed_ones_read():
+    overview = dataclasses.replace(
+        build_overview("m", 8, SERVERS), reported_faulty=(("peer-b", ("wrong outputs", "wrong outputs")),)
+    )
+    assert "reported faulty by the spot checks of 2 clients: ...peer-b (wrong outputs)" in format_table(
+        overview
+    )
+    assert overview.to_dict()["reported_faulty"] == {"peer-b": ["wrong outputs", "wrong outputs"]}
+    assert well_formed({"peer-b": "wrong outputs"})
+    too_many = {f"peer-{i}": "x" for i in range(MAX_REPORTED + 1)}
+    for value in ({}, [], {"peer-b": 3}, {"peer-b": "x" * (MAX_REASON + 1)}, {"": "x"}, too_many):
+        assert not well_formed(value), value
