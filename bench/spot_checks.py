@@ -13,6 +13,9 @@ SmolLM2-135M-Instruct on 127.0.0.1 (no NAT port mapping, one torch thread per pr
   generates 64 greedy tokens for 4 prompts through it. Reported: whether the tokens equal the honest
   ones, how many wrong tokens were generated before a check caught the server (what the generation
   withdrew), and whether it was banned.
+- training: forward + backward passes of the whole chain over the prompts' embeddings (random output
+  gradients): on the honest mixed-precision replicas with every pass checked (false alarms over 64
+  passes), then per fault mode how many passes at `--share` ran before the liar was caught.
 
 JSON to stdout, logs to stderr.
 
@@ -35,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
+from corolla.client.autograd import RemoteChain  # noqa: E402
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
 from corolla.swarm.local import LocalSwarm  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
 FAULTS = ("noise:0.1", "noise:0.03", "skip-layer", "wrong-weights", "garbage-after:40")
-SECTIONS = ("false_alarms", "overhead", "detection")
+SECTIONS = ("false_alarms", "overhead", "detection", "training")
+TRAINING_PASSES = 64
 HONEST = (["--dtype", "float32"], ["--dtype", "bfloat16"], ["--quantize", "int8"])
 SLOW = ["--simulate-slow-ms", "20"]
 
@@ -96,6 +101,48 @@ def detection(swarm: LocalSwarm, share: float, prompts: list[torch.Tensor], hone
     return results
 
 
+def training_pass(model: DistributedModelForCausalLM, ids: torch.Tensor, seed: int) -> None:
+    """A forward and a backward pass of all 30 blocks over the prompt's embeddings (random output grads)."""
+    with torch.no_grad():
+        hidden = model.head.embed(ids)
+    hidden.requires_grad_(True)
+    outputs = RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime)
+    outputs.backward(torch.randn(outputs.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def training_false_alarms(swarm: LocalSwarm, prompts: list[torch.Tensor], passes: int) -> dict:
+    with connect(swarm, 1.0) as model:
+        for index in range(passes):
+            training_pass(model, prompts[index % len(prompts)], index)
+        return {
+            "passes": passes,
+            "accused": len(model.swarm.faulty),
+            "checks": dict(model.swarm.spot_checker.counts),
+        }
+
+
+def training_detection(swarm: LocalSwarm, share: float, prompts: list[torch.Tensor], passes: int) -> dict:
+    """Per fault mode: how many training passes (forward + backward) ran before the liar was caught."""
+    results = {}
+    for fault in FAULTS:
+        liar = swarm.add_server((0, 30), ["--simulate-faulty", fault, "--simulate-slow-ms", "0"])
+        try:
+            with connect(swarm, share) as model:
+                for server in swarm.servers[:2]:
+                    model.swarm.estimates.observe_step(server.peer_id, 0.5, 30)
+                model.swarm.estimates.observe_step(liar.peer_id, 0.05, 30)
+                ran = 0
+                while ran < passes and liar.peer_id not in model.swarm.faulty:
+                    training_pass(model, prompts[ran % len(prompts)], ran)
+                    ran += 1
+                results[fault] = {"passes_until_caught": ran, "banned": liar.peer_id in model.swarm.faulty}
+        finally:
+            swarm.servers.remove(liar)
+            liar.stop()
+        print(f"training, {fault}: {results[fault]}", file=sys.stderr, flush=True)
+    return results
+
+
 def false_alarms(swarm: LocalSwarm, prompts: list[torch.Tensor]) -> dict:
     with connect(swarm, 1.0) as model:
         steps = 0
@@ -148,13 +195,16 @@ def main() -> None:
                 "tokens_per_s_on": round(checked, 2),
                 "ratio": round(checked / plain, 3),
             }
-    if "detection" not in args.sections:
-        print(json.dumps(report, indent=2))
-        return
-    with LocalSwarm("smollm2", [(0, 30), (0, 30)], server_args=[*common, *SLOW]) as swarm:
-        with connect(swarm, 0.0) as model:
-            honest = [generate(model, ids, 64)[0] for ids in prompts[:4]]
-        report["detection"] = detection(swarm, args.share, prompts[:4], honest)
+        if "training" in args.sections:
+            report["training_false_alarms"] = training_false_alarms(swarm, prompts, TRAINING_PASSES)
+    if "detection" in args.sections or "training" in args.sections:
+        with LocalSwarm("smollm2", [(0, 30), (0, 30)], server_args=[*common, *SLOW]) as swarm:
+            if "detection" in args.sections:
+                with connect(swarm, 0.0) as model:
+                    honest = [generate(model, ids, 64)[0] for ids in prompts[:4]]
+                report["detection"] = detection(swarm, args.share, prompts[:4], honest)
+            if "training" in args.sections:
+                report["training_detection"] = training_detection(swarm, args.share, prompts, TRAINING_PASSES)
     print(json.dumps(report, indent=2))
 
 

@@ -208,7 +208,7 @@ class ClientConfig:
     # hidden states between hops: "lossless", or, lossy and opt-in, "float16" or "blockwise8" (8-bit), for
     # tensors of at least 32 KiB (prefills): less to send on slow links (wire/tensors.py)
     wire_encoding: str = "lossless"
-    # the share of each server's inference steps re-run on other servers and compared (client/spot_checks.py)
+    # the share of each server's inference steps and training passes re-run elsewhere (client/spot_checks.py)
     spot_checks: float = 0.0
 
     def __post_init__(self) -> None:

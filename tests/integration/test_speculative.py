@@ -16,7 +16,7 @@ from swarm_helpers import TINY_CHAINS, connect, reference_generate
 
 DRAFTERS = {  # the tiny model drafts for itself: an exact draft, so trees are verified deep
     "lookup": lambda path: SpeculationConfig(draft="lookup"),
-    "model chain": lambda path: SpeculationConfig(draft=str(path), width=1, max_depth=4),
+    "model chain": lambda path: SpeculationConfig(draft=str(path), width=1, max_depth=4, adaptive=False),
     "model tree": lambda path: SpeculationConfig(draft=str(path), width=3, max_depth=3, adaptive=False),
 }
 

@@ -25,7 +25,7 @@ NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def replicas(tiny_models):
     with LocalSwarm(
-        str(tiny_models["llama"]), [(0, 6), (0, 3), (3, 6)], server_args=["--simulate-slow-ms", "30"]
+        str(tiny_models["llama"]), [(0, 6), (0, 3), (3, 6)], server_args=["--simulate-slow-ms", "10"]
     ) as swarm:
         yield swarm
 
@@ -77,11 +77,10 @@ def test_honest_replicas_in_other_precisions_are_never_accused(replicas, tiny_mo
     ]
     try:
         with connect(tiny_models["llama"], replicas, spot_checks=1.0) as model:
-            for _ in range(3):
-                model.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            model.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
             counts = model.swarm.spot_checker.counts
             assert model.swarm.faulty == {} and counts["failed"] == 0, (model.swarm.faulty, counts)
-            assert counts["passed"] >= 3 * NEW_TOKENS, counts
+            assert counts["passed"] >= NEW_TOKENS, counts
     finally:
         for server in others:
             replicas.servers.remove(server)
@@ -98,11 +97,11 @@ def chain_pass(model, hidden, grad_outputs, share_forward, share_backward):
     return outputs.detach(), hidden.grad
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_a_server_lying_in_training_is_caught_and_its_pass_redone(replicas, tiny_models, phase):
-    """wrong-weights corrupts a forward's outputs and a backward's gradients. Checking only the forward
-    (or only the backward), the liar is banned and the pass redone on honest servers: the outputs (forward)
-    and the input gradients (either: a backward recomputes from the hop's inputs) are the honest ones."""
+def test_a_server_lying_in_training_is_caught_and_its_pass_redone(replicas, tiny_models):
+    """wrong-weights corrupts a forward's outputs and a backward's gradients. A client checking only the
+    forward, then another checking only the backward: each bans the liar and redoes the pass on honest
+    servers, so the outputs (forward) and the input gradients (both: a backward recomputes from the
+    hop's inputs) are the honest ones."""
     generator = torch.Generator().manual_seed(11)
     hidden, grad_outputs = (
         torch.randn(2, 6, 64, generator=generator),
@@ -112,19 +111,19 @@ def test_a_server_lying_in_training_is_caught_and_its_pass_redone(replicas, tiny
         honest_outputs, honest_grad = chain_pass(model, hidden, grad_outputs, 0.0, 0.0)
     liar = replicas.add_server((0, 6), ["--simulate-slow-ms", "0", "--simulate-faulty", "wrong-weights"])
     try:
-        with connect(tiny_models["llama"], replicas, spot_checks=1.0) as model:
-            for honest in replicas.servers[:3]:
-                model.swarm.estimates.observe_step(honest.peer_id, 1.0, 3)
-            model.swarm.estimates.observe_step(liar.peer_id, 0.01, 6)
-            shares = (1.0, 0.0) if phase == "forward" else (0.0, 1.0)
-            outputs, grad = chain_pass(model, hidden, grad_outputs, *shares)
-            assert set(model.swarm.faulty) == {liar.peer_id}, model.swarm.faulty
-            if phase == "forward":
-                torch.testing.assert_close(outputs, honest_outputs, atol=1e-5, rtol=1e-5)
-            else:  # the forward went through the liar unchecked: its outputs are wrong
-                assert not torch.allclose(outputs, honest_outputs, atol=1e-3)
-            torch.testing.assert_close(grad, honest_grad, atol=1e-5, rtol=1e-5)
-            assert model.swarm.spot_checker.counts["failed"] == 1
+        for shares in ((1.0, 0.0), (0.0, 1.0)):
+            with connect(tiny_models["llama"], replicas, spot_checks=1.0) as model:
+                for honest in replicas.servers[:3]:
+                    model.swarm.estimates.observe_step(honest.peer_id, 1.0, 3)
+                model.swarm.estimates.observe_step(liar.peer_id, 0.01, 6)
+                outputs, grad = chain_pass(model, hidden, grad_outputs, *shares)
+                assert set(model.swarm.faulty) == {liar.peer_id}, (shares, model.swarm.faulty)
+                if shares[0]:
+                    torch.testing.assert_close(outputs, honest_outputs, atol=1e-5, rtol=1e-5)
+                else:  # the forward went through the liar unchecked: its outputs are wrong
+                    assert not torch.allclose(outputs, honest_outputs, atol=1e-3)
+                torch.testing.assert_close(grad, honest_grad, atol=1e-5, rtol=1e-5)
+                assert model.swarm.spot_checker.counts["failed"] == 1
     finally:
         replicas.servers.remove(liar)
         liar.stop()

@@ -103,7 +103,9 @@ async def chain_backward(
         try:
             grad_inputs, hop_grad_prompts = await _backward_rows(swarm, hop, inputs, grad, prompts)
             checked = _backward_on(swarm, inputs, grad, prompts)
-            if not await _checked(swarm, hop, _joined(grad_inputs, hop_grad_prompts), checked):
+            if not await _checked(
+                swarm, hop, _joined(grad_inputs, hop_grad_prompts), checked, gradients=True
+            ):
                 raise FaultyServer(f"server ...{hop.peer_id[-6:]} computed wrong gradients")
         except RETRYABLE as e:
             # the replacement chain's inputs, recomputed from the failed hop's; then its backward runs
@@ -118,10 +120,12 @@ async def chain_backward(
     return grad, grad_prompts
 
 
-async def _checked(swarm: SwarmClient, hop: Hop, result: torch.Tensor, run: Run) -> bool:
+async def _checked(
+    swarm: SwarmClient, hop: Hop, result: torch.Tensor, run: Run, gradients: bool = False
+) -> bool:
     """Whether a hop's pass stands: True unless this pass was drawn for a spot check and failed it."""
     checker = swarm.spot_checker
-    return checker is None or not checker.draw() or await checker.check_pass(hop, result, run)
+    return checker is None or not checker.draw() or await checker.check_pass(hop, result, run, gradients)
 
 
 def _forward_on(swarm: SwarmClient, hidden: torch.Tensor, prompts: torch.Tensor | None) -> Run:

@@ -9,7 +9,15 @@ import torch
 
 from corolla.client.generation import Chooser, RowEnds
 from corolla.client.sampling import SamplingParams
-from corolla.client.spot_checks import TOLERANCE, SpotChecker, deviation, first_wrong
+from corolla.client.spot_checks import (
+    GRADIENT_TOLERANCE,
+    TOLERANCE,
+    SpotChecker,
+    deviation,
+    first_wrong,
+    gradients_agree,
+    outputs_agree,
+)
 from corolla.swarm.routing import Hop
 
 
@@ -72,7 +80,8 @@ def judged(liar: str, chains: dict[frozenset, list[str]]) -> tuple[str, ...]:
     checker = SpotChecker(Swarm(), share=1.0)
     checker._elsewhere = elsewhere
     hop = Hop("S", 0, 6)
-    verdict = asyncio.run(checker._judge(hop, outcome(["S"]), outcome(["A", "C"]), ["A", "C"], run=None))
+    result, reference = outcome(["S"]), outcome(["A", "C"])
+    verdict = asyncio.run(checker._judge(hop, result, reference, ["A", "C"], None, outputs_agree))
     assert set(checker.swarm.faulty) == set(verdict)
     return verdict
 
@@ -88,3 +97,13 @@ def test_a_disagreement_is_decided_by_other_chains_or_bans_both_sides():
     assert judged("C", per_checker) == ("C",)
     assert judged("S", {frozenset({"S", "A"}): ["B", "C"]}) == ("S", "A", "C")  # C never cleared
     assert judged("S", {}) == ("S", "A", "C")
+
+
+def test_gradients_are_compared_as_one_vector():
+    reference = torch.randn(2, 5, 16)
+    tiny = reference.clone()
+    tiny[0, 2] = 1e-6  # a position whose gradient is nothing: relative to itself, any change is huge
+    changed = tiny.clone()
+    changed[0, 2] = 1e-3
+    assert not outputs_agree(changed, tiny) and gradients_agree(changed, tiny)
+    assert not gradients_agree(reference * (1 + 2 * GRADIENT_TOLERANCE), reference)
