@@ -12,6 +12,7 @@ from corolla.client.sampling import SamplingParams
 from corolla.client.spot_checks import (
     GRADIENT_TOLERANCE,
     TOLERANCE,
+    Dispute,
     SpotChecker,
     deviation,
     first_wrong,
@@ -81,7 +82,8 @@ def judged(liar: str, chains: dict[frozenset, list[str]]) -> tuple[str, ...]:
     checker._elsewhere = elsewhere
     hop = Hop("S", 0, 6)
     result, reference = outcome(["S"]), outcome(["A", "C"])
-    verdict = asyncio.run(checker._judge(hop, result, reference, ["A", "C"], None, outputs_agree))
+    dispute = Dispute(hop, result, reference, ["A", "C"], None, outputs_agree)
+    verdict = asyncio.run(checker._judge(dispute))
     assert set(checker.swarm.faulty) == set(verdict)
     return verdict
 
