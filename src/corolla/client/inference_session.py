@@ -82,6 +82,7 @@ class InferenceSession:
                     swarm.estimates.observe_step,
                     swarm.config.active_adapter,
                     encodings,
+                    keep_outputs=swarm.spot_checker is not None,
                 )
                 for hop, encodings in zip(hops, hop_encodings(swarm, hops), strict=True)
             ]

@@ -62,8 +62,10 @@ class SpanSession:
         observe: Callable[[str, float, int], None] | None = None,
         active_adapter: str | None = None,
         encodings: tuple[str, str] = ("lossless", "lossless"),
+        keep_outputs: bool = False,
     ):
         self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
+        self.keep_outputs = keep_outputs  # for spot checks (client/spot_checks.py): `outputs` below
         self.alloc_timeout, self.active_adapter = alloc_timeout, active_adapter
         # what we send the server in, and what it replies (and pushes) in: agreed per hop (wire/tensors.py)
         self.encoding, self.output_encoding = encodings
@@ -72,7 +74,7 @@ class SpanSession:
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
         self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
-        self.outputs: torch.Tensor | None = None  # [B, position, H]: what it replied for them (spot checks)
+        self.outputs: torch.Tensor | None = None  # [B, position, H]: what it replied for them (if kept)
         self.verified = 0  # positions [0, verified) of those outputs passed a spot check
         self.prompts: torch.Tensor | None = None  # the deep prompts last sent
         # the server's pending token tree: (its start, the path to keep once known), named by the next step
@@ -217,7 +219,8 @@ class SpanSession:
         start_from_position: int,
     ) -> None:
         self.inputs = _extended(self.inputs, hidden, hypo_ids, start_from_position)
-        self.outputs = _extended(self.outputs, outputs, hypo_ids, start_from_position)
+        if self.keep_outputs:
+            self.outputs = _extended(self.outputs, outputs, hypo_ids, start_from_position)
         self.verified = min(self.verified, start_from_position)
         if hypo_ids is not None and not torch.equal(hypo_ids, torch.arange(len(hypo_ids))):
             self.verified = 0  # rows reordered: a spot check's shadow must see the new rows from the start

@@ -8,7 +8,9 @@ from corolla.swarm.routing import Hop
 
 
 def session() -> SpanSession:
-    return SpanSession(p2p=None, hop=Hop("peer", 0, 4), dht_prefix="m", max_length=64, timeout=1.0)
+    return SpanSession(
+        p2p=None, hop=Hop("peer", 0, 4), dht_prefix="m", max_length=64, timeout=1.0, keep_outputs=True
+    )
 
 
 def remember(span, hidden, position, prompts=None, hypo=None):
