@@ -16,8 +16,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="show the swarm: servers, their spans and load, and block coverage",
         description="Read the swarm's DHT and print, for every model its servers announce (or only "
         "--model), a coverage line per block and one line per server: span, state, throughput, sessions, "
-        "queued tokens and free cache; and the DHT records this peer refused (forged, unsigned, malformed "
-        "or, in a private swarm, from peers not allowed).",
+        "queued tokens and free cache; the servers that clients' spot checks reported faulty; and the DHT "
+        "records this peer refused (forged, unsigned, malformed or, in a private swarm, from peers not "
+        "allowed).",
     )
     parser.add_argument(
         "--model",
