@@ -87,7 +87,7 @@ def test_speculative_generation_survives_a_killed_server(smollm2_path, replicate
     """The middle server dies while a session speculates with draft trees: its replacement gets the kept
     path replayed (never a tree), the tree in flight is verified again there, and the tokens are those
     of plain decoding."""
-    speculation = SpeculationConfig(draft="smollm2", quantize="int8", width=2, max_depth=4)
+    speculation = SpeculationConfig(draft="smollm2", quantize="int8", width=2, max_depth=4, adaptive=False)
     with connect(smollm2_path, replicated_swarm, speculation=speculation) as model:
         tokens, _, killed, failovers = generate_with_kill(model, replicated_swarm, prompt, hop=1)
         assert model.speculator.stats.tokens_per_step > 1.5

@@ -6,10 +6,10 @@ the end of stream and waits for the server to finish, so the server frees the ca
 
 A span session keeps the inputs it has sent (after rollbacks, beam reordering and speculative trees: once
 a tree's accepted path is known, only that path is kept), so that if its server fails, a replacement can
-be brought to the same state by replaying them (`replay`). The server holds the whole tree until the
-session's next step, which names the path to keep (`accepted`). The session's
-position is the inference session's (client/inference_session.py): every step names its own. A server
-that dies with a step in flight is noticed when its stream ends, not at the timeout (swarm/p2p_io.py).
+be brought to the same state by replaying them (`replay`); with spot checks on, the outputs too. The
+server holds the whole tree until the next step names the path to keep (`accepted`). Every step names
+its position (the inference session's). A server that dies with a step in flight is noticed when its
+stream ends, not at the timeout (swarm/p2p_io.py).
 """
 
 from __future__ import annotations
@@ -64,24 +64,22 @@ class SpanSession:
         encodings: tuple[str, str] = ("lossless", "lossless"),
         keep_outputs: bool = False,
     ):
-        self.p2p, self.hop, self.max_length, self.timeout = p2p, hop, max_length, timeout
-        self.keep_outputs = keep_outputs  # for spot checks (client/spot_checks.py): `outputs` below
-        self.alloc_timeout, self.active_adapter = alloc_timeout, active_adapter
-        # what we send the server in, and what it replies (and pushes) in: agreed per hop (wire/tensors.py)
-        self.encoding, self.output_encoding = encodings
+        self.p2p, self.hop, self.max_length = p2p, hop, max_length
+        self.timeout, self.alloc_timeout = timeout, alloc_timeout
+        self.active_adapter, self.keep_outputs = active_adapter, keep_outputs
+        self.encoding, self.output_encoding = encodings  # what it reads, what it replies and pushes in
         self.reply: runtime_pb2.Tensor | None = None  # the last reply's outputs as they came
         self.observe = observe  # told how long each decode step took: (peer_id, seconds, num_blocks)
         self.uid = block_uids(dht_prefix, hop.start, hop.end)
         self.session_id = uuid.uuid4().hex
         self.inputs: torch.Tensor | None = None  # [B, position, H]: what the server's cache was built from
-        self.outputs: torch.Tensor | None = None  # [B, position, H]: what it replied for them (if kept)
+        self.outputs: torch.Tensor | None = None  # [B, position, H]: its replies, if kept (spot checks)
         self.verified = 0  # positions [0, verified) of those outputs passed a spot check
         self.prompts: torch.Tensor | None = None  # the deep prompts last sent
         # the server's pending token tree: (its start, the path to keep once known), named by the next step
         self.tree: tuple[int, tuple[int, ...] | None] | None = None
         self._stream: Stream | None = None
-        self._stepped = False
-        self.closed = False
+        self._stepped = self.closed = False
 
     async def open(self) -> None:
         async with remote_errors(self.hop.peer_id, self.timeout):

@@ -1,11 +1,10 @@
 """The client's view of the swarm: its DHT peer, the servers it has seen, and chains through them.
 
 A background task re-reads the DHT and pings every server (rpc_info: round-trip time and live load)
-every `refresh_period`. Only servers that have answered a ping are routed to: a record alone (which any
-peer can sign for itself) never makes a server. Routing picks the cheapest chain under those estimates
-(see client/estimates.py and swarm/routing.py), avoiding banned servers; it waits (up to
-`routing_timeout`) for the swarm to cover the blocks it needs, then raises `MissingBlocks` naming the
-uncovered blocks.
+every `refresh_period`. Only servers that answered a ping are routed to: a record alone (any peer can
+sign one for itself) never makes a server. Routing picks the cheapest chain under those estimates
+(client/estimates.py, swarm/routing.py), avoiding banned servers; it waits up to `routing_timeout` for
+the blocks it needs to be covered, then raises `MissingBlocks` naming the uncovered blocks.
 """
 
 from __future__ import annotations
@@ -69,8 +68,7 @@ class SwarmClient:
         self.spot_checker: SpotChecker | None = None  # set by the model when config.spot_checks > 0
         self.rejected_records: Counter[str] = Counter()  # unsigned or malformed records read, by reason
         self._bans: dict[str, tuple[float, int]] = {}  # peer id -> (banned until, failures so far)
-        self._refreshed_at = 0.0
-        self._rng = random.Random()
+        self._refreshed_at, self._rng = 0.0, random.Random()
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
         self._reporting: asyncio.Future | None = None  # this client's report of faulty servers, being stored
@@ -187,18 +185,9 @@ class SwarmClient:
         while True:
             if time.monotonic() - self._refreshed_at > self.config.refresh_period or not self.spans:
                 await self.refresh()
-            adapter, exact = self.config.active_adapter, self.config.exact
-            spans = [
-                s
-                for s in self.spans
-                if s.peer_id in self.answered
-                and (adapter is None or adapter in s.info.adapters)
-                and not (exact and s.info.quantized)
-            ]
-            spans = self._long_enough(spans, start, end, max_length)
             try:
                 return choose_chain(
-                    spans,
+                    self._routable(start, end, max_length),
                     start,
                     end,
                     estimates=self.estimates.estimates(self.spans),
@@ -215,15 +204,28 @@ class SwarmClient:
                 if not wait:
                     raise
                 if time.monotonic() + delay > deadline:
-                    self._raise_missing(e, adapter, exact)
+                    self._raise_missing(e)
                 logger.debug("Waiting for servers: %s", e.message)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
             await self.refresh()
 
-    def _raise_missing(self, error: MissingBlocks, adapter: str | None, exact: bool) -> None:
+    def _routable(self, start: int, end: int, max_length: int) -> list[RemoteSpan]:
+        """Servers that answered, with the active adapter (full precision if exact), long enough."""
+        adapter, exact = self.config.active_adapter, self.config.exact
+        spans = [
+            s
+            for s in self.spans
+            if s.peer_id in self.answered
+            and (adapter is None or adapter in s.info.adapters)
+            and not (exact and s.info.quantized)
+        ]
+        return self._long_enough(spans, start, end, max_length)
+
+    def _raise_missing(self, error: MissingBlocks) -> None:
+        adapter = self.config.active_adapter
         with_adapter = f" with adapter {adapter!r}" if adapter is not None else ""
-        with_adapter += " with full-precision weights (exact)" if exact else ""
+        with_adapter += " with full-precision weights (exact)" if self.config.exact else ""
         refused = f"; {counted(len(self.refusals), 'server')} refused this peer: " if self.refusals else ""
         refused += next(iter(self.refusals.values()), "")
         raise MissingBlocks(
@@ -247,18 +249,14 @@ class SwarmClient:
         logger.warning("Server ...%s is faulty and banned for good: %s", peer_id[-6:], reason)
         self.faulty[peer_id] = reason
         if self.dht is not None:  # told to the swarm's operators (swarm/reports.py), in the background
-            self._reporting = asyncio.ensure_future(self._report())
-
-    async def _report(self) -> None:
-        try:
-            await report_faulty(self.dht, self.dht_prefix, self.faulty)
-        except Exception:  # a DHT hiccup: the report is for people, the ban stands regardless
-            logger.debug("Could not store this client's report of faulty servers", exc_info=True)
+            self._reporting = asyncio.ensure_future(
+                report_faulty(self.dht, self.dht_prefix, dict(self.faulty))
+            )
 
     def findings(self) -> dict:
         """What this client found of servers: caught lying (banned for good), its spot checks' counts."""
-        checks = self.spot_checker.counts if self.spot_checker is not None else None
-        return {"faulty_servers": dict(self.faulty), "spot_checks": None if checks is None else dict(checks)}
+        checks = None if self.spot_checker is None else dict(self.spot_checker.counts)
+        return {"faulty_servers": dict(self.faulty), "spot_checks": checks}
 
     async def release_checks(self, spans: list) -> None:
         """The spot checks' shadows of these span sessions are no longer needed (client/shadows.py)."""

@@ -10,12 +10,15 @@ client bans only the servers its own checks caught.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from functools import partial
 
 from hivemind.dht import DHT
 
 from corolla.swarm.dht import PeerDHT, read_records, signer_of, store_records
+
+logger = logging.getLogger(__name__)
 
 REPORTS_SUFFIX = ".reports"
 REPORT_TTL = 3600.0  # seconds a client's report lasts unless it reports again
@@ -28,11 +31,16 @@ def reports_key(dht_prefix: str) -> str:
 
 
 async def report_faulty(dht: PeerDHT, dht_prefix: str, faulty: dict[str, str]) -> bool:
-    """Store this client's report: the servers it caught (the latest MAX_REPORTED) and what it found."""
+    """Store this client's report: the servers it caught (the latest MAX_REPORTED) and what it found.
+    Whether it was stored; a DHT error is logged, not raised (the report is for people; bans stand)."""
     value = {peer_id: reason[:MAX_REASON] for peer_id, reason in list(faulty.items())[-MAX_REPORTED:]}
     keys = [reports_key(dht_prefix)]
     store = partial(store_records, keys=keys, subkey=dht.subkey, value=value, ttl=REPORT_TTL)
-    return await dht.run_coroutine(store, return_future=True)
+    try:
+        return await dht.run_coroutine(store, return_future=True)
+    except Exception:  # a DHT hiccup, or the DHT shut down under us
+        logger.debug("Could not store this client's report of faulty servers", exc_info=True)
+        return False
 
 
 async def find_reports(dht: DHT, dht_prefix: str, tally: Counter | None = None) -> dict[str, list[str]]:
