@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 import torch
 from openai import OpenAI
@@ -320,3 +321,23 @@ def test_health_metrics_and_models(api, openai_client):
     ):
         assert name in metrics
     assert float(re.search(r"^corolla_api_generated_tokens_total (\S+)$", metrics, re.M).group(1)) > 100
+
+
+def test_an_api_with_keys_refuses_requests_without_one(smol_swarm):
+    """`corolla api --api-key`: the official client without the key gets a 401 (AuthenticationError),
+    with it an answer; browsers on an --allowed-origins origin may call it."""
+    keyed = smol_swarm.add_api(extra_args=["--api-key", "sesame", "--allowed-origins", "https://app.example"])
+    try:
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        with pytest.raises(openai.AuthenticationError, match="wrong API key") as refused:
+            OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong").chat.completions.create(**chat)
+        assert refused.value.code == "invalid_api_key"
+        answer = OpenAI(base_url=f"{keyed.url}/v1", api_key="sesame").chat.completions.create(**chat)
+        assert answer.choices[0].message.content is not None
+        request = urllib.request.Request(f"{keyed.url}/health", headers={"Origin": "https://app.example"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.headers["Access-Control-Allow-Origin"] == "https://app.example"
+            assert reply.headers["X-Request-Id"]
+    finally:
+        keyed.stop()
+        smol_swarm.apis.remove(keyed)

@@ -12,7 +12,7 @@ import asyncio
 import codecs
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any
 
@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from corolla.api import access
 from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
@@ -44,13 +45,18 @@ class EventStreamResponse(StreamingResponse):
             await self.events.aclose()
 
 
-def build_app(serving: OpenAIServing) -> FastAPI:  # noqa: C901 (a table of small routes)
+def build_app(  # noqa: C901 (a table of small routes)
+    serving: OpenAIServing, api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = ()
+) -> FastAPI:
+    """The app; with `api_keys`, /v1 routes need one; `allowed_origins` for CORS (api/access.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         serving.tracker.abort_all()  # the server stops: no generation outlives it
 
     app = FastAPI(title="corolla", summary="OpenAI-compatible API over a corolla swarm", lifespan=lifespan)
+    access.install(app, api_keys, allowed_origins)
     metrics = serving.metrics
 
     @app.exception_handler(StarletteHTTPException)

@@ -55,6 +55,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every /v1 route (repeat for several keys; default: "
+        "COROLLA_API_KEY if set, else no key)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins whose pages may call the API (CORS), e.g. https://app.example.com, or * for any "
+        "(repeat for several; default: none)",
+    )
     add_client_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
     parser.set_defaults(run=run)
@@ -86,8 +103,11 @@ def run(args: argparse.Namespace) -> None:
         name = args.served_model_name or model.source.name
         serving = OpenAIServing(model, name, args.max_model_len, ApiMetrics())
         logger.info("Serving %s at http://%s:%d/v1 (dashboard at /)", name, args.http_host, args.http_port)
+        keys = args.api_keys or ([os.environ["COROLLA_API_KEY"]] if os.environ.get("COROLLA_API_KEY") else [])
+        if any(not key.strip() for key in keys):
+            raise InvalidRequest("--api-key must not be empty")
         uvicorn.run(
-            build_app(serving),
+            build_app(serving, keys, args.allowed_origins),
             host=args.http_host,
             port=args.http_port,
             log_level="warning",
