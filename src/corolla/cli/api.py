@@ -55,6 +55,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
+    _add_access_args(parser)
+    add_client_args(parser)
+    add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
+    parser.set_defaults(run=run)
+
+
+def _add_access_args(parser: argparse.ArgumentParser) -> None:
+    """Who may call the API (api/access.py)."""
     parser.add_argument(
         "--api-key",
         dest="api_keys",
@@ -72,9 +80,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="web origins whose pages may call the API (CORS), e.g. https://app.example.com, or * for any "
         "(repeat for several; default: none)",
     )
-    add_client_args(parser)
-    add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
