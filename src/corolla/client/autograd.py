@@ -148,9 +148,10 @@ def _backward_on(
 
     async def run(chain: list[Hop]) -> torch.Tensor:
         trace, hidden = [], inputs
-        for hop in chain:
+        for hop in chain[:-1]:
             trace.append((hop, hidden))
-            hidden = await _forward_rows(swarm, hop, hidden, prompts) if hop is not chain[-1] else hidden
+            hidden = await _forward_rows(swarm, hop, hidden, prompts)
+        trace.append((chain[-1], hidden))
         grads, grad_inputs = [], grad
         for hop, hop_inputs in reversed(trace):
             grad_inputs, hop_grad_prompts = await _backward_rows(swarm, hop, hop_inputs, grad_inputs, prompts)

@@ -160,8 +160,7 @@ class SwarmClient:
             self.answered.add(peer_id)
 
     async def _ping_silent(self, avoid: Collection[str]) -> bool:
-        """Ping again the servers found that have not answered yet (a missed ping under load must not
-        leave blocks uncovered for a whole refresh period); whether any of them answered now."""
+        """Ping again the servers that have not answered yet; whether any of them answered now."""
         skip = self.banned() | set(avoid) | self.answered
         silent = {s.peer_id for s in self.spans if s.peer_id not in skip}
         await asyncio.gather(*(self._ping(peer_id) for peer_id in silent))
@@ -181,7 +180,7 @@ class SwarmClient:
         (an inference session's) count, and none in `avoid`."""
         end = self.num_blocks if end is None else end
         deadline = time.monotonic() + self.config.routing_timeout
-        delay = 0.2
+        delay, repinged = 0.2, False
         while True:
             if time.monotonic() - self._refreshed_at > self.config.refresh_period or not self.spans:
                 await self.refresh()
@@ -199,8 +198,9 @@ class SwarmClient:
                     banned=self.banned() | set(avoid),
                 )
             except MissingBlocks as e:
-                if await self._ping_silent(avoid):
-                    continue  # servers that missed their last ping answered now: route again
+                # servers that missed their last ping may answer now (once: later rounds refresh)
+                if not repinged and (repinged := True) and await self._ping_silent(avoid):
+                    continue
                 if not wait:
                     raise
                 if time.monotonic() + delay > deadline:

@@ -71,6 +71,7 @@ def well_formed(value: object) -> bool:
             and 0 < len(peer_id) <= 128
             and isinstance(reason, str)
             and len(reason) <= MAX_REASON
+            and (peer_id + reason).isprintable()  # shown in terminals: no control characters
             for peer_id, reason in value.items()
         )
     )

@@ -47,5 +47,13 @@ def test_reports_of_faulty_servers_are_shown_and_only_well_formed_ones_read():
     assert overview.to_dict()["reported_faulty"] == {"peer-b": ["wrong outputs", "wrong outputs"]}
     assert well_formed({"peer-b": "wrong outputs"})
     too_many = {f"peer-{i}": "x" for i in range(MAX_REPORTED + 1)}
-    for value in ({}, [], {"peer-b": 3}, {"peer-b": "x" * (MAX_REASON + 1)}, {"": "x"}, too_many):
+    for value in (
+        {},
+        [],
+        {"peer-b": 3},
+        {"peer-b": "x" * (MAX_REASON + 1)},
+        {"": "x"},
+        {"peer-b": "\x1b[2J"},
+        too_many,
+    ):
         assert not well_formed(value), value
