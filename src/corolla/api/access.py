@@ -1,8 +1,9 @@
 """Who may call the API, from which web origins, and an id on every answer.
 
-- API keys (`--api-key`, repeatable, or COROLLA_API_KEY): every /v1 route needs `Authorization: Bearer
-  KEY` with one of them; a missing or wrong key gets a 401 in OpenAI's error shape. /health, /metrics and
-  the dashboard stay open (probes and scrapers carry no keys). Keys are compared in constant time.
+- API keys (`--api-key`, repeatable, or COROLLA_API_KEY): every /v1 route, /tokenize and /detokenize
+  (vLLM keeps them outside /v1, but they use the model) need `Authorization: Bearer KEY` with one of
+  them; a missing or wrong key gets a 401 in OpenAI's error shape. /health, /metrics, /version and the
+  dashboard stay open (probes and scrapers carry no keys). Keys are compared in constant time.
 - CORS (`--allowed-origins`, repeatable; `*` for any): Starlette's CORSMiddleware, so browser apps on
   those origins can call the API. Without the flag, no CORS headers (browsers refuse cross-origin calls).
 - Request ids: every answer carries `X-Request-Id`, the caller's own if it sent one (at most 128
@@ -26,6 +27,7 @@ from corolla.api.protocol import ErrorResponse
 REQUEST_ID = "X-Request-Id"
 MAX_REQUEST_ID = 128
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def install(app: FastAPI, api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> None:
@@ -65,7 +67,9 @@ class Access:
 
 def _refusal(request: Request, keys: list[bytes]) -> Response | None:
     """A 401 unless the route is open, no keys are set, or the request carries one of them."""
-    if not keys or not request.url.path.startswith(PROTECTED_PREFIX) or request.method == "OPTIONS":
+    path = request.url.path
+    is_protected = path.startswith(PROTECTED_PREFIX) or path.rstrip("/") in PROTECTED_PATHS
+    if not keys or not is_protected or request.method == "OPTIONS":
         return None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and any(secrets.compare_digest(given.strip().encode(), k) for k in keys):

@@ -21,14 +21,19 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from corolla.api import access
-from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from corolla.api import access, embeddings, utility
+from corolla.api.chat_protocol import ChatCompletionRequest
+from corolla.api.protocol import CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
+from corolla.client.embeddings import Pooling
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+Answer = Callable[[str, Any], Response]  # (endpoint, serving's result) -> the HTTP response
+# (request, endpoint, body model, serving's handler) -> the response: parse, check the model, run
+Generate = Callable[[Request, str, type[BaseModel], Callable[[Any], Awaitable[Any]]], Awaitable[Response]]
 
 
 class EventStreamResponse(StreamingResponse):
@@ -46,13 +51,23 @@ class EventStreamResponse(StreamingResponse):
 
 
 def build_app(  # noqa: C901 (a table of small routes)
-    serving: OpenAIServing, api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = ()
+    serving: OpenAIServing,
+    api_keys: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
+    embedding_pooling: Pooling = "mean",
+    stats_interval: float = 10.0,
 ) -> FastAPI:
-    """The app; with `api_keys`, /v1 routes need one; `allowed_origins` for CORS (api/access.py)."""
+    """The app; with `api_keys`, /v1 routes, /tokenize and /detokenize need one; `allowed_origins` for
+    CORS (api/access.py); `embedding_pooling` for /v1/embeddings (client/embeddings.py); every
+    `stats_interval` seconds with traffic (0: never), a log line of running requests and throughput."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        report = serving.log.report_every(stats_interval) if stats_interval > 0 else None
+        stats = asyncio.ensure_future(report) if report is not None else None
         yield
+        if stats is not None:
+            stats.cancel()
         serving.tracker.abort_all()  # the server stops: no generation outlives it
 
     app = FastAPI(title="corolla", summary="OpenAI-compatible API over a corolla swarm", lifespan=lifespan)
@@ -94,15 +109,8 @@ def build_app(  # noqa: C901 (a table of small routes)
         parsed = await parse(request, model)
         if isinstance(parsed, ErrorResponse):
             return answer(endpoint, parsed)
-        if parsed.model != serving.name:
-            error = ErrorResponse.make(
-                404,
-                f"model {parsed.model!r} does not exist; this server serves {serving.name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
-            return answer(endpoint, error)
+        if parsed.model is not None and parsed.model != serving.name:  # None: left out where optional
+            return answer(endpoint, utility.model_not_found(parsed.model, serving.name))
         return answer(endpoint, await until_disconnected(request, handler(parsed)))
 
     @app.post("/v1/completions")
@@ -116,6 +124,9 @@ def build_app(  # noqa: C901 (a table of small routes)
     @app.get("/v1/models")
     async def models() -> Response:
         return answer("models", serving.models())
+
+    embeddings.install_routes(app, generate, serving, embedding_pooling)
+    utility.install_routes(app, generate, answer, serving)
 
     @app.get("/v1/swarm")
     async def swarm() -> Response:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from corolla.client.constraints import json_schema_grammar
 from corolla.client.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,37 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None  # enforced either way: the output always matches the schema
+
+
+class RequestedFormat(OpenAIBaseModel):
+    """`text` (free), `json_object` (any JSON object) or `json_schema`, enforced by constrained decoding."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> RequestedFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema, and only with it")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema answers must match (None for free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return None if self.json_schema is None else self.json_schema.schema_
+
+    def grammar(self) -> str | None:
+        """llguidance's grammar for this format (None for free text); raises InvalidRequest."""
+        schema = self.answer_schema()
+        return None if schema is None else json_schema_grammar(schema)
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat completions share."""
 
@@ -49,6 +81,7 @@ class SamplingRequest(OpenAIBaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: Penalty = 0.0
+    response_format: RequestedFormat | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -101,7 +134,10 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, vocab_size: int, grammar: str | None = None
+    ) -> SamplingParams:
+        """The request's sampling; `grammar`: what the output must match (response format, tool calls)."""
         bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
         for token, _ in bias:
             if token >= vocab_size:
@@ -121,6 +157,7 @@ class SamplingRequest(OpenAIBaseModel):
             logit_bias=bias,
             logprobs=logprobs,
             speculative=self.speculative,
+            grammar=grammar,
         )
 
 
@@ -153,45 +190,6 @@ class CompletionRequest(SamplingRequest):
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
-
-
-class TextPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    logprobs: bool = False
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's older name for the same limit
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        return self
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates take them (`developer` is the newer name of `system`)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
 
 
 # --- responses --------------------------------------------------------------------------------------------

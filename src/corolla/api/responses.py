@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from corolla.api import tools
 from corolla.api.outputs import (
     AssistantMessage,
     ChatChoice,
@@ -17,12 +18,13 @@ from corolla.api.outputs import (
     CompletionResponse,
     DeltaMessage,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 
 if TYPE_CHECKING:
-    from corolla.api.serving import Choice
+    from corolla.api.choices import Choice
 
 Step = tuple[int, float | None, list[tuple[int, float]]]  # token, its logprob, [(alternative, logprob)]
 Moved = tuple["Choice", str, Step | None]  # a choice, the text it released, the token that released it
@@ -148,16 +150,17 @@ class ChatFormat(ResponseFormat):
         return ChatCompletionResponse(
             id=self.id,
             model=self.model,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.text.text),
-                    logprobs=self.logprobs(c.steps),
-                    finish_reason=c.text.finish_reason,
-                )
-                for c in choices
-            ],
+            choices=[self._choice(c) for c in choices],
             usage=self.usage(choices),
+        )
+
+    def _choice(self, choice: Choice) -> ChatChoice:
+        content, calls = (choice.text.text, []) if choice.calls is None else tools.parse(choice.text.text)
+        return ChatChoice(
+            index=choice.index,
+            message=AssistantMessage(content=content, tool_calls=calls or None),
+            logprobs=self.logprobs(choice.steps),
+            finish_reason="tool_calls" if calls else choice.text.finish_reason,
         )
 
     def first_chunks(self, num_choices: int) -> list[ChatCompletionChunk]:
@@ -171,21 +174,35 @@ class ChatFormat(ResponseFormat):
         ]
 
     def chunks(self, moved: list[Moved]) -> list[ChatCompletionChunk]:
-        return [
-            ChatCompletionChunk(
-                id=self.id,
-                model=self.model,
-                choices=[
-                    ChatChunkChoice(
-                        index=choice.index,
-                        delta=DeltaMessage(content=delta),
-                        logprobs=self.logprobs(_steps(step)),
-                        finish_reason=choice.text.finish_reason,
-                    )
-                ],
+        return [self._chunk(choice, delta, step) for choice, delta, step in moved]
+
+    def _chunk(self, choice: Choice, text: str, step: Step | None) -> ChatCompletionChunk:
+        """The text released, less what belongs to tool calls, which go out whole once written."""
+        finish_reason, delta = choice.text.finish_reason, DeltaMessage(content=text)
+        if choice.calls is not None:
+            content, calls = choice.calls.feed(text)
+            if finish_reason is not None:
+                content += choice.calls.finish()
+                finish_reason = "tool_calls" if choice.calls.count else finish_reason
+            first = choice.calls.count - len(calls)
+            deltas = [
+                ToolCallDelta(index=first + i, id=c.id, function=c.function) for i, c in enumerate(calls)
+            ]
+            delta = DeltaMessage(
+                content=content if content or not deltas else None, tool_calls=deltas or None
             )
-            for choice, delta, step in moved
-        ]
+        return ChatCompletionChunk(
+            id=self.id,
+            model=self.model,
+            choices=[
+                ChatChunkChoice(
+                    index=choice.index,
+                    delta=delta,
+                    logprobs=self.logprobs(_steps(step)),
+                    finish_reason=finish_reason,
+                )
+            ],
+        )
 
     def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=self.usage(choices))

@@ -13,14 +13,16 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from corolla.api import chat
+from corolla.api.chat import invalid as _invalid
+from corolla.api.chat_protocol import ChatCompletionRequest
+from corolla.api.choices import Choice, advance
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     ModelCard,
@@ -28,7 +30,8 @@ from corolla.api.protocol import (
     SamplingRequest,
     new_id,
 )
-from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat, Step
+from corolla.api.request_log import Record, RequestLog
+from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat
 from corolla.api.streams import EventStream, merge
 from corolla.api.tracker import RequestTracker
 from corolla.client.generation import GenerationStep
@@ -42,13 +45,6 @@ logger = logging.getLogger(__name__)
 OVERVIEW_TTL = 1.0  # seconds
 MAX_CHOICES = 64  # prompts x n per request: each choice is a row of a generation on the swarm
 Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of SSE events
-
-
-@dataclass
-class Choice:
-    index: int
-    text: IncrementalText
-    steps: list[tuple[int, float | None, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 def error_for(e: BaseException) -> ErrorResponse:
@@ -72,6 +68,7 @@ class OpenAIServing:
         self.model, self.name, self.metrics = model, name, metrics
         self.max_model_len = min(max_model_len, model.config.max_position_embeddings)
         self.tracker = RequestTracker(model.runtime.loop)
+        self.log = RequestLog()
         self._overview: tuple[float, dict] | None = None
         metrics.watch_servers(model.swarm)
 
@@ -103,22 +100,21 @@ class OpenAIServing:
         for ids in prompts:
             if any(not 0 <= t < vocab for t in ids):
                 return _invalid(f"prompt holds token ids outside the vocabulary of {vocab}", "prompt")
-        return await self._generate(request, prompts, request.max_tokens, request.logprobs, CompletionFormat)
+        grammar = chat.format_grammar(request)
+        if isinstance(grammar, ErrorResponse):
+            return grammar
+        return await self._generate(
+            request, prompts, request.max_tokens, request.logprobs, CompletionFormat, grammar
+        )
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Result:
-        tokenizer = self.model.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            return _invalid("this model has no chat template; use /v1/completions", "messages")
-        try:
-            text = tokenizer.apply_chat_template(
-                request.template_messages(), tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # templates may reject orders of roles (e.g. two system messages)
-            return _invalid(f"the chat template rejected the messages: {e}", "messages")
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        top = request.top_logprobs or 0
-        logprobs = top if request.logprobs else None
-        return await self._generate(request, [ids], request.token_limit, logprobs, ChatFormat)
+        prompt = chat.prepare(self.model.tokenizer, request)
+        if isinstance(prompt, ErrorResponse):
+            return prompt
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return await self._generate(
+            request, [prompt.ids], request.token_limit, logprobs, ChatFormat, prompt.grammar
+        )
 
     # --- generation ----------------------------------------------------------------------------------------
 
@@ -129,19 +125,21 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         fmt: type[ResponseFormat],
+        grammar: str | None = None,
     ) -> Result:
         checked = self._check_limits(request, prompts, max_tokens, fmt)
         if isinstance(checked, ErrorResponse):
             return checked
         max_tokens = checked
         try:
-            params = request.to_sampling_params(max_tokens, logprobs, self.model.config.vocab_size)
+            params = request.to_sampling_params(max_tokens, logprobs, self.model.config.vocab_size, grammar)
         except (InvalidRequest, ValueError) as e:
             return _invalid(str(e))
-        request_id, started = new_id(fmt.id_prefix), time.perf_counter()
+        request_id = new_id(fmt.id_prefix)
         tokenizer, eos = self.model.tokenizer, self.model.eos_token_ids
+        calls = isinstance(request, ChatCompletionRequest) and request.calls_tools
         choices = [
-            Choice(i, IncrementalText(tokenizer, params.stop, eos, params.ignore_eos))
+            Choice(i, IncrementalText(tokenizer, params.stop, eos, params.ignore_eos), calls=calls)
             for i in range(len(prompts) * request.n)
         ]
         num_prompt_tokens = sum(len(p) for p in prompts)
@@ -149,24 +147,27 @@ class OpenAIServing:
         stream = self.tracker.add(request_id, self._job(prompts, request.n, params))
         self.metrics.active_requests.inc()
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
-        events = self._events(stream, choices, started, max_tokens)
-        end = self._ender(request_id, events)
+        record = self.log.start(request_id, self.name, num_prompt_tokens)
+        events = self._events(stream, choices, record, max_tokens)
+        end = self._ender(record, events)
         try:
             first = await anext(events, None)
             if not request.stream:
                 async for _ in events:
                     pass
         except Exception as e:
-            await end()
             self.metrics.errors.labels(type(e).__name__).inc()
-            return error_for(e)
+            error = error_for(e)
+            record.status = str(error.status)
+            await end()
+            return error
         except BaseException:
             await end()
             raise
         if not request.stream:
             await end()
             return output.response(choices)
-        return EventStream(self._sse(events, first, output, choices), end)
+        return EventStream(self._sse(events, first, output, choices, record), end)
 
     def _check_limits(
         self,
@@ -212,7 +213,7 @@ class OpenAIServing:
         return job
 
     async def _events(
-        self, stream: Any, choices: list[Choice], started: float, max_tokens: int
+        self, stream: Any, choices: list[Choice], record: Record, max_tokens: int
     ) -> AsyncIterator[list[Moved]]:
         """Per step, (choice, released text, token) for each choice that moved; a choice's last entry
         comes with its finish_reason set."""
@@ -222,37 +223,27 @@ class OpenAIServing:
                 raise ServerUnavailable("a spot check caught a server lying (now banned): retry the request")
             now = time.perf_counter()
             if last is None:
-                self.metrics.time_to_first_token.observe(now - started)
+                record.first_token = now
+                self.metrics.time_to_first_token.observe(now - record.started)
             else:
                 self.metrics.time_per_token.observe(now - last)
             last = now
-            moved = []
-            rows = step.tokens.shape[0]
-            for row in range(rows):
-                choice = choices[prompt_index * rows + row]
-                if choice.text.finish_reason is not None:
-                    continue
-                token = int(step.tokens[row])
-                delta = choice.text.add(token)
-                if bool(step.finished[row]):
-                    delta += choice.text.finish("stop")  # no-op unless the generator saw a stop string first
-                elif len(choice.text.token_ids) >= max_tokens:
-                    delta += choice.text.finish("length")
-                entry = _step_logprobs(step, row, token)
-                choice.steps.append(entry)
-                moved.append((choice, delta, entry))
+            moved = advance(choices, prompt_index, step, max_tokens)
+            record.completion_tokens += len(moved)
+            self.log.generated(len(moved))
             self.metrics.generated_tokens.inc(len(moved))
             yield moved
         unfinished = [(c, c.text.finish("length"), None) for c in choices if c.text.finish_reason is None]
         if unfinished:
             yield unfinished
 
-    def _sse(
+    def _sse(  # noqa: PLR0913
         self,
         events: AsyncIterator[list[Moved]],
         first: list[Moved] | None,
         output: ResponseFormat,
         choices: list[Choice],
+        record: Record,
     ) -> AsyncIterator[str]:
         async def sse() -> AsyncIterator[str]:
             try:
@@ -267,12 +258,14 @@ class OpenAIServing:
                     yield output.sse(output.usage_chunk(choices))
             except Exception as e:  # the stream has begun: the error becomes its last event
                 self.metrics.errors.labels(type(e).__name__).inc()
-                yield output.sse(error_for(e).model_dump())
+                error = error_for(e)
+                record.status = str(error.status)
+                yield output.sse(error.model_dump())
             yield "data: [DONE]\n\n"
 
         return sse()
 
-    def _ender(self, request_id: str, events: AsyncIterator[Any]) -> Callable[[], Awaitable[None]]:
+    def _ender(self, record: Record, events: AsyncIterator[Any]) -> Callable[[], Awaitable[None]]:
         """What ends a request, once: abort its generation if it still runs (the client went away)."""
         ended = False
 
@@ -282,19 +275,10 @@ class OpenAIServing:
                 return
             ended = True
             self.metrics.active_requests.dec()
-            if self.tracker.abort(request_id):
+            if self.tracker.abort(record.id):
                 self.metrics.aborted.inc()
+                record.status = "aborted"
             await events.aclose()
+            self.log.end(record)
 
         return end
-
-
-def _invalid(message: str, param: str | None = None) -> ErrorResponse:
-    return ErrorResponse.make(400, message, "invalid_request_error", param)
-
-
-def _step_logprobs(step: GenerationStep, row: int, token: int) -> Step:
-    if step.logprobs is None:
-        return token, None, []
-    top = list(zip(step.top_ids[row].tolist(), step.top_values[row].tolist(), strict=True))
-    return token, float(step.logprobs[row]), top

@@ -20,9 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "api",
         help="serve the OpenAI HTTP API (and a swarm dashboard) backed by the swarm",
-        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not) with "
-        "MODEL's blocks running on the swarm, plus /health, /metrics (Prometheus), /v1/swarm (JSON) and "
-        "a dashboard of the swarm at /.",
+        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not) and "
+        "/v1/embeddings with MODEL's blocks running on the swarm, plus vLLM's /tokenize, /detokenize and "
+        "/version, /health, /metrics (Prometheus), /v1/swarm (JSON) and a dashboard of the swarm at /.",
     )
     parser.add_argument(
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
@@ -55,10 +55,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
+    _add_embedding_args(parser)
     _add_access_args(parser)
     add_client_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
     parser.set_defaults(run=run)
+
+
+def _add_embedding_args(parser: argparse.ArgumentParser) -> None:
+    """How /v1/embeddings makes one vector of an input (client/embeddings.py), and what the API logs."""
+    parser.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="log running requests and throughput this often while there is traffic (0: never; default: "
+        "%(default)s); every request also gets a log line when it ends",
+    )
+    parser.add_argument(
+        "--embedding-pooling",
+        choices=["mean", "last"],
+        default="mean",
+        help="how /v1/embeddings pools an input's final hidden states into one vector: mean (the "
+        "default) averages every token's, which is what a generic decoder model gives usable embeddings "
+        "from; last takes the last token's, which embedding-tuned decoders (e5-mistral, gte-Qwen) expect",
+    )
 
 
 def _add_access_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +119,8 @@ def run(args: argparse.Namespace) -> None:
         raise InvalidRequest(f"--port must lie in 1..65535, got {args.http_port}")
     if args.max_model_len < 2:
         raise InvalidRequest(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if args.stats_interval < 0:
+        raise InvalidRequest(f"--stats-interval must not be negative, got {args.stats_interval}")
     if args.routing_timeout < 0:
         raise InvalidRequest(f"--routing-timeout must not be negative, got {args.routing_timeout}")
     check_http_port(args.http_host, args.http_port)  # before the swarm and the "Serving at" line
@@ -112,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
         if any(not key.strip() for key in keys):
             raise InvalidRequest("--api-key must not be empty")
         uvicorn.run(
-            build_app(serving, keys, args.allowed_origins),
+            build_app(serving, keys, args.allowed_origins, args.embedding_pooling, args.stats_interval),
             host=args.http_host,
             port=args.http_port,
             log_level="warning",

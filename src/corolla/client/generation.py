@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from corolla.client.constraints import Constraint
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.inference_session import InferenceSession
 from corolla.client.sampling import SamplingParams, next_tokens, top_logprobs
@@ -41,8 +42,8 @@ class RowEnds:
     """Which rows have ended: at an EOS token, or (with a tokenizer) once their text holds a stop string."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Any, batch_size: int):
-        if params.stop and tokenizer is None:
-            raise InvalidRequest("stop strings need a tokenizer, and this model folder has none")
+        if (params.stop or params.grammar) and tokenizer is None:
+            raise InvalidRequest("stop strings and grammars need a tokenizer, and this model folder has none")
         self.eos = torch.tensor([] if params.ignore_eos else list(eos_token_ids), dtype=torch.long)
         self.params, self.tokenizer, self.batch_size = params, tokenizer, batch_size
         self.reset()
@@ -73,6 +74,10 @@ class Chooser:
         self.context, self.prompt_length = input_ids, input_ids.shape[1]  # [B, T]: prompt + chosen tokens
         self.num_chosen = 0
         self.states: list[torch.Tensor] = []  # the generator's state before each choice (for rewinds)
+        self.constraint = None
+        if params.grammar is not None:
+            rows = input_ids.shape[0]
+            self.constraint = Constraint(params.grammar, ends.tokenizer, ends.eos.tolist(), rows)
 
     @property
     def done(self) -> bool:
@@ -83,8 +88,12 @@ class Chooser:
         params, context = self.params, self.context
         if self.generator is not None:
             self.states.append(self.generator.get_state())
-        tokens = next_tokens(logits, context, params, self.generator, context[:, self.prompt_length :])
-        tokens = torch.where(self.ends.finished, torch.full_like(tokens, self.pad_token_id), tokens)
+        active = ~self.ends.finished
+        allowed = logits if self.constraint is None else self.constraint.mask(logits, active)
+        tokens = next_tokens(allowed, context, params, self.generator, context[:, self.prompt_length :])
+        tokens = torch.where(active, tokens, torch.full_like(tokens, self.pad_token_id))
+        if self.constraint is not None:
+            self.constraint.advance(tokens, active)
         self.context = torch.cat([context, tokens[:, None]], dim=1)
         self.num_chosen += 1
         finished = self.ends.update(tokens)
@@ -99,6 +108,9 @@ class Chooser:
         if self.generator is not None:
             self.generator.set_state(self.states[keep])
             del self.states[keep:]
+        if self.constraint is not None:
+            self.constraint.replay(self.context[:, self.prompt_length :], self.ends)
+            return withdrawn
         self.ends.reset()
         for tokens in self.context[:, self.prompt_length :].T:
             self.ends.update(tokens)

@@ -174,7 +174,7 @@ class DistributedModelForCausalLM:
                 params,
                 self.eos_token_ids,
                 self.pad_token_id,
-                self.tokenizer if params.stop else None,
+                self.tokenizer if params.stop or params.grammar else None,
                 tuned,
                 speculation,
             ):

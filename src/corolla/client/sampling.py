@@ -34,6 +34,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
     speculative: bool = True  # draft and verify when the model has a drafter (never changes the tokens)
+    grammar: str | None = None  # llguidance's grammar the output must match (client/constraints.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -54,6 +55,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):
                 raise InvalidRequest(f"{name} must lie in [-2, 2], got {value}")
+        self._check_outputs()
+
+    def _check_outputs(self) -> None:
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot go with a grammar: a complete output ends with EOS")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequest(f"logprobs must lie in 0..20, got {self.logprobs}")
 

@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from corolla.api.app import build_app
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import ModelCard, ModelList
+from corolla.api.request_log import RequestLog
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -23,6 +24,7 @@ class Serving:
     def __init__(self):
         self.metrics = ApiMetrics()
         self.tracker = SimpleNamespace(num_active=0, abort_all=lambda: None)
+        self.log = RequestLog()
 
     def models(self):
         return ModelList(data=[ModelCard(id=self.name, max_model_len=64)])

@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 
 from corolla.api.app import MAX_BODY_BYTES, build_app
 from corolla.api.metrics import ApiMetrics
+from corolla.api.request_log import RequestLog
 
 CHAT = b'{"model": "fake", "messages": [{"role": "user", "content": "hi"}]'
 DEEP = 100_000
@@ -23,6 +24,7 @@ class EchoServing:
     def __init__(self):
         self.metrics, self.received = ApiMetrics(), []
         self.tracker = SimpleNamespace(num_active=0, abort_all=lambda: None)
+        self.log = RequestLog()
 
     async def create_chat_completion(self, request):
         self.received.append(request)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from corolla.api.protocol import ChatCompletionRequest, CompletionRequest
+from corolla.api.chat_protocol import ChatCompletionRequest
+from corolla.api.protocol import CompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from byte_tokenizer import EOS, byte_tokenizer
+from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.api.metrics import ApiMetrics
-from corolla.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from corolla.api.protocol import CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
 from corolla.client.generation import GenerationStep
@@ -35,7 +36,7 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join("" if t == EOS and skip_special_tokens else chr(t) for t in ids)
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+    def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=True):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 

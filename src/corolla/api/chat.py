@@ -1,0 +1,72 @@
+"""A chat request's prompt and grammar: messages (and tools) through the model's chat template, and
+what constrained decoding must enforce (tool calls, response format)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from corolla.api.chat_protocol import ChatCompletionRequest
+from corolla.api.protocol import ErrorResponse, SamplingRequest
+from corolla.api.tools import call_grammar, supports_tools
+from corolla.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    ids: list[int]
+    grammar: str | None  # llguidance's, or None: free text
+
+
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    generation_prompt: bool,
+) -> str | ErrorResponse:
+    """The chat as the model's template writes it, or the 400 naming the field at fault: the model has no
+    template, its template ignores tools, or it rejects the messages (e.g. two system messages)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return invalid("this model has no chat template; use /v1/completions", "messages")
+    if tools and not supports_tools(template):
+        return invalid(
+            "this model's chat template does not support tools (it never renders them); send the request "
+            "without tools, or serve a model whose template does",
+            "tools",
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as e:  # templates raise what they like (jinja2's errors, raise_exception)
+        return invalid(f"the chat template rejected the messages: {e}", "messages")
+
+
+def prepare(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt | ErrorResponse:
+    """The prompt's token ids and the answer's grammar, or the 400 naming what is wrong."""
+    text = render(tokenizer, request.template_messages(), request.template_tools(), True)
+    if isinstance(text, ErrorResponse):
+        return text
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    answer = request.response_format.answer_schema() if request.response_format else None
+    try:
+        grammar = call_grammar(request, answer, tokenizer)
+    except InvalidRequest as e:
+        return invalid(f"the tools' parameter schemas: {e}", "tools")
+    if grammar is not None:
+        return ChatPrompt(ids, grammar)
+    formatted = format_grammar(request)
+    return formatted if isinstance(formatted, ErrorResponse) else ChatPrompt(ids, formatted)
+
+
+def format_grammar(request: SamplingRequest) -> str | None | ErrorResponse:
+    """The response format's grammar (None for free text), or the 400 for a schema it cannot enforce."""
+    try:
+        return request.response_format.grammar() if request.response_format else None
+    except InvalidRequest as e:
+        return invalid(f"response_format: {e}", "response_format")
+
+
+def invalid(message: str, param: str | None = None) -> ErrorResponse:
+    return ErrorResponse.make(400, message, "invalid_request_error", param)

@@ -1,0 +1,147 @@
+"""Tools and structured output through `corolla api` on real swarms, with the official openai client.
+
+The tool model is a tiny random Qwen2 whose chat template renders tools (tests/tool_model.py): its text
+is noise, so every call and every JSON answer here exists only because constrained decoding made it.
+SmolLM2's template has no tool support: tools get a 400 there, and its JSON answers are real text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from corolla.swarm.local import LocalSwarm
+from tool_model import save_tool_model
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    population: int = Field(ge=0, le=10**9)
+
+
+@pytest.fixture(scope="module")
+def tool_api(tmp_path_factory):
+    path = save_tool_model(tmp_path_factory.mktemp("tool") / "tiny-qwen2-tools")
+    with LocalSwarm(str(path), [(0, 6)]) as swarm:
+        api = swarm.add_api(extra_args=["--served-model-name", "tiny-tools"])
+        yield OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(client: OpenAI, messages: list, **fields):
+    fields = {"max_tokens": 100, **fields}  # a call takes about 70 tokens of this byte-level tokenizer
+    return client.chat.completions.create(model="tiny-tools", messages=messages, **fields)
+
+
+def test_a_tool_call_round_trip(tool_api):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    answer = ask(
+        tool_api,
+        messages,
+        tools=[WEATHER],
+        tool_choice=CALL_WEATHER,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments)["city"], str
+    )
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    final = ask(tool_api, messages, tools=[WEATHER], tool_choice="none", max_tokens=5)
+    assert isinstance(final.choices[0].message.content, str) and final.choices[0].message.tool_calls is None
+    # streamed, the deltas assemble into the same call (greedy: the same arguments)
+    chunks = list(
+        ask(
+            tool_api,
+            messages[:1],
+            tools=[WEATHER],
+            tool_choice=CALL_WEATHER,
+            temperature=0,
+            stream=True,
+            parallel_tool_calls=False,
+        )
+    )
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_parallel_calls_with_n_and_a_seed(tool_api):
+    fields = dict(tools=[WEATHER], tool_choice="required", n=2, temperature=1.0, seed=3, max_tokens=120)
+    answers = [ask(tool_api, [{"role": "user", "content": "Oslo and Rome?"}], **fields) for _ in range(2)]
+    for choice in answers[0].choices:
+        if choice.finish_reason == "tool_calls":  # a random model may use up max_tokens on calls
+            assert choice.message.tool_calls and all(
+                c.function.name == "get_weather" for c in choice.message.tool_calls
+            )
+    same = [
+        [c.message.tool_calls and [t.function.arguments for t in c.message.tool_calls] for c in a.choices]
+        for a in answers
+    ]
+    assert same[0] == same[1]  # the seed makes the calls reproducible
+
+
+def test_structured_output_parses_into_the_pydantic_model(tool_api):
+    parsed = tool_api.chat.completions.parse(
+        model="tiny-tools",
+        messages=[{"role": "user", "content": "A city?"}],
+        response_format=City,
+        max_tokens=80,
+    )
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and 0 <= city.population <= 10**9
+    obj = ask(
+        tool_api,
+        [{"role": "user", "content": "JSON"}],
+        response_format={"type": "json_object"},
+        max_tokens=80,
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_smollm2_answers_a_schema_with_real_text_and_refuses_tools(smol_api):
+    client = OpenAI(base_url=f"{smol_api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name a large city in France and its population."}]
+    parsed = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=messages, response_format=City, max_tokens=60, temperature=0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    with pytest.raises(openai.BadRequestError, match="does not support tools") as error:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER])
+    assert error.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="response_format") as error:
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        )

@@ -1,0 +1,128 @@
+"""Tool calling's pure parts: which templates render tools, calls parsed from whole and streamed text,
+and the grammar that makes any model's output a call to the named function."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from byte_tokenizer import EOS, byte_tokenizer
+from corolla.api import tools
+from corolla.api.chat_protocol import ChatCompletionRequest
+from corolla.client.generation import Chooser, RowEnds
+from corolla.client.sampling import SamplingParams
+from tool_model import TOOL_TEMPLATE
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": NO_ARGUMENTS}}
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, TIME], **fields}
+    )
+
+
+def test_templates_that_read_tools_are_told_apart():
+    assert tools.supports_tools(TOOL_TEMPLATE)
+    assert tools.supports_tools({"default": "{{ messages }}", "tool_use": TOOL_TEMPLATE})
+    assert not tools.supports_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not tools.supports_tools("{{ broken")
+
+
+def test_whole_answers_split_into_content_and_calls():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = tools.parse(text)
+    assert content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert calls[0].id.startswith("call_")
+    assert tools.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert tools.parse("plain") == ("plain", [])
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_streamed_text_gives_the_same_calls_and_holds_back_partial_markers(size):
+    text = (
+        'Hi <tool<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    )
+    stream, content, calls = tools.CallStream(), "", []
+    for start in range(0, len(text), size):
+        piece, new = stream.feed(text[start : start + size])
+        assert "<tool_c" not in piece  # never a piece of a marker
+        content, calls = content + piece, calls + new
+    content += stream.finish()
+    assert content == "Hi <tool" and [c.function.name for c in calls] == ["a", "b"]
+    assert json.loads(calls[1].function.arguments) == {"x": 1}
+
+
+def test_an_unfinished_call_stays_text():
+    stream = tools.CallStream()
+    assert stream.feed('<tool_call>{"name": "a"') == ("", [])
+    assert stream.finish() == '<tool_call>{"name": "a"'
+
+
+def test_tool_choice_rules_name_the_field():
+    with pytest.raises(ValueError, match="not in tools"):
+        request(tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="tool_choice needs tools"):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}
+        )
+    with pytest.raises(ValueError, match="unique"):
+        request(tools=[WEATHER, WEATHER])
+    assert tools.call_grammar(request(), None) is None  # auto: the model is free
+    assert tools.call_grammar(request(tool_choice="none"), {"type": "object"}) is None
+
+
+def decode(grammar: str, seed: int, steps: int = 200) -> str:
+    """What a model with random logits writes under `grammar`."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token="<eos>")
+    params = SamplingParams(max_new_tokens=steps, grammar=grammar, do_sample=True, seed=seed)
+    chooser = Chooser(params, RowEnds(params, [EOS], tokenizer, 1), EOS, torch.zeros(1, 1).long())
+    logits = torch.Generator().manual_seed(seed)
+    while not chooser.done:
+        chooser.choose(torch.randn(1, 300, generator=logits) * 3)
+    assert bool(chooser.ends.finished[0]), "the grammar never let the output end"
+    return tokenizer.decode([t for t in chooser.context[0, 1:].tolist() if t != EOS])
+
+
+def test_a_named_tool_choice_forces_valid_calls_to_that_function():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    single = tools.call_grammar(request(tool_choice=named, parallel_tool_calls=False), None)
+    parallel = tools.call_grammar(request(tool_choice=named), None)
+    for seed in range(3):
+        content, calls = tools.parse(decode(single, seed))
+        assert content is None and len(calls) == 1 and calls[0].function.name == "get_weather"
+        assert len(json.loads(calls[0].function.arguments)["city"]) <= 8
+        content, calls = tools.parse(decode(parallel, seed, steps=400))
+        assert content is None and calls and {c.function.name for c in calls} == {"get_weather"}
+
+
+def test_required_lets_the_model_pick_among_the_tools_and_auto_with_a_format_allows_an_answer():
+    grammar = tools.call_grammar(request(tool_choice="required", parallel_tool_calls=False), None)
+    names = {call.function.name for seed in range(6) for call in tools.parse(decode(grammar, seed))[1]}
+    assert names <= {"get_weather", "get_time"} and names
+    answer = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+    answer["additionalProperties"] = False
+    either = tools.call_grammar(request(), answer)
+    for seed in range(4):
+        content, calls = tools.parse(decode(either, seed))
+        assert calls or set(json.loads(content)) == {"n"}
