@@ -9,6 +9,11 @@ generating `--new-tokens` tokens greedily (ignore_eos) from its own chat prompt,
 Reports median time to first token, aggregate tokens/s and median per-token latency, and the HTTP/Python
 ratios. Paths alternate level by level, so machine noise hits both alike.
 
+Constrained decoding (response_format, forced tool calls) is measured twice: on the client alone, the
+time per token of masking the logits and following the chosen token (llguidance, SmolLM2's 49,152-token
+vocabulary, 1 and 16 rows), and through the API, the per-token latency of streams whose answers must
+match a JSON schema vs free ones, at each level.
+
     python bench/api.py [--levels 1 16] [--new-tokens 64] [--repeats 2]
 """
 
@@ -73,11 +78,15 @@ def python_level(model: DistributedModelForCausalLM, clients: int, new_tokens: i
     return summarize(starts, stamps, model.runtime.run(run()))
 
 
-async def http_stream(port: int, i: int, new_tokens: int, stamps: list[float]) -> None:
-    body = json.dumps(
-        {"model": MODEL, "messages": messages(i), "max_tokens": new_tokens, "temperature": 0,
-         "stream": True, "ignore_eos": True}
-    ).encode()  # fmt: skip
+async def http_stream(
+    port: int, i: int, new_tokens: int, stamps: list[float], schema: dict | None = None
+) -> None:
+    """One streaming chat request; free text to `new_tokens` tokens, or an answer matching `schema`."""
+    request = {"model": MODEL, "messages": messages(i), "max_tokens": new_tokens, "temperature": 0,
+               "stream": True, "ignore_eos": schema is None}  # fmt: skip
+    if schema is not None:
+        request["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = json.dumps(request).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -97,12 +106,12 @@ async def http_stream(port: int, i: int, new_tokens: int, stamps: list[float]) -
     writer.close()
 
 
-def http_level(port: int, clients: int, new_tokens: int) -> dict:
+def http_level(port: int, clients: int, new_tokens: int, schema: dict | None = None) -> dict:
     starts, stamps = [0.0] * clients, [[] for _ in range(clients)]
 
     async def client(i: int) -> None:
         starts[i] = time.perf_counter()
-        await http_stream(port, i, new_tokens, stamps[i])
+        await http_stream(port, i, new_tokens, stamps[i], schema)
 
     async def run() -> float:
         started = time.perf_counter()
@@ -110,6 +119,56 @@ def http_level(port: int, clients: int, new_tokens: int) -> dict:
         return time.perf_counter() - started
 
     return summarize(starts, stamps, asyncio.run(run()))
+
+
+SCHEMA = {  # what the API's constrained streams answer: a long enough object to time
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "mood": {"enum": ["calm", "wild", "sad", "happy"]},
+        "lines": {"type": "array", "items": {"type": "string"}, "minItems": 3},
+    },
+    "required": ["title", "mood", "lines"],
+}
+EXAMPLE = {"title": "The lighthouse keeper", "mood": "calm", "lines": [
+    "The lamp turns slowly over the grey water.", "Ships pass, and none of them stop.",
+    "At dawn the keeper writes the weather in a book."]}  # fmt: skip
+
+
+def mask_cost(model: DistributedModelForCausalLM, rows: int, repeats: int = 5) -> dict:
+    """The client's cost of constrained decoding per token and row: mask the logits, follow the token."""
+    from corolla.client.constraints import Constraint, json_schema_grammar
+
+    grammar, tokenizer = json_schema_grammar(SCHEMA), model.tokenizer
+    tokens = tokenizer(json.dumps(EXAMPLE), add_special_tokens=False).input_ids
+    logits = torch.randn(rows, model.config.vocab_size)
+    active = torch.ones(rows, dtype=torch.bool)
+    times = []
+    for _ in range(repeats):
+        constraint = Constraint(grammar, tokenizer, model.eos_token_ids, rows)
+        constraint.mask(logits, active)  # builds the matchers (the tokenizer's view is cached)
+        for matcher in constraint.matchers:
+            matcher.reset()
+        started = time.perf_counter()
+        for token in tokens:
+            constraint.mask(logits, active)
+            constraint.advance(torch.full((rows,), token), active)
+        times.append((time.perf_counter() - started) / len(tokens))
+    return {"rows": rows, "tokens": len(tokens), "ms_per_token": round(1000 * min(times), 3)}
+
+
+def constrained_levels(port: int, levels: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    """Per-token latency through the API, answers constrained to SCHEMA vs free, level by level."""
+    results = []
+    for clients in levels:
+        runs = {"free": [], "json_schema": []}
+        for _ in range(repeats):
+            runs["free"].append(http_level(port, clients, new_tokens))
+            runs["json_schema"].append(http_level(port, clients, new_tokens, SCHEMA))
+        best = {path: min(rows, key=lambda r: r["token_latency_p50_ms"]) for path, rows in runs.items()}
+        ratio = best["json_schema"]["token_latency_p50_ms"] / best["free"]["token_latency_p50_ms"]
+        results.append({"clients": clients, **best, "latency_ratio_constrained_vs_free": round(ratio, 3)})
+    return results
 
 
 def main() -> None:
@@ -151,9 +210,17 @@ def main() -> None:
                     },
                 }
             )
+        constrained = {
+            "client_mask_cost": [mask_cost(model, rows) for rows in (1, 16)],
+            "api": constrained_levels(port, args.levels, args.new_tokens, args.repeats),
+        }
     print(
-        json.dumps({"model": MODEL, "servers": 3, "new_tokens": args.new_tokens, "levels": results}, indent=2)
-    )
+        json.dumps(
+            {"model": MODEL, "servers": 3, "new_tokens": args.new_tokens, "levels": results,
+             "constrained_decoding": constrained},
+            indent=2,
+        )
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

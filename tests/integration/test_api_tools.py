@@ -39,11 +39,16 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tool_api(tmp_path_factory):
+def tool_process(tmp_path_factory):
+    """`corolla api` over a one-server swarm of the tool model."""
     path = save_tool_model(tmp_path_factory.mktemp("tool") / "tiny-qwen2-tools")
     with LocalSwarm(str(path), [(0, 6)]) as swarm:
-        api = swarm.add_api(extra_args=["--served-model-name", "tiny-tools"])
-        yield OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield swarm.add_api(extra_args=["--served-model-name", "tiny-tools"])
+
+
+@pytest.fixture(scope="module")
+def tool_api(tool_process):
+    return OpenAI(base_url=f"{tool_process.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def ask(client: OpenAI, messages: list, **fields):
@@ -116,14 +121,23 @@ def test_structured_output_parses_into_the_pydantic_model(tool_api):
     )
     city = parsed.choices[0].message.parsed
     assert isinstance(city, City) and 0 <= city.population <= 10**9
-    obj = ask(
-        tool_api,
-        [{"role": "user", "content": "JSON"}],
-        response_format={"type": "json_object"},
-        max_tokens=80,
-    )
-    if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    small["additionalProperties"] = False
+    completion = tool_api.completions.create(
+        model="tiny-tools",
+        prompt="Answer in JSON:",
+        max_tokens=20,
+        extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": small}}
+        },
+    )  # completions take a response format too (an extension: OpenAI's own completions have none)
+    assert json.loads(completion.choices[0].text) in ({"ok": True}, {"ok": False})
+
+
+def test_each_request_gets_a_log_line(tool_api, tool_process):
+    answer = ask(tool_api, [{"role": "user", "content": "hi"}], max_tokens=3)
+    line = next(line for line in tool_process.log().splitlines() if answer.id in line)
+    assert "completion_tokens=3" in line and "status=200" in line and "ttft=" in line
 
 
 def test_smollm2_answers_a_schema_with_real_text_and_refuses_tools(smol_api):

@@ -51,6 +51,18 @@ class ChatMessage(OpenAIBaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant turns
     tool_call_id: Annotated[str | None, Field(validate_default=True)] = None  # tool turns: what it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"content parts of type {kind[:40]!r} (images, audio, files) are not supported: this "
+                    "model reads text only"
+                )
+        return content
+
     @field_validator("content", mode="after")
     @classmethod
     def _check_content(cls, content: Any, info: ValidationInfo) -> Any:

@@ -160,7 +160,9 @@ class ChatFormat(ResponseFormat):
             index=choice.index,
             message=AssistantMessage(content=content, tool_calls=calls or None),
             logprobs=self.logprobs(choice.steps),
-            finish_reason="tool_calls" if calls else choice.text.finish_reason,
+            finish_reason="tool_calls"
+            if calls and choice.text.finish_reason == "stop"
+            else choice.text.finish_reason,
         )
 
     def first_chunks(self, num_choices: int) -> list[ChatCompletionChunk]:
@@ -183,7 +185,9 @@ class ChatFormat(ResponseFormat):
             content, calls = choice.calls.feed(text)
             if finish_reason is not None:
                 content += choice.calls.finish()
-                finish_reason = "tool_calls" if choice.calls.count else finish_reason
+                finish_reason = (
+                    "tool_calls" if choice.calls.count and finish_reason == "stop" else finish_reason
+                )
             first = choice.calls.count - len(calls)
             deltas = [
                 ToolCallDelta(index=first + i, id=c.id, function=c.function) for i, c in enumerate(calls)

@@ -34,6 +34,7 @@ from corolla.api.request_log import Record, RequestLog
 from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat
 from corolla.api.streams import EventStream, merge
 from corolla.api.tracker import RequestTracker
+from corolla.client import constraints
 from corolla.client.generation import GenerationStep
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.client.text import IncrementalText
@@ -68,6 +69,7 @@ class OpenAIServing:
         self.model, self.name, self.metrics = model, name, metrics
         self.max_model_len = min(max_model_len, model.config.max_position_embeddings)
         self.tracker = RequestTracker(model.runtime.loop)
+        constraints.warm(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
         self.log = RequestLog()
         self._overview: tuple[float, dict] | None = None
         metrics.watch_servers(model.swarm)

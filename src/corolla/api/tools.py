@@ -66,7 +66,9 @@ def call_grammar(
         ],
         "x-guidance": JSON_OPTIONS,
     }
-    calls = 'call ("\\n" call)*' if request.parallel_tool_calls else "call"
+    # a named function is called once (as OpenAI's named tool_choice); "required" may call several
+    several = request.parallel_tool_calls and not isinstance(choice, NamedToolChoice)
+    calls = 'call ("\\n" call)*' if several else "call"
     start, end = _marker(tokenizer, START), _marker(tokenizer, END)
     lines = [f"calls: {calls}", f'call: {start} "\\n" %json {json.dumps(one_call)} "\\n" {end}']
     if forced:
@@ -99,7 +101,8 @@ def new_call(body: str) -> ToolCall | None:
 
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer -> (its content outside the calls, or None; the calls)."""
+    """A whole answer -> (its content outside the calls, or None; the calls). A call left unfinished at
+    the end (the answer ran out of tokens) is not content: it is dropped."""
     calls, kept, last = [], [], 0
     for match in CALL.finditer(text):
         call = new_call(match.group(1))
@@ -108,8 +111,12 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
         calls.append(call)
         kept.append(text[last : match.start()])
         last = match.end()
-    kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
+    rest = text[last:]
+    unfinished = rest.rfind(START)
+    if unfinished >= 0 and END in rest[unfinished:]:
+        unfinished = -1  # a finished call that is not one (it stays in the content)
+    kept.append(rest if unfinished < 0 else rest[:unfinished])
+    content = "".join(kept).strip() if calls or unfinished >= 0 else text
     return content or None, calls
 
 
@@ -148,9 +155,9 @@ class CallStream:
         return "" if self.count and not text.strip() else text
 
     def finish(self) -> str:
-        """What is left once the choice ends (an unfinished call stays text)."""
-        rest, self.pending, self.inside = self.pending, "", False
-        return self._content(rest)
+        """What is left once the choice ends (an unfinished call is dropped, as `parse` drops it)."""
+        rest, inside, self.pending, self.inside = self.pending, self.inside, "", False
+        return "" if inside else self._content(rest)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -37,6 +37,13 @@ def error_field(model, data) -> str:
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
         ({"top_k": 0}, "top_k"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+        ),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0.tool_call_id"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
 def test_bad_chat_fields_are_named(extra, field):

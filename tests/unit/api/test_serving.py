@@ -189,3 +189,45 @@ async def test_too_many_choices_in_one_request_are_refused(serving_for):
     error = await serving.create_completion(request)
     assert error.status == 400 and error.error.param == "prompt" and "at most 64" in error.error.message
     assert serving.model.prompts == []  # nothing reached the swarm
+
+
+CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+TOOL_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+async def test_tool_calls_come_out_of_the_text_whole_and_streamed(serving_for, monkeypatch):
+    serving = serving_for(f"ok {CALL}$")
+    monkeypatch.setattr(Tokenizer, "chat_template", "{{ tools }}{{ messages }}")  # a template with tools
+    answer = await serving.create_chat_completion(chat(max_tokens=80, tools=[TOOL_F]))
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "ok"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("f", '{"x": 1}')]
+    chunks = await read_sse(
+        await serving.create_chat_completion(chat(max_tokens=80, tools=[TOOL_F], stream=True))
+    )
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
+    assert "".join(d.get("content") or "" for d in deltas) == "ok "  # nothing of the call leaks as text
+    (call,) = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert call["index"] == 0 and call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    plain = await serving.create_chat_completion(chat(max_tokens=80, tools=[TOOL_F], tool_choice="none"))
+    assert plain.choices[0].message.content == f"ok {CALL}" and plain.choices[0].finish_reason == "stop"
+
+
+async def test_tools_on_a_template_without_them_are_refused(serving_for):
+    answer = await serving_for("x$").create_chat_completion(chat(tools=[TOOL_F]))
+    assert isinstance(answer, ErrorResponse) and answer.status == 400 and answer.error.param == "tools"
+
+
+async def test_calls_cut_by_max_tokens_finish_with_length_and_leave_no_markup(serving_for, monkeypatch):
+    serving = serving_for(f'{CALL}\n<tool_call>{{"name": "f", "argu')
+    monkeypatch.setattr(Tokenizer, "chat_template", "{{ tools }}{{ messages }}")
+    answer = await serving.create_chat_completion(chat(max_tokens=75, tools=[TOOL_F]))
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["f"]  # the finished call stands
+    chunks = await read_sse(
+        await serving.create_chat_completion(chat(max_tokens=75, tools=[TOOL_F], stream=True))
+    )
+    assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

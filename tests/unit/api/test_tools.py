@@ -73,10 +73,17 @@ def test_streamed_text_gives_the_same_calls_and_holds_back_partial_markers(size)
     assert json.loads(calls[1].function.arguments) == {"x": 1}
 
 
-def test_an_unfinished_call_stays_text():
+def test_an_unfinished_call_is_not_content_whole_or_streamed():
+    text = 'Sure.<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"'
+    content, calls = tools.parse(text)
+    assert content == "Sure." and [c.function.name for c in calls] == ["a"]
+    assert tools.parse('<tool_call>{"name": "a"') == (None, [])
     stream = tools.CallStream()
-    assert stream.feed('<tool_call>{"name": "a"') == ("", [])
-    assert stream.finish() == '<tool_call>{"name": "a"'
+    piece, new = stream.feed(text)
+    assert piece == "Sure." and [c.function.name for c in new] == ["a"]
+    assert stream.finish() == ""  # the unfinished call "b" is dropped
+    held = tools.CallStream()
+    assert held.feed("x <tool") == ("x ", []) and held.finish() == "<tool"  # a mere prefix is text
 
 
 def test_tool_choice_rules_name_the_field():

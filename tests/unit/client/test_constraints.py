@@ -84,3 +84,20 @@ def test_bad_grammars_and_combinations_are_refused():
         lark_grammar("start: undefined_rule")
     with pytest.raises(InvalidRequest, match="ignore_eos"):
         SamplingParams(grammar=json_schema_grammar(True), ignore_eos=True)
+
+
+def test_speculation_accepts_only_drafted_tokens_the_grammar_allows(tokenizer):
+    from corolla.client.speculative import verify
+    from corolla.models.tree import TokenTree
+
+    params = SamplingParams(max_new_tokens=5, grammar=lark_grammar('start: "ab"'))
+    chooser = Chooser(params, RowEnds(params, [EOS], tokenizer, 1), EOS, torch.zeros(1, 1).long())
+    logits = torch.zeros(3, VOCAB)
+    logits[0, ord("x")] = logits[1, ord("b")] = logits[2, EOS] = 9.0  # the model would write "x"
+    logits[0, ord("a")] = 1.0
+    nodes = [0, ord("x"), ord("b")]  # the root, then the draft "xb"
+    steps, path, accepted = verify(chooser, logits, nodes, TokenTree.chain(3))
+    assert [int(s.tokens[0]) for s in steps] == [ord("a")] and accepted == 0  # "x" is forbidden
+    nodes = [ord("a"), ord("b")]  # the root (the token just chosen), then the draft "b"
+    steps, path, accepted = verify(chooser, logits[1:], nodes, TokenTree.chain(2))
+    assert [int(s.tokens[0]) for s in steps] == [ord("b"), EOS] and accepted == 1
