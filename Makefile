@@ -9,7 +9,7 @@ API_PORT ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install browser example demo api test test-unit test-integration bench bench-wan lint clean
+.PHONY: help install browser example demo api test test-unit test-integration check-clients bench bench-wan lint clean
 
 help: ## show this help
 	@echo "corolla: run large language models across a swarm of ordinary machines"
@@ -51,6 +51,9 @@ test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
 test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
+check-clients: $(STAMP) ## openai (Python, Node), litellm and LangChain against `corolla api` on a local swarm (clients/; ~1 min; the first run installs them from PyPI and npm)
+	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
+
 bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, training, abuse, models, quantize; ~45 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
@@ -70,7 +73,7 @@ bench-wan: $(STAMP) ## across an emulated 50 ms internet (../shared/tools/wan; r
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/sessions_wan.py
 
 lint: $(STAMP) ## ruff over the sources, tests and benchmarks; module and function sizes (tools/sizes.py)
-	$(BIN)/ruff check src tests bench examples tools
+	$(BIN)/ruff check src tests bench examples tools clients
 	$(BIN)/python tools/sizes.py src
 
 clean: ## remove the virtualenv and caches (the converted-model cache in ~/.cache/corolla stays)
