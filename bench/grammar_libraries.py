@@ -20,9 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 VOCAB = 49152
-ANSWER = {"city": "Paris", "units": "metric", "ok": True, "days": [
+ANSWER = {"city": "Paris", "days": [  # keys in the schema's order, as the libraries generate them
     {"date": f"2026-12-0{i}", "high": 12.5 + i, "low": 3, "summary": "cloudy with a chance of rain"}
-    for i in range(1, 6)]}  # fmt: skip
+    for i in range(1, 6)], "units": "metric", "ok": True}  # fmt: skip
 DAY = {"type": "object", "required": ["date", "high", "low", "summary"], "properties": {
     "date": {"type": "string"}, "high": {"type": "number"}, "low": {"type": "number"},
     "summary": {"type": "string"}}}  # fmt: skip
