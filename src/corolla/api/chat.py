@@ -8,7 +8,8 @@ from typing import Any
 
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.api.protocol import ErrorResponse, SamplingRequest
-from corolla.api.tools import call_grammar, supports_tools
+from corolla.api.tool_calls import HERMES, CallFormat
+from corolla.api.tools import call_format, call_grammar, supports_tools
 from corolla.errors import InvalidRequest
 
 
@@ -16,6 +17,7 @@ from corolla.errors import InvalidRequest
 class ChatPrompt:
     ids: list[int]
     grammar: str | None  # llguidance's, or None: free text
+    calls: CallFormat | None = None  # how the model writes tool calls, when the answer may hold some
 
 
 def render(
@@ -50,14 +52,15 @@ def prepare(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt | Erro
         return text
     ids = tokenizer(text, add_special_tokens=False).input_ids
     answer = request.response_format.answer_schema() if request.response_format else None
+    calls = call_format(tokenizer.chat_template) if request.calls_tools else None
     try:
-        grammar = call_grammar(request, answer, tokenizer)
+        grammar = call_grammar(request, answer, tokenizer, calls or HERMES)
     except InvalidRequest as e:
         return invalid(f"the tools' parameter schemas: {e}", "tools")
     if grammar is not None:
-        return ChatPrompt(ids, grammar)
+        return ChatPrompt(ids, grammar, calls)
     formatted = format_grammar(request)
-    return formatted if isinstance(formatted, ErrorResponse) else ChatPrompt(ids, formatted)
+    return formatted if isinstance(formatted, ErrorResponse) else ChatPrompt(ids, formatted, calls)
 
 
 def format_grammar(request: SamplingRequest) -> str | None | ErrorResponse:

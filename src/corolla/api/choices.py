@@ -4,16 +4,16 @@ text that never shows a stop string (client/text.py), with the finish reason onc
 from __future__ import annotations
 
 from corolla.api.responses import Moved, Step
-from corolla.api.tools import CallStream
+from corolla.api.tool_calls import CallFormat, CallStream
 from corolla.client.generation import GenerationStep
 from corolla.client.text import IncrementalText
 
 
 class Choice:
-    def __init__(self, index: int, text: IncrementalText, calls: bool = False):
+    def __init__(self, index: int, text: IncrementalText, calls: CallFormat | None = None):
         self.index, self.text = index, text
         self.steps: list[Step] = []
-        self.calls = CallStream() if calls else None  # with tools: the calls apart from the content
+        self.calls = CallStream(calls) if calls else None  # with tools: the calls apart from the content
 
 
 def advance(choices: list[Choice], prompt_index: int, step: GenerationStep, max_tokens: int) -> list[Moved]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from corolla.api import tools
+from corolla.api import tool_calls
 from corolla.api.outputs import (
     AssistantMessage,
     ChatChoice,
@@ -155,7 +155,8 @@ class ChatFormat(ResponseFormat):
         )
 
     def _choice(self, choice: Choice) -> ChatChoice:
-        content, calls = (choice.text.text, []) if choice.calls is None else tools.parse(choice.text.text)
+        text, stream = choice.text.text, choice.calls
+        content, calls = (text, []) if stream is None else tool_calls.parse(text, stream.format)
         return ChatChoice(
             index=choice.index,
             message=AssistantMessage(content=content, tool_calls=calls or None),
@@ -184,7 +185,8 @@ class ChatFormat(ResponseFormat):
         if choice.calls is not None:
             content, calls = choice.calls.feed(text)
             if finish_reason is not None:
-                content += choice.calls.finish()
+                rest, last = choice.calls.finish()
+                content, calls = content + rest, calls + last
                 finish_reason = (
                     "tool_calls" if choice.calls.count and finish_reason == "stop" else finish_reason
                 )

@@ -33,6 +33,7 @@ from corolla.api.protocol import (
 from corolla.api.request_log import Record, RequestLog
 from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat
 from corolla.api.streams import EventStream, merge
+from corolla.api.tool_calls import CallFormat
 from corolla.api.tracker import RequestTracker
 from corolla.client import constraints
 from corolla.client.generation import GenerationStep
@@ -115,7 +116,7 @@ class OpenAIServing:
             return prompt
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         return await self._generate(
-            request, [prompt.ids], request.token_limit, logprobs, ChatFormat, prompt.grammar
+            request, [prompt.ids], request.token_limit, logprobs, ChatFormat, prompt.grammar, prompt.calls
         )
 
     # --- generation ----------------------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class OpenAIServing:
         logprobs: int | None,
         fmt: type[ResponseFormat],
         grammar: str | None = None,
+        calls: CallFormat | None = None,
     ) -> Result:
         checked = self._check_limits(request, prompts, max_tokens, fmt)
         if isinstance(checked, ErrorResponse):
@@ -139,7 +141,6 @@ class OpenAIServing:
             return _invalid(str(e))
         request_id = new_id(fmt.id_prefix)
         tokenizer, eos = self.model.tokenizer, self.model.eos_token_ids
-        calls = isinstance(request, ChatCompletionRequest) and request.calls_tools
         choices = [
             Choice(i, IncrementalText(tokenizer, params.stop, eos, params.ignore_eos), calls=calls)
             for i in range(len(prompts) * request.n)

@@ -1,30 +1,28 @@
-"""Tool calling: which chat templates render tools, the grammar that forces a call, and calls parsed out
-of the generated text (whole, or as they stream).
+"""Tool calling: which chat templates render tools, in which format their models write calls, and the
+grammar that forces calls.
 
 Tools reach the model through its own chat template (transformers renders `tools`); a template that
 never reads `tools` would drop them silently, so such a model refuses requests with tools (400). The
-model writes calls in the Hermes convention that Qwen2/2.5/3, Hermes and many other tool-calling models
-are trained on: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one per call. With
-`tool_choice` "required" or a named function, a Lark grammar with the functions' parameter schemas
-embedded (client/constraints.py) makes the output exactly such calls; with "auto" the model chooses,
-and whatever calls it wrote are parsed out.
+template also tells the call format (api/tool_calls.py): Hermes `<tool_call>` markers, or Llama 3's
+bare JSON. With `tool_choice` "required" or a named function, a Lark grammar with the functions'
+parameter schemas embedded (client/constraints.py) makes the output exactly such calls; with "auto" the
+model chooses, and whatever calls it wrote are parsed out.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
+import logging
 from typing import Any
 
 import jinja2
 import jinja2.meta
 
-from corolla.api.chat_protocol import ChatCompletionRequest, FunctionCall, NamedToolChoice, ToolCall
+from corolla.api.chat_protocol import ChatCompletionRequest, NamedToolChoice
+from corolla.api.tool_calls import HERMES, LLAMA3_JSON, CallFormat
 from corolla.client.constraints import JSON_OPTIONS, lark_grammar
 
-START, END = "<tool_call>", "</tool_call>"
-CALL = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
+logger = logging.getLogger(__name__)
 
 
 def supports_tools(chat_template: str | dict[str, str] | None) -> bool:
@@ -40,8 +38,24 @@ def supports_tools(chat_template: str | dict[str, str] | None) -> bool:
     return False
 
 
+def call_format(chat_template: str | dict[str, str] | None) -> CallFormat:
+    """How the template's model writes calls: Hermes markers where the template shows them, Llama 3's
+    bare JSON where it asks for `parameters` (Llama 3.1-3.3 templates), else Hermes (the commonest)."""
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    text = "\n".join(templates)
+    if HERMES.start in text:
+        return HERMES
+    if '"parameters"' in text and ("<|eot_id|>" in text or "<|python_tag|>" in text):
+        return LLAMA3_JSON
+    logger.info("The chat template names no known tool-call format: reading calls as Hermes'")
+    return HERMES
+
+
 def call_grammar(
-    request: ChatCompletionRequest, answer: dict[str, Any] | bool | None, tokenizer: Any = None
+    request: ChatCompletionRequest,
+    answer: dict[str, Any] | bool | None,
+    tokenizer: Any = None,
+    fmt: CallFormat = HERMES,
 ) -> str | None:
     """The grammar of the answer: calls only (tool_choice "required" or named), or with "auto" and a
     JSON schema for answers (`answer`, from response_format), calls or such an answer; None when the
@@ -58,8 +72,8 @@ def call_grammar(
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.function.name}, fmt.arguments: t.function.parameters},
+                "required": ["name", fmt.arguments],
                 "additionalProperties": False,
             }
             for t in tools
@@ -67,10 +81,12 @@ def call_grammar(
         "x-guidance": JSON_OPTIONS,
     }
     # a named function is called once (as OpenAI's named tool_choice); "required" may call several
-    several = request.parallel_tool_calls and not isinstance(choice, NamedToolChoice)
+    several = fmt.parallel and request.parallel_tool_calls and not isinstance(choice, NamedToolChoice)
     calls = 'call ("\\n" call)*' if several else "call"
-    start, end = _marker(tokenizer, START), _marker(tokenizer, END)
-    lines = [f"calls: {calls}", f'call: {start} "\\n" %json {json.dumps(one_call)} "\\n" {end}']
+    call = f"%json {json.dumps(one_call)}"
+    if fmt.start:
+        call = f'{_marker(tokenizer, fmt.start)} "\\n" {call} "\\n" {_marker(tokenizer, fmt.end)}'
+    lines = [f"calls: {calls}", f"call: {call}"]
     if forced:
         return lark_grammar("\n".join(["start: calls", *lines]))
     schema = {"x-guidance": JSON_OPTIONS, **answer} if isinstance(answer, dict) else answer
@@ -82,87 +98,3 @@ def _marker(tokenizer: Any, text: str) -> str:
     as special ones, matched by id, not by their text), else as text."""
     added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
     return f'("{text}" | <[{added[text]}]>)' if text in added else f'"{text}"'
-
-
-def new_call(body: str) -> ToolCall | None:
-    """The call written as `body` ({"name": ..., "arguments": {...}}), or None if it is not one."""
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    try:
-        function = FunctionCall(name=value["name"], arguments=json.dumps(arguments, ensure_ascii=False))
-    except ValueError:  # a name no function could have
-        return None
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=function)
-
-
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer -> (its content outside the calls, or None; the calls). A call left unfinished at
-    the end (the answer ran out of tokens) is not content: it is dropped."""
-    calls, kept, last = [], [], 0
-    for match in CALL.finditer(text):
-        call = new_call(match.group(1))
-        if call is None:
-            continue  # not a call after all: it stays in the content
-        calls.append(call)
-        kept.append(text[last : match.start()])
-        last = match.end()
-    rest = text[last:]
-    unfinished = rest.rfind(START)
-    if unfinished >= 0 and END in rest[unfinished:]:
-        unfinished = -1  # a finished call that is not one (it stays in the content)
-    kept.append(rest if unfinished < 0 else rest[:unfinished])
-    content = "".join(kept).strip() if calls or unfinished >= 0 else text
-    return content or None, calls
-
-
-class CallStream:
-    """Separates one choice's streamed text into content deltas and completed calls: text that may be
-    the start of a call is held back until the call ends (or turns out not to be one)."""
-
-    def __init__(self) -> None:
-        self.pending, self.inside, self.count = "", False, 0
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content this text releases (whitespace between calls dropped) and the calls it ends."""
-        self.pending += text
-        content, calls = [], []
-        while True:
-            if not self.inside:
-                start = self.pending.find(START)
-                cut = len(self.pending) - _partial_suffix(self.pending, START) if start < 0 else start
-                content.append(self._content(self.pending[:cut]))
-                self.pending, self.inside = self.pending[cut:], start >= 0
-                if start < 0:
-                    break
-            end = self.pending.find(END)
-            if end < 0:
-                break
-            call = new_call(self.pending[len(START) : end].strip())
-            if call is None:
-                content.append(self.pending[: end + len(END)])
-            else:
-                calls.append(call)
-                self.count += 1
-            self.pending, self.inside = self.pending[end + len(END) :], False
-        return "".join(content), calls
-
-    def _content(self, text: str) -> str:
-        return "" if self.count and not text.strip() else text
-
-    def finish(self) -> str:
-        """What is left once the choice ends (an unfinished call is dropped, as `parse` drops it)."""
-        rest, inside, self.pending, self.inside = self.pending, self.inside, "", False
-        return "" if inside else self._content(rest)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

@@ -231,3 +231,18 @@ async def test_calls_cut_by_max_tokens_finish_with_length_and_leave_no_markup(se
     )
     assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_llama3_templates_get_their_bare_json_calls(serving_for, monkeypatch):
+    serving = serving_for('{"name": "f", "parameters": {"x": 1}}$')
+    monkeypatch.setattr(Tokenizer, "chat_template", '{{ tools }}"parameters"<|eot_id|>{{ messages }}')
+    answer = await serving.create_chat_completion(chat(max_tokens=80, tools=[TOOL_F]))
+    assert answer.choices[0].finish_reason == "tool_calls" and answer.choices[0].message.content is None
+    assert answer.choices[0].message.tool_calls[0].function.arguments == '{"x": 1}'
+    chunks = await read_sse(
+        await serving.create_chat_completion(chat(max_tokens=80, tools=[TOOL_F], stream=True))
+    )
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls") or []] == ["f"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from byte_tokenizer import EOS, byte_tokenizer
-from corolla.api import tools
+from corolla.api import tool_calls, tools
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.client.generation import Chooser, RowEnds
 from corolla.client.sampling import SamplingParams
@@ -47,14 +47,14 @@ def test_templates_that_read_tools_are_told_apart():
 
 def test_whole_answers_split_into_content_and_calls():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    content, calls = tools.parse(text)
+    content, calls = tool_calls.parse(text)
     assert content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo"})
     ]
     assert calls[0].id.startswith("call_")
-    assert tools.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-    assert tools.parse("plain") == ("plain", [])
+    assert tool_calls.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert tool_calls.parse("plain") == ("plain", [])
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
@@ -63,27 +63,27 @@ def test_streamed_text_gives_the_same_calls_and_holds_back_partial_markers(size)
         'Hi <tool<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
         '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
     )
-    stream, content, calls = tools.CallStream(), "", []
+    stream, content, calls = tool_calls.CallStream(), "", []
     for start in range(0, len(text), size):
         piece, new = stream.feed(text[start : start + size])
         assert "<tool_c" not in piece  # never a piece of a marker
         content, calls = content + piece, calls + new
-    content += stream.finish()
+    content += stream.finish()[0]
     assert content == "Hi <tool" and [c.function.name for c in calls] == ["a", "b"]
     assert json.loads(calls[1].function.arguments) == {"x": 1}
 
 
 def test_an_unfinished_call_is_not_content_whole_or_streamed():
     text = 'Sure.<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"'
-    content, calls = tools.parse(text)
+    content, calls = tool_calls.parse(text)
     assert content == "Sure." and [c.function.name for c in calls] == ["a"]
-    assert tools.parse('<tool_call>{"name": "a"') == (None, [])
-    stream = tools.CallStream()
+    assert tool_calls.parse('<tool_call>{"name": "a"') == (None, [])
+    stream = tool_calls.CallStream()
     piece, new = stream.feed(text)
     assert piece == "Sure." and [c.function.name for c in new] == ["a"]
-    assert stream.finish() == ""  # the unfinished call "b" is dropped
-    held = tools.CallStream()
-    assert held.feed("x <tool") == ("x ", []) and held.finish() == "<tool"  # a mere prefix is text
+    assert stream.finish() == ("", [])  # the unfinished call "b" is dropped
+    held = tool_calls.CallStream()
+    assert held.feed("x <tool") == ("x ", []) and held.finish() == ("<tool", [])  # a prefix is text
 
 
 def test_tool_choice_rules_name_the_field():
@@ -116,20 +116,55 @@ def test_a_named_tool_choice_forces_valid_calls_to_that_function():
     single = tools.call_grammar(request(tool_choice=named, parallel_tool_calls=False), None)
     parallel = tools.call_grammar(request(tool_choice=named), None)
     for seed in range(3):
-        content, calls = tools.parse(decode(single, seed))
+        content, calls = tool_calls.parse(decode(single, seed))
         assert content is None and len(calls) == 1 and calls[0].function.name == "get_weather"
         assert len(json.loads(calls[0].function.arguments)["city"]) <= 8
-        content, calls = tools.parse(decode(parallel, seed, steps=400))
+        content, calls = tool_calls.parse(decode(parallel, seed, steps=400))
         assert content is None and calls and {c.function.name for c in calls} == {"get_weather"}
 
 
 def test_required_lets_the_model_pick_among_the_tools_and_auto_with_a_format_allows_an_answer():
     grammar = tools.call_grammar(request(tool_choice="required", parallel_tool_calls=False), None)
-    names = {call.function.name for seed in range(6) for call in tools.parse(decode(grammar, seed))[1]}
+    names = {call.function.name for seed in range(6) for call in tool_calls.parse(decode(grammar, seed))[1]}
     assert names <= {"get_weather", "get_time"} and names
     answer = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
     answer["additionalProperties"] = False
     either = tools.call_grammar(request(), answer)
     for seed in range(4):
-        content, calls = tools.parse(decode(either, seed))
+        content, calls = tool_calls.parse(decode(either, seed))
         assert calls or set(json.loads(content)) == {"n"}
+
+
+LLAMA_TEMPLATE = (  # what Llama 3.1-3.3 templates say about tools, in short
+    '{{ tools }}Respond with {"name": function name, "parameters": dictionary of argument name and its '
+    "value}.<|eot_id|>{{ messages }}"
+)
+
+
+def test_the_template_tells_the_call_format():
+    assert tools.call_format(TOOL_TEMPLATE) is tool_calls.HERMES
+    assert tools.call_format(LLAMA_TEMPLATE) is tool_calls.LLAMA3_JSON
+    assert tools.call_format("{{ tools }}{{ messages }}") is tool_calls.HERMES  # the commonest, by default
+
+
+def test_llama3_calls_are_the_whole_answer_in_bare_json():
+    fmt = tool_calls.LLAMA3_JSON
+    content, calls = tool_calls.parse(' {"name": "get_weather", "parameters": {"city": "Oslo"}}', fmt)
+    assert content is None and json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+    assert tool_calls.parse('{"city": "Oslo"}', fmt) == ('{"city": "Oslo"}', [])  # JSON, not a call
+    assert tool_calls.parse("It is sunny.", fmt) == ("It is sunny.", [])
+    stream = tool_calls.CallStream(fmt)
+    assert stream.feed(" ") == ("", []) and stream.feed('{"name": "f", ') == ("", [])  # held: may be a call
+    assert stream.feed('"parameters": {}}') == ("", [])
+    rest, (call,) = stream.finish()
+    assert rest == "" and call.function.name == "f" and stream.count == 1
+    text = tool_calls.CallStream(fmt)
+    assert text.feed(" Hi") == (" Hi", []) and text.feed(" {there}") == (" {there}", [])
+    assert text.finish() == ("", [])
+
+
+def test_llama3_grammar_forces_one_bare_call_with_parameters():
+    grammar = tools.call_grammar(request(tool_choice="required"), None, None, tool_calls.LLAMA3_JSON)
+    for seed in range(3):
+        content, (call,) = tool_calls.parse(decode(grammar, seed), tool_calls.LLAMA3_JSON)
+        assert content is None and call.function.name in {"get_weather", "get_time"}
