@@ -17,7 +17,7 @@ from corolla.swarm.local import LocalSwarm
 from swarm_helpers import connect
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_speculative_generation_survives_a_killed_server(smollm2_path, replicate
 def test_a_server_killed_while_it_computes_a_step_is_replaced_at_once(smollm2_path, replicated_swarm):
     """The first server dies in the middle of a long prefill step: the end of its stream, not the request
     timeout, tells the client, which replays the step on a replica (the same outputs)."""
-    ids = torch.randint(100, 10_000, (1, 1536), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 10_000, (1, 1024), generator=torch.Generator().manual_seed(0))
     with connect(smollm2_path, replicated_swarm, request_timeout=60.0) as model:
         hidden = model.head.embed(ids)
         with model.inference_session(max_length=ids.shape[1]) as session:

@@ -101,3 +101,11 @@ def test_speculation_accepts_only_drafted_tokens_the_grammar_allows(tokenizer):
     nodes = [ord("a"), ord("b")]  # the root (the token just chosen), then the draft "b"
     steps, path, accepted = verify(chooser, logits[1:], nodes, TokenTree.chain(2))
     assert [int(s.tokens[0]) for s in steps] == [ord("b"), EOS] and accepted == 1
+
+
+def test_a_stop_string_ends_a_constrained_row_early(tokenizer):
+    chooser, (text,) = run(tokenizer, json_schema_grammar(SCHEMA), stop=(", ",))
+    assert text.startswith('{"city": "') and text.endswith(
+        ", "
+    )  # cut at the stop string, as without a grammar
+    assert bool(chooser.ends.finished[0]) and chooser.num_chosen < 60
