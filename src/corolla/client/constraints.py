@@ -110,7 +110,7 @@ class Constraint:
             if bool(active[row]):
                 matcher.unsafe_compute_mask_ptr(self.bits[row].data_ptr(), self.words * 4)
         bits = np.unpackbits(self.bits.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, : logits.shape[-1]]).bool()
+        allowed = torch.from_numpy(bits[:, : logits.shape[-1]]).bool().to(logits.device)
         return logits.masked_fill(~allowed, -torch.inf)
 
     def advance(self, tokens: torch.Tensor, active: torch.Tensor) -> None:
