@@ -54,7 +54,7 @@ test-integration: $(STAMP) browser ## run the integration tests only (local swar
 check-clients: $(STAMP) ## openai (Python, Node), litellm and LangChain against `corolla api` on a local swarm (clients/; ~1 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, training, abuse, models, quantize; ~45 min)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, grammar libraries, training, abuse, models, quantize; ~45 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
@@ -62,6 +62,7 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/failover.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/api.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/grammar_libraries.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/training.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/abuse.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/models.py
