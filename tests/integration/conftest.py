@@ -40,6 +40,14 @@ def smol_api(smol_swarm):
 
 
 @pytest.fixture(scope="session")
+def smol_openai(smol_api):
+    """The official openai client of smol_api."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{smol_api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
 def smol_client(smollm2_path, smol_swarm):
     model = connect(smollm2_path, smol_swarm)
     yield model

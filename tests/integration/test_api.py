@@ -27,16 +27,6 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def api(smol_api):
-    return smol_api
-
-
-@pytest.fixture(scope="module")
-def openai_client(api) -> OpenAI:
-    return OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def chat_ids(model, messages) -> list[int]:
     text = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return model.tokenizer(text, add_special_tokens=False).input_ids
@@ -77,10 +67,10 @@ def stream_chat(client: OpenAI, messages, **kwargs) -> tuple[str, list]:
 # --- exactness --------------------------------------------------------------------------------------------
 
 
-def test_chat_equals_the_python_client(openai_client, smol_client):
+def test_chat_equals_the_python_client(smol_openai, smol_client):
     text, num_tokens, reason = expected(smol_client, chat_ids(smol_client, POEM), 40)
     assert reason == "length" and num_tokens == 40
-    answer = openai_client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=40, temperature=0)
+    answer = smol_openai.chat.completions.create(model=MODEL, messages=POEM, max_tokens=40, temperature=0)
     assert answer.choices[0].message.content == text
     assert answer.choices[0].finish_reason == "length"
     prompt_tokens = len(chat_ids(smol_client, POEM))
@@ -88,7 +78,7 @@ def test_chat_equals_the_python_client(openai_client, smol_client):
     assert answer.usage.total_tokens == prompt_tokens + 40
 
     streamed, chunks = stream_chat(
-        openai_client, POEM, max_tokens=40, temperature=0, stream_options={"include_usage": True}
+        smol_openai, POEM, max_tokens=40, temperature=0, stream_options={"include_usage": True}
     )
     assert streamed == text
     token_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content is not None][1:]
@@ -98,44 +88,40 @@ def test_chat_equals_the_python_client(openai_client, smol_client):
     assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
 
 
-def test_an_answer_that_ends_with_eos_finishes_with_stop(openai_client, smol_client):
+def test_an_answer_that_ends_with_eos_finishes_with_stop(smol_openai, smol_client):
     text, num_tokens, reason = expected(smol_client, chat_ids(smol_client, PARIS), 64)
     assert reason == "stop" and "Paris" in text
-    answer = openai_client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0)
+    answer = smol_openai.chat.completions.create(model=MODEL, messages=PARIS, temperature=0)
     assert answer.choices[0].message.content == text
     assert answer.choices[0].finish_reason == "stop"
     assert answer.usage.completion_tokens == num_tokens  # the end-of-text token counts
 
 
-def test_completions_equal_the_python_client(openai_client, smol_client):
+def test_completions_equal_the_python_client(smol_openai, smol_client):
     prompt = "The three primary colors are"
     ids = smol_client.tokenizer(prompt).input_ids
     text, _, reason = expected(smol_client, ids, 20)
-    answer = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    answer = smol_openai.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
     assert answer.choices[0].text == text and answer.choices[0].finish_reason == reason
     assert answer.usage.prompt_tokens == len(ids)
     chunks = list(
-        openai_client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True
-        )
+        smol_openai.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True)
     )
     assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == reason
 
 
-def test_stop_cuts_before_the_stop_string(openai_client, smol_client):
+def test_stop_cuts_before_the_stop_string(smol_openai, smol_client):
     text, _, _ = expected(smol_client, chat_ids(smol_client, POEM), 40)
     words = re.findall(r"[A-Za-z]{4,}", text)
     stop = words[len(words) // 2]  # a word in the middle of the answer
     cut = text[: text.index(stop)]
     for stream in (False, True):
         if stream:
-            answer, chunks = stream_chat(
-                openai_client, POEM, max_tokens=40, temperature=0, stop=[stop, "zzzz"]
-            )
+            answer, chunks = stream_chat(smol_openai, POEM, max_tokens=40, temperature=0, stop=[stop, "zzzz"])
             reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         else:
-            response = openai_client.chat.completions.create(
+            response = smol_openai.chat.completions.create(
                 model=MODEL, messages=POEM, max_tokens=40, temperature=0, stop=stop
             )
             answer, reason = response.choices[0].message.content, [response.choices[0].finish_reason]
@@ -143,9 +129,9 @@ def test_stop_cuts_before_the_stop_string(openai_client, smol_client):
         assert reason == ["stop"]
 
 
-def test_n_with_a_seed_gives_reproducible_choices(openai_client):
+def test_n_with_a_seed_gives_reproducible_choices(smol_openai):
     def sample():
-        answer = openai_client.chat.completions.create(
+        answer = smol_openai.chat.completions.create(
             model=MODEL, messages=POEM, max_tokens=16, temperature=0.9, n=2, seed=1234
         )
         assert [c.index for c in answer.choices] == [0, 1]
@@ -159,16 +145,16 @@ def test_n_with_a_seed_gives_reproducible_choices(openai_client):
     assert first[0] != first[1]  # two rows drawn from one seeded generator differ
 
 
-def test_penalties_change_the_greedy_answer(openai_client, smol_client):
+def test_penalties_change_the_greedy_answer(smol_openai, smol_client):
     plain, _, _ = expected(smol_client, chat_ids(smol_client, POEM), 40)
-    answer = openai_client.chat.completions.create(
+    answer = smol_openai.chat.completions.create(
         model=MODEL, messages=POEM, max_tokens=40, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
     )
     assert answer.choices[0].message.content != plain
 
 
-def test_logprobs(openai_client):
-    answer = openai_client.chat.completions.create(
+def test_logprobs(smol_openai):
+    answer = smol_openai.chat.completions.create(
         model=MODEL, messages=PARIS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
     )
     content = answer.choices[0].logprobs.content
@@ -177,7 +163,7 @@ def test_logprobs(openai_client):
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest token was chosen
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
-    completion = openai_client.completions.create(
+    completion = smol_openai.completions.create(
         model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2
     )
     logprobs = completion.choices[0].logprobs
@@ -206,17 +192,17 @@ BAD = [
 
 
 @pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
-def test_bad_chat_requests_get_openai_errors(api, body, status, param):
-    code, answer = post(f"{api.url}/v1/chat/completions", body)
+def test_bad_chat_requests_get_openai_errors(smol_api, body, status, param):
+    code, answer = post(f"{smol_api.url}/v1/chat/completions", body)
     assert code == status
     assert set(answer) == {"error"} and answer["error"]["message"] and answer["error"]["type"]
     if param is not None:
         assert answer["error"]["param"] == param
 
 
-def test_errors_name_the_field_not_the_validator_and_unknown_routes_answer_openai_errors(api):
+def test_errors_name_the_field_not_the_validator_and_unknown_routes_answer_openai_errors(smol_api):
     bad_part = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
-    code, answer = post(f"{api.url}/v1/chat/completions", bad_part)
+    code, answer = post(f"{smol_api.url}/v1/chat/completions", bad_part)
     assert code == 400 and answer["error"]["param"] == "messages.0.content"
     assert "messages.0.content.0.text: Field required" in answer["error"]["message"]
     assert not any(
@@ -224,7 +210,7 @@ def test_errors_name_the_field_not_the_validator_and_unknown_routes_answer_opena
     )
     for method, route, status in [("GET", "/v1/nope", 404), ("POST", "/v1/models", 405)]:
         request = urllib.request.Request(
-            f"{api.url}{route}", method=method, data=b"{}" if method == "POST" else None
+            f"{smol_api.url}{route}", method=method, data=b"{}" if method == "POST" else None
         )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=30)
@@ -233,25 +219,25 @@ def test_errors_name_the_field_not_the_validator_and_unknown_routes_answer_opena
         assert route in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_bad_completion_requests_and_the_server_keeps_serving(api, openai_client):
+def test_bad_completion_requests_and_the_server_keeps_serving(smol_api, smol_openai):
     for body, param in [
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "x", "echo": True}, None),
         ({"model": MODEL, "prompt": [10**9]}, "prompt"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2000}, "max_tokens"),
     ]:
-        code, answer = post(f"{api.url}/v1/completions", body)
+        code, answer = post(f"{smol_api.url}/v1/completions", body)
         assert code == 400 and answer["error"]["type"] == "invalid_request_error"
         if param:
             assert answer["error"]["param"] == param
-    answer = openai_client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=4, temperature=0)
+    answer = smol_openai.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=4, temperature=0)
     assert answer.choices[0].message.content
 
 
 # --- concurrency, disconnects, visibility -----------------------------------------------------------------
 
 
-def test_sixteen_concurrent_streams_are_all_correct(openai_client, smol_client):
+def test_sixteen_concurrent_streams_are_all_correct(smol_openai, smol_client):
     topics = ["cats", "rain", "bread", "the moon", "music", "rivers", "trains", "winter",
               "apples", "books", "clocks", "stars", "gardens", "bees", "mountains", "the wind"]  # fmt: skip
     prompts = [[{"role": "user", "content": f"Tell me one fact about {t}."}] for t in topics]
@@ -263,7 +249,7 @@ def test_sixteen_concurrent_streams_are_all_correct(openai_client, smol_client):
     results: dict[int, str] = {}
 
     def run(i: int) -> None:
-        results[i] = stream_chat(openai_client, prompts[i], max_tokens=16, temperature=0)[0]
+        results[i] = stream_chat(smol_openai, prompts[i], max_tokens=16, temperature=0)[0]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -273,8 +259,8 @@ def test_sixteen_concurrent_streams_are_all_correct(openai_client, smol_client):
     assert [results.get(i) for i in range(len(prompts))] == wanted
 
 
-def test_a_client_that_disconnects_leaves_no_session_open(api, openai_client, smol_client, smol_swarm):
-    stream = openai_client.chat.completions.create(
+def test_a_client_that_disconnects_leaves_no_session_open(smol_api, smol_openai, smol_client, smol_swarm):
+    stream = smol_openai.chat.completions.create(
         model=MODEL,
         messages=POEM,
         max_tokens=500,
@@ -300,7 +286,7 @@ def test_a_client_that_disconnects_leaves_no_session_open(api, openai_client, sm
     started = time.monotonic()
     assert model.runtime.run(wait_until(lambda: _none(sessions_open), timeout=10))
     closed_after = time.monotonic() - started
-    metrics = get(f"{api.url}/metrics")
+    metrics = get(f"{smol_api.url}/metrics")
     assert re.search(r"^corolla_api_aborted_requests_total 1\.0$", metrics, re.M), metrics
     assert re.search(r"^corolla_api_active_requests 0\.0$", metrics, re.M)
     assert closed_after < 10
@@ -310,10 +296,10 @@ async def _none(count) -> bool:
     return await count() == 0
 
 
-def test_health_metrics_and_models(api, openai_client):
-    assert json.loads(get(f"{api.url}/health"))["status"] == "ok"
-    assert [m.id for m in openai_client.models.list().data] == [MODEL]
-    metrics = get(f"{api.url}/metrics")
+def test_health_metrics_and_models(smol_api, smol_openai):
+    assert json.loads(get(f"{smol_api.url}/health"))["status"] == "ok"
+    assert [m.id for m in smol_openai.models.list().data] == [MODEL]
+    metrics = get(f"{smol_api.url}/metrics")
     for name in (
         'corolla_api_requests_total{endpoint="chat",status="200"}',
         "corolla_api_generated_tokens_total",

@@ -23,16 +23,6 @@ TEXTS = ["The sea is calm tonight.", "A distributed swarm of machines runs one l
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def api(smol_api):
-    return smol_api
-
-
-@pytest.fixture(scope="module")
-def openai_client(api) -> OpenAI:
-    return OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def request(url: str, body: dict | None = None) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
     sent = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -49,47 +39,47 @@ def vectors(client: OpenAI, inputs, encoding_format="float") -> np.ndarray:
     return np.array([d.embedding for d in answer.data], dtype=np.float32)
 
 
-def test_embeddings_are_unit_vectors_of_the_hidden_size_and_deterministic(openai_client):
-    answer = openai_client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64
+def test_embeddings_are_unit_vectors_of_the_hidden_size_and_deterministic(smol_openai):
+    answer = smol_openai.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64
     first = np.array([d.embedding for d in answer.data], dtype=np.float32)
     assert first.shape == (2, HIDDEN)
     np.testing.assert_allclose(np.linalg.norm(first, axis=1), 1.0, atol=1e-5)
     assert answer.model == MODEL and answer.usage.prompt_tokens == answer.usage.total_tokens > 10
     assert float(first[0] @ first[1]) < 0.999  # two different texts
-    again = vectors(openai_client, TEXTS, "float")  # as floats this time
+    again = vectors(smol_openai, TEXTS, "float")  # as floats this time
     np.testing.assert_allclose(again, first, rtol=0, atol=TOLERANCE)
 
 
-def test_a_batch_equals_single_requests(openai_client):
-    batch = vectors(openai_client, TEXTS)
-    single = np.concatenate([vectors(openai_client, text) for text in TEXTS])
+def test_a_batch_equals_single_requests(smol_openai):
+    batch = vectors(smol_openai, TEXTS)
+    single = np.concatenate([vectors(smol_openai, text) for text in TEXTS])
     np.testing.assert_allclose(batch, single, rtol=0, atol=TOLERANCE)
 
 
-def test_embeddings_are_the_pooled_final_states_of_the_python_clients_forward(openai_client, smol_client):
+def test_embeddings_are_the_pooled_final_states_of_the_python_clients_forward(smol_openai, smol_client):
     ids = smol_client.tokenizer(TEXTS[0]).input_ids
     with torch.no_grad():
         states = smol_client.head.norm(smol_client.forward(torch.tensor([ids])).hidden_states[0])
     wanted = torch.nn.functional.normalize(states.float().mean(dim=0), dim=0).numpy()
-    np.testing.assert_allclose(vectors(openai_client, [ids])[0], wanted, rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(vectors(smol_openai, [ids])[0], wanted, rtol=0, atol=TOLERANCE)
 
 
-def test_tokenize_and_detokenize_round_trip(api, smol_client):
-    status, tokens = request(f"{api.url}/tokenize", {"model": MODEL, "prompt": TEXTS[1]})
+def test_tokenize_and_detokenize_round_trip(smol_api, smol_client):
+    status, tokens = request(f"{smol_api.url}/tokenize", {"model": MODEL, "prompt": TEXTS[1]})
     assert status == 200 and tokens["tokens"] == smol_client.tokenizer(TEXTS[1]).input_ids
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 1024
-    assert request(f"{api.url}/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": TEXTS[1]})
+    assert request(f"{smol_api.url}/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": TEXTS[1]})
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     text = smol_client.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    status, rendered = request(f"{api.url}/tokenize", {"messages": chat})
+    status, rendered = request(f"{smol_api.url}/tokenize", {"messages": chat})
     assert rendered["tokens"] == smol_client.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def test_model_by_id_and_version(api, openai_client):
-    assert openai_client.models.retrieve(MODEL).id == MODEL
-    status, missing = request(f"{api.url}/v1/models/org/no-such-model")
+def test_model_by_id_and_version(smol_api, smol_openai):
+    assert smol_openai.models.retrieve(MODEL).id == MODEL
+    status, missing = request(f"{smol_api.url}/v1/models/org/no-such-model")
     assert status == 404 and missing["error"]["code"] == "model_not_found"
-    assert request(f"{api.url}/version") == (200, {"version": importlib.metadata.version("corolla")})
+    assert request(f"{smol_api.url}/version") == (200, {"version": importlib.metadata.version("corolla")})
 
 
 @pytest.mark.parametrize(
@@ -101,6 +91,6 @@ def test_model_by_id_and_version(api, openai_client):
         ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ],
 )
-def test_bad_requests_name_the_field(api, route, body, param):
-    status, answer = request(f"{api.url}{route}", body)
+def test_bad_requests_name_the_field(smol_api, route, body, param):
+    status, answer = request(f"{smol_api.url}{route}", body)
     assert status == 400 and answer["error"]["param"] == param, answer

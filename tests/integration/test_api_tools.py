@@ -140,18 +140,17 @@ def test_each_request_gets_a_log_line(tool_api, tool_process):
     assert "completion_tokens=3" in line and "status=200" in line and "ttft=" in line
 
 
-def test_smollm2_answers_a_schema_with_real_text_and_refuses_tools(smol_api):
-    client = OpenAI(base_url=f"{smol_api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def test_smollm2_answers_a_schema_with_real_text_and_refuses_tools(smol_openai):
     messages = [{"role": "user", "content": "Name a large city in France and its population."}]
-    parsed = client.chat.completions.parse(
+    parsed = smol_openai.chat.completions.parse(
         model="SmolLM2-135M-Instruct", messages=messages, response_format=City, max_tokens=60, temperature=0
     )
     assert isinstance(parsed.choices[0].message.parsed, City)
     with pytest.raises(openai.BadRequestError, match="does not support tools") as error:
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER])
+        smol_openai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER])
     assert error.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError, match="response_format") as error:
-        client.chat.completions.create(
+        smol_openai.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=messages,
             response_format={

@@ -154,12 +154,20 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as chat templates take them (`developer` is the newer name of `system`; tool calls'
-        arguments as objects)."""
-        return [_template_message(m) for m in self.messages]
+        return template_messages(self.messages)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return template_tools(self.tools)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them (`developer` is the newer name of `system`; tool calls'
+    arguments as objects): what chat completions and /tokenize render."""
+    return [_template_message(m) for m in messages]
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_validator
 
-from corolla.api.chat_protocol import MAX_TOOLS, ChatCompletionRequest, ChatMessage, Tool
+from corolla.api.chat_protocol import MAX_TOOLS, ChatMessage, Tool
 from corolla.api.protocol import OpenAIBaseModel
 
 MAX_INPUTS = 64  # inputs per embeddings request, as MAX_CHOICES bounds completions
@@ -92,10 +92,6 @@ class TokenizeChatRequest(OpenAIBaseModel):
     def _check_prompt(cls, value: str | None) -> None:
         if value is not None:
             raise ValueError("give either prompt (a text) or messages (a chat), not both")
-
-    # chat completions' own conversions, so that the tokens are those a chat request runs
-    template_messages = ChatCompletionRequest.template_messages
-    template_tools = ChatCompletionRequest.template_tools
 
 
 def _tokenize_kind(body: Any) -> str | None:

@@ -11,6 +11,7 @@ model chooses, and whatever calls it wrote are parsed out.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any
@@ -27,28 +28,38 @@ logger = logging.getLogger(__name__)
 
 def supports_tools(chat_template: str | dict[str, str] | None) -> bool:
     """Whether the template reads the `tools` variable (else tools would silently vanish)."""
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-    environment = jinja2.Environment()
-    for template in templates:
-        try:
-            if "tools" in jinja2.meta.find_undeclared_variables(environment.parse(template)):
-                return True
-        except jinja2.TemplateSyntaxError:
-            continue
-    return False
+    return any(_reads_tools(template) for template in _templates(chat_template))
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(template: str) -> bool:
+    """Whether one template reads `tools`; parsed once per template, not with every request."""
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return False
 
 
 def call_format(chat_template: str | dict[str, str] | None) -> CallFormat:
     """How the template's model writes calls: Hermes markers where the template shows them, Llama 3's
     bare JSON where it asks for `parameters` (Llama 3.1-3.3 templates), else Hermes (the commonest)."""
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-    text = "\n".join(templates)
+    return _format_of("\n".join(_templates(chat_template)))
+
+
+@functools.lru_cache(maxsize=16)
+def _format_of(text: str) -> CallFormat:
+    """The call format of the templates' text; read once, so its log line comes once, not per request."""
     if HERMES.start in text:
         return HERMES
     if '"parameters"' in text and ("<|eot_id|>" in text or "<|python_tag|>" in text):
         return LLAMA3_JSON
     logger.info("The chat template names no known tool-call format: reading calls as Hermes'")
     return HERMES
+
+
+def _templates(chat_template: str | dict[str, str] | None) -> list[str]:
+    """A tokenizer's chat templates (some have several by name, e.g. "default" and "tool_use")."""
+    return list(chat_template.values()) if isinstance(chat_template, dict) else [chat_template or ""]
 
 
 def call_grammar(

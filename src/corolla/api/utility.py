@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 import corolla
 from corolla.api.chat import render
+from corolla.api.chat_protocol import template_messages, template_tools
 from corolla.api.extra_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -45,7 +46,10 @@ class UtilityServing:
         body, tokenizer = request.root, self.serving.model.tokenizer
         if isinstance(body, TokenizeChatRequest):
             text = render(
-                tokenizer, body.template_messages(), body.template_tools(), body.add_generation_prompt
+                tokenizer,
+                template_messages(body.messages),
+                template_tools(body.tools),
+                body.add_generation_prompt,
             )
             if isinstance(text, ErrorResponse):
                 return text

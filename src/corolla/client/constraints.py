@@ -94,7 +94,8 @@ class Constraint:
 
     def _start(self, vocab_size: int) -> None:
         tokenizer = grammar_tokenizer(self.hf_tokenizer, vocab_size, self.eos)
-        self.matchers = [llguidance.LLMatcher(tokenizer, self.grammar) for _ in range(self.rows)]
+        first = llguidance.LLMatcher(tokenizer, self.grammar)  # compiled once, copied for the other rows
+        self.matchers = [first, *(first.deep_copy() for _ in range(self.rows - 1))]
         self.words = (vocab_size + 31) // 32
         self.bits = torch.zeros(self.rows, self.words, dtype=torch.int32)
         for matcher in self.matchers:
