@@ -31,7 +31,7 @@ from hivemind.p2p import P2P, PeerID  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.swarm.local import LocalSwarm  # noqa: E402
+from corolla.launch.local import LocalSwarm  # noqa: E402
 from corolla.wire import tensors  # noqa: E402
 from corolla.wire.messages import RPC_INFERENCE  # noqa: E402
 from corolla.wire.records import block_uids  # noqa: E402

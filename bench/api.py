@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a robot", "the moon", "a garden",
@@ -137,7 +137,7 @@ EXAMPLE = {"title": "The lighthouse keeper", "mood": "calm", "lines": [
 
 def mask_cost(model: DistributedModelForCausalLM, rows: int, repeats: int = 5) -> dict:
     """The client's cost of constrained decoding per token and row: mask the logits, follow the token."""
-    from corolla.client.constraints import Constraint, json_schema_grammar
+    from corolla.decoding.constraints import Constraint, json_schema_grammar
 
     grammar, tokenizer = json_schema_grammar(SCHEMA), model.tokenizer
     tokens = tokenizer(json.dumps(EXAMPLE), add_special_tokens=False).input_ids

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.swarm.local import LocalSwarm  # noqa: E402
+from corolla.launch.local import LocalSwarm  # noqa: E402
 from tiny_models import FAMILIES, load_reference, save_tiny_model, tiny_config  # noqa: E402
 
 logger = logging.getLogger("bench.models")

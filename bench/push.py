@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
 
 NEW_TOKENS = 64
 

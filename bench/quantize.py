@@ -40,7 +40,7 @@ from corolla.client.remote_passes import remote_forward  # noqa: E402
 from corolla.models.quantize import quantize_blocks, weight_bytes  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
 from corolla.models.span import Span  # noqa: E402
-from corolla.swarm.local import LocalSwarm  # noqa: E402
+from corolla.launch.local import LocalSwarm  # noqa: E402
 from corolla.swarm.routing import Hop  # noqa: E402
 from corolla.utils import peak_rss_bytes  # noqa: E402
 

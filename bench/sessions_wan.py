@@ -181,7 +181,7 @@ def main() -> None:
         results["wan"] = {"round_trip_ms": 2 * args.delay_ms, **swarm.run_client(__file__, client_args)}
     if not args.no_loopback:
         from corolla.models.source import resolve_model
-        from corolla.swarm.local import LocalSwarm
+        from corolla.launch.local import LocalSwarm
 
         path = resolve_model("smollm2").path
         server_args = ["--num-threads", "1", *args.server_args.split()]

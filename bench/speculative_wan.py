@@ -157,7 +157,7 @@ def run_client(peers: list[str], args: argparse.Namespace) -> None:
 
 def loopback(args: argparse.Namespace) -> dict:
     from corolla.models.source import resolve_model
-    from corolla.swarm.local import LocalSwarm
+    from corolla.launch.local import LocalSwarm
 
     path = resolve_model("smollm2").path
     with LocalSwarm(str(path), SPANS, server_args=["--num-threads", "1"]) as swarm:

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from corolla.client.autograd import RemoteChain  # noqa: E402
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.swarm.local import LocalSwarm  # noqa: E402
+from corolla.launch.local import LocalSwarm  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
 FAULTS = ("noise:0.1", "noise:0.03", "skip-layer", "wrong-weights", "garbage-after:40")

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
 from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
-from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
 
 
 def train_forever(peers: list[str]) -> None:

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
 from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
-from corolla.swarm.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
 
 POSITIVE = ["great", "wonderful", "excellent", "lovely", "fantastic", "delightful", "superb", "pleasant",
             "amazing", "brilliant", "charming", "perfect"]  # fmt: skip

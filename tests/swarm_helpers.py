@@ -13,7 +13,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.config import ClientConfig
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 
 # One swarm offers chains of 1, 2 and 3 servers: a client restricted to some servers (allowed_servers)
 # routes through exactly those, using part of a server's span where needed.

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
+from corolla.version import __version__
+
 for _noisy in ("torchao", "torch.utils._pytree", "bitsandbytes"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
-
-__version__ = "0.1.0"
 
 __all__ = ["DistributedModelForCausalLM", "SamplingParams", "__version__"]
 
@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
         return DistributedModelForCausalLM
     if name == "SamplingParams":
-        from corolla.client.sampling import SamplingParams
+        from corolla.decoding.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'corolla' has no attribute {name!r}")

@@ -79,6 +79,10 @@ class RemoteError(CorollaError):
     """A server failed with an error that is not one of corolla's own types."""
 
 
+# errors after which another server may succeed (the client bans this one and replaces it); an
+# InvalidRequest or MissingBlocks the client raises itself is final
+RETRYABLE = (ServerUnavailable, SessionTimeout, CacheExhausted, RemoteError)
+
 _WIRE_ERRORS: dict[str, type[CorollaError]] = {
     cls.__name__: cls
     for cls in (

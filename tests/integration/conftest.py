@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, TINY_SPANS, connect
 from tiny_models import LLAMA_LIKE, load_reference
 

@@ -9,7 +9,7 @@ import torch
 
 from corolla.client.remote_passes import remote_forward
 from corolla.errors import MissingBlocks, ServerUnavailable
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect, reference_generate
 from tiny_models import load_reference
 

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from tool_model import save_tool_model
 
 WEATHER = {

@@ -23,7 +23,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from hivemind.proto import runtime_pb2
 
 from corolla.errors import InvalidRequest
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from corolla.wire import tensors
 from corolla.wire.messages import (
     RPC_BACKWARD,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from corolla.client.swarm import SwarmClient
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import SMOL_CHAINS, client_config, connect
 
 QUESTIONS = [

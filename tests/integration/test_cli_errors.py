@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from corolla.swarm.local import READY_DHT, PeerProcess, free_port
+from corolla.launch.local import READY_DHT, PeerProcess, free_port
 from swarm_helpers import run_corolla
 
 # a well-formed address of a peer that does not exist: nothing listens on port 1

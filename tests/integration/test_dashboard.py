@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 
 ARTIFACTS = Path(os.environ.get("COROLLA_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
 LOOPBACK_ONLY = [

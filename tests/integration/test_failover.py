@@ -13,7 +13,7 @@ import torch
 
 from corolla.config import SpeculationConfig
 from corolla.errors import MissingBlocks
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect
 
 SPANS = [(0, 10), (10, 20), (20, 30)]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import assert_boundaries_match, connect, reference_generate
 from tiny_models import FAMILIES, LLAMA_LIKE, load_reference
 

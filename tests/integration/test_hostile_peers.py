@@ -18,7 +18,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from corolla.wire import tensors
 from corolla.wire.messages import RPC_INFERENCE, RPC_INFO, RPC_PUSH
 from corolla.wire.records import ServerStatus, block_uids

@@ -12,7 +12,7 @@ import torch
 
 from corolla.client.swarm import SwarmClient
 from corolla.errors import MissingBlocks
-from corolla.swarm.local import READY_SERVER, LocalSwarm, PeerProcess
+from corolla.launch.local import READY_SERVER, LocalSwarm, PeerProcess
 from corolla.wire.records import ServerState
 from swarm_helpers import client_config, connect, run_corolla
 

@@ -21,7 +21,7 @@ from corolla.client.model import DistributedModelForCausalLM
 from corolla.client.remote_passes import remote_forward
 from corolla.errors import MissingBlocks, NotAllowed
 from corolla.swarm.identity import load_identity, peer_id_of_identity, read_allowed_peers
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from corolla.swarm.overview import read_overview
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import RPC_INFERENCE, RPC_INFO

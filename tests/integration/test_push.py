@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from corolla.client.span_session import StepRoute
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from corolla.wire.messages import NextServer
 from swarm_helpers import connect
 from tiny_models import load_reference

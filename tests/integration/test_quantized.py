@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect, reference_generate
 from tiny_models import load_reference
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect
 
 ARGS = ["--announce-period", "1"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from corolla.swarm.local import LocalSwarm, even_spans
+from corolla.launch.local import LocalSwarm, even_spans
 from corolla.utils import peak_rss_bytes, whole_model_peak_rss_bytes
 from swarm_helpers import SMOL_LIMITS, connect
 

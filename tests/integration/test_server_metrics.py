@@ -8,7 +8,7 @@ import urllib.request
 
 import torch
 
-from corolla.swarm.local import LocalSwarm, free_port
+from corolla.launch.local import LocalSwarm, free_port
 from swarm_helpers import connect
 
 

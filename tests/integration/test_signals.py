@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from byte_tokenizer import byte_tokenizer
-from corolla.swarm.local import LocalSwarm, answers_http, free_port
+from corolla.launch.local import LocalSwarm, answers_http, free_port
 from swarm_helpers import connect
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

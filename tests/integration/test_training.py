@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from corolla.client.autograd import RemoteChain
-from corolla.swarm.local import LocalSwarm
+from corolla.launch.local import LocalSwarm
 from swarm_helpers import SMOL_CHAINS, TINY_CHAINS, connect
 
 PREFIX = 3

@@ -1,12 +1,13 @@
 """A request's choices (one per prompt and n) and how each generation step moves them: tokens become
-text that never shows a stop string (client/text.py), with the finish reason once a choice ends."""
+text that never shows a stop string (decoding/text.py), with the finish reason once a choice ends."""
 
 from __future__ import annotations
 
-from corolla.api.responses import Moved, Step
 from corolla.api.tool_calls import CallFormat, CallStream
-from corolla.client.generation import GenerationStep
-from corolla.client.text import IncrementalText
+from corolla.decoding.chooser import GenerationStep
+from corolla.decoding.text import IncrementalText
+
+Step = tuple[int, float | None, list[tuple[int, float]]]  # token, its logprob, [(alternative, logprob)]
 
 
 class Choice:
@@ -14,6 +15,9 @@ class Choice:
         self.index, self.text = index, text
         self.steps: list[Step] = []
         self.calls = CallStream(calls) if calls else None  # with tools: the calls apart from the content
+
+
+Moved = tuple[Choice, str, Step | None]  # a choice, the text it released, the token that released it
 
 
 def advance(choices: list[Choice], prompt_index: int, step: GenerationStep, max_tokens: int) -> list[Moved]:

@@ -23,7 +23,7 @@ from corolla.api.serving import error_for
 from corolla.client.embeddings import Pooling, embed_sequences
 
 if TYPE_CHECKING:
-    from corolla.api.app import Generate
+    from corolla.api.http import Generate
     from corolla.api.serving import OpenAIServing
 
 MAX_RUNNING = 4  # embedding requests on the swarm at once (each runs its batches one after another)
@@ -43,7 +43,7 @@ class EmbeddingServing:
         self.serving.metrics.prompt_tokens.inc(num_tokens)
         try:
             async with self._running:
-                job = embed_sequences(model, sequences, self.pooling)
+                job = model.aembed(sequences, self.pooling)
                 vectors = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(job, model.runtime.loop))
         except Exception as e:  # not BaseException: a cancelled request (client gone) stays cancelled
             return error_for(e)

@@ -51,16 +51,16 @@ class ApiMetrics:
             registry=self.registry,
         )
 
-    def watch_servers(self, swarm: Any) -> None:
-        """What the client (a SwarmClient) found of servers, read when scraped: spot checks by result,
-        servers caught computing wrong outputs, DHT records refused."""
+    def watch_client(self, client: Any) -> None:
+        """What the swarm client (client/client.py) found of servers, read when scraped: spot checks by
+        result, servers caught computing wrong outputs, DHT records refused."""
         checks = Gauge(
             "corolla_api_spot_checks",
             "spot checks of servers' outputs so far, by result",
             ["result"],
             registry=self.registry,
         )
-        checker = swarm.spot_checker
+        checker = client.checker
         for result in ("passed", "failed", "unchecked", "third opinions"):
             checks.labels(result).set_function(lambda r=result, c=checker: c.counts[r] if c else 0)
         faulty = Gauge(
@@ -68,13 +68,13 @@ class ApiMetrics:
             "servers caught computing wrong outputs (banned for good)",
             registry=self.registry,
         )
-        faulty.set_function(lambda: len(swarm.faulty))
+        faulty.set_function(lambda: len(client.swarm.bans.faulty))
         refused = Gauge(
             "corolla_api_refused_records",
             "unsigned or malformed DHT records read (ignored)",
             registry=self.registry,
         )
-        refused.set_function(lambda: sum(swarm.rejected_records.values()))
+        refused.set_function(lambda: sum(client.swarm.view.rejected_records.values()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from corolla.client.constraints import json_schema_grammar
-from corolla.client.sampling import SamplingParams
+from corolla.decoding.constraints import json_schema_grammar
+from corolla.decoding.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from corolla.api import tool_calls
+from corolla.api.choices import Choice, Moved, Step
 from corolla.api.outputs import (
     AssistantMessage,
     ChatChoice,
@@ -22,12 +23,6 @@ from corolla.api.outputs import (
     TopLogprob,
     Usage,
 )
-
-if TYPE_CHECKING:
-    from corolla.api.choices import Choice
-
-Step = tuple[int, float | None, list[tuple[int, float]]]  # token, its logprob, [(alternative, logprob)]
-Moved = tuple["Choice", str, Step | None]  # a choice, the text it released, the token that released it
 
 
 def _steps(step: Step | None) -> list[Step]:

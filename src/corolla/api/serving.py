@@ -20,7 +20,7 @@ import torch
 from corolla.api import chat
 from corolla.api.chat import invalid as _invalid
 from corolla.api.chat_protocol import ChatCompletionRequest
-from corolla.api.choices import Choice, advance
+from corolla.api.choices import Choice, Moved, advance
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import (
     CompletionRequest,
@@ -31,16 +31,15 @@ from corolla.api.protocol import (
     new_id,
 )
 from corolla.api.request_log import Record, RequestLog
-from corolla.api.responses import ChatFormat, CompletionFormat, Moved, ResponseFormat
-from corolla.api.streams import EventStream, merge
+from corolla.api.responses import ChatFormat, CompletionFormat, ResponseFormat
+from corolla.api.streams import EventStream, merge, settled
 from corolla.api.tool_calls import CallFormat
 from corolla.api.tracker import RequestTracker
-from corolla.client import constraints
-from corolla.client.generation import GenerationStep
 from corolla.client.model import DistributedModelForCausalLM
-from corolla.client.text import IncrementalText
-from corolla.errors import CorollaError, InvalidRequest, MissingBlocks, ServerUnavailable
-from corolla.swarm.overview import read_overview
+from corolla.decoding import constraints
+from corolla.decoding.chooser import GenerationStep
+from corolla.decoding.text import IncrementalText
+from corolla.errors import CorollaError, InvalidRequest, MissingBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class OpenAIServing:
         constraints.warm(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
         self.log = RequestLog()
         self._overview: tuple[float, dict] | None = None
-        metrics.watch_servers(model.swarm)
+        metrics.watch_client(model.client)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.name, max_model_len=self.max_model_len)])
@@ -83,14 +82,10 @@ class OpenAIServing:
         many dashboards poll."""
         cached = self._overview
         if cached is None or time.monotonic() - cached[0] > OVERVIEW_TTL:
-            swarm = self.model.swarm
-            job = read_overview(
-                swarm.dht, swarm.dht_prefix, swarm.num_blocks, swarm.model_fingerprint, swarm.p2p
-            )
-            overview = await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(job, self.model.runtime.loop)
-            )
-            cached = self._overview = (time.monotonic(), {**overview.to_dict(), **swarm.findings()})
+            client = self.model.client
+            job = asyncio.run_coroutine_threadsafe(client.overview(), self.model.runtime.loop)
+            overview = await asyncio.wrap_future(job)
+            cached = self._overview = (time.monotonic(), {**overview.to_dict(), **client.findings()})
             cached[1]["served_model"] = self.name
         return cached[1]
 
@@ -147,11 +142,12 @@ class OpenAIServing:
         ]
         num_prompt_tokens = sum(len(p) for p in prompts)
         output = fmt(tokenizer, request_id, self.name, request, num_prompt_tokens)
-        stream = self.tracker.add(request_id, self._job(prompts, request.n, params))
+        steps = self.tracker.add(request_id, self._job(prompts, request.n, params, request.stream))
         self.metrics.active_requests.inc()
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         record = self.log.start(request_id, self.name, num_prompt_tokens)
-        events = self._events(stream, choices, record, max_tokens)
+        steps = self._timed(steps, record)
+        events = self._events(steps if request.stream else settled(steps), choices, record, max_tokens)
         end = self._ender(record, events)
         try:
             first = await anext(events, None)
@@ -202,12 +198,15 @@ class OpenAIServing:
             )
         return max_tokens
 
-    def _job(self, prompts: list[list[int]], n: int, params: Any) -> Callable[[], AsyncIterator[Any]]:
-        """Generations of every prompt (n rows each), run concurrently; yields (prompt index, step)."""
-        model = self.model
+    def _job(
+        self, prompts: list[list[int]], n: int, params: Any, stream: bool
+    ) -> Callable[[], AsyncIterator[Any]]:
+        """Generations of every prompt (n rows each), run concurrently; yields (prompt index, step). Tokens
+        a spot check withdraws end a stream (they are out already) and are redone for a whole answer."""
+        model, withdrawals = self.model, "fail" if stream else "redo"
 
         async def one(index: int, ids: list[int]) -> AsyncIterator[tuple[int, GenerationStep]]:
-            async for step in model.agenerate_steps(torch.tensor([ids] * n), params):
+            async for step in model.agenerate_steps(torch.tensor([ids] * n), params, withdrawals=withdrawals):
                 yield index, step
 
         def job() -> AsyncIterator[Any]:
@@ -215,22 +214,26 @@ class OpenAIServing:
 
         return job
 
+    async def _timed(self, stream: Any, record: Record) -> AsyncIterator[tuple[int, GenerationStep]]:
+        """The steps as they come, their times observed."""
+        last = None
+        async for prompt_index, step in stream:
+            if not step.withdrawn:
+                now = time.perf_counter()
+                if last is None:
+                    record.first_token = now
+                    self.metrics.time_to_first_token.observe(now - record.started)
+                else:
+                    self.metrics.time_per_token.observe(now - last)
+                last = now
+            yield prompt_index, step
+
     async def _events(
         self, stream: Any, choices: list[Choice], record: Record, max_tokens: int
     ) -> AsyncIterator[list[Moved]]:
         """Per step, (choice, released text, token) for each choice that moved; a choice's last entry
         comes with its finish_reason set."""
-        last = None
         async for prompt_index, step in stream:
-            if step.withdrawn:  # text already sent cannot be taken back (client/generation.py)
-                raise ServerUnavailable("a spot check caught a server lying (now banned): retry the request")
-            now = time.perf_counter()
-            if last is None:
-                record.first_token = now
-                self.metrics.time_to_first_token.observe(now - record.started)
-            else:
-                self.metrics.time_per_token.observe(now - last)
-            last = now
             moved = advance(choices, prompt_index, step, max_tokens)
             record.completion_tokens += len(moved)
             self.log.generated(len(moved))

@@ -1,10 +1,15 @@
-"""Async streams of the API layer: merging concurrent generations, and a response's event stream."""
+"""Async streams of the API layer: merging concurrent generations, a whole answer's settled steps, and a
+response's event stream."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+
+from corolla.decoding.chooser import GenerationStep
+
+Indexed = tuple[int, GenerationStep]  # a prompt's index and a step of its generation
 
 
 class EventStream:
@@ -55,3 +60,18 @@ async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def settled(steps: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+    """A whole answer's steps once its generations are over, without those a spot check withdrew (their
+    tokens were chosen again by the steps that follow)."""
+    kept: list[Indexed] = []
+    async for prompt_index, step in steps:
+        if not step.withdrawn:
+            kept.append((prompt_index, step))
+            continue
+        mine = [i for i, (index, _) in enumerate(kept) if index == prompt_index]
+        for i in reversed(mine[len(mine) - step.withdrawn :]):
+            del kept[i]
+    for item in kept:
+        yield item

@@ -5,7 +5,7 @@ Tools reach the model through its own chat template (transformers renders `tools
 never reads `tools` would drop them silently, so such a model refuses requests with tools (400). The
 template also tells the call format (api/tool_calls.py): Hermes `<tool_call>` markers, or Llama 3's
 bare JSON. With `tool_choice` "required" or a named function, a Lark grammar with the functions'
-parameter schemas embedded (client/constraints.py) makes the output exactly such calls; with "auto" the
+parameter schemas embedded (decoding/constraints.py) makes the output exactly such calls; with "auto" the
 model chooses, and whatever calls it wrote are parsed out.
 """
 
@@ -21,7 +21,7 @@ import jinja2.meta
 
 from corolla.api.chat_protocol import ChatCompletionRequest, NamedToolChoice
 from corolla.api.tool_calls import HERMES, LLAMA3_JSON, CallFormat
-from corolla.client.constraints import JSON_OPTIONS, lark_grammar
+from corolla.decoding.constraints import JSON_OPTIONS, lark_grammar
 
 logger = logging.getLogger(__name__)
 

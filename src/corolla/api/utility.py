@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import corolla
 from corolla.api.chat import render
 from corolla.api.chat_protocol import template_messages, template_tools
 from corolla.api.extra_protocol import (
@@ -26,9 +25,10 @@ from corolla.api.extra_protocol import (
     TokenizeResponse,
 )
 from corolla.api.protocol import ErrorResponse, ModelCard
+from corolla.version import __version__
 
 if TYPE_CHECKING:
-    from corolla.api.app import Answer, Generate
+    from corolla.api.http import Answer, Generate
     from corolla.api.serving import OpenAIServing
 
 
@@ -74,7 +74,7 @@ def version() -> str:
     try:
         return importlib.metadata.version("corolla")
     except importlib.metadata.PackageNotFoundError:
-        return corolla.__version__
+        return __version__
 
 
 def model_not_found(given: str, served: str) -> ErrorResponse:

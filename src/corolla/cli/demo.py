@@ -13,7 +13,7 @@ from corolla.cli.signals import exit_on
 from corolla.models.source import DEFAULT_MODEL, resolve_model
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
-    from corolla.swarm.local import LocalSwarm
+    from corolla.launch.local import LocalSwarm
 
 DEFAULT_PROMPT = "What is the capital of France, and what is it famous for?"
 
@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> None:
 
     exit_on(signal.SIGTERM, signal.SIGHUP)  # through LocalSwarm's exit: every peer is stopped
     params = sampling_params(args)
+    from corolla.launch.local import LocalSwarm, even_spans
     from corolla.models.config import ModelConfig
-    from corolla.swarm.local import LocalSwarm, even_spans
 
     source = resolve_model(args.model)  # converts a GGUF once, before any server needs it
     num_blocks = ModelConfig.from_folder(source.path).num_hidden_layers

@@ -12,7 +12,7 @@ from corolla.cli.signals import exit_on
 from corolla.errors import InvalidRequest
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
-    from corolla.client.sampling import SamplingParams
+    from corolla.decoding.sampling import SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -59,7 +59,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    from corolla.client.sampling import SamplingParams
+    from corolla.decoding.sampling import SamplingParams
 
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -90,7 +90,7 @@ def stream_completion(
 ) -> tuple[str, int]:
     """Generate and print text as it arrives (never a stop string, nor half a character); returns the
     completion and the number of tokens generated."""
-    from corolla.client.text import IncrementalText
+    from corolla.decoding.text import IncrementalText
 
     text = IncrementalText(model.tokenizer, params.stop, model.eos_token_ids, params.ignore_eos)
     for tokens in model.generate_stream(input_ids, params):

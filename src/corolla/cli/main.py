@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla import __version__
+from corolla.version import __version__
 from corolla.cli import api, demo, dht, generate, identity, server, status
 from corolla.cli.common import setup_logging
 from corolla.errors import CorollaError

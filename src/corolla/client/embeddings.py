@@ -11,16 +11,15 @@ the norm and pooling run in a worker thread, off that loop.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from corolla.client.autograd import chain_forward
+from corolla.client.training import ChainPasses
 from corolla.errors import InvalidRequest
+from corolla.models.head import ModelHead
 
-if TYPE_CHECKING:
-    from corolla.client.model import DistributedModelForCausalLM
 
 Pooling = Literal["mean", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
@@ -30,26 +29,25 @@ MAX_PASS_ROWS = 8
 
 
 async def embed_sequences(
-    model: DistributedModelForCausalLM, sequences: list[list[int]], pooling: Pooling
+    passes: ChainPasses, head: ModelHead, pad_token_id: int, sequences: list[list[int]], pooling: Pooling
 ) -> torch.Tensor:
-    """Unit vectors [N, hidden] (float32), one per sequence of token ids, in the order given."""
-    if model.ptune is not None:
-        raise InvalidRequest("embeddings of a model with trained prompts are not supported")
+    """Unit vectors [N, hidden] (float32), one per sequence of token ids, in the order given: each batch
+    embedded by `head`, run through the swarm's blocks by `passes`, normed by `head`, pooled."""
     if pooling not in POOLINGS:
         raise InvalidRequest(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     lengths = [len(ids) for ids in sequences]
     if not sequences or min(lengths) == 0:
         raise InvalidRequest("every sequence to embed needs at least one token")
     vectors: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    for group in batches(lengths, model.swarm.config.max_request_tokens):
+    for group in batches(lengths, passes.swarm.config.max_request_tokens):
         rows = [lengths[i] for i in group]
-        ids = torch.full((len(group), max(rows)), model.pad_token_id, dtype=torch.long)
+        ids = torch.full((len(group), max(rows)), pad_token_id, dtype=torch.long)
         for row, i in enumerate(group):
             ids[row, : rows[row]] = torch.tensor(sequences[i], dtype=torch.long)
         with torch.no_grad():
-            hidden = model.head.embed(ids)  # [rows, T, H]
-        outputs, _ = await chain_forward(model.swarm, hidden, None)  # [rows, T, H], before the final norm
-        pooled = await asyncio.to_thread(pool, model.head.norm, outputs, rows, pooling)
+            hidden = head.embed(ids)  # [rows, T, H]
+        outputs, _ = await passes.forward(hidden, None)  # [rows, T, H], before the final norm
+        pooled = await asyncio.to_thread(pool, head.norm, outputs, rows, pooling)
         for row, i in enumerate(group):
             vectors[i] = pooled[row]
     return torch.stack(vectors)

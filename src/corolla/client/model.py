@@ -14,18 +14,19 @@ from typing import Any
 
 import torch
 
-from corolla.client.autograd import RemoteChain, chain_forward
-from corolla.client.generation import GenerationStep, generate_steps
+from corolla.client.client import Client
+from corolla.client.embeddings import Pooling, embed_sequences
+from corolla.client.generation import Withdrawals, first_step, generate_steps
 from corolla.client.head_batcher import HeadBatcher
-from corolla.client.inference_session import InferenceSession
 from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
-from corolla.client.sampling import SamplingParams
-from corolla.client.speculative import Speculator
-from corolla.client.spot_checks import SpotChecker
-from corolla.client.swarm import SwarmClient
+from corolla.client.session import InferenceSession
+from corolla.client.training import RemoteChain
 from corolla.config import ClientConfig
-from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.decoding.chooser import Chooser, GenerationStep, RowEnds
+from corolla.decoding.sampling import SamplingParams
+from corolla.decoding.speculator import Speculator
+from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.head import ModelHead
 from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
@@ -39,19 +40,26 @@ class CausalLMOutput:
 
 
 class DistributedModelForCausalLM:
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         source: ModelSource,
         config: ModelConfig,
         head: ModelHead,
-        swarm: SwarmClient,
+        client: Client,
         runtime: LoopThread,
         ptune: PromptTuning | None = None,
+        speculator: Speculator | None = None,
     ):
-        self.source, self.config, self.head, self.swarm, self.runtime = source, config, head, swarm, runtime
+        """`client` runs on `runtime`'s loop; `ptune`: trainable prompts (tuning_mode); `speculator`:
+        speculative decoding (ClientConfig.speculation)."""
+        self.source = source
+        self.config = config
+        self.head = head
+        self.client = client
+        self.runtime = runtime
         self.head_batcher = HeadBatcher(head)
-        self.ptune = ptune  # trainable prompts (tuning_mode), or None
-        self.speculator: Speculator | None = None  # speculative decoding (ClientConfig.speculation)
+        self.ptune = ptune
+        self.speculator = speculator
 
     @classmethod
     def from_pretrained(
@@ -77,24 +85,20 @@ class DistributedModelForCausalLM:
         source = resolve_model(model)
         model_config = ModelConfig.from_folder(source.path)
         head = ModelHead.load(source.path, parse_dtype(config.dtype, model_config))
+        ptune = None
+        if tuning_mode is not None:
+            ptune = PromptTuning(tuning_mode, pre_seq_len, model_config.num_hidden_layers, head.embed_tokens)
         prefix = dht_prefix or config.dht_prefix or dht_prefix_for(source.name)
         speculation = config.speculation
         speculator = speculation and Speculator.create(speculation, model_config, source.path)
         runtime = LoopThread()
-        swarm = SwarmClient(config, prefix, model_config.num_hidden_layers, model_config.fingerprint())
-        if config.spot_checks > 0:
-            swarm.spot_checker = SpotChecker(swarm, config.spot_checks)
+        blocks, fingerprint = model_config.num_hidden_layers, model_config.fingerprint()
         try:
-            runtime.run(swarm.start())
+            client = runtime.run(Client.connect(config, prefix, blocks, fingerprint))
         except BaseException:
             runtime.stop()
             raise
-        ptune = None
-        if tuning_mode is not None:
-            ptune = PromptTuning(tuning_mode, pre_seq_len, model_config.num_hidden_layers, head.embed_tokens)
-        model = cls(source, model_config, head, swarm, runtime, ptune)
-        model.speculator = speculator
-        return model
+        return cls(source, model_config, head, client, runtime, ptune, speculator)
 
     # --- tokenizer and special tokens ----------------------------------------------------------------------
 
@@ -115,9 +119,15 @@ class DistributedModelForCausalLM:
 
     # --- inference -----------------------------------------------------------------------------------------
 
-    def inference_session(self, max_length: int, alloc_timeout: float = 0.0) -> InferenceSession:
-        """A session that keeps server-side caches across calls; use it as a context manager."""
-        return InferenceSession(self.swarm, self.runtime, max_length, alloc_timeout)
+    def inference_session(
+        self, max_length: int, alloc_timeout: float = 0.0, servers: Sequence[str] | None = None
+    ) -> InferenceSession:
+        """A session that keeps server-side caches across calls; use it as a context manager. `servers`:
+        route it only through these peer ids."""
+        keep_outputs = self.client.checker is not None  # spot checks compare each hop's outputs
+        return InferenceSession(
+            self.client.swarm, self.runtime, max_length, alloc_timeout, servers, keep_outputs
+        )
 
     async def agenerate(
         self,
@@ -128,12 +138,7 @@ class DistributedModelForCausalLM:
     ) -> AsyncIterator[torch.Tensor]:
         """Yield each step's new tokens [B]; kwargs are SamplingParams fields. Tokens a spot check finds
         wrong cannot be taken back here: ServerUnavailable (`generate` replaces them)."""
-        async for step in self.agenerate_steps(input_ids, params, session, **kwargs):
-            if step.withdrawn:
-                raise ServerUnavailable(
-                    f"a spot check caught a server computing wrong outputs: the last {step.withdrawn} tokens "
-                    "streamed were wrong (the server is banned; generate again)"
-                )
+        async for step in self.agenerate_steps(input_ids, params, session, withdrawals="fail", **kwargs):
             yield step.tokens
 
     async def agenerate_steps(
@@ -141,6 +146,7 @@ class DistributedModelForCausalLM:
         input_ids: torch.Tensor | Sequence[int],
         params: SamplingParams | None = None,
         session: InferenceSession | None = None,
+        withdrawals: Withdrawals = "redo",
         **kwargs: Any,
     ) -> AsyncIterator[GenerationStep]:
         """Like `agenerate`, with each row's finished flag and (params.logprobs) log-probabilities.
@@ -149,39 +155,43 @@ class DistributedModelForCausalLM:
         and closed on every server of its chain as soon as the generation ends, fails or is cancelled.
         With a tuning_mode, a new session starts with the trained prompts, as `forward` uses them. With a
         drafter (ClientConfig.speculation) and params.speculative, a one-row generation drafts and
-        verifies several tokens per step: the tokens are the same.
+        verifies several tokens per step: the tokens are the same. Tokens a spot check finds wrong are
+        withdrawn by a step with `withdrawn` set and chosen again ("redo"), or end the generation with
+        ServerUnavailable ("fail").
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
         own = session is None
-        tuned = None
-        if self.ptune is not None and (own or session.position == 0):
-            deep = self.ptune.block_prompts().detach()
-            tuned = (self.ptune.prefix(input_ids.shape[0]).detach(), deep if deep.numel() else None)
         if own:
-            prefix = 0 if tuned is None else self.ptune.pre_seq_len
-            session = await InferenceSession(
-                self.swarm, self.runtime, prefix + input_ids.shape[1] + params.max_new_tokens
+            prefix = 0 if self.ptune is None else self.ptune.pre_seq_len
+            session = await self.inference_session(
+                prefix + input_ids.shape[1] + params.max_new_tokens
             ).aopen()
-        speculation = None
-        if self.speculator is not None and params.speculative and input_ids.shape[0] == 1:
-            speculation = self.speculator.start(session.max_length)
         try:
-            async for step in generate_steps(
-                self.head_batcher,
-                session,
-                input_ids,
-                params,
-                self.eos_token_ids,
-                self.pad_token_id,
-                self.tokenizer if params.stop or params.grammar else None,
-                tuned,
-                speculation,
-            ):
+            first = first_step(self.head_batcher, session, input_ids, params, self._tuned(session, input_ids))
+            tokenizer = self.tokenizer if params.stop or params.grammar else None
+            ends = RowEnds(params, self.eos_token_ids, tokenizer, input_ids.shape[0])
+            chooser = Chooser(params, ends, self.pad_token_id, input_ids)
+            speculation = None
+            if self.speculator is not None and params.speculative and input_ids.shape[0] == 1:
+                speculation = self.speculator.start(session.max_length)
+            checker = self.client.checker
+            steps = generate_steps(
+                self.head_batcher, session, chooser, first, speculation, checker, withdrawals
+            )
+            async for step in steps:
                 yield step
         finally:
             if own:
                 await session.aclose()
+
+    def _tuned(self, session: InferenceSession, input_ids: torch.Tensor) -> tuple | None:
+        """The trained prompts a generation starts with: (input prefix [B, P, H], deep prompts or None),
+        for a session that has not begun; None without a tuning_mode."""
+        if self.ptune is None or session.position > 0:
+            return None
+        deep = self.ptune.block_prompts().detach()
+        return self.ptune.prefix(input_ids.shape[0]).detach(), deep if deep.numel() else None
 
     def generate_stream(
         self,
@@ -211,7 +221,8 @@ class DistributedModelForCausalLM:
         """
         input_ids = _as_batch(input_ids)
         new_tokens = []
-        for step in self.runtime.iterate(self.agenerate_steps(input_ids, params, session, **kwargs)):
+        steps = self.agenerate_steps(input_ids, params, session, withdrawals="redo", **kwargs)
+        for step in self.runtime.iterate(steps):
             if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
                 del new_tokens[len(new_tokens) - step.withdrawn :]
                 continue
@@ -233,11 +244,11 @@ class DistributedModelForCausalLM:
         input_ids = _as_batch(input_ids)
         hidden, prompts = self._chain_inputs(input_ids)
         if torch.is_grad_enabled() and (hidden.requires_grad or prompts.requires_grad):
-            outputs = RemoteChain.apply(hidden, prompts, self.swarm, self.runtime)
+            outputs = RemoteChain.apply(hidden, prompts, self.client.passes, self.runtime)
         else:
             with torch.no_grad():
                 deep = prompts if prompts.numel() else None
-                outputs = self.runtime.run(chain_forward(self.swarm, hidden, deep))[0]
+                outputs = self.runtime.run(self.client.passes.forward(hidden, deep))[0]
         return self._outputs(outputs, labels)
 
     __call__ = forward
@@ -263,6 +274,13 @@ class DistributedModelForCausalLM:
             )
         return CausalLMOutput(logits, outputs, loss)
 
+    async def aembed(self, sequences: list[list[int]], pooling: Pooling = "mean") -> torch.Tensor:
+        """Unit vectors [N, hidden] (float32) of sequences of token ids (client/embeddings.py), on the
+        model's loop."""
+        if self.ptune is not None:
+            raise InvalidRequest("embeddings of a model with trained prompts are not supported")
+        return await embed_sequences(self.client.passes, self.head, self.pad_token_id, sequences, pooling)
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """What training can update: the trainable prompts and the head's parameters that require grad."""
         params = [p for p in self.head.parameters() if p.requires_grad]
@@ -277,7 +295,7 @@ class DistributedModelForCausalLM:
         if self.speculator is not None:
             self.speculator.shutdown()
         if self.runtime.loop.is_running():
-            self.runtime.run(self.swarm.shutdown())
+            self.runtime.run(self.client.shutdown())
         self.runtime.stop()
 
     def __enter__(self) -> DistributedModelForCausalLM:

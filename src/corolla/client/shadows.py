@@ -1,6 +1,6 @@
-"""Shadow chains for spot checks: a checked hop's inputs fed, check by check, to a session on other servers.
+"""Shadow chains for spot checks: a checked hop's inputs fed, check by check, to a chain of other servers.
 
-A shadow is an inference session over the checked hop's blocks on a chain of other servers, opened at
+A shadow is a chain over the checked hop's blocks on other servers (never the checked one), opened at
 the hop's first check. Each check sends it only what it has not seen (its own cache holds the rest), so
 checking a hop costs the checkers one pass over each position once, in chunks, instead of the whole
 history at every check. When the checked session goes back (a rewind), the shadow goes back with it
@@ -9,70 +9,36 @@ history at every check. When the checked session goes back (a rewind), the shado
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING
-
 import torch
 
-from corolla.client.span_session import REPLAY_CHUNK, SpanSession
-from corolla.client.swarm import RETRYABLE
-from corolla.errors import MissingBlocks
-
-if TYPE_CHECKING:
-    from corolla.client.swarm import SwarmClient
+from corolla.client.chain import Chain, ChainSpec, Link
+from corolla.client.swarm import Swarm
 
 
 class Shadow:
-    def __init__(self, spans: list[SpanSession]):
-        self.spans, self.position = spans, 0  # positions fed so far
+    def __init__(self, chain: Chain):
+        self.chain = chain
+        self.position = 0  # positions fed so far
+
+    @classmethod
+    async def open(cls, swarm: Swarm, checked: Link, max_length: int) -> Shadow:
+        """A shadow of `checked` on servers other than its own; MissingBlocks if there is no such chain
+        now (it does not wait for one)."""
+        spec = ChainSpec(max_length, avoid=frozenset({checked.hop.peer_id}), wait=False)
+        chain = Chain(swarm, spec)
+        return cls(await chain.open(checked.hop.start, checked.hop.end))
 
     @property
     def peers(self) -> list[str]:
-        return [span.hop.peer_id for span in self.spans]
+        return [hop.peer_id for hop in self.chain.route]
 
     async def outputs(self, inputs: torch.Tensor, start: int) -> torch.Tensor:
         """Its outputs [B, T - start, H] for positions [start, T) of `inputs` [B, T, H]; sends the positions
         it lacks (from `start`, or from where it stopped if that is earlier)."""
         begin = min(self.position, start)
-        hidden = inputs[:, begin:]
-        for span in self.spans:
-            chunks = []
-            for offset in range(0, hidden.shape[1], REPLAY_CHUNK):
-                chunk = hidden[:, offset : offset + REPLAY_CHUNK]
-                chunks.append(await span.step(chunk, None, None, begin + offset))
-            hidden = torch.cat(chunks, dim=1)
+        outputs = await self.chain.feed(inputs, begin)
         self.position = inputs.shape[1]
-        return hidden[:, start - begin :]
+        return outputs[:, start - begin :]
 
     async def close(self) -> None:
-        await asyncio.gather(*(span.close() for span in self.spans), return_exceptions=True)
-
-
-async def open_shadow(swarm: SwarmClient, checked: SpanSession) -> Shadow | None:
-    """A shadow of `checked` on servers other than its own, or None if there is no such chain now."""
-    hop = checked.hop
-    try:
-        hops = await swarm.route(
-            hop.start, hop.end, checked.max_length, checked.max_length, avoid={hop.peer_id}, wait=False
-        )
-    except MissingBlocks:
-        return None
-    spans = [
-        SpanSession(
-            swarm.p2p,
-            link,
-            swarm.dht_prefix,
-            checked.max_length,
-            swarm.config.request_timeout,
-            active_adapter=swarm.config.active_adapter,
-        )
-        for link in hops
-    ]
-    results = await asyncio.gather(*(span.open() for span in spans), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        await Shadow(spans).close()
-        if not all(isinstance(r, RETRYABLE) for r in failed):
-            raise failed[0]
-        return None
-    return Shadow(spans)
+        await self.chain.close()

@@ -17,6 +17,7 @@ from corolla.server.periodic import Periodic
 from corolla.server.spans import HostedSpans
 from corolla.swarm.dht import placed_servers
 from corolla.swarm.ping import ping
+from corolla.swarm.transport import P2PTransport
 
 MAX_LINKS = 8
 PING_TIMEOUT = 2.0
@@ -43,5 +44,6 @@ class LinkMonitor:
         placed = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
         placed.pop(self.peer_id, None)
         nexts = [peer for peer, (start, stop, _) in placed.items() if start <= end < stop][:MAX_LINKS]
-        answers = await asyncio.gather(*(ping(self.p2p, peer, PING_TIMEOUT) for peer in nexts))
-        self.pings = {peer: a[0] for peer, a in zip(nexts, answers, strict=True) if a is not None}
+        transport = P2PTransport(self.p2p)
+        answers = await asyncio.gather(*(ping(transport, peer, PING_TIMEOUT) for peer in nexts))
+        self.pings = {peer: a.seconds for peer, a in zip(nexts, answers, strict=True) if a.answered}

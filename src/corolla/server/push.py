@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
-from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from corolla.swarm.transport import Transport
 from corolla.wire.messages import RPC_PUSH, InferenceStep
 from corolla.wire.records import block_uids
 
 logger = logging.getLogger(__name__)
 
-# Event-loop turns for a queued push to reach the daemon: the link's request iterator wakes up in one and
-# hands the request to p2p's stream writer, which sends it at once.
+# Event-loop turns for a queued push to reach the daemon: the link's task wakes up in one and writes the
+# request to its stream, which sends it at once.
 HANDOFF_TURNS = 2
 OPEN_TIMEOUT = 10.0  # seconds to open a link's stream; its pushes wait in the link meanwhile
 
@@ -42,10 +41,10 @@ OPEN_TIMEOUT = 10.0  # seconds to open a link's stream; its pushes wait in the l
 class PushLink:
     """One open `rpc_push` stream from a session here to the next server's session."""
 
-    def __init__(self, p2p: P2P, peer_id: str):
+    def __init__(self, transport: Transport, peer_id: str):
         self.peer_id = peer_id
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self.task = asyncio.create_task(self._run(p2p))
+        self.task = asyncio.create_task(self._run(transport))
 
     def send(self, request: runtime_pb2.ExpertRequest) -> None:
         self._queue.put_nowait(request)
@@ -54,25 +53,26 @@ class PushLink:
         """Ends the stream after the pushes already queued."""
         self._queue.put_nowait(None)
 
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while (request := await self._queue.get()) is not None:
-            yield request
-
-    async def _run(self, p2p: P2P) -> None:
+    async def _run(self, transport: Transport) -> None:
         try:
-            opening = p2p.iterate_protobuf_handler(
-                PeerID.from_base58(self.peer_id), RPC_PUSH, self._requests(), runtime_pb2.ExpertResponse
-            )
-            replies = await asyncio.wait_for(opening, OPEN_TIMEOUT)  # an unreachable peer holds nothing long
-            async for _ in replies:  # the receiver sends nothing back; this waits for the end of the stream
-                pass
+            # an unreachable peer holds nothing long
+            stream = await asyncio.wait_for(transport.open_stream(self.peer_id, RPC_PUSH), OPEN_TIMEOUT)
+            try:
+                while (request := await self._queue.get()) is not None:
+                    await stream.send(request)
+                await stream.end()
+                while await stream.receive(runtime_pb2.ExpertResponse) is not None:
+                    pass  # the receiver sends nothing back; this waits for the end of the stream
+            finally:
+                stream.close()
         except Exception as e:  # the next push opens a new link; meanwhile the client's copies do the work
             logger.debug("Push link to ...%s ended: %s", self.peer_id[-6:], e)
 
 
 class Pusher:
-    def __init__(self, p2p: P2P, dht_prefix: str):
-        self.p2p, self.dht_prefix = p2p, dht_prefix
+    def __init__(self, transport: Transport, dht_prefix: str):
+        self.transport = transport
+        self.dht_prefix = dht_prefix
         # (our session's client, our session, next peer, its session)
         self._links: dict[tuple[str, str, str, str], PushLink] = {}
         self._closing: set[asyncio.Task] = set()  # links sending their last pushes
@@ -106,7 +106,7 @@ class Pusher:
         key = (origin, from_session, target.peer_id, target.session_id)
         link = self._links.get(key)
         if link is None or link.task.done():
-            link = self._links[key] = PushLink(self.p2p, target.peer_id)
+            link = self._links[key] = PushLink(self.transport, target.peer_id)
         link.send(request)
         for _ in range(HANDOFF_TURNS):
             await asyncio.sleep(0)

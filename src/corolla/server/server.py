@@ -19,7 +19,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from corolla import __version__
+from corolla.version import __version__
 from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
@@ -39,6 +39,7 @@ from corolla.server.spans import HostedSpans
 from corolla.server.status import StatusBoard
 from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import placed_servers, start_dht
+from corolla.swarm.transport import P2PTransport
 from corolla.wire.records import ServerState
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Server:
         """The services over the loaded span, their RPC handlers, then the announcements."""
         config, hidden_size, num_blocks = self.config, self.model.hidden_size, self.model.num_hidden_layers
         self.p2p = await self.dht.replicate_p2p()
-        self.pusher = Pusher(self.p2p, self.dht_prefix)
+        self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
         self.inference = InferenceService(self.spans, config, hidden_size, self.pusher, num_blocks)
         passes = PassService(self.spans, config, hidden_size)
         period = config.announce_period

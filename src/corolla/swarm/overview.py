@@ -23,6 +23,7 @@ from corolla.errors import counted
 from corolla.swarm.dht import RemoteSpan, find_spans, rejected_records
 from corolla.swarm.ping import ping
 from corolla.swarm.reports import find_reports
+from corolla.swarm.transport import P2PTransport
 from corolla.wire.records import ServerState
 
 SHOWN_STATES = (ServerState.JOINING, ServerState.ONLINE)
@@ -114,9 +115,10 @@ async def read_overview(
     tally = Counter(await rejected_records(dht))
     spans = await find_spans(dht, model, num_blocks, SHOWN_STATES, tally)
     if p2p is not None:
-        answers = await asyncio.gather(*(ping(p2p, span.peer_id, LIVE_TIMEOUT) for span in spans))
+        transport = P2PTransport(p2p)
+        answers = await asyncio.gather(*(ping(transport, span.peer_id, LIVE_TIMEOUT) for span in spans))
         spans = [
-            span if answer is None else dataclasses.replace(span, info=answer[1])
+            dataclasses.replace(span, info=answer.status) if answer.answered else span
             for span, answer in zip(spans, answers, strict=True)
         ]
     reports = await find_reports(dht, model, tally)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from corolla.errors import MissingBlocks, counted
@@ -70,8 +70,6 @@ def choose_chain(  # noqa: PLR0913
     push: bool = False,
     needed_cache: int = 0,
     rng: random.Random | None = None,
-    allowed: Collection[str] | None = None,
-    banned: Collection[str] = (),
 ) -> list[Hop]:
     """The cheapest chain over blocks [start, end); raises MissingBlocks if some block is not served.
 
@@ -81,18 +79,20 @@ def choose_chain(  # noqa: PLR0913
     the client's round trips), and half a round trip back from the last one. A server with less free
     cache than `needed_cache` tokens counts double: it can take the session, but may have to wait.
     """
-    rng, estimates, links = rng or random.Random(), estimates or {}, links or {}
-    usable = [s for s in spans if s.peer_id not in banned and (allowed is None or s.peer_id in allowed)]
+    rng = rng or random.Random()
+    estimates = estimates or {}
+    usable = [s for s in spans if s.start < end and start < s.end]  # the servers of these blocks
     missing = uncovered_blocks(usable, start, end)
     if missing:
         raise MissingBlocks(
             f"no server available for blocks {format_blocks(missing)} "
-            f"(of {start}:{end}; {counted(len(usable), 'usable server')})",
+            f"(of {start}:{end}; {counted(len(usable), 'usable server')} of these blocks)",
             missing,
         )
     noise = {s.peer_id: 1 + JITTER * rng.random() for s in usable}
     estimate = {s.peer_id: estimates.get(s.peer_id, Estimate()) for s in usable}
-    return _cheapest(usable, start, end, estimate, noise, _LinkCosts(estimate, links, push), needed_cache)
+    costs = _LinkCosts(estimate, links or {}, push)
+    return _cheapest(usable, start, end, estimate, noise, costs, needed_cache)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,20 @@ from corolla.errors import MissingBlocks
 HIDDEN, VOCAB = 8, 100
 
 
-async def causal_chain(swarm, hidden, prompts):
-    """Stands in for the swarm: each position's output mixes it with every position before it (causal,
-    like attention), so padding after a row's tokens must not change them."""
-    swarm.passes.append(tuple(hidden.shape[:2]))
-    if swarm.error is not None:
-        raise swarm.error
-    steps = torch.arange(1, hidden.shape[1] + 1)[None, :, None]
-    return torch.tanh(hidden.cumsum(dim=1) / steps + hidden), []
+class CausalPasses:
+    """Stands in for the swarm's forward passes: each position's output mixes it with every position
+    before it (causal, like attention), so padding after a row's tokens must not change them."""
+
+    def __init__(self):
+        self.shapes, self.error = [], None
+        self.swarm = SimpleNamespace(config=SimpleNamespace(max_request_tokens=4096))
+
+    async def forward(self, hidden, prompts):
+        self.shapes.append(tuple(hidden.shape[:2]))
+        if self.error is not None:
+            raise self.error
+        steps = torch.arange(1, hidden.shape[1] + 1)[None, :, None]
+        return torch.tanh(hidden.cumsum(dim=1) / steps + hidden), []
 
 
 class Head:
@@ -56,8 +62,11 @@ class Model:
     def __init__(self):
         self.head, self.tokenizer, self.ptune, self.pad_token_id = Head(), Tokenizer(), None, 0
         self.config = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=64)
-        self.swarm = SimpleNamespace(config=SimpleNamespace(max_request_tokens=4096), passes=[], error=None)
+        self.client = SimpleNamespace(passes=CausalPasses())
         self.runtime = LoopThread("fake-model")
+
+    async def aembed(self, sequences, pooling):
+        return await embed_sequences(self.client.passes, self.head, self.pad_token_id, sequences, pooling)
 
 
 class Serving:
@@ -74,8 +83,7 @@ class Serving:
 
 
 @pytest.fixture
-def serving(monkeypatch):
-    monkeypatch.setattr(embeddings, "chain_forward", causal_chain)
+def serving():
     serving = Serving()
     yield serving
     serving.model.runtime.stop()
@@ -88,7 +96,7 @@ def client(serving):
 
 
 def embed(model, sequences, pooling="mean"):
-    return model.runtime.run(embed_sequences(model, sequences, pooling))
+    return model.runtime.run(model.aembed(sequences, pooling))
 
 
 # --- pooling and batching ----------------------------------------------------------------------------------
@@ -103,7 +111,7 @@ def test_padded_batches_equal_each_sequence_alone(serving, pooling):
     assert together.shape == (4, HIDDEN) and together.dtype == torch.float32
     torch.testing.assert_close(together, alone, rtol=0, atol=1e-6)
     torch.testing.assert_close(together.norm(dim=-1), torch.ones(4))
-    assert model.swarm.passes[0] == (4, 7)  # one padded pass for the four
+    assert model.client.passes.shapes[0] == (4, 7)  # one padded pass for the four
 
 
 def test_mean_and_last_pool_the_normed_states_of_real_tokens_only(serving):
@@ -185,7 +193,7 @@ def test_bad_requests_name_the_field(client, serving, body, status, param, words
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
-    assert serving.model.swarm.passes == []  # nothing reached the swarm
+    assert serving.model.client.passes.shapes == []  # nothing reached the swarm
 
 
 def test_null_dimensions_and_user_are_accepted(client):
@@ -194,7 +202,7 @@ def test_null_dimensions_and_user_are_accepted(client):
 
 
 def test_swarm_errors_map_like_generations(client, serving):
-    serving.model.swarm.error = MissingBlocks("no server holds blocks 3..5")
+    serving.model.client.passes.error = MissingBlocks("no server holds blocks 3..5")
     answer = client.post("/v1/embeddings", json={"model": "org/fake", "input": "hi"})
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "missing_blocks"

@@ -17,7 +17,7 @@ from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
-from corolla.client.generation import GenerationStep
+from corolla.decoding.chooser import GenerationStep
 from corolla.client.runtime import LoopThread
 from corolla.errors import MissingBlocks
 

@@ -12,8 +12,8 @@ from transformers import PreTrainedTokenizerFast
 from byte_tokenizer import EOS, byte_tokenizer
 from corolla.api import tool_calls, tools
 from corolla.api.chat_protocol import ChatCompletionRequest
-from corolla.client.generation import Chooser, RowEnds
-from corolla.client.sampling import SamplingParams
+from corolla.decoding.chooser import Chooser, RowEnds
+from corolla.decoding.sampling import SamplingParams
 from tool_model import TOOL_TEMPLATE
 
 WEATHER = {

@@ -2,12 +2,12 @@
 
 import torch
 
-from corolla.client.draft_budget import DraftBudget
-from corolla.client.draft_model import DraftModel
-from corolla.client.drafting import Draft, PromptLookup
-from corolla.client.generation import Chooser, RowEnds
-from corolla.client.sampling import SamplingParams
-from corolla.client.speculative import verify
+from corolla.decoding.draft_budget import DraftBudget
+from corolla.decoding.draft_model import DraftModel
+from corolla.decoding.drafting import Draft, PromptLookup
+from corolla.decoding.chooser import Chooser, RowEnds
+from corolla.decoding.sampling import SamplingParams
+from corolla.decoding.verify import verify
 from corolla.models.tree import TokenTree
 from tiny_models import load_reference
 

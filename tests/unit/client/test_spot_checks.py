@@ -7,8 +7,8 @@ import asyncio
 
 import torch
 
-from corolla.client.generation import Chooser, RowEnds
-from corolla.client.sampling import SamplingParams
+from corolla.decoding.chooser import Chooser, RowEnds
+from corolla.decoding.sampling import SamplingParams
 from corolla.client.spot_checks import (
     GRADIENT_TOLERANCE,
     TOLERANCE,

@@ -120,11 +120,7 @@ class Constraint:
             if bool(active[row]) and not matcher.consume_token(int(tokens[row])):
                 raise InvalidRequest(f"constrained decoding failed: {matcher.get_error()}")
 
-    def replay(self, outputs: torch.Tensor, ends: Any) -> None:
-        """Back to the start, then follow `outputs` [B, t] (the choices kept after a rewind)."""
+    def reset(self) -> None:
+        """Every row's matcher back to the grammar's start (a rewind then replays the kept tokens)."""
         for matcher in self.matchers:
             matcher.reset()
-        ends.reset()
-        for tokens in outputs.T:
-            self.advance(tokens, ~ends.finished)
-            ends.update(tokens)

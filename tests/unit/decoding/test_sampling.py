@@ -8,8 +8,8 @@ from transformers.generation.logits_process import (
 )
 
 from byte_tokenizer import EOS, byte_tokenizer
-from corolla.client.generation import RowEnds
-from corolla.client.sampling import (
+from corolla.decoding.chooser import RowEnds
+from corolla.decoding.sampling import (
     SamplingParams,
     apply_openai_penalties,
     apply_repetition_penalty,

@@ -34,7 +34,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
     speculative: bool = True  # draft and verify when the model has a drafter (never changes the tokens)
-    grammar: str | None = None  # llguidance's grammar the output must match (client/constraints.py)
+    grammar: str | None = None  # llguidance's grammar the output must match (decoding/constraints.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from corolla.client.drafting import Draft
+from corolla.decoding.drafting import Draft
 from corolla.models.attention import ContiguousCache
 from corolla.models.head import ModelHead
 from corolla.models.span import Span

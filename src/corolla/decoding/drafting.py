@@ -8,7 +8,7 @@ generations: `start()` gives the state of one (`DraftSession`).
 
 - `PromptLookup`: n-grams of the prompt and the text so far (no model; helps most where answers quote
   their input), a chain or a tree of every place the last tokens appeared.
-- `DraftModel` (client/draft_model.py): a small causal LM run on the client, a chain or a tree.
+- `DraftModel` (decoding/draft_model.py): a small causal LM run on the client, a chain or a tree.
 """
 
 from __future__ import annotations

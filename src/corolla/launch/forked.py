@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+# what the fork server imports once (by name: launching a peer needs no CLI code here, only the child does)
 PRELOAD = ["corolla.cli.main", "corolla.server.server"]
 _context: multiprocessing.context.ForkServerContext | None = None
 
@@ -89,6 +91,5 @@ def _peer_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from corolla.cli.main import main
-
-    main(args)
+    sys.argv = ["corolla", *args]
+    runpy.run_module("corolla", run_name="__main__", alter_sys=True)  # as `python -m corolla ARGS` runs

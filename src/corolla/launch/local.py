@@ -2,7 +2,7 @@
 (demo, tests, benchmarks).
 
 Every child runs the `corolla ...` command line (forked from a process that has imported corolla already,
-see swarm/forked.py) in its own process group with NAT port mapping off, writes its logs to a file in
+see launch/forked.py) in its own process group with NAT port mapping off, writes its logs to a file in
 the work folder, and reports readiness with one line on stdout. Stopping sends SIGTERM
 (servers announce OFFLINE and exit), then SIGKILL to whatever is left of each process group, so the
 DHT child processes and libp2p daemons of every peer go too. Only processes started here are signalled.
@@ -27,8 +27,8 @@ from typing import Any
 
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
+from corolla.launch.forked import ForkedPeer, fork_peer
 from corolla.swarm.addresses import peer_args
-from corolla.swarm.forked import ForkedPeer, fork_peer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class PeerProcess:
         self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], wrapper: Sequence[str] = ()
     ):
         """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
-        without one, the peer is forked from a process that has imported corolla already (swarm/forked.py)."""
+        without one, the peer is forked from a process that has imported corolla already (launch/forked.py).
+        """
         self.name, self.log_path = name, log_path
         self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
         self.popen: subprocess.Popen | ForkedPeer

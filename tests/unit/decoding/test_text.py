@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from byte_tokenizer import EOS, byte_tokenizer, ids
-from corolla.client.text import IncrementalText
+from corolla.decoding.text import IncrementalText
 from corolla.errors import InvalidRequest
 
 TOKENIZER = byte_tokenizer()

@@ -1,4 +1,4 @@
-"""Constrained decoding (client/constraints.py) through the Chooser: whatever the logits say, each row's
+"""Constrained decoding (decoding/constraints.py) through the Chooser: whatever the logits say, each row's
 output matches its grammar, rows stay independent, and rewinds and seeds behave as in plain decoding."""
 
 import json
@@ -8,9 +8,9 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from byte_tokenizer import EOS, byte_tokenizer
-from corolla.client.constraints import json_schema_grammar, lark_grammar
-from corolla.client.generation import Chooser, RowEnds
-from corolla.client.sampling import SamplingParams
+from corolla.decoding.constraints import json_schema_grammar, lark_grammar
+from corolla.decoding.chooser import Chooser, RowEnds
+from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
 
 VOCAB = 320  # wider than the tokenizer's 257 tokens, as models' embedding tables often are
@@ -87,7 +87,7 @@ def test_bad_grammars_and_combinations_are_refused():
 
 
 def test_speculation_accepts_only_drafted_tokens_the_grammar_allows(tokenizer):
-    from corolla.client.speculative import verify
+    from corolla.decoding.verify import verify
     from corolla.models.tree import TokenTree
 
     params = SamplingParams(max_new_tokens=5, grammar=lark_grammar('start: "ab"'))

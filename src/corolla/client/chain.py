@@ -1,0 +1,262 @@
+"""A chain of servers that together cover blocks [start, end): one stream and one history per hop.
+
+Each hop's server keeps its own cache, so a step sends only the new tokens' hidden states; each hop's
+history (client/hop_history.py) keeps what that cache was built from. With push, each step names the
+later servers of the chain (`next_servers`): a server sends its outputs straight to the next one, which
+runs the step once, whichever copy (pushed or the client's) arrives first.
+
+Failover: when a hop's server fails (error, timeout, lost connection, dead process), the chain bans it,
+routes its blocks again (possibly over several servers), replays the inputs the hop had received to the
+replacement in chunks, so that its cache matches, and retries the step there, within a retry budget.
+A server a spot check caught lying is replaced the same way (`replace`), after a rewind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.hop_history import HopHistory
+from corolla.client.peers import hop_encodings
+from corolla.client.retries import RetryBudget
+from corolla.client.span_stream import Opening, Reply, SpanStream, Step, StepRoute
+from corolla.client.swarm import Swarm
+from corolla.errors import RETRYABLE, ServerUnavailable
+from corolla.swarm.routing import Hop
+from corolla.wire.messages import NextServer
+
+logger = logging.getLogger(__name__)
+
+REPLAY_CHUNK = 512  # tokens per message when replaying a failed server's inputs to its replacement
+
+
+@dataclass
+class Link:
+    """One hop of a chain: the stream to its server and what that server's cache was built from."""
+
+    stream: SpanStream
+    history: HopHistory
+
+    @property
+    def hop(self) -> Hop:
+        return self.stream.hop
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """What every server of a chain must take, and which servers it may use."""
+
+    max_length: int
+    alloc_timeout: float = 0.0
+    keep_outputs: bool = False  # each hop's replies too (spot checks compare them)
+    avoid: frozenset[str] = frozenset()  # never these servers (a shadow avoids the server it checks)
+    allowed: frozenset[str] | None = None  # only these servers (a session's own restriction)
+    wait: bool = True  # wait for servers when blocks are uncovered (else MissingBlocks at once)
+
+
+class Chain:
+    def __init__(self, swarm: Swarm, spec: ChainSpec):
+        self.swarm = swarm
+        self.spec = spec
+        self.links: list[Link] = []
+        self.num_failovers = 0
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def route(self) -> list[Hop]:
+        return [link.hop for link in self.links]
+
+    @property
+    def max_tree_tokens(self) -> int:
+        """Tokens of one speculative tree step every server of the chain takes (0: some takes none)."""
+        statuses = [self.swarm.view.status_of(hop.peer_id) for hop in self.route]
+        return min((0 if status is None else status.max_tree_tokens for status in statuses), default=0)
+
+    async def open(self, start: int = 0, end: int | None = None) -> Chain:
+        self.links = await self._open_links(start, self.swarm.num_blocks if end is None else end)
+        return self
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+        tree: tuple[int, ...] | None = None,
+    ) -> list[torch.Tensor]:
+        """Run hidden states [B, T, H] at `position` through every hop, replacing servers that fail on the
+        way; returns each hop's outputs [B, T, H] (the last: the chain's)."""
+        budget, outputs, index, encoded = RetryBudget(self.swarm.config), [], 0, None
+        step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
+        push = self.swarm.config.use_push and prompts is None and hypo_ids is None
+        pushed_to: set[str] = set()  # sessions that the previous servers push this step to
+        while index < len(self.links):
+            link = self.links[index]
+            hop_prompts = None if prompts is None else prompts[link.hop.start : link.hop.end]
+            step = Step(hidden, position, hop_prompts, hypo_ids, tree, link.history.accepted_at(position))
+            route = self._step_route(index, step_id, push, pushed_to)
+            try:
+                reply = await self._send(link, step, route, encoded)
+            except RETRYABLE as e:
+                await self._recover(index, e, budget)
+                # later servers may hold this step as pushed by the failed one: a new id makes the rest
+                # of the chain run it again (servers refuse a step id reused for other inputs)
+                step_id, encoded = uuid.uuid4().hex, None
+                continue
+            pushed_to.update(server.session_id for server in route.next_servers)
+            outputs.append(reply.outputs)
+            hidden, encoded = reply.outputs, reply.encoded  # sent on as it came: byte for byte its push
+            index += 1
+        return outputs
+
+    async def feed(self, inputs: torch.Tensor, start: int) -> torch.Tensor:
+        """Positions [start, T) of `inputs` [B, T, H] through the chain, in chunks; their outputs."""
+        outputs = []
+        for offset in range(start, inputs.shape[1], REPLAY_CHUNK):
+            outputs.append((await self.step(inputs[:, offset : offset + REPLAY_CHUNK], offset))[-1])
+        return torch.cat(outputs, dim=1)
+
+    def accept(self, path: tuple[int, ...]) -> None:
+        for link in self.links:
+            link.history.accept(path)
+
+    def rewind(self, position: int) -> None:
+        for link in self.links:
+            link.history.rewind(position)
+
+    async def replace(self, peer_ids: Collection[str]) -> None:
+        """Replace every hop whose server is one of `peer_ids` (from the end: a replacement may be several
+        hops), each brought to its predecessor's state."""
+        budget = RetryBudget(self.swarm.config)
+        for index in reversed(range(len(self.links))):
+            if self.links[index].hop.peer_id in peer_ids:
+                await self._recover(index, None, budget)
+
+    async def close(self) -> None:
+        self.swarm.estimates.release(self.route)
+        await asyncio.gather(*(link.stream.close() for link in self.links), return_exceptions=True)
+
+    async def _send(
+        self, link: Link, step: Step, route: StepRoute, encoded: runtime_pb2.Tensor | None
+    ) -> Reply:
+        started = time.perf_counter()
+        reply = await link.stream.step(step, route, encoded)
+        if step.hidden.shape[1] == 1 and not route.pushed:  # a decode step's time says how fast it is
+            hop = link.hop
+            self.swarm.estimates.observe_step(hop.peer_id, time.perf_counter() - started, hop.end - hop.start)
+        link.history.record(step, reply.outputs)
+        return reply
+
+    def _step_route(self, index: int, step_id: str, push: bool, pushed_to: set[str]) -> StepRoute:
+        link = self.links[index]
+        later = self.links[index + 1 :] if push else []
+        return StepRoute(
+            step_id,
+            tuple(NextServer(s.hop.peer_id, s.stream.session_id, s.hop.start, s.hop.end) for s in later),
+            link.stream.session_id in pushed_to,
+            # the one peer this server may take pushed steps from (for this step or later ones)
+            self.links[index - 1].hop.peer_id if index and self.swarm.config.use_push else None,
+        )
+
+    async def _recover(self, index: int, error: Exception | None, budget: RetryBudget) -> None:
+        """Replace the hop at `index` (its server failed with `error`, or lied: None), trying other servers
+        while the budget lasts."""
+        failed = self.links[index]
+        self.swarm.bans.ban(failed.hop.peer_id)
+        self.swarm.estimates.release([failed.hop])
+        self._close_in_background(failed.stream)  # its server is gone or broken: do not wait for it
+        while True:
+            if error is not None:
+                budget.spend(error)
+                logger.warning("Server ...%s failed (%s); replacing it", failed.hop.peer_id[-6:], error)
+            try:
+                self.links[index : index + 1] = await self._replacement(failed)
+                self.num_failovers += 1
+                return
+            except RETRYABLE as e:  # a replacement failed too: another one
+                error = e
+
+    async def _replacement(self, failed: Link) -> list[Link]:
+        """A new chain over the failed hop's blocks, brought to the same state by replaying its inputs."""
+        started = time.perf_counter()
+        links = await self._open_links(failed.hop.start, failed.hop.end)
+        inputs, prompts, start = failed.history.inputs, failed.history.prompts, failed.hop.start
+        for link in links:
+            part = None if prompts is None else prompts[link.hop.start - start : link.hop.end - start]
+            try:
+                inputs = inputs if inputs is None else await self._replay(link, inputs, part)
+            except RETRYABLE:
+                self.swarm.bans.ban(link.hop.peer_id)
+                self.swarm.estimates.release([other.hop for other in links])
+                await asyncio.gather(*(other.stream.close() for other in links), return_exceptions=True)
+                raise
+        logger.info(
+            "Replaced server ...%s with %s in %.2fs (replayed %d positions)",
+            failed.hop.peer_id[-6:],
+            ", ".join(f"...{link.hop.peer_id[-6:]}" for link in links),
+            time.perf_counter() - started,
+            failed.history.length,
+        )
+        return links
+
+    async def _replay(self, link: Link, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
+        """Rebuild another server's state on `link`: its inputs [B, T, H] from position 0, in chunks;
+        returns this hop's outputs (the next hop's inputs)."""
+        outputs = []
+        for start in range(0, inputs.shape[1], REPLAY_CHUNK):
+            step = Step(inputs[:, start : start + REPLAY_CHUNK], start, prompts if start == 0 else None)
+            outputs.append((await self._send(link, step, StepRoute(), None)).outputs)
+        return torch.cat(outputs, dim=1)
+
+    async def _open_links(self, start: int, end: int) -> list[Link]:
+        """Streams to a chain of servers over blocks [start, end), re-routing around servers that fail to
+        open."""
+        swarm, spec = self.swarm, self.spec
+        for _ in range(swarm.config.max_retries + 1):
+            hops = await swarm.router.route(
+                start,
+                end,
+                needed_cache=spec.max_length,
+                max_length=spec.max_length,
+                avoid=spec.avoid,
+                allowed=spec.allowed,
+                wait=spec.wait,
+            )
+            swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
+            results = await asyncio.gather(*self._opening(hops), return_exceptions=True)
+            failed = [(hop, r) for hop, r in zip(hops, results, strict=True) if isinstance(r, BaseException)]
+            if not failed:
+                return [Link(stream, HopHistory(spec.keep_outputs)) for stream in results]
+            swarm.estimates.release(hops)
+            opened = [r for r in results if isinstance(r, SpanStream)]
+            await asyncio.gather(*(stream.close() for stream in opened), return_exceptions=True)
+            for hop, error in failed:
+                if not isinstance(error, RETRYABLE):
+                    raise error
+                swarm.bans.ban(hop.peer_id)
+        raise ServerUnavailable(
+            f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
+        )
+
+    def _opening(self, hops: list[Hop]) -> list:
+        swarm, spec = self.swarm, self.spec
+        statuses = [swarm.view.status_of(hop.peer_id) for hop in hops]
+        openings = []
+        for hop, (inbound, outbound) in zip(
+            hops, hop_encodings(swarm.config.wire_encoding, statuses), strict=True
+        ):
+            opening = Opening(spec.max_length, spec.alloc_timeout, swarm.config.active_adapter, outbound)
+            openings.append(swarm.peers.open_session(hop, opening, inbound))
+        return openings
+
+    def _close_in_background(self, stream: SpanStream) -> None:
+        closing = asyncio.ensure_future(stream.close())
+        self._background.add(closing)
+        closing.add_done_callback(self._background.discard)

@@ -1,0 +1,132 @@
+"""Who serves what, as this client sees it: the servers' records, and which of them answered.
+
+A background task re-reads the DHT and pings every server (rpc_info: round-trip time and live load)
+every `refresh_period`. A record alone (any peer can sign one for itself) never makes a server: only
+servers that answered a ping are `answered`. Servers announcing another model under the same prefix are
+set apart (`mismatched`); a private swarm's servers that refuse this peer say why (`refusals`); records
+the DHT read refused are counted by reason (`rejected_records`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection
+
+from corolla.client.bans import Bans
+from corolla.client.estimates import ServerEstimates
+from corolla.client.peers import Peers
+from corolla.config import ClientConfig
+from corolla.swarm.dht import RemoteSpan
+from corolla.wire.records import ServerStatus
+
+logger = logging.getLogger(__name__)
+
+# reads every span of the model from the DHT, counting the records it refuses (by reason) in the tally
+SpanReader = Callable[[Counter], Awaitable[list[RemoteSpan]]]
+
+
+class SwarmView:
+    def __init__(  # noqa: PLR0913
+        self,
+        config: ClientConfig,
+        model_fingerprint: str,
+        read_spans: SpanReader,
+        peers: Peers,
+        estimates: ServerEstimates,
+        bans: Bans,
+    ):
+        self.refresh_period = config.refresh_period
+        self.model_fingerprint = model_fingerprint
+        self.spans: list[RemoteSpan] = []
+        self.answered: set[str] = set()  # servers that answered rpc_info: the only ones routed to
+        self.refusals: dict[str, str] = {}  # servers of a private swarm that refuse this peer: why
+        self.mismatched: dict[str, RemoteSpan] = {}  # peer id -> the last record of such a server
+        self.rejected_records: Counter[str] = Counter()  # unsigned or malformed records read, by reason
+        self.refreshed_at = 0.0
+        self._statuses: dict[str, ServerStatus] = {}
+        self._read_spans, self._peers = read_spans, peers
+        self._estimates, self._bans = estimates, bans
+        self._refresher: asyncio.Task | None = None
+        self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
+
+    def start(self) -> None:
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="corolla-swarm-refresh")
+
+    async def shutdown(self) -> None:
+        for task in (self._refresher, self._refreshing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    @property
+    def stale(self) -> bool:
+        return time.monotonic() - self.refreshed_at > self.refresh_period or not self.spans
+
+    def status_of(self, peer_id: str) -> ServerStatus | None:
+        """A server's record as last read from the DHT (None: not seen)."""
+        return self._statuses.get(peer_id)
+
+    async def refresh(self) -> list[RemoteSpan]:
+        """Re-read the DHT and ping every server found (round-trip time, live load).
+
+        Concurrent callers (a burst of new sessions) share one refresh: parallel rounds of pings would
+        queue behind each other and inflate the very round trips they measure.
+        """
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._refreshing)
+
+    async def ping_silent(self, avoid: Collection[str] = ()) -> bool:
+        """Ping again the servers that have not answered yet; whether any of them answered now."""
+        skip = self._bans.banned() | set(avoid) | self.answered
+        silent = {s.peer_id for s in self.spans if s.peer_id not in skip}
+        await asyncio.gather(*(self._ping(peer_id) for peer_id in silent))
+        return bool(silent & self.answered)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_period)
+            try:
+                await self.refresh()
+            except Exception:  # a DHT hiccup; the next round tries again
+                logger.debug("Background refresh failed", exc_info=True)
+
+    async def _refresh(self) -> list[RemoteSpan]:
+        spans = [span for span in await self._read_spans(self.rejected_records) if self._same_model(span)]
+        self.spans = spans
+        self._statuses = {span.peer_id: span.info for span in spans}
+        self.refreshed_at = time.monotonic()
+        banned = self._bans.banned()
+        await asyncio.gather(*(self._ping(s.peer_id) for s in spans if s.peer_id not in banned))
+        return spans
+
+    async def _ping(self, peer_id: str) -> None:
+        # a server met for the first time gets a few pings: one round trip alone is noise
+        for _ in range(1 if self._estimates.has_rtt(peer_id) else 3):
+            answer = await self._peers.ping(peer_id)
+            if not answer.answered:
+                if answer.refusal is not None:
+                    self.refusals[peer_id] = answer.refusal
+                return  # unreachable now: its steps will fail over if it is used anyway
+            self.refusals.pop(peer_id, None)
+            self._estimates.ping(peer_id, answer.seconds, answer.status)
+            self.answered.add(peer_id)
+
+    def _same_model(self, span: RemoteSpan) -> bool:
+        if span.info.serves_model(self.model_fingerprint):
+            return True
+        if span.peer_id not in self.mismatched:
+            logger.warning(
+                "Ignoring server ...%s: it announces blocks %d:%d for another model (fingerprint %s, this "
+                "model's is %s)",
+                span.peer_id[-6:],
+                span.start,
+                span.end,
+                span.info.model_fingerprint,
+                self.model_fingerprint,
+            )
+        self.mismatched[span.peer_id] = span
+        return False

@@ -1,0 +1,241 @@
+"""An in-process network for client tests: corolla's real servers and client, without sockets.
+
+Each `LoopbackServer` is the server stack `corolla server` runs (a span's weights, the engine, the
+inference and pass services, the status board, the RPC handlers, the pusher), built in this process on a
+tiny model. Clients and servers reach each other through `LoopbackTransport`, which hands each message to
+the handler the server registered, as libp2p would: a copy of the message, a stream handler's error as
+its text, a unary handler's as its repr, the end of a stream when the handler returns. Servers can be
+killed (their streams end, calls to them fail, as with a dead process), frozen (they take requests and
+never answer) or made to lie (server/faults.py). Everything runs on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from google.protobuf.message import Message
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
+
+from corolla.client.client import Client
+from corolla.config import ClientConfig, EngineConfig, ServerConfig
+from corolla.models.config import ModelConfig
+from corolla.server.backend import SpanLoader
+from corolla.server.faults import Fault
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.inference import InferenceService
+from corolla.server.passes import PassService
+from corolla.server.push import Pusher
+from corolla.server.spans import HostedSpans
+from corolla.server.status import StatusBoard
+from corolla.swarm.dht import RemoteSpan
+from corolla.wire.records import ServerState
+
+UNARY_LIMIT = 4 * 2**20  # the libp2p daemon's cap on unary messages
+PREFIX = "tiny"
+
+
+def _copy(message: Message) -> Message:
+    return type(message).FromString(message.SerializeToString())
+
+
+@dataclass(frozen=True)
+class _Context:
+    remote_id: str
+
+
+class LoopbackStream:
+    """One stream to a server's stream handler, which runs as a task of its own."""
+
+    def __init__(self, server: LoopbackServer, rpc: str, caller: str):
+        self.server, self.rpc = server, rpc
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._responses: asyncio.Queue = asyncio.Queue()
+        handler = server.handlers[rpc]
+        self._task = asyncio.ensure_future(self._serve(handler, _Context(caller)))
+        server.streams.add(self)
+
+    async def _serve(self, handler: Any, context: _Context) -> None:
+        try:
+            await self.server.thawed.wait()  # a frozen server takes the stream and never answers
+            async for response in handler(self._incoming(), context):
+                self._responses.put_nowait(_copy(response))
+        except Exception as e:
+            text = f"Failed to call handler `{self.rpc}` at {self.server.peer_id}: {e}"
+            self._responses.put_nowait(P2PHandlerError(text))
+        finally:
+            self._responses.put_nowait(None)
+            self.server.streams.discard(self)
+
+    async def _incoming(self) -> Any:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def send(self, message: Message) -> None:
+        if self._task.done():
+            raise ConnectionResetError(f"the stream to {self.server.peer_id} is closed")
+        self._requests.put_nowait(_copy(message))
+
+    async def receive(self, message_type: type) -> Any:
+        item = await self._responses.get()
+        if item is None:
+            self._responses.put_nowait(None)  # ended for good
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return message_type.FromString(item.SerializeToString())
+
+    async def end(self) -> None:
+        self._requests.put_nowait(None)
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    def cut(self) -> None:
+        """The server's process died: its handler stops, the caller's reads end."""
+        self._task.cancel()
+        self._responses.put_nowait(None)
+
+
+class LoopbackTransport:
+    """How `caller` reaches the network's servers (swarm/transport.py's Transport)."""
+
+    def __init__(self, network: LoopbackNetwork, caller: str):
+        self.network, self.caller = network, caller
+
+    async def open_stream(self, peer_id: str, rpc: str) -> LoopbackStream:
+        return LoopbackStream(self.network.reachable(peer_id), rpc, self.caller)
+
+    async def call(self, peer_id: str, rpc: str, request: Message, response_type: type) -> Any:
+        server = self.network.reachable(peer_id)
+        if request.ByteSize() > UNARY_LIMIT:
+            raise P2PDaemonError(f"Message size exceeds set limit {UNARY_LIMIT}")
+        await server.thawed.wait()  # a frozen server never answers
+        call = asyncio.ensure_future(server.handlers[rpc](_copy(request), _Context(self.caller)))
+        server.calls.add(call)
+        try:
+            response = await call
+        except asyncio.CancelledError:
+            if server.alive:
+                raise
+            raise ConnectionResetError(f"{peer_id} died during the call") from None
+        except Exception as e:
+            raise P2PHandlerError(repr(e)) from None
+        finally:
+            server.calls.discard(call)
+        return response_type.FromString(response.SerializeToString())
+
+
+class _Handlers:
+    """What a server's handler registers, by RPC name (the P2P object's part it uses)."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+
+    async def add_protobuf_handler(self, name: str, handler: Any, input_type: Any, **kinds: bool) -> None:
+        self.handlers[name] = handler
+
+
+class LoopbackServer:
+    def __init__(self, peer_id: str, config: ServerConfig, spans: HostedSpans, pusher: Pusher):
+        self.peer_id, self.config, self.spans, self.pusher = peer_id, config, spans, pusher
+        self.handlers: dict[str, Any] = {}
+        self.streams: set[LoopbackStream] = set()
+        self.calls: set[asyncio.Future] = set()
+        self.alive = True
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+        self.inference: InferenceService | None = None
+        self.status: StatusBoard | None = None
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        return self.spans.primary.blocks
+
+    def record(self) -> RemoteSpan:
+        return RemoteSpan(self.peer_id, *self.blocks, self.status.snapshot())
+
+    def freeze(self) -> None:
+        """Takes requests and never answers (a hung process), until thawed."""
+        self.thawed.clear()
+
+    def kill(self) -> None:
+        self.alive = False
+        for stream in list(self.streams):
+            stream.cut()
+        for call in list(self.calls):
+            call.cancel()
+        self.thawed.set()
+
+    async def stop(self) -> None:
+        if self.alive:
+            self.kill()
+        await self.pusher.close()
+        await self.spans.stop()
+
+
+class LoopbackNetwork:
+    """Servers of one tiny model, and the transports that reach them."""
+
+    def __init__(self, folder: Path, engine: EngineConfig | None = None):
+        self.folder = Path(folder)
+        self.model = ModelConfig.from_folder(self.folder)
+        self.engine = engine or EngineConfig(max_cache_tokens=1024, page_size=4, max_batch_wait_ms=0)
+        self.servers: dict[str, LoopbackServer] = {}
+        self._names = itertools.count()
+
+    async def add_server(
+        self, blocks: tuple[int, int], fault: str | None = None, name: str | None = None, **config: Any
+    ) -> LoopbackServer:
+        """A server of `blocks`, built as `corolla server` builds one; `config`: ServerConfig fields."""
+        peer_id = name or f"server{next(self._names)}-{blocks[0]}-{blocks[1]}"
+        config = ServerConfig(model=str(self.folder), blocks=blocks, step_timeout=30.0, **config)
+        loader = SpanLoader(
+            self.folder,
+            self.model,
+            torch.float32,
+            self.engine,
+            config.session_timeout,
+            fault=Fault.parse(fault) if fault else None,
+        )
+        spans = HostedSpans(PREFIX, loader.load)
+        await spans.start(blocks)
+        server = LoopbackServer(peer_id, config, spans, Pusher(self.transport(peer_id), PREFIX))
+        hidden, num_blocks = self.model.hidden_size, self.model.num_hidden_layers
+        server.inference = InferenceService(spans, config, hidden, server.pusher, num_blocks)
+        passes = PassService(spans, config, hidden)
+        fingerprint = self.model.fingerprint()
+        server.status = StatusBoard(spans, server.inference, config, "test", "float32", 1e3, None, fingerprint)
+        server.status.state = ServerState.ONLINE
+        registry = _Handlers()
+        await TransformerConnectionHandler(server.inference, passes, server.status).add_p2p_handlers(registry)
+        server.handlers = registry.handlers
+        self.servers[peer_id] = server
+        return server
+
+    def reachable(self, peer_id: str) -> LoopbackServer:
+        server = self.servers.get(peer_id)
+        if server is None or not server.alive:
+            raise P2PDaemonError(f"failed to connect to {peer_id}: no such peer is listening")
+        return server
+
+    def transport(self, caller: str) -> LoopbackTransport:
+        return LoopbackTransport(self, caller)
+
+    async def read_spans(self, tally: Counter) -> list[RemoteSpan]:
+        """What the DHT would hold: every server's record, the dead ones' until they expire."""
+        return [server.record() for server in self.servers.values()]
+
+    def client(self, name: str = "client", **config: Any) -> Client:
+        """A client of this network (not started: no background refresh); `config`: ClientConfig fields."""
+        settings = ClientConfig(**{"routing_timeout": 5.0, "ban_time": 60.0, **config})
+        blocks, fingerprint = self.model.num_hidden_layers, self.model.fingerprint()
+        return Client(settings, PREFIX, blocks, fingerprint, self.transport(name), self.read_spans)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(server.stop() for server in self.servers.values()))
