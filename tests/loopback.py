@@ -16,15 +16,16 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from google.protobuf.message import Message
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 
 from corolla.client.client import Client
+from corolla.client.runtime import LoopThread
 from corolla.config import ClientConfig, EngineConfig, ServerConfig
-from corolla.models.config import ModelConfig
+from corolla.models.config import ModelConfig, parse_dtype
 from corolla.server.backend import SpanLoader
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
@@ -34,7 +35,11 @@ from corolla.server.push import Pusher
 from corolla.server.spans import HostedSpans
 from corolla.server.status import StatusBoard
 from corolla.swarm.dht import RemoteSpan
+from corolla.wire.messages import RPC_INFERENCE
 from corolla.wire.records import ServerState
+
+if TYPE_CHECKING:
+    from corolla.client.model import DistributedModelForCausalLM
 
 UNARY_LIMIT = 4 * 2**20  # the libp2p daemon's cap on unary messages
 PREFIX = "tiny"
@@ -64,6 +69,7 @@ class LoopbackStream:
         try:
             await self.server.thawed.wait()  # a frozen server takes the stream and never answers
             async for response in handler(self._incoming(), context):
+                await self.server.thawed.wait()  # a frozen server computes, but its replies never leave
                 self._responses.put_nowait(_copy(response))
         except Exception as e:
             text = f"Failed to call handler `{self.rpc}` at {self.server.peer_id}: {e}"
@@ -80,6 +86,10 @@ class LoopbackStream:
         if self._task.done():
             raise ConnectionResetError(f"the stream to {self.server.peer_id} is closed")
         self._requests.put_nowait(_copy(message))
+        if self.rpc == RPC_INFERENCE:
+            self.server.steps_received += 1
+            if self.server.steps_received == self.server.dies_at_step:  # it dies with this step in hand
+                asyncio.get_running_loop().call_soon(self.server.kill)
 
     async def receive(self, message_type: type) -> Any:
         item = await self._responses.get()
@@ -148,6 +158,8 @@ class LoopbackServer:
         self.streams: set[LoopbackStream] = set()
         self.calls: set[asyncio.Future] = set()
         self.alive = True
+        self.steps_received = 0  # inference steps sent here by clients
+        self.dies_at_step: int | None = None  # set to kill it when that step arrives
         self.thawed = asyncio.Event()
         self.thawed.set()
         self.inference: InferenceService | None = None
@@ -187,6 +199,7 @@ class LoopbackNetwork:
         self.model = ModelConfig.from_folder(self.folder)
         self.engine = engine or EngineConfig(max_cache_tokens=1024, page_size=4, max_batch_wait_ms=0)
         self.servers: dict[str, LoopbackServer] = {}
+        self.reports: dict[str, dict[str, str]] = {}  # client -> the faulty servers it reported
         self._names = itertools.count()
 
     async def add_server(
@@ -198,9 +211,10 @@ class LoopbackNetwork:
         loader = SpanLoader(
             self.folder,
             self.model,
-            torch.float32,
+            parse_dtype(config.dtype, self.model),
             self.engine,
             config.session_timeout,
+            quantize=config.quantize,
             fault=Fault.parse(fault) if fault else None,
         )
         spans = HostedSpans(PREFIX, loader.load)
@@ -210,7 +224,9 @@ class LoopbackNetwork:
         server.inference = InferenceService(spans, config, hidden, server.pusher, num_blocks)
         passes = PassService(spans, config, hidden)
         fingerprint = self.model.fingerprint()
-        server.status = StatusBoard(spans, server.inference, config, "test", "float32", 1e3, None, fingerprint)
+        server.status = StatusBoard(
+            spans, server.inference, config, "test", "float32", 1e3, None, fingerprint
+        )
         server.status.state = ServerState.ONLINE
         registry = _Handlers()
         await TransformerConnectionHandler(server.inference, passes, server.status).add_p2p_handlers(registry)
@@ -232,10 +248,76 @@ class LoopbackNetwork:
         return [server.record() for server in self.servers.values()]
 
     def client(self, name: str = "client", **config: Any) -> Client:
-        """A client of this network (not started: no background refresh); `config`: ClientConfig fields."""
+        """A client of this network (not started: no background refresh); `config`: ClientConfig fields.
+        What it would report to the DHT (servers caught lying) lands in `reports[name]`."""
         settings = ClientConfig(**{"routing_timeout": 5.0, "ban_time": 60.0, **config})
         blocks, fingerprint = self.model.num_hidden_layers, self.model.fingerprint()
-        return Client(settings, PREFIX, blocks, fingerprint, self.transport(name), self.read_spans)
+
+        async def report(faulty: dict[str, str]) -> bool:
+            self.reports[name] = faulty
+            return True
+
+        transport = self.transport(name)
+        return Client(settings, PREFIX, blocks, fingerprint, transport, self.read_spans, report)
 
     async def close(self) -> None:
         await asyncio.gather(*(server.stop() for server in self.servers.values()))
+
+
+class LoopbackSwarm:
+    """Servers of a network on a loop thread of their own, and models (clients) of them on that loop:
+    a local swarm in one process, for synchronous tests (`model.generate`)."""
+
+    def __init__(self, folder: Path, spans: list[tuple[int, int]], engine: EngineConfig | None = None):
+        self.runtime = LoopThread("loopback")
+        self.network = LoopbackNetwork(folder, engine)
+        self.servers = [self.runtime.run(self.network.add_server(span)) for span in spans]
+        self._models: list[DistributedModelForCausalLM] = []
+
+    def add_server(self, blocks: tuple[int, int], **kwargs: Any) -> LoopbackServer:
+        server = self.runtime.run(self.network.add_server(blocks, **kwargs))
+        self.servers.append(server)
+        return server
+
+    def model(
+        self, name: str | None = None, tuning_mode: str | None = None, pre_seq_len: int = 0, **config: Any
+    ) -> DistributedModelForCausalLM:
+        """A model of this swarm (`config`: ClientConfig fields), closed with the swarm."""
+        from corolla.client.model import DistributedModelForCausalLM
+        from corolla.client.ptune import PromptTuning
+        from corolla.decoding.speculator import Speculator
+        from corolla.models.head import ModelHead
+        from corolla.models.source import resolve_model
+
+        source = resolve_model(str(self.network.folder))
+        client = self.network.client(name or f"client{len(self._models)}", **config)
+        speculation = client.config.speculation
+        speculator = (
+            None if speculation is None else Speculator.create(speculation, self.network.model, source.path)
+        )
+        head = ModelHead.load(source.path, torch.float32)
+        ptune = None
+        if tuning_mode is not None:
+            blocks = self.network.model.num_hidden_layers
+            ptune = PromptTuning(tuning_mode, pre_seq_len, blocks, head.embed_tokens)
+        runtime = self.runtime
+        model = DistributedModelForCausalLM(
+            source, self.network.model, head, client, runtime, ptune, speculator
+        )
+        self._models.append(model)
+        return model
+
+    def close(self) -> None:
+        for model in self._models:
+            model.head_batcher.shutdown()
+            if model.speculator is not None:
+                model.speculator.shutdown()
+            self.runtime.run(model.client.shutdown())
+        self.runtime.run(self.network.close())
+        self.runtime.stop()
+
+    def __enter__(self) -> LoopbackSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

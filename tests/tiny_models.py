@@ -108,3 +108,10 @@ def load_reference(path: Path):
     except ValueError:  # families without an SDPA implementation (Gemma 2's soft-capping)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def hidden_states(reference, ids: torch.Tensor) -> list[torch.Tensor]:
+    """transformers' hidden states of ids [B, T] at every block boundary (the last one after the final
+    norm, as transformers gives it)."""
+    with torch.no_grad():
+        return list(reference(ids, output_hidden_states=True).hidden_states)

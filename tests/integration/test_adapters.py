@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from corolla.client.remote_passes import remote_forward
+
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect, reference_generate

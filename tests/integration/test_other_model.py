@@ -11,11 +11,11 @@ import sys
 
 import pytest
 import torch
-
 from corolla.client.remote_passes import remote_forward
+
 from corolla.errors import ServerUnavailable
-from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.launch.local import LocalSwarm
+from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.swarm.overview import read_overview
 from corolla.swarm.routing import Hop
 from swarm_helpers import connect

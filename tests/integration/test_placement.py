@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from corolla.server.placement import coverage
 from corolla.launch.local import LocalSwarm
+from corolla.server.placement import coverage
 from swarm_helpers import connect
 
 BUDGET_12_BLOCKS = "250000000"  # 12 x (14.2 MB of weights + 4096 tokens x 1.5 KB of cache) for SmolLM2

@@ -13,15 +13,15 @@ import dataclasses
 
 import pytest
 import torch
+from corolla.client.remote_passes import remote_forward
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.client.model import DistributedModelForCausalLM
-from corolla.client.remote_passes import remote_forward
 from corolla.errors import MissingBlocks, NotAllowed
-from corolla.swarm.identity import load_identity, peer_id_of_identity, read_allowed_peers
 from corolla.launch.local import LocalSwarm
+from corolla.swarm.identity import load_identity, peer_id_of_identity, read_allowed_peers
 from corolla.swarm.overview import read_overview
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import RPC_INFERENCE, RPC_INFO

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-
 from corolla.client.span_session import StepRoute
+
 from corolla.launch.local import LocalSwarm
 from corolla.wire.messages import NextServer
 from swarm_helpers import connect

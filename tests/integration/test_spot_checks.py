@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from corolla.client.autograd import RemoteChain
+
 from corolla.launch.local import LocalSwarm
 from corolla.swarm.overview import format_table, read_overview
 from swarm_helpers import connect, reference_generate, wait_until

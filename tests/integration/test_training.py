@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from corolla.client.autograd import RemoteChain
+
 from corolla.launch.local import LocalSwarm
 from swarm_helpers import SMOL_CHAINS, TINY_CHAINS, connect
 

@@ -18,9 +18,9 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from corolla.launch.local import LocalSwarm
 from corolla.swarm.dht import read_records
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity
-from corolla.launch.local import LocalSwarm
 from corolla.swarm.overview import read_overview
 from corolla.wire.records import ServerState, ServerStatus, block_key
 from swarm_helpers import connect, reference_generate

@@ -172,15 +172,17 @@ class Chain:
         self.swarm.bans.ban(failed.hop.peer_id)
         self.swarm.estimates.release([failed.hop])
         self._close_in_background(failed.stream)  # its server is gone or broken: do not wait for it
+        short = failed.hop.peer_id[-6:]
         while True:
             if error is not None:
                 budget.spend(error)
-                logger.warning("Server ...%s failed (%s); replacing it", failed.hop.peer_id[-6:], error)
+                logger.warning("Server ...%s failed (%s); replacing it", short, error)
             try:
                 self.links[index : index + 1] = await self._replacement(failed)
                 self.num_failovers += 1
                 return
             except RETRYABLE as e:  # a replacement failed too: another one
+                logger.warning("A replacement for server ...%s failed (%s); trying another", short, e)
                 error = e
 
     async def _replacement(self, failed: Link) -> list[Link]:

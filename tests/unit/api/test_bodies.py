@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from corolla.api.app import MAX_BODY_BYTES, build_app
+from corolla.api.app import build_app
+from corolla.api.http import MAX_BODY_BYTES
 from corolla.api.metrics import ApiMetrics
 from corolla.api.request_log import RequestLog
 

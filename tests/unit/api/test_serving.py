@@ -17,9 +17,9 @@ from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
-from corolla.decoding.chooser import GenerationStep
 from corolla.client.runtime import LoopThread
-from corolla.errors import MissingBlocks
+from corolla.decoding.chooser import GenerationStep
+from corolla.errors import MissingBlocks, ServerUnavailable
 
 
 class Tokenizer:
@@ -41,24 +41,34 @@ class Tokenizer:
 
 
 class FakeModel:
-    """Generates a scripted text per row; `hang` blocks after the first token until cancelled."""
+    """Generates a scripted text per row; `hang` blocks after the first token until cancelled. A "^" in
+    the script withdraws the two tokens before it, as a spot check that caught a liar does (or ends the
+    generation, where its consumer cannot take tokens back)."""
 
     def __init__(self, script: str, hang: bool = False, error: Exception | None = None):
         self.tokenizer, self.eos_token_ids = Tokenizer(), (EOS,)
         self.config = SimpleNamespace(vocab_size=1000, max_position_embeddings=256)
         self.runtime = LoopThread("fake-model")
-        self.swarm = SimpleNamespace(spot_checker=None, faulty={}, rejected_records={})  # found nothing
+        swarm = SimpleNamespace(bans=SimpleNamespace(faulty={}), view=SimpleNamespace(rejected_records={}))
+        self.client = SimpleNamespace(checker=None, swarm=swarm)  # found nothing
         self.script, self.hang, self.error = script, hang, error
         self.cancelled = threading.Event()
         self.prompts: list[torch.Tensor] = []
 
-    async def agenerate_steps(self, input_ids, params):
+    async def agenerate_steps(self, input_ids, params, withdrawals="redo"):
         self.prompts.append(input_ids)
         if self.error is not None:
             raise self.error
         rows = input_ids.shape[0]
         try:
             for i, char in enumerate(self.script[: params.max_new_tokens]):
+                if char == "^":
+                    if withdrawals == "fail":
+                        raise ServerUnavailable(
+                            "a spot check caught a server: the last 2 tokens streamed were wrong"
+                        )
+                    yield GenerationStep(torch.empty(0), torch.zeros(rows, dtype=torch.bool), withdrawn=2)
+                    continue
                 tokens = torch.full((rows,), ord(char) if char != "$" else EOS)
                 finished = tokens == EOS
                 if params.logprobs is None:
@@ -116,6 +126,17 @@ async def test_chat_response_usage_and_finish_reasons(serving_for):
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt, 6)  # EOS counts
     short = await serving.create_chat_completion(chat(max_tokens=3))
     assert short.choices[0].message.content == "Hel" and short.choices[0].finish_reason == "length"
+
+
+async def test_withdrawn_tokens_are_redone_in_an_answer_and_end_a_stream(serving_for):
+    """A spot check withdrew "xy": a whole answer never shows them; a stream, whose tokens are out
+    already, ends with an error event."""
+    serving = serving_for("Hexy^llo$")
+    answer = await serving.create_chat_completion(chat(max_tokens=10))
+    assert answer.choices[0].message.content == "Hello" and answer.usage.completion_tokens == 6
+    chunks = await read_sse(await serving.create_chat_completion(chat(max_tokens=10, stream=True)))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hexy"
+    assert "streamed were wrong" in chunks[-1]["error"]["message"]
 
 
 async def test_stream_has_one_chunk_per_token_and_holds_back_stop_strings(serving_for):

@@ -2,16 +2,22 @@
 
 import torch
 
+from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.draft_budget import DraftBudget
 from corolla.decoding.draft_model import DraftModel
 from corolla.decoding.drafting import Draft, PromptLookup
-from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.sampling import SamplingParams
 from corolla.decoding.verify import verify
 from corolla.models.tree import TokenTree
 from tiny_models import load_reference
 
 VOCAB = 16
+
+
+def walk(*args):
+    """verify's result as (steps, path, accepted)."""
+    verified = verify(*args)
+    return verified.steps, verified.path, verified.accepted
 
 
 def one_hot(*tokens: int) -> torch.Tensor:
@@ -30,20 +36,20 @@ def test_the_walk_follows_the_models_own_choices_and_ends_with_one_of_its_own():
     # root 9, then drafted 4 (child of root), 5 (child of root), 6 (child of 4)
     nodes, tree = [9, 4, 5, 6], TokenTree([-1, 0, 0, 1])
     # the model picks 5 after the root (node 2), then 11 after node 2: 11 is not drafted
-    steps, path, accepted = verify(chooser(), one_hot(5, 0, 11, 0), nodes, tree)
+    steps, path, accepted = walk(chooser(), one_hot(5, 0, 11, 0), nodes, tree)
     assert [int(s.tokens[0]) for s in steps] == [5, 11]
     assert path == [0, 2] and accepted == 1
     # the model agrees with the whole chain root -> 4 -> 6, then picks 7
-    steps, path, accepted = verify(chooser(), one_hot(4, 6, 0, 7), nodes, tree)
+    steps, path, accepted = walk(chooser(), one_hot(4, 6, 0, 7), nodes, tree)
     assert [int(s.tokens[0]) for s in steps] == [4, 6, 7] and path == [0, 1, 3] and accepted == 2
 
 
 def test_the_walk_stops_at_max_new_tokens_and_eos_even_where_the_draft_goes_on():
     nodes, tree = [9, 4, 6, 7], TokenTree.chain(4)
     capped = chooser(max_new_tokens=2)
-    steps, path, _ = verify(capped, one_hot(4, 6, 7, 8), nodes, tree)
+    steps, path, _ = walk(capped, one_hot(4, 6, 7, 8), nodes, tree)
     assert [int(s.tokens[0]) for s in steps] == [4, 6] and path == [0, 1]  # the cache keeps up to 4
-    steps, path, _ = verify(chooser(eos=(6,)), one_hot(4, 6, 7, 8), nodes, tree)
+    steps, path, _ = walk(chooser(eos=(6,)), one_hot(4, 6, 7, 8), nodes, tree)
     assert [int(s.tokens[0]) for s in steps] == [4, 6] and bool(steps[-1].finished[0])
 
 
@@ -56,7 +62,7 @@ def test_sampled_tokens_are_the_draws_plain_decoding_makes():
     nodes = [9, expected[0], (expected[0] + 1) % VOCAB, 3]  # the first draw is drafted, the second not
     tree = TokenTree([-1, 0, 0, 1])
     rows = torch.stack([logits[0], logits[1], logits[2], logits[3]])
-    steps, path, _ = verify(chooser(do_sample=True, seed=7), rows, nodes, tree)
+    steps, path, _ = walk(chooser(do_sample=True, seed=7), rows, nodes, tree)
     assert [int(s.tokens[0]) for s in steps][:2] == expected and path[:2] == [0, 1]
 
 

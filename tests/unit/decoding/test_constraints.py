@@ -8,8 +8,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from byte_tokenizer import EOS, byte_tokenizer
-from corolla.decoding.constraints import json_schema_grammar, lark_grammar
 from corolla.decoding.chooser import Chooser, RowEnds
+from corolla.decoding.constraints import json_schema_grammar, lark_grammar
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
 
@@ -96,10 +96,12 @@ def test_speculation_accepts_only_drafted_tokens_the_grammar_allows(tokenizer):
     logits[0, ord("x")] = logits[1, ord("b")] = logits[2, EOS] = 9.0  # the model would write "x"
     logits[0, ord("a")] = 1.0
     nodes = [0, ord("x"), ord("b")]  # the root, then the draft "xb"
-    steps, path, accepted = verify(chooser, logits, nodes, TokenTree.chain(3))
+    verified = verify(chooser, logits, nodes, TokenTree.chain(3))
+    steps, path, accepted = verified.steps, verified.path, verified.accepted
     assert [int(s.tokens[0]) for s in steps] == [ord("a")] and accepted == 0  # "x" is forbidden
     nodes = [ord("a"), ord("b")]  # the root (the token just chosen), then the draft "b"
-    steps, path, accepted = verify(chooser, logits[1:], nodes, TokenTree.chain(2))
+    verified = verify(chooser, logits[1:], nodes, TokenTree.chain(2))
+    steps, path, accepted = verified.steps, verified.path, verified.accepted
     assert [int(s.tokens[0]) for s in steps] == [ord("b"), EOS] and accepted == 1
 
 

@@ -21,13 +21,15 @@ def test_fewest_hops_using_part_of_a_span():
     assert all(a.end == b.start for a, b in zip(chain, chain[1:], strict=False))
 
 
-def test_allowed_and_banned_servers_shape_the_chain():
-    spans = [span("a", 0, 6), span("b", 0, 3), span("c", 3, 6), span("d", 0, 2), span("e", 2, 4)]
-    assert choose_chain(spans, 0, 6, allowed={"a"}) == [Hop("a", 0, 6)]
-    assert choose_chain(spans, 0, 6, banned={"a"}) == [Hop("b", 0, 3), Hop("c", 3, 6)]
-    chain = choose_chain(spans, 0, 6, allowed={"d", "e", "c"})
+def test_the_chain_uses_the_servers_it_is_given_and_parts_of_their_spans():
+    spans = {s.peer_id: s for s in [span("a", 0, 6), span("b", 0, 3), span("c", 3, 6), span("d", 0, 2)]}
+    spans["e"] = span("e", 2, 4)
+    assert choose_chain([spans["a"]], 0, 6) == [Hop("a", 0, 6)]
+    assert choose_chain([spans[p] for p in "bcde"], 0, 6) == [Hop("b", 0, 3), Hop("c", 3, 6)]
+    chain = choose_chain([spans[p] for p in "dec"], 0, 6)
     assert [hop.peer_id for hop in chain] == ["d", "e", "c"]
     assert chain[0] == Hop("d", 0, 2) and chain[1].start == 2 and chain[-1].end == 6
+    assert choose_chain([spans[p] for p in "ce"], 3, 5) == [Hop("c", 3, 5)]  # only the blocks asked for
 
 
 def test_replicas_are_chosen_at_random():

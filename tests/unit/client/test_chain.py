@@ -1,0 +1,223 @@
+"""A chain of servers, socket-free (tests/loopback.py): every boundary exact, failover at every hop and
+during a replacement's replay, push routes after a replacement, rewinds, frozen servers, stale replies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.session import InferenceSession
+from corolla.client.span_stream import Opening, SpanStream, Step, StepRoute
+from corolla.errors import MissingBlocks, ServerUnavailable
+from corolla.models.head import ModelHead
+from corolla.swarm.routing import Hop
+from corolla.wire import tensors as wire_tensors
+from corolla.wire.messages import StepReply
+from tiny_models import hidden_states
+
+PROMPT = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+LATER = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(1))
+
+
+def boundaries(session: InferenceSession, outputs: torch.Tensor, length: int) -> dict[int, torch.Tensor]:
+    """The last `length` positions at every block boundary of the session's chain: each hop's inputs are
+    its predecessor's outputs; the last hop's outputs are the step's."""
+    found = {link.hop.start: link.history.inputs[:, -length:] for link in session.chain.links[1:]}
+    return {**found, session.route[-1].end: outputs}
+
+
+def assert_exact(head, reference, ids: torch.Tensor, found: dict[int, torch.Tensor]) -> None:
+    expected = hidden_states(reference, ids)
+    for block, outputs in found.items():
+        outputs = head.norm(outputs) if block == len(expected) - 1 else outputs
+        torch.testing.assert_close(outputs, expected[block][:, -outputs.shape[1] :], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def head(llama):
+    return ModelHead.load(llama, torch.float32)
+
+
+async def decode(session, head, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The prompt, then each later token one step at a time; each step's outputs."""
+    outputs = [await session.astep(head.embed(ids[:, : PROMPT.shape[1]]))]
+    for i in range(PROMPT.shape[1], ids.shape[1]):
+        outputs.append(await session.astep(head.embed(ids[:, i : i + 1])))
+    return outputs
+
+
+async def test_every_boundary_of_a_three_hop_chain_is_what_transformers_computes(network, head, reference):
+    servers = [await network.add_server(span) for span in [(0, 2), (2, 4), (4, 6)]]
+    client = network.client()
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32, servers=[s.peer_id for s in servers]) as session:
+        outputs = await decode(session, head, ids)
+        assert [hop.peer_id for hop in session.route] == [s.peer_id for s in servers]
+        assert_exact(head, reference, ids, boundaries(session, outputs[-1], 1))
+        assert session.position == ids.shape[1] and session.num_failovers == 0
+    # with push, each server after the first ran the decode steps from its predecessor's push, once
+    assert all(s.status.snapshot().steps_from_push > 0 for s in servers[1:])
+    assert sum(s.steps_received for s in servers) == 3 * (1 + LATER.shape[1])  # the client's copies too
+
+
+async def three_hops(network) -> list:
+    return [await network.add_server(span) for span in [(0, 2), (2, 4), (4, 6)]]
+
+
+@pytest.mark.parametrize("victim", [0, 1, 2])
+async def test_a_server_killed_with_a_step_in_hand_is_replaced_and_replayed_exactly(
+    network, head, reference, victim
+):
+    chain = await three_hops(network)
+    client = network.client()
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await session.astep(head.embed(PROMPT))
+        await network.add_server((0, 3))  # replicas join; blocks 2:4 need both of them
+        await network.add_server((3, 6))
+        chain[victim].dies_at_step = chain[victim].steps_received + 2  # the second decode step
+        outputs = [await session.astep(head.embed(ids[:, i : i + 1])) for i in range(9, ids.shape[1])]
+        assert session.num_failovers == 1 and not chain[victim].alive
+        assert chain[victim].peer_id not in {hop.peer_id for hop in session.route}
+        assert chain[victim].peer_id in client.swarm.bans.banned()
+        assert_exact(head, reference, ids, boundaries(session, outputs[-1], 1))
+        if victim == 1:  # its blocks now take two hops, each brought to the same state
+            assert [(hop.start, hop.end) for hop in session.route] == [(0, 2), (2, 3), (3, 4), (4, 6)]
+
+
+async def test_a_replacement_that_dies_while_it_replays_is_replaced_too(network, head, reference):
+    chain = await three_hops(network)
+    client = network.client()
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await session.astep(head.embed(PROMPT))
+        first, second = await network.add_server((2, 4)), await network.add_server((2, 4))
+        client.swarm.estimates.observe_step(second.peer_id, 1.0, 2)  # slow: the first is chosen first
+        first.dies_at_step = 1  # ... and dies replaying
+        chain[1].dies_at_step = chain[1].steps_received + 1
+        outputs = [await session.astep(head.embed(ids[:, i : i + 1])) for i in range(9, ids.shape[1])]
+        assert session.num_failovers == 1 and not first.alive and second.alive
+        assert [hop.peer_id for hop in session.route] == [chain[0].peer_id, second.peer_id, chain[2].peer_id]
+        assert_exact(head, reference, ids, boundaries(session, outputs[-1], 1))
+
+
+async def test_after_a_replacement_each_server_takes_pushes_from_its_new_predecessor(
+    network, head, reference
+):
+    chain = await three_hops(network)
+    client = network.client()
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await session.astep(head.embed(PROMPT))
+        replacement = await network.add_server((2, 4))
+        chain[1].kill()
+        outputs = [await session.astep(head.embed(ids[:, i : i + 1])) for i in range(9, ids.shape[1])]
+        assert [hop.peer_id for hop in session.route] == [
+            chain[0].peer_id,
+            replacement.peer_id,
+            chain[2].peer_id,
+        ]
+        for previous, link in zip(session.chain.links, session.chain.links[1:], strict=False):
+            server = network.servers[link.hop.peer_id]
+            owned = server.spans.find_session("client", link.stream.session_id)
+            assert owned.push_from == previous.hop.peer_id  # the one peer it takes pushes from
+        # the replacement and the last server ran decode steps from pushes after the failover
+        assert replacement.status.snapshot().steps_from_push > 0
+        assert_exact(head, reference, ids, boundaries(session, outputs[-1], 1))
+
+
+async def test_a_rewind_replaces_a_server_and_the_session_goes_on_from_there(network, head, reference):
+    chain = await three_hops(network)
+    client = network.client()
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await decode(session, head, torch.cat([PROMPT, LATER], dim=1))
+        replacement = await network.add_server((2, 4))
+        await session.arepair(7, [chain[1].peer_id])  # as if a check found position 7 wrong there
+        assert session.position == 7 and replacement.peer_id in {hop.peer_id for hop in session.route}
+        assert all(link.history.length == 7 for link in session.chain.links)
+        other = torch.randint(3, 300, (2, 3), generator=torch.Generator().manual_seed(5))
+        outputs = await session.astep(head.embed(other))
+        ids = torch.cat([PROMPT[:, :7], other], dim=1)
+        assert_exact(head, reference, ids, boundaries(session, outputs, 3))
+
+
+async def test_a_frozen_server_times_out_and_is_replaced(network, head, reference):
+    chain = await three_hops(network)
+    client = network.client(request_timeout=1.0)
+    ids = torch.cat([PROMPT, LATER[:, :1]], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await session.astep(head.embed(PROMPT))
+        await network.add_server((4, 6))
+        chain[2].freeze()
+        outputs = await session.astep(head.embed(LATER[:, :1]))
+        assert session.num_failovers == 1 and chain[2].peer_id not in {hop.peer_id for hop in session.route}
+        assert_exact(head, reference, ids, boundaries(session, outputs, 1))
+        chain[2].kill()
+
+
+async def test_without_a_replica_the_step_fails_naming_the_blocks(network, head):
+    chain = await three_hops(network)
+    client = network.client(routing_timeout=0.5)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await session.astep(head.embed(PROMPT))
+        chain[1].kill()
+        with pytest.raises(MissingBlocks, match="no server available for blocks 2-3"):
+            await session.astep(head.embed(LATER[:, :1]))
+
+
+class Replies:
+    """A stream whose server sends prepared replies (the SpanStream's side of the wire)."""
+
+    def __init__(self, replies):
+        self.sent, self.replies, self.closed = [], list(replies), False
+
+    async def send(self, message):
+        self.sent.append(message)
+
+    async def receive(self, message_type):
+        return self.replies.pop(0) if self.replies else None
+
+    async def end(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def reply(step_id, outputs=None, error=None):
+    tensors = [] if outputs is None else [wire_tensors.serialize(outputs)]
+    return runtime_pb2.ExpertResponse(tensors=tensors, metadata=StepReply(step_id, error=error).to_bytes())
+
+
+async def test_a_span_stream_skips_replies_to_abandoned_steps_and_refuses_bad_ones():
+    hidden = torch.randn(1, 2, 8)
+    stale, good = reply("old", torch.zeros(1, 2, 8)), reply("now", hidden * 2)
+    stream = SpanStream(Replies([stale, good]), Hop("p", 0, 2), "uid", Opening(16), "lossless", 1.0)
+    result = await stream.step(Step(hidden, 0), StepRoute("now"))
+    assert torch.equal(result.outputs, hidden * 2) and not stream.closed
+    for bad, why in [
+        (reply("now", error="position 3 is not 2"), "refused a step"),
+        (reply("now", torch.zeros(1, 3, 8)), "shape"),
+        (runtime_pb2.ExpertResponse(metadata=b"\xff"), "malformed reply"),
+        (None, "closed the stream"),
+    ]:
+        wire = Replies([bad] if bad is not None else [])
+        stream = SpanStream(wire, Hop("p", 0, 2), "uid", Opening(16), "lossless", 1.0)
+        with pytest.raises(ServerUnavailable, match=why):
+            await stream.step(Step(hidden, 0), StepRoute("now"))
+        assert stream.closed and wire.closed  # a failed stream takes no more steps
+
+
+async def test_a_banned_server_is_never_routed_to_until_its_ban_ends(network):
+    fast, other = await network.add_server((0, 6)), await network.add_server((0, 6))
+    client = network.client(ban_time=0.3)
+    client.swarm.bans.ban(fast.peer_id)
+    for _ in range(10):
+        assert await client.swarm.router.route() == [Hop(other.peer_id, 0, 6)]
+    await asyncio.sleep(0.35)
+    await client.swarm.view.refresh()  # pinged again once no longer banned
+    seen = {(await client.swarm.router.route())[0].peer_id for _ in range(30)}
+    assert seen == {fast.peer_id, other.peer_id}  # equal replicas, chosen at random again
