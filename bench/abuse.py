@@ -111,7 +111,7 @@ async def measure(
 ) -> dict:
     """`sessions`: (peer index, prefill, busy) for each background session."""
     stop = asyncio.Event()
-    uid = block_uids(model.swarm.dht_prefix, 0, NUM_BLOCKS)
+    uid = block_uids(model.client.dht_prefix, 0, NUM_BLOCKS)
     load = [RawSession(peers[i], server, uid, prefill, busy) for i, prefill, busy in sessions]
     tasks = []
     for busy in (True, False):  # the busy sessions first: the idle flood then fills what is left

@@ -21,8 +21,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
 from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.models.source import resolve_model  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper."
 

@@ -19,8 +19,8 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
 from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.models.source import resolve_model  # noqa: E402
 from corolla.utils import peak_rss_bytes, whole_model_peak_rss_bytes  # noqa: E402
 
 MIB = 2**20

@@ -56,9 +56,9 @@ def main() -> None:
         token_gaps(model, prompt)  # warm up
         for _ in range(args.runs):
             for push in (True, False):
-                model.swarm.config = replace(model.swarm.config, use_push=push)
+                model.client.config = replace(model.client.config, use_push=push)
                 gaps[push] += token_gaps(model, prompt)
-        infos = [model.runtime.run(model.swarm.server_info(s.peer_id)) for s in swarm.servers]
+        infos = [model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in swarm.servers]
     on, off = statistics.median(gaps[True]), statistics.median(gaps[False])
     print(
         json.dumps(

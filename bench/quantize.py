@@ -36,11 +36,10 @@ import torch  # noqa: E402
 
 from corolla.cli.generate import encode_prompt  # noqa: E402
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.client.remote_passes import remote_forward  # noqa: E402
+from corolla.launch.local import LocalSwarm  # noqa: E402
 from corolla.models.quantize import quantize_blocks, weight_bytes  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
 from corolla.models.span import Span  # noqa: E402
-from corolla.launch.local import LocalSwarm  # noqa: E402
 from corolla.swarm.routing import Hop  # noqa: E402
 from corolla.utils import peak_rss_bytes  # noqa: E402
 
@@ -104,8 +103,8 @@ def memory_probe(model: DistributedModelForCausalLM, swarm: LocalSwarm) -> dict:
         hidden = model.head.embed(torch.arange(100, 132)[None])
     servers = {s.blocks: s for s in swarm.servers}
     for blocks in (MEASURED, BASELINE):
-        hop, timeout = Hop(servers[blocks].peer_id, *blocks), model.swarm.config.request_timeout
-        model.runtime.run(remote_forward(model.swarm.p2p, hop, model.swarm.dht_prefix, hidden, timeout))
+        hop = Hop(servers[blocks].peer_id, *blocks)
+        model.runtime.run(model.client.swarm.peers.forward(hop, hidden))
     (rss, file), (rss_one, file_one) = (settled_rss_mb(servers[b].pid) for b in (MEASURED, BASELINE))
     result = {"rss_mb": rss, "rss_mb_10_11": rss_one, "rss_growth_mb_9_blocks": round(rss - rss_one, 1)}
     return result | {"rss_growth_file_backed_mb": round(file - file_one, 1)}
@@ -113,7 +112,7 @@ def memory_probe(model: DistributedModelForCausalLM, swarm: LocalSwarm) -> dict:
 
 def announced(model: DistributedModelForCausalLM, swarm: LocalSwarm) -> dict:
     """The precision each server reports in its status (rpc_info)."""
-    run, info = model.runtime.run, model.swarm.server_info
+    run, info = model.runtime.run, model.client.swarm.peers.status
     return {f"{s.blocks[0]}:{s.blocks[1]}": run(info(s.peer_id)).precision for s in swarm.servers}
 
 

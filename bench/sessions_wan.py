@@ -138,7 +138,9 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
 
 def _engine_counters(model) -> tuple[int, int]:
     """(rows, passes) run so far by every server the client knows."""
-    infos = [model.runtime.run(model.swarm.server_info(s.peer_id)) for s in model.swarm.spans]
+    infos = [
+        model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in model.client.swarm.view.spans
+    ]
     return sum(i.engine_rows for i in infos), sum(i.engine_passes for i in infos)
 
 
@@ -180,8 +182,8 @@ def main() -> None:
         client_args += ["--runs", str(args.runs), "--groups", json.dumps(groups)]
         results["wan"] = {"round_trip_ms": 2 * args.delay_ms, **swarm.run_client(__file__, client_args)}
     if not args.no_loopback:
-        from corolla.models.source import resolve_model
         from corolla.launch.local import LocalSwarm
+        from corolla.models.source import resolve_model
 
         path = resolve_model("smollm2").path
         server_args = ["--num-threads", "1", *args.server_args.split()]

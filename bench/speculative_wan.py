@@ -156,8 +156,8 @@ def run_client(peers: list[str], args: argparse.Namespace) -> None:
 
 
 def loopback(args: argparse.Namespace) -> dict:
-    from corolla.models.source import resolve_model
     from corolla.launch.local import LocalSwarm
+    from corolla.models.source import resolve_model
 
     path = resolve_model("smollm2").path
     with LocalSwarm(str(path), SPANS, server_args=["--num-threads", "1"]) as swarm:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-from corolla.client.autograd import RemoteChain  # noqa: E402
 from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
+from corolla.client.training import RemoteChain  # noqa: E402
 from corolla.launch.local import LocalSwarm  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
@@ -85,14 +85,14 @@ def detection(swarm: LocalSwarm, share: float, prompts: list[torch.Tensor], hone
         try:
             with connect(swarm, share) as model:
                 for server in swarm.servers[:2]:  # timed as slow, which they are: the liar is preferred
-                    model.swarm.estimates.observe_step(server.peer_id, 0.5, 30)
-                model.swarm.estimates.observe_step(liar.peer_id, 0.05, 30)
+                    model.client.swarm.estimates.observe_step(server.peer_id, 0.5, 30)
+                model.client.swarm.estimates.observe_step(liar.peer_id, 0.05, 30)
                 runs = [generate(model, ids, 64) for ids in prompts]
                 results[fault] = {
                     "identical_to_honest": [tokens for tokens, _ in runs] == honest,
                     "wrong_tokens_before_caught": [withdrawn for _, withdrawn in runs],
-                    "banned": liar.peer_id in model.swarm.faulty,
-                    "checks": dict(model.swarm.spot_checker.counts),
+                    "banned": liar.peer_id in model.client.swarm.bans.faulty,
+                    "checks": dict(model.client.checker.counts),
                 }
         finally:
             swarm.servers.remove(liar)
@@ -116,8 +116,8 @@ def training_false_alarms(swarm: LocalSwarm, prompts: list[torch.Tensor], passes
             training_pass(model, prompts[index % len(prompts)], index)
         return {
             "passes": passes,
-            "accused": len(model.swarm.faulty),
-            "checks": dict(model.swarm.spot_checker.counts),
+            "accused": len(model.client.swarm.bans.faulty),
+            "checks": dict(model.client.checker.counts),
         }
 
 
@@ -129,13 +129,16 @@ def training_detection(swarm: LocalSwarm, share: float, prompts: list[torch.Tens
         try:
             with connect(swarm, share) as model:
                 for server in swarm.servers[:2]:
-                    model.swarm.estimates.observe_step(server.peer_id, 0.5, 30)
-                model.swarm.estimates.observe_step(liar.peer_id, 0.05, 30)
+                    model.client.swarm.estimates.observe_step(server.peer_id, 0.5, 30)
+                model.client.swarm.estimates.observe_step(liar.peer_id, 0.05, 30)
                 ran = 0
-                while ran < passes and liar.peer_id not in model.swarm.faulty:
+                while ran < passes and liar.peer_id not in model.client.swarm.bans.faulty:
                     training_pass(model, prompts[ran % len(prompts)], ran)
                     ran += 1
-                results[fault] = {"passes_until_caught": ran, "banned": liar.peer_id in model.swarm.faulty}
+                results[fault] = {
+                    "passes_until_caught": ran,
+                    "banned": liar.peer_id in model.client.swarm.bans.faulty,
+                }
         finally:
             swarm.servers.remove(liar)
             liar.stop()
@@ -151,8 +154,8 @@ def false_alarms(swarm: LocalSwarm, prompts: list[torch.Tensor]) -> dict:
             steps += 128
         return {
             "steps": steps,
-            "accused": len(model.swarm.faulty),
-            "checks": dict(model.swarm.spot_checker.counts),
+            "accused": len(model.client.swarm.bans.faulty),
+            "checks": dict(model.client.checker.counts),
         }
 
 

@@ -34,9 +34,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(ROOT / "tests"))  # tool_model.py (and the tiny-model helpers it uses)
 
 from corolla.errors import CorollaError  # noqa: E402
+from corolla.launch.local import LocalSwarm, PeerProcess  # noqa: E402
 from corolla.models.config import ModelConfig  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
-from corolla.launch.local import LocalSwarm, PeerProcess  # noqa: E402
 from tool_model import save_tool_model  # noqa: E402
 
 TOOL_MODEL, SMOL_MODEL = "tool-model", "smollm2"  # the served names (--served-model-name)

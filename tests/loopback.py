@@ -32,6 +32,7 @@ from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.inference import InferenceService
 from corolla.server.passes import PassService
 from corolla.server.push import Pusher
+from corolla.server.server import adapter_names
 from corolla.server.spans import HostedSpans
 from corolla.server.status import StatusBoard
 from corolla.swarm.dht import RemoteSpan
@@ -70,6 +71,7 @@ class LoopbackStream:
             await self.server.thawed.wait()  # a frozen server takes the stream and never answers
             async for response in handler(self._incoming(), context):
                 await self.server.thawed.wait()  # a frozen server computes, but its replies never leave
+                self.server.network.log(self.rpc, "reply", self.server.peer_id, response)
                 self._responses.put_nowait(_copy(response))
         except Exception as e:
             text = f"Failed to call handler `{self.rpc}` at {self.server.peer_id}: {e}"
@@ -85,6 +87,7 @@ class LoopbackStream:
     async def send(self, message: Message) -> None:
         if self._task.done():
             raise ConnectionResetError(f"the stream to {self.server.peer_id} is closed")
+        self.server.network.log(self.rpc, "request", self.server.peer_id, message)
         self._requests.put_nowait(_copy(message))
         if self.rpc == RPC_INFERENCE:
             self.server.steps_received += 1
@@ -152,8 +155,16 @@ class _Handlers:
 
 
 class LoopbackServer:
-    def __init__(self, peer_id: str, config: ServerConfig, spans: HostedSpans, pusher: Pusher):
-        self.peer_id, self.config, self.spans, self.pusher = peer_id, config, spans, pusher
+    def __init__(
+        self, network: LoopbackNetwork, peer_id: str, config: ServerConfig, spans: HostedSpans, pusher: Pusher
+    ):
+        self.network, self.peer_id, self.config, self.spans, self.pusher = (
+            network,
+            peer_id,
+            config,
+            spans,
+            pusher,
+        )
         self.handlers: dict[str, Any] = {}
         self.streams: set[LoopbackStream] = set()
         self.calls: set[asyncio.Future] = set()
@@ -200,6 +211,9 @@ class LoopbackNetwork:
         self.engine = engine or EngineConfig(max_cache_tokens=1024, page_size=4, max_batch_wait_ms=0)
         self.servers: dict[str, LoopbackServer] = {}
         self.reports: dict[str, dict[str, str]] = {}  # client -> the faulty servers it reported
+        # with `recording` on, every stream message: (rpc, "request" or "reply", the server, a copy)
+        self.recording = False
+        self.wire: list[tuple[str, str, str, Message]] = []
         self._names = itertools.count()
 
     async def add_server(
@@ -208,18 +222,21 @@ class LoopbackNetwork:
         """A server of `blocks`, built as `corolla server` builds one; `config`: ServerConfig fields."""
         peer_id = name or f"server{next(self._names)}-{blocks[0]}-{blocks[1]}"
         config = ServerConfig(model=str(self.folder), blocks=blocks, step_timeout=30.0, **config)
+        adapters = adapter_names(config.adapters)
         loader = SpanLoader(
             self.folder,
             self.model,
             parse_dtype(config.dtype, self.model),
             self.engine,
             config.session_timeout,
+            pass_delay=config.simulate_slow_ms / 1000,
+            adapters=adapters,
             quantize=config.quantize,
             fault=Fault.parse(fault) if fault else None,
         )
-        spans = HostedSpans(PREFIX, loader.load)
+        spans = HostedSpans(PREFIX, loader.load, frozenset(name for name, _ in adapters))
         await spans.start(blocks)
-        server = LoopbackServer(peer_id, config, spans, Pusher(self.transport(peer_id), PREFIX))
+        server = LoopbackServer(self, peer_id, config, spans, Pusher(self.transport(peer_id), PREFIX))
         hidden, num_blocks = self.model.hidden_size, self.model.num_hidden_layers
         server.inference = InferenceService(spans, config, hidden, server.pusher, num_blocks)
         passes = PassService(spans, config, hidden)
@@ -233,6 +250,10 @@ class LoopbackNetwork:
         server.handlers = registry.handlers
         self.servers[peer_id] = server
         return server
+
+    def log(self, rpc: str, direction: str, server: str, message: Message) -> None:
+        if self.recording:
+            self.wire.append((rpc, direction, server, _copy(message)))
 
     def reachable(self, peer_id: str) -> LoopbackServer:
         server = self.servers.get(peer_id)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
+from corolla.client.client import Client
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.config import ClientConfig
 from corolla.launch.local import LocalSwarm
+from corolla.swarm.dht import RemoteSpan
 
 # One swarm offers chains of 1, 2 and 3 servers: a client restricted to some servers (allowed_servers)
 # routes through exactly those, using part of a server's span where needed.
@@ -43,6 +45,15 @@ def connect(
         tuning_mode=tuning_mode,
         pre_seq_len=pre_seq_len,
     )
+
+
+async def fresh_spans(swarm: LocalSwarm, prefix: str = "tiny-llama", num_blocks: int = 6) -> list[RemoteSpan]:
+    """The servers in the swarm's DHT as a new client reads them (announced records, each server pinged)."""
+    client = await Client.connect(client_config(swarm), prefix, num_blocks, model_fingerprint="")
+    try:
+        return await client.swarm.view.refresh()
+    finally:
+        await client.shutdown()
 
 
 def reference_generate(reference, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -59,7 +59,10 @@ def imports(root: Path) -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base])
-                found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names)
+                found.update(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base
+                    for alias in node.names
+                )
         graph[name] = {target for target in found if target in paths and target != name}
     return graph
 
@@ -112,7 +115,9 @@ def arrows_up(graph: dict[str, set[str]], package: str) -> list[str]:
                 mine_rank, their_rank = rank(mine, layers), rank(theirs, layers)
                 where = f"{package}.{parts[1]}" if depth == 2 else package
                 if mine_rank is None or their_rank is None:
-                    problems.append(f"{name}: {mine if mine_rank is None else theirs} is in no layer of {where}")
+                    problems.append(
+                        f"{name}: {mine if mine_rank is None else theirs} is in no layer of {where}"
+                    )
                 elif their_rank > mine_rank:
                     problems.append(f"{name} imports {target}, a layer above it")
     return problems

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
-from corolla.client.remote_passes import remote_forward
 
+from corolla.client.peers import Peers
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect, reference_generate
@@ -103,13 +104,11 @@ def test_unknown_adapters_are_refused_clearly(tiny_models, lora_swarm):
     ):
         model.generate(PROMPT, max_new_tokens=2)
     with connect(tiny_models["llama"], lora_swarm) as model:
-        route = model.runtime.run(model.swarm.route())
+        route = model.runtime.run(model.client.swarm.router.route())
         hidden = model.head.embed(PROMPT)
         # the client's routing never sends an adapter to a server that does not announce it: a refusal is
         # the server's fault (a failed server, retried elsewhere), not the caller's
         with pytest.raises(ServerUnavailable, match="active_adapter 'nope' is not served here"):
-            model.runtime.run(
-                remote_forward(
-                    model.swarm.p2p, route[0], model.swarm.dht_prefix, hidden, 10.0, adapter="nope"
-                )
-            )
+            other = replace(model.client.config, active_adapter="nope")
+            peers = Peers(model.client.swarm.peers.transport, model.client.dht_prefix, other)
+            model.runtime.run(peers.forward(route[0], hidden))

@@ -276,7 +276,9 @@ def test_a_client_that_disconnects_leaves_no_session_open(smol_api, smol_openai,
     model = smol_client
 
     async def sessions_open() -> int:
-        return sum([(await model.swarm.server_info(s.peer_id)).num_sessions for s in smol_swarm.servers])
+        return sum(
+            [(await model.client.swarm.peers.status(s.peer_id)).num_sessions for s in smol_swarm.servers]
+        )
 
     async def busy() -> bool:
         return await sessions_open() > 0

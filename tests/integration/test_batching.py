@@ -15,9 +15,8 @@ import time
 import pytest
 import torch
 
-from corolla.client.swarm import SwarmClient
 from corolla.launch.local import LocalSwarm
-from swarm_helpers import SMOL_CHAINS, client_config, connect
+from swarm_helpers import SMOL_CHAINS, connect, fresh_spans
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -85,9 +84,9 @@ def test_sixteen_staggered_sessions_get_exactly_their_solo_tokens(smollm2_path, 
             await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
         chain = [smol_swarm.servers[i].peer_id for i in SMOL_CHAINS[3]]
-        before = [model.runtime.run(model.swarm.server_info(p)) for p in chain]
+        before = [model.runtime.run(model.client.swarm.peers.status(p)) for p in chain]
         model.runtime.run(everyone())
-        after = [model.runtime.run(model.swarm.server_info(p)) for p in chain]
+        after = [model.runtime.run(model.client.swarm.peers.status(p)) for p in chain]
         for old, new in zip(before, after, strict=True):  # the servers really ran sessions together
             assert (new.engine_rows - old.engine_rows) / (new.engine_passes - old.engine_passes) > 2
         for index in range(len(prompts)):
@@ -168,13 +167,8 @@ def test_twenty_sessions_declaring_2048_tokens_share_a_4096_token_cache(paged_sw
 async def read_load(swarm: LocalSwarm):
     """The server's own DHT announcement, read fresh (it re-announces every second)."""
     await asyncio.sleep(1.5)
-    client = SwarmClient(client_config(swarm), "tiny-llama", 6)
-    await client.start()
-    try:
-        (span,) = await client.refresh()
-        return span.info
-    finally:
-        await client.shutdown()
+    (span,) = await fresh_spans(swarm)
+    return span.info
 
 
 def test_hundred_sessions_opened_and_closed_leave_the_pool_full(paged_swarm, tiny_models):

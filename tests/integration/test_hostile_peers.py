@@ -114,7 +114,7 @@ async def test_no_peer_can_push_into_another_clients_session(pair, attacker, tin
         outputs = [await asyncio.to_thread(session.step, model.head.embed(ids[:, :5]))]
         assert [s.hop.peer_id for s in session.spans] == [first, second]
         victim_id, position = session.spans[1].session_id, session.position
-        victim_peer = model.swarm.p2p.peer_id.to_base58()
+        victim_peer = model.client.p2p.peer_id.to_base58()
         hostile = torch.randn(1, 1, HIDDEN) * 10
         sink = [[me, "sink", 0, 1]]
         fields = dict(step_id="x1", start_from_position=position, session_id=victim_id, pushed=True)

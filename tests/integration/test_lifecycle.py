@@ -10,11 +10,10 @@ import time
 import pytest
 import torch
 
-from corolla.client.swarm import SwarmClient
 from corolla.errors import MissingBlocks
 from corolla.launch.local import READY_SERVER, LocalSwarm, PeerProcess
 from corolla.wire.records import ServerState
-from swarm_helpers import client_config, connect, run_corolla
+from swarm_helpers import connect, fresh_spans, run_corolla
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +26,7 @@ def half_swarm(tiny_models):
 
 def read_spans(swarm: LocalSwarm):
     async def read():
-        client = SwarmClient(client_config(swarm), "tiny-llama", 6)
-        await client.start()
-        try:
-            return await client.refresh()
-        finally:
-            await client.shutdown()
+        return await fresh_spans(swarm)
 
     return asyncio.run(read())
 

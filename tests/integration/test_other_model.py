@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from corolla.client.remote_passes import remote_forward
 
 from corolla.errors import ServerUnavailable
 from corolla.launch.local import LocalSwarm
@@ -56,9 +55,9 @@ def test_clients_route_around_it_and_generate_as_without_it(smollm2_path, mixed_
         with model.inference_session(max_length=len(PROMPT) + 8) as session:
             tokens = model.generate(PROMPT, session=session, max_new_tokens=8)
             assert impostor.peer_id not in [hop.peer_id for hop in session.route]
-        assert impostor.peer_id in model.swarm.mismatched
+        assert impostor.peer_id in model.client.swarm.view.mismatched
         overview = model.runtime.run(
-            read_overview(model.swarm.dht, model.swarm.dht_prefix, 30, model.swarm.model_fingerprint)
+            read_overview(model.client.dht, model.client.dht_prefix, 30, model.client.model_fingerprint)
         )
     assert torch.equal(tokens, expected)
     rows = {row["peer_id"]: row for row in overview.to_dict()["servers"]}  # the dashboard's JSON
@@ -103,4 +102,4 @@ def test_a_server_refusing_a_well_formed_request_is_a_failed_server(smollm2_path
         hidden = model.head.embed(torch.tensor([PROMPT]))
         hop = Hop(impostor.peer_id, 15, 30)
         with pytest.raises(ServerUnavailable, match="refused a well-formed request: .*hidden_states"):
-            model.runtime.run(remote_forward(model.swarm.p2p, hop, prefix, hidden, 10.0))
+            model.runtime.run(model.client.swarm.peers.forward(hop, hidden))

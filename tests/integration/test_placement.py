@@ -17,7 +17,7 @@ ARGS = ["--memory-budget", BUDGET_12_BLOCKS, "--announce-period", "1", "--balanc
 
 
 def current_spans(model) -> dict[str, tuple[int, int]]:
-    spans = model.runtime.run(model.swarm.refresh())
+    spans = model.runtime.run(model.client.swarm.view.refresh())
     return {s.peer_id: (s.start, s.end) for s in spans}
 
 

@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-from corolla.client.remote_passes import remote_forward
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
@@ -62,11 +61,11 @@ def test_members_use_the_swarm_and_ignore_outsiders_records(private, tiny_models
     with DistributedModelForCausalLM.from_pretrained(
         str(tiny_models["llama"]), config=config(swarm, keys["client"], members)
     ) as model:
-        spans = model.runtime.run(model.swarm.refresh())
+        spans = model.runtime.run(model.client.swarm.view.refresh())
         assert [span.peer_id for span in spans] == [ids["server"]]  # the outsider's records never count
         tokens = model.generate(prompt, max_new_tokens=6, ignore_eos=True)
         assert torch.equal(tokens, reference_generate(reference, prompt, max_new_tokens=6))
-        overview = model.runtime.run(read_overview(model.swarm.dht, PREFIX, 6))
+        overview = model.runtime.run(read_overview(model.client.dht, PREFIX, 6))
         assert [server.peer_id for server in overview.servers] == [ids["server"]]
 
 
@@ -81,10 +80,10 @@ def test_an_outsider_cannot_use_a_member_server(private, tiny_models):
             MissingBlocks, match="refused this peer: peer .* is not allowed in this private swarm"
         ):
             model.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=2)
-        p2p = model.swarm.p2p
+        p2p = model.client.p2p
         hidden = torch.randn(1, 3, 64)
         with pytest.raises(NotAllowed, match="not allowed in this private swarm"):
-            model.runtime.run(remote_forward(p2p, Hop(member_server, 0, 6), PREFIX, hidden, 10.0))
+            model.runtime.run(model.client.swarm.peers.forward(Hop(member_server, 0, 6), hidden))
 
         async def open_session() -> None:
             async def requests():

@@ -23,7 +23,7 @@ def chain(tiny_models):
 
 
 def step_counts(model, swarm) -> list[tuple[int, int]]:
-    infos = [model.runtime.run(model.swarm.server_info(s.peer_id)) for s in swarm.servers]
+    infos = [model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in swarm.servers]
     return [(info.steps_from_client, info.steps_from_push) for info in infos]
 
 
@@ -52,7 +52,10 @@ def test_servers_announce_their_links_to_the_next_servers(chain, tiny_models):
     with connect(tiny_models["llama"], chain) as model:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            links = {s.peer_id: dict(s.info.next_pings) for s in model.runtime.run(model.swarm.refresh())}
+            links = {
+                s.peer_id: dict(s.info.next_pings)
+                for s in model.runtime.run(model.client.swarm.view.refresh())
+            }
             if second in links.get(first, {}) and third in links.get(second, {}):
                 break
             time.sleep(1)

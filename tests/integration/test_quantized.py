@@ -32,7 +32,7 @@ def test_servers_announce_their_weights_precision(mixed_precision):
     with connect(path, swarm) as model:
         precisions = {}
         for server in swarm.servers:
-            info = model.runtime.run(model.swarm.server_info(server.peer_id))
+            info = model.runtime.run(model.client.swarm.peers.status(server.peer_id))
             precisions[server.peer_id] = (info.precision, info.quantized, info.dtype)
     assert [precisions[s.peer_id] for s in swarm.servers] == [
         ("float32", False, "float32"),

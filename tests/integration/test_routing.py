@@ -32,10 +32,12 @@ def test_concurrent_sessions_split_between_two_replicas(replicas, tiny_models):
                 await asyncio.gather(*(session.astep(first) for session in sessions))  # opens them on servers
                 routes = Counter(session.route[0].peer_id for session in sessions)
                 loads = {
-                    s.peer_id: (await model.swarm.server_info(s.peer_id)).num_sessions
+                    s.peer_id: (await model.client.swarm.peers.status(s.peer_id)).num_sessions
                     for s in replicas.servers
                 }
-                seen = {s.peer_id: model.swarm.estimates.estimate(s) for s in model.swarm.spans}
+                seen = {
+                    s.peer_id: model.client.swarm.estimates.estimate(s) for s in model.client.swarm.view.spans
+                }
                 return routes, loads, seen
             finally:
                 await asyncio.gather(*(session.aclose() for session in sessions))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from corolla.client.autograd import RemoteChain
 
+from corolla.client.training import RemoteChain
 from corolla.launch.local import LocalSwarm
 from corolla.swarm.overview import format_table, read_overview
 from swarm_helpers import connect, reference_generate, wait_until
@@ -54,12 +54,12 @@ def test_a_lying_server_is_caught_and_its_tokens_redone(replicas, tiny_models, e
     try:
         with connect(tiny_models["llama"], replicas, spot_checks=0.1) as model:
             for honest in replicas.servers[:3]:  # as if timed: the honest replicas are slow, the liar fast
-                model.swarm.estimates.observe_step(honest.peer_id, 1.0, 3)
-            model.swarm.estimates.observe_step(liar.peer_id, 0.01, 6)
+                model.client.swarm.estimates.observe_step(honest.peer_id, 1.0, 3)
+            model.client.swarm.estimates.observe_step(liar.peer_id, 0.01, 6)
             tokens = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
             assert torch.equal(tokens, expected)
-            assert set(model.swarm.faulty) == {liar.peer_id}, model.swarm.faulty
-            counts = model.swarm.spot_checker.counts
+            assert set(model.client.swarm.bans.faulty) == {liar.peer_id}, model.client.swarm.bans.faulty
+            counts = model.client.checker.counts
             assert counts["failed"] == 1 and counts["passed"] >= 1, counts
             if fault == "wrong-weights":  # reported to the swarm, signed: what `corolla status` shows
                 assert_reported(model, liar.peer_id)
@@ -78,8 +78,11 @@ def test_honest_replicas_in_other_precisions_are_never_accused(replicas, tiny_mo
     try:
         with connect(tiny_models["llama"], replicas, spot_checks=1.0) as model:
             model.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-            counts = model.swarm.spot_checker.counts
-            assert model.swarm.faulty == {} and counts["failed"] == 0, (model.swarm.faulty, counts)
+            counts = model.client.checker.counts
+            assert model.client.swarm.bans.faulty == {} and counts["failed"] == 0, (
+                model.client.swarm.bans.faulty,
+                counts,
+            )
             assert counts["passed"] >= NEW_TOKENS, counts
     finally:
         for server in others:
@@ -89,7 +92,7 @@ def test_honest_replicas_in_other_precisions_are_never_accused(replicas, tiny_mo
 
 def chain_pass(model, hidden, grad_outputs, share_forward, share_backward):
     """Outputs and input gradients of the whole chain (RemoteChain) with these spot-check shares."""
-    checker, hidden = model.swarm.spot_checker, hidden.clone().requires_grad_(True)
+    checker, hidden = model.client.checker, hidden.clone().requires_grad_(True)
     checker.share = share_forward
     outputs = RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime)
     checker.share = share_backward
@@ -114,16 +117,19 @@ def test_a_server_lying_in_training_is_caught_and_its_pass_redone(replicas, tiny
         for shares in ((1.0, 0.0), (0.0, 1.0)):
             with connect(tiny_models["llama"], replicas, spot_checks=1.0) as model:
                 for honest in replicas.servers[:3]:
-                    model.swarm.estimates.observe_step(honest.peer_id, 1.0, 3)
-                model.swarm.estimates.observe_step(liar.peer_id, 0.01, 6)
+                    model.client.swarm.estimates.observe_step(honest.peer_id, 1.0, 3)
+                model.client.swarm.estimates.observe_step(liar.peer_id, 0.01, 6)
                 outputs, grad = chain_pass(model, hidden, grad_outputs, *shares)
-                assert set(model.swarm.faulty) == {liar.peer_id}, (shares, model.swarm.faulty)
+                assert set(model.client.swarm.bans.faulty) == {liar.peer_id}, (
+                    shares,
+                    model.client.swarm.bans.faulty,
+                )
                 if shares[0]:
                     torch.testing.assert_close(outputs, honest_outputs, atol=1e-5, rtol=1e-5)
                 else:  # the forward went through the liar unchecked: its outputs are wrong
                     assert not torch.allclose(outputs, honest_outputs, atol=1e-3)
                 torch.testing.assert_close(grad, honest_grad, atol=1e-5, rtol=1e-5)
-                assert model.swarm.spot_checker.counts["failed"] == 1
+                assert model.client.checker.counts["failed"] == 1
     finally:
         replicas.servers.remove(liar)
         liar.stop()
@@ -145,5 +151,5 @@ def test_training_passes_on_honest_servers_pass_their_checks(replicas, tiny_mode
         model(input_ids, labels=input_ids).loss.backward()
         for got, want in zip([p.grad for p in model.parameters()], expected, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        counts = model.swarm.spot_checker.counts
+        counts = model.client.checker.counts
         assert counts["failed"] == 0 and counts["passed"] >= 2, counts

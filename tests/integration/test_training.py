@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from corolla.client.autograd import RemoteChain
 
+from corolla.client.training import RemoteChain
 from corolla.launch.local import LocalSwarm
 from swarm_helpers import SMOL_CHAINS, TINY_CHAINS, connect
 
@@ -144,30 +144,30 @@ def test_a_server_killed_during_a_training_step_changes_nothing(tiny_models, rep
 
         # forward, then SIGKILL a server of the chain it used, then backward: the backward fails over
         hidden, prompts = model._chain_inputs(input_ids)
-        outputs = RemoteChain.apply(hidden, prompts, model.swarm, model.runtime)
+        outputs = RemoteChain.apply(hidden, prompts, model.client.passes, model.runtime)
         trace_hops = [hop.peer_id for hop, _ in outputs.grad_fn.trace]
         dead = trace_hops[0 if victim == "first" else -1]
         kill(replicated_tiny, dead)
         model._outputs(outputs, input_ids).loss.backward()
         assert_grads_equal(model, expected)
-        assert dead in model.swarm.banned()
+        assert dead in model.client.swarm.bans.banned()
 
         # a forward over a chain whose server has just died (the DHT still lists it) fails over too: the
         # first route is pinned to a chain through the dead server, every later routing decision is real
         for p in model.parameters():
             p.grad = None
-        route = model.runtime.run(model.swarm.route())
+        route = model.runtime.run(model.client.swarm.router.route())
         hop = route[-1] if victim == "first" else route[0]  # the span that still has two servers
         kill(replicated_tiny, hop.peer_id)
-        real_route, pinned = model.swarm.route, [route]
+        real_route, pinned = model.client.swarm.router.route, [route]
 
         async def route_once(*args, **kwargs):
             return pinned.pop() if pinned else await real_route(*args, **kwargs)
 
-        model.swarm.route = route_once
+        model.client.swarm.router.route = route_once
         model(input_ids, labels=input_ids).loss.backward()
         assert_grads_equal(model, expected)
-        assert hop.peer_id in model.swarm.banned()
+        assert hop.peer_id in model.client.swarm.bans.banned()
 
 
 @pytest.mark.parametrize("family_swarm", ["llama"], indirect=True)

@@ -59,7 +59,7 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
     with connect(tiny_models["llama"], pair) as model:
 
         async def read_block_0() -> dict:  # on the client's loop: hivemind's futures need one
-            return await model.swarm.dht.run_coroutine(
+            return await model.client.dht.run_coroutine(
                 partial(read_records, keys=[block_key(PREFIX, 0)]), return_future=True
             )
 
@@ -85,19 +85,19 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
             forge(signer, owned_subkey(victim.peer_id, forger_key), lure, range(6))  # signed, victim's name
             forge(signer, owned_subkey(forger_id, forger_key), lure, range(6))  # a fake server of its own
 
-            spans = model.runtime.run(model.swarm.refresh())
+            spans = model.runtime.run(model.client.swarm.view.refresh())
             by_peer = {span.peer_id: span for span in spans}
             assert by_peer[victim.peer_id].info.state == ServerState.ONLINE
             assert (by_peer[victim.peer_id].start, by_peer[victim.peer_id].end) == (0, 3)
             assert forger_id in by_peer  # its own signed record is read ...
-            assert forger_id not in model.swarm.answered  # ... but it never answered rpc_info
+            assert forger_id not in model.client.swarm.view.answered  # ... but it never answered rpc_info
             for _ in range(5):
-                hops = model.runtime.run(model.swarm.route())
+                hops = model.runtime.run(model.client.swarm.router.route())
                 assert [hop.peer_id for hop in hops] == [victim.peer_id, pair.servers[1].peer_id]
             tokens = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
             assert torch.equal(tokens, expected)
 
-            overview = model.runtime.run(read_overview(model.swarm.dht, PREFIX, 6))
+            overview = model.runtime.run(read_overview(model.client.dht, PREFIX, 6))
             refused = dict(overview.rejected_records)
             assert refused.get("unsigned", 0) >= 1, refused
             assert refused.get("bad signature", 0) + refused.get("signed in another peer's name", 0) >= 1, (

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from corolla.api.extra_protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from corolla.api.protocol import ErrorResponse
 from corolla.api.serving import error_for
-from corolla.client.embeddings import Pooling, embed_sequences
+from corolla.client.embeddings import Pooling
 
 if TYPE_CHECKING:
     from corolla.api.http import Generate

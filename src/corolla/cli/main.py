@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla.version import __version__
 from corolla.cli import api, demo, dht, generate, identity, server, status
 from corolla.cli.common import setup_logging
 from corolla.errors import CorollaError
+from corolla.version import __version__
 
 SUBCOMMANDS = (dht, server, generate, api, status, demo, identity)
 

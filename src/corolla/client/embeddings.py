@@ -20,7 +20,6 @@ from corolla.client.training import ChainPasses
 from corolla.errors import InvalidRequest
 from corolla.models.head import ModelHead
 
-
 Pooling = Literal["mean", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
 # rows per forward request: servers refuse more than their max_batch_size (64 by default; a small swarm

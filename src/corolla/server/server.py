@@ -19,7 +19,6 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from corolla.version import __version__
 from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
@@ -40,6 +39,7 @@ from corolla.server.status import StatusBoard
 from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import placed_servers, start_dht
 from corolla.swarm.transport import P2PTransport
+from corolla.version import __version__
 from corolla.wire.records import ServerState
 
 logger = logging.getLogger(__name__)
