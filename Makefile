@@ -73,9 +73,11 @@ bench-wan: $(STAMP) ## across an emulated 50 ms internet (../shared/tools/wan; r
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/speculative_wan.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/sessions_wan.py
 
-lint: $(STAMP) ## ruff over the sources, tests and benchmarks; module and function sizes (tools/sizes.py)
+lint: $(STAMP) ## ruff (checks and format) over everything; sizes (tools/sizes.py); import layers (tools/imports.py)
 	$(BIN)/ruff check src tests bench examples tools clients
+	$(BIN)/ruff format --check --quiet src tests bench examples tools clients
 	$(BIN)/python tools/sizes.py src
+	$(BIN)/python tools/imports.py src/corolla
 
 clean: ## remove the virtualenv and caches (the converted-model cache in ~/.cache/corolla stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -25,16 +25,16 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import msgpack  # noqa: E402
-import torch  # noqa: E402
-from hivemind.p2p import P2P, PeerID  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
+import msgpack
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm  # noqa: E402
-from corolla.wire import tensors  # noqa: E402
-from corolla.wire.messages import RPC_INFERENCE  # noqa: E402
-from corolla.wire.records import block_uids  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm
+from corolla.wire import tensors
+from corolla.wire.messages import RPC_INFERENCE
+from corolla.wire.records import block_uids
 
 HIDDEN, NUM_BLOCKS = 576, 30
 CACHE_TOKENS = 2048

@@ -28,10 +28,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm, even_spans
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a robot", "the moon", "a garden",

@@ -19,14 +19,14 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from corolla.config import EngineConfig  # noqa: E402
-from corolla.engine.engine import Engine  # noqa: E402
-from corolla.engine.sequence import StepWork  # noqa: E402
-from corolla.models.attention import ContiguousCache  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
-from corolla.models.span import Span  # noqa: E402
+from corolla.config import EngineConfig
+from corolla.engine.engine import Engine
+from corolla.engine.sequence import StepWork
+from corolla.models.attention import ContiguousCache
+from corolla.models.source import resolve_model
+from corolla.models.span import Span
 
 PROMPT = 120  # tokens already in each session's cache
 

@@ -19,10 +19,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 NEW_TOKENS, KILL_AT = 64, 32

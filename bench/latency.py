@@ -18,11 +18,11 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm, even_spans
+from corolla.models.source import resolve_model
 
 PROMPT = "Write a short story about a lighthouse keeper."
 

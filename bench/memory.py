@@ -15,13 +15,13 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
-from corolla.utils import peak_rss_bytes, whole_model_peak_rss_bytes  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm, even_spans
+from corolla.models.source import resolve_model
+from corolla.utils import peak_rss_bytes, whole_model_peak_rss_bytes
 
 MIB = 2**20
 

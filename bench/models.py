@@ -30,11 +30,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm  # noqa: E402
-from tiny_models import FAMILIES, load_reference, save_tiny_model, tiny_config  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm
+from tiny_models import FAMILIES, load_reference, save_tiny_model, tiny_config
 
 logger = logging.getLogger("bench.models")
 

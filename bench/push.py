@@ -18,10 +18,10 @@ from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm, even_spans
 
 NEW_TOKENS = 64
 

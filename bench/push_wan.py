@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from wan import HOSTS, WanSwarm, address  # noqa: E402
+from wan import HOSTS, WanSwarm, address
 
 
 def run_client(peers: list[str], new_tokens: int, runs: int) -> None:

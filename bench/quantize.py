@@ -31,17 +31,17 @@ from time import perf_counter as now
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
-from corolla.cli.generate import encode_prompt  # noqa: E402
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.launch.local import LocalSwarm  # noqa: E402
-from corolla.models.quantize import quantize_blocks, weight_bytes  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
-from corolla.models.span import Span  # noqa: E402
-from corolla.swarm.routing import Hop  # noqa: E402
-from corolla.utils import peak_rss_bytes  # noqa: E402
+from corolla.cli.generate import encode_prompt
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm
+from corolla.models.quantize import quantize_blocks, weight_bytes
+from corolla.models.source import resolve_model
+from corolla.models.span import Span
+from corolla.swarm.routing import Hop
+from corolla.utils import peak_rss_bytes
 
 logger = logging.getLogger("bench.quantize")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from wan import SPANS, WanSwarm, address  # noqa: E402
+from wan import SPANS, WanSwarm, address
 
 DELAYERS = Path("/run/wan-netsim/delayer.pids")
 PROMPT = "Tell me about the sea."

@@ -28,9 +28,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from prompts import PROMPTS  # noqa: E402
-from ttft import ENCODINGS, LONG_PROMPT_TOKENS, measure_agreement, measure_ttft  # noqa: E402
-from wan import SPANS, WanSwarm, address  # noqa: E402
+from prompts import PROMPTS
+from ttft import ENCODINGS, LONG_PROMPT_TOKENS, measure_agreement, measure_ttft
+from wan import SPANS, WanSwarm, address
 
 DRAFT = "smollm2"
 

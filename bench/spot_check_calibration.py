@@ -25,14 +25,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.spot_checks import deviation  # noqa: E402
-from corolla.models.head import ModelHead  # noqa: E402
-from corolla.models.source import resolve_model  # noqa: E402
-from corolla.models.span import Span  # noqa: E402
-from corolla.server.faults import Fault  # noqa: E402
-from prompts import PROMPTS  # noqa: E402
+from corolla.client.spot_checks import deviation
+from corolla.models.head import ModelHead
+from corolla.models.source import resolve_model
+from corolla.models.span import Span
+from corolla.server.faults import Fault
+from prompts import PROMPTS
 
 SPANS = ((0, 10), (10, 20), (20, 30), (0, 30))  # three servers' spans, and one server of every block
 PRECISIONS = {

@@ -36,12 +36,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.client.training import RemoteChain  # noqa: E402
-from corolla.launch.local import LocalSwarm  # noqa: E402
-from prompts import PROMPTS  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.client.training import RemoteChain
+from corolla.launch.local import LocalSwarm
+from prompts import PROMPTS
 
 FAULTS = ("noise:0.1", "noise:0.03", "skip-layer", "wrong-weights", "garbage-after:40")
 SECTIONS = ("false_alarms", "overhead", "detection", "training")

@@ -23,11 +23,11 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
-from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.config import ClientConfig, SwarmConfig
+from corolla.launch.local import LocalSwarm, even_spans
 
 
 def train_forever(peers: list[str]) -> None:

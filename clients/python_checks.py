@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm fetches its price list
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pychecks.common import CheckFailed, Setup  # noqa: E402
+from pychecks.common import CheckFailed, Setup
 
 SUITES = {"openai": "pychecks.openai_client", "litellm": "pychecks.litellm_client"}
 SUITES["langchain"] = "pychecks.langchain_client"

@@ -27,12 +27,12 @@ from contextlib import ExitStack
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from corolla.client.model import DistributedModelForCausalLM  # noqa: E402
-from corolla.config import ClientConfig, SwarmConfig  # noqa: E402
-from corolla.launch.local import LocalSwarm, even_spans  # noqa: E402
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.config import ClientConfig, SwarmConfig
+from corolla.launch.local import LocalSwarm, even_spans
 
 POSITIVE = ["great", "wonderful", "excellent", "lovely", "fantastic", "delightful", "superb", "pleasant",
             "amazing", "brilliant", "charming", "perfect"]  # fmt: skip

@@ -75,15 +75,14 @@ async def wait_until(predicate, timeout: float, interval: float = 0.2):
         await asyncio.sleep(interval)
 
 
-def assert_boundaries_match(model, session, hidden_states, num_blocks: int) -> None:
-    """Each hop's outputs equal the reference hidden states at that block boundary (fp32: within 1e-4).
-
-    transformers' last hidden state is taken after the final norm, so the last hop is compared normed.
-    """
-    for hop, outputs in zip(session.route, session.boundary_outputs, strict=True):
-        if hop.end == num_blocks:
-            outputs = model.head.norm(outputs)
-        torch.testing.assert_close(outputs, hidden_states[hop.end], atol=1e-4, rtol=0)
+def assert_boundaries_match(model, session, outputs: torch.Tensor, hidden_states) -> None:
+    """After a session's first step (its outputs), each hop's outputs equal transformers' hidden states
+    at that block boundary: a hop's outputs are what the next hop received (its history), the last hop's
+    the step's outputs, compared after the final norm as transformers gives them (fp32: within 1e-4)."""
+    links = session.chain.links
+    found = [link.history.inputs for link in links[1:]] + [model.head.norm(outputs)]
+    for link, got in zip(links, found, strict=True):
+        torch.testing.assert_close(got, hidden_states[link.hop.end], atol=1e-4, rtol=1e-4)
 
 
 def run_corolla(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:

@@ -33,7 +33,7 @@ CLIENT_LAYERS = [
     {"swarm", "retries", "hop_history", "chain", "passes"},
     {"session"},
     {"agreement", "judge", "shadows", "spot_checks"},
-    {"training", "head_batcher", "speculative", "generation", "embeddings", "ptune"},
+    {"ptune", "training", "lm_outputs", "head_batcher", "speculative", "generation", "embeddings"},
     {"client"},
     {"model"},
     {"__init__"},

@@ -108,5 +108,6 @@ def decode_remote_error(text: str, peer: str = "") -> CorollaError:
     match = _WIRE_PATTERN.search(text)
     if match is None:
         return RemoteError(f"{text}{origin}")
-    cls, message = _WIRE_ERRORS[match.group(1)], match.group(2)
+    cls = _WIRE_ERRORS[match.group(1)]
+    message = match.group(2)
     return cls(f"{message.rstrip()}{origin}")

@@ -112,8 +112,8 @@ async def test_no_peer_can_push_into_another_clients_session(pair, attacker, tin
         session = model.inference_session(max_length=16)
         await asyncio.to_thread(session.open)
         outputs = [await asyncio.to_thread(session.step, model.head.embed(ids[:, :5]))]
-        assert [s.hop.peer_id for s in session.spans] == [first, second]
-        victim_id, position = session.spans[1].session_id, session.position
+        assert [hop.peer_id for hop in session.route] == [first, second]
+        victim_id, position = session.chain.links[1].stream.session_id, session.position
         victim_peer = model.client.p2p.peer_id.to_base58()
         hostile = torch.randn(1, 1, HIDDEN) * 10
         sink = [[me, "sink", 0, 1]]

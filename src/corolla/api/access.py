@@ -47,7 +47,8 @@ class Access:
     """Plain ASGI (not BaseHTTPMiddleware, which wraps `receive`: the routes watch it for disconnects)."""
 
     def __init__(self, app: ASGIApp, keys: list[bytes]):
-        self.app, self.keys = app, keys
+        self.app = app
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

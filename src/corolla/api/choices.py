@@ -12,7 +12,8 @@ Step = tuple[int, float | None, list[tuple[int, float]]]  # token, its logprob, 
 
 class Choice:
     def __init__(self, index: int, text: IncrementalText, calls: CallFormat | None = None):
-        self.index, self.text = index, text
+        self.index = index
+        self.text = text
         self.steps: list[Step] = []
         self.calls = CallStream(calls) if calls else None  # with tools: the calls apart from the content
 

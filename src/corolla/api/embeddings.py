@@ -31,7 +31,8 @@ MAX_RUNNING = 4  # embedding requests on the swarm at once (each runs its batche
 
 class EmbeddingServing:
     def __init__(self, serving: OpenAIServing, pooling: Pooling):
-        self.serving, self.pooling = serving, pooling
+        self.serving = serving
+        self.pooling = pooling
         self._running = asyncio.Semaphore(MAX_RUNNING)  # bound to the API's loop on first use
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse | ErrorResponse:
@@ -57,7 +58,8 @@ class EmbeddingServing:
     def token_ids(self, request: EmbeddingRequest) -> list[list[int]] | ErrorResponse:
         """Each input's token ids, or the 400 for the first input that is empty, too long or holds ids
         outside the vocabulary. Texts are tokenized as completions' prompts are."""
-        tokenizer, vocab = self.serving.model.tokenizer, self.serving.model.config.vocab_size
+        tokenizer = self.serving.model.tokenizer
+        vocab = self.serving.model.config.vocab_size
         limit = self.serving.max_model_len
         inputs = request.inputs()
         sequences = []

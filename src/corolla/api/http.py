@@ -59,7 +59,8 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel | ErrorRe
 
 async def read_body(request: Request) -> bytes | None:
     """The request's body, or None as soon as it exceeds MAX_BODY_BYTES (the rest is never read)."""
-    chunks, size = [], 0
+    chunks = []
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:

@@ -35,7 +35,10 @@ class ResponseFormat:
     limit_param = "max_tokens"
 
     def __init__(self, tokenizer: Any, request_id: str, model: str, request: Any, prompt_tokens: int):
-        self.tokenizer, self.id, self.model, self.request = tokenizer, request_id, model, request
+        self.tokenizer = tokenizer
+        self.id = request_id
+        self.model = model
+        self.request = request
         self.prompt_tokens = prompt_tokens
 
     def usage(self, choices: list[Choice]) -> Usage:
@@ -150,7 +153,8 @@ class ChatFormat(ResponseFormat):
         )
 
     def _choice(self, choice: Choice) -> ChatChoice:
-        text, stream = choice.text.text, choice.calls
+        text = choice.text.text
+        stream = choice.calls
         content, calls = (text, []) if stream is None else tool_calls.parse(text, stream.format)
         return ChatChoice(
             index=choice.index,
@@ -176,12 +180,14 @@ class ChatFormat(ResponseFormat):
 
     def _chunk(self, choice: Choice, text: str, step: Step | None) -> ChatCompletionChunk:
         """The text released, less what belongs to tool calls, which go out whole once written."""
-        finish_reason, delta = choice.text.finish_reason, DeltaMessage(content=text)
+        finish_reason = choice.text.finish_reason
+        delta = DeltaMessage(content=text)
         if choice.calls is not None:
             content, calls = choice.calls.feed(text)
             if finish_reason is not None:
                 rest, last = choice.calls.finish()
-                content, calls = content + rest, calls + last
+                content = content + rest
+                calls = calls + last
                 finish_reason = (
                     "tool_calls" if choice.calls.count and finish_reason == "stop" else finish_reason
                 )

@@ -66,7 +66,9 @@ class OpenAIServing:
     ):
         if model.tokenizer is None:
             raise InvalidRequest("the API needs a model folder with a tokenizer")
-        self.model, self.name, self.metrics = model, name, metrics
+        self.model = model
+        self.name = name
+        self.metrics = metrics
         self.max_model_len = min(max_model_len, model.config.max_position_embeddings)
         self.tracker = RequestTracker(model.runtime.loop)
         constraints.warm(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
@@ -135,13 +137,9 @@ class OpenAIServing:
         except (InvalidRequest, ValueError) as e:
             return _invalid(str(e))
         request_id = new_id(fmt.id_prefix)
-        tokenizer, eos = self.model.tokenizer, self.model.eos_token_ids
-        choices = [
-            Choice(i, IncrementalText(tokenizer, params.stop, eos, params.ignore_eos), calls=calls)
-            for i in range(len(prompts) * request.n)
-        ]
+        choices = self._choices(len(prompts) * request.n, params, calls)
         num_prompt_tokens = sum(len(p) for p in prompts)
-        output = fmt(tokenizer, request_id, self.name, request, num_prompt_tokens)
+        output = fmt(self.model.tokenizer, request_id, self.name, request, num_prompt_tokens)
         steps = self.tracker.add(request_id, self._job(prompts, request.n, params, request.stream))
         self.metrics.active_requests.inc()
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
@@ -167,6 +165,15 @@ class OpenAIServing:
             await end()
             return output.response(choices)
         return EventStream(self._sse(events, first, output, choices, record), end)
+
+    def _choices(self, count: int, params: Any, calls: CallFormat | None) -> list[Choice]:
+        """A request's choices, each with its own detokenizer (stop strings held back) and calls parser."""
+        model = self.model
+        texts = (
+            IncrementalText(model.tokenizer, params.stop, model.eos_token_ids, params.ignore_eos)
+            for _ in range(count)
+        )
+        return [Choice(i, text, calls=calls) for i, text in enumerate(texts)]
 
     def _check_limits(
         self,
@@ -203,7 +210,8 @@ class OpenAIServing:
     ) -> Callable[[], AsyncIterator[Any]]:
         """Generations of every prompt (n rows each), run concurrently; yields (prompt index, step). Tokens
         a spot check withdraws end a stream (they are out already) and are redone for a whole answer."""
-        model, withdrawals = self.model, "fail" if stream else "redo"
+        model = self.model
+        withdrawals = "fail" if stream else "redo"
 
         async def one(index: int, ids: list[int]) -> AsyncIterator[tuple[int, GenerationStep]]:
             async for step in model.agenerate_steps(torch.tensor([ids] * n), params, withdrawals=withdrawals):
@@ -243,7 +251,7 @@ class OpenAIServing:
         if unfinished:
             yield unfinished
 
-    def _sse(  # noqa: PLR0913
+    def _sse(
         self,
         events: AsyncIterator[list[Moved]],
         first: list[Moved] | None,

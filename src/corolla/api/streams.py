@@ -16,7 +16,8 @@ class EventStream:
     """A streaming answer: the SSE events, and what to call when the response ends, however it ends."""
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
-        self.events, self.on_close = events, on_close
+        self.events = events
+        self.on_close = on_close
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self.events

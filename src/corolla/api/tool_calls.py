@@ -54,7 +54,9 @@ def parse(text: str, fmt: CallFormat = HERMES) -> tuple[str | None, list[ToolCal
         call = new_call(text.strip()) if text.lstrip().startswith("{") else None
         return (None, [call]) if call is not None else (text or None, [])
     pattern = re.compile(re.escape(fmt.start) + r"\s*(.*?)\s*" + re.escape(fmt.end), re.DOTALL)
-    calls, kept, last = [], [], 0
+    calls = []
+    kept = []
+    last = 0
     for match in pattern.finditer(text):
         call = new_call(match.group(1))
         if call is None:
@@ -76,7 +78,10 @@ class CallStream:
     (the start of) a call is held back until the call ends or turns out not to be one."""
 
     def __init__(self, fmt: CallFormat = HERMES) -> None:
-        self.format, self.pending, self.inside, self.count = fmt, "", False, 0
+        self.format = fmt
+        self.pending = ""
+        self.inside = False
+        self.count = 0
         self.plain = False  # a bare-JSON format's answer that turned out to be text
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -84,14 +89,17 @@ class CallStream:
         self.pending += text
         if not self.format.start:
             return self._feed_bare()
-        start, end = self.format.start, self.format.end
-        content, calls = [], []
+        start = self.format.start
+        end = self.format.end
+        content = []
+        calls = []
         while True:
             if not self.inside:
                 found = self.pending.find(start)
                 cut = len(self.pending) - _partial_suffix(self.pending, start) if found < 0 else found
                 content.append(self._content(self.pending[:cut]))
-                self.pending, self.inside = self.pending[cut:], found >= 0
+                self.pending = self.pending[cut:]
+                self.inside = found >= 0
                 if found < 0:
                     break
             closed = self.pending.find(end)
@@ -103,7 +111,8 @@ class CallStream:
             else:
                 calls.append(call)
                 self.count += 1
-            self.pending, self.inside = self.pending[closed + len(end) :], False
+            self.pending = self.pending[closed + len(end) :]
+            self.inside = False
         return "".join(content), calls
 
     def _feed_bare(self) -> tuple[str, list[ToolCall]]:
@@ -115,7 +124,8 @@ class CallStream:
             self.inside = True
             return "", []
         self.plain = True
-        released, self.pending = self.pending, ""
+        released = self.pending
+        self.pending = ""
         return released, []
 
     def _content(self, text: str) -> str:
@@ -124,7 +134,10 @@ class CallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is left once the choice ends: content, and (bare JSON) the call; an unfinished call is
         dropped, as `parse` drops it."""
-        rest, inside, self.pending, self.inside = self.pending, self.inside, "", False
+        rest = self.pending
+        inside = self.inside
+        self.pending = ""
+        self.inside = False
         if not self.format.start:
             content, calls = parse(rest, self.format)
             self.count += len(calls)

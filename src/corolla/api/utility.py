@@ -43,7 +43,8 @@ class UtilityServing:
         return card
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse | ErrorResponse:
-        body, tokenizer = request.root, self.serving.model.tokenizer
+        body = request.root
+        tokenizer = self.serving.model.tokenizer
         if isinstance(body, TokenizeChatRequest):
             text = render(
                 tokenizer,

@@ -22,7 +22,8 @@ GRADIENT_TOLERANCE = 0.5
 
 def deviation(outputs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """[..., T, H] x [..., T, H] -> [..., T]: |outputs - reference| / |reference| per position."""
-    outputs, reference = outputs.float(), reference.float()
+    outputs = outputs.float()
+    reference = reference.float()
     return (outputs - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(EPSILON)
 
 

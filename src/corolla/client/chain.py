@@ -93,7 +93,10 @@ class Chain:
     ) -> list[torch.Tensor]:
         """Run hidden states [B, T, H] at `position` through every hop, replacing servers that fail on the
         way; returns each hop's outputs [B, T, H] (the last: the chain's)."""
-        budget, outputs, index, encoded = RetryBudget(self.swarm.config), [], 0, None
+        budget = RetryBudget(self.swarm.config)
+        outputs = []
+        index = 0
+        encoded = None
         step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
         push = self.swarm.config.use_push and prompts is None and hypo_ids is None
         pushed_to: set[str] = set()  # sessions that the previous servers push this step to
@@ -108,11 +111,13 @@ class Chain:
                 await self._recover(index, e, budget)
                 # later servers may hold this step as pushed by the failed one: a new id makes the rest
                 # of the chain run it again (servers refuse a step id reused for other inputs)
-                step_id, encoded = uuid.uuid4().hex, None
+                step_id = uuid.uuid4().hex
+                encoded = None
                 continue
             pushed_to.update(server.session_id for server in route.next_servers)
             outputs.append(reply.outputs)
-            hidden, encoded = reply.outputs, reply.encoded  # sent on as it came: byte for byte its push
+            hidden = reply.outputs
+            encoded = reply.encoded  # sent on as it came: byte for byte its push
             index += 1
         return outputs
 
@@ -189,7 +194,9 @@ class Chain:
         """A new chain over the failed hop's blocks, brought to the same state by replaying its inputs."""
         started = time.perf_counter()
         links = await self._open_links(failed.hop.start, failed.hop.end)
-        inputs, prompts, start = failed.history.inputs, failed.history.prompts, failed.hop.start
+        inputs = failed.history.inputs
+        prompts = failed.history.prompts
+        start = failed.hop.start
         for link in links:
             part = None if prompts is None else prompts[link.hop.start - start : link.hop.end - start]
             try:
@@ -220,7 +227,8 @@ class Chain:
     async def _open_links(self, start: int, end: int) -> list[Link]:
         """Streams to a chain of servers over blocks [start, end), re-routing around servers that fail to
         open."""
-        swarm, spec = self.swarm, self.spec
+        swarm = self.swarm
+        spec = self.spec
         for _ in range(swarm.config.max_retries + 1):
             hops = await swarm.router.route(
                 start,
@@ -248,7 +256,8 @@ class Chain:
         )
 
     def _opening(self, hops: list[Hop]) -> list:
-        swarm, spec = self.swarm, self.spec
+        swarm = self.swarm
+        spec = self.spec
         statuses = [swarm.view.status_of(hop.peer_id) for hop in hops]
         openings = []
         for hop, (inbound, outbound) in zip(

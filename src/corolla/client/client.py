@@ -29,7 +29,7 @@ from corolla.swarm.transport import P2PTransport, Transport
 
 
 class Client:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         config: ClientConfig,
         dht_prefix: str,

@@ -55,7 +55,8 @@ def first_step(
     """The first step of generating after `input_ids` [B, T] on `session` (after its pending token),
     checked against the session's limits. `tuned` (a new session only): trained prompts, (input prefix
     [B, P, H], deep prompts or None)."""
-    inputs, pending = input_ids, session.pending_token_ids
+    inputs = input_ids
+    pending = session.pending_token_ids
     if pending is not None:
         if pending.shape[0] != input_ids.shape[0]:
             batch = input_ids.shape[0]
@@ -77,7 +78,7 @@ def first_step(
     return FirstStep(session.position, torch.cat([tuned[0].to(hidden.dtype), hidden], dim=1), tuned[1])
 
 
-async def generate_steps(  # noqa: PLR0913
+async def generate_steps(
     head: HeadBatcher,
     session: InferenceSession,
     chooser: Chooser,
@@ -130,7 +131,8 @@ class _Loop:
     async def _resume(self, position: int) -> GenerationStep:
         """Feed from `position` again: the first step (or its part from `position`), or the token chosen
         for `position`; then choose the next token."""
-        first, session = self.first, self.session
+        first = self.first
+        session = self.session
         if position < first.end:
             deep = first.deep if position == first.start else None
             hidden = first.hidden[:, position - first.start :]
@@ -156,7 +158,8 @@ class _Loop:
         """Repair the session and forget the choices made from wrong outputs: (where to feed again from,
         how many tokens were withdrawn)."""
         await self.session.arepair(verdict.position, verdict.faulty)
-        position, first = verdict.position, self.first
+        position = verdict.position
+        first = self.first
         if position < first.start:
             raise ServerUnavailable(
                 f"a spot check caught a server computing wrong outputs at position {position}, before this "

@@ -54,7 +54,8 @@ class HeadBatcher:
         try:
             while self._queue:
                 await self._gather()
-                batch, self._queue = self._queue, []
+                batch = self._queue
+                self._queue = []
                 try:
                     pieces = [hidden for hidden, _ in batch]
                     logits = await asyncio.get_running_loop().run_in_executor(

@@ -62,7 +62,8 @@ class Judge:
     async def judge(self, dispute: Dispute) -> tuple[str, ...]:
         """More opinions decide who is faulty (`opinions`); reports and returns the faulty servers."""
         self.counts["third opinions"] += 1
-        faulty, hop = await self.opinions(dispute), dispute.hop
+        faulty = await self.opinions(dispute)
+        hop = dispute.hop
         if hop.peer_id not in faulty:  # the checked result is right after all
             self._report(faulty, f"disagreed with two others on blocks {hop.start}:{hop.end}")
         else:
@@ -78,7 +79,10 @@ class Judge:
         avoided; one that agrees with the reference clears the checker it avoided, and the checked server
         is faulty once every checker is cleared. Undecided, both sides are faulty (the client uses neither).
         """
-        hop, checkers, agree, run = dispute.hop, dispute.checkers, dispute.agree, dispute.run
+        hop = dispute.hop
+        checkers = dispute.checkers
+        agree = dispute.agree
+        run = dispute.run
         opinion, _ = await self.elsewhere(hop, run, {hop.peer_id, *checkers})
         if opinion is not None:
             return tuple(checkers) if agree(dispute.result, opinion) else (hop.peer_id,)

@@ -8,7 +8,7 @@ or from its own event loop (the `a*` coroutines).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -18,6 +18,7 @@ from corolla.client.client import Client
 from corolla.client.embeddings import Pooling, embed_sequences
 from corolla.client.generation import Withdrawals, first_step, generate_steps
 from corolla.client.head_batcher import HeadBatcher
+from corolla.client.lm_outputs import CausalLMOutput, causal_lm_output, chain_inputs
 from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
 from corolla.client.session import InferenceSession
@@ -32,15 +33,8 @@ from corolla.models.head import ModelHead
 from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
 
 
-@dataclass
-class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, vocab]
-    hidden_states: torch.Tensor  # [B, T, hidden], the last block's outputs (before the final norm)
-    loss: torch.Tensor | None = None  # next-token cross-entropy, when labels were given
-
-
 class DistributedModelForCausalLM:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         source: ModelSource,
         config: ModelConfig,
@@ -92,7 +86,8 @@ class DistributedModelForCausalLM:
         speculation = config.speculation
         speculator = speculation and Speculator.create(speculation, model_config, source.path)
         runtime = LoopThread()
-        blocks, fingerprint = model_config.num_hidden_layers, model_config.fingerprint()
+        blocks = model_config.num_hidden_layers
+        fingerprint = model_config.fingerprint()
         try:
             client = runtime.run(Client.connect(config, prefix, blocks, fingerprint))
         except BaseException:
@@ -242,37 +237,16 @@ class DistributedModelForCausalLM:
         (-100 = ignored; pad on the right), `loss` is the next-token cross-entropy.
         """
         input_ids = _as_batch(input_ids)
-        hidden, prompts = self._chain_inputs(input_ids)
+        hidden, prompts = chain_inputs(self.head, self.ptune, input_ids)
         if torch.is_grad_enabled() and (hidden.requires_grad or prompts.requires_grad):
             outputs = RemoteChain.apply(hidden, prompts, self.client.passes, self.runtime)
         else:
             with torch.no_grad():
                 deep = prompts if prompts.numel() else None
                 outputs = self.runtime.run(self.client.passes.forward(hidden, deep))[0]
-        return self._outputs(outputs, labels)
+        return causal_lm_output(self.head, self.ptune, outputs, labels)
 
     __call__ = forward
-
-    def _chain_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first block's inputs [B, (P +) T, H] and the deep prompts (or an empty tensor)."""
-        hidden = self.head.embed(input_ids)
-        if self.ptune is None:
-            return hidden, hidden.new_empty(0)
-        hidden = torch.cat([self.ptune.prefix(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
-        return hidden, self.ptune.block_prompts()
-
-    def _outputs(self, outputs: torch.Tensor, labels: torch.Tensor | None) -> CausalLMOutput:
-        if self.ptune is not None:
-            outputs = outputs[:, self.ptune.pre_seq_len :]
-        logits = self.head.logits(outputs)
-        loss = None
-        if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise InvalidRequest(f"labels must have the inputs' shape {list(logits.shape[:2])}")
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().long(), ignore_index=-100
-            )
-        return CausalLMOutput(logits, outputs, loss)
 
     async def aembed(self, sequences: list[list[int]], pooling: Pooling = "mean") -> torch.Tensor:
         """Unit vectors [N, hidden] (float32) of sequences of token ids (client/embeddings.py), on the

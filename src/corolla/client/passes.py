@@ -39,7 +39,8 @@ async def backward_hop(
     """Gradients wrt hop's inputs [B, T, H] and wrt its blocks' deep prompts (None without prompts), given
     the gradient of its outputs."""
     hop_prompts = _blocks(prompts, hop)
-    grads, grad_prompts = [], None
+    grads = []
+    grad_prompts = None
     for rows in _row_groups(inputs, swarm.config.max_request_tokens):
         grad_inputs, part = await swarm.peers.backward(
             hop, inputs[rows], grad[rows], _rows(hop_prompts, rows)

@@ -26,7 +26,8 @@ class PromptTuning(nn.Module):
             raise InvalidRequest(
                 f"pre_seq_len must be at least 1 with tuning_mode={mode!r}, got {pre_seq_len}"
             )
-        self.mode, self.pre_seq_len = mode, pre_seq_len
+        self.mode = mode
+        self.pre_seq_len = pre_seq_len
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, embeddings.num_embeddings, (pre_seq_len,), generator=generator)
         self.prompt_embeddings = nn.Parameter(embeddings.weight[ids].detach().clone())

@@ -26,11 +26,13 @@ from corolla.swarm.routing import Hop, choose_chain, format_blocks, uncovered_bl
 
 logger = logging.getLogger(__name__)
 
-FIRST_WAIT, LONGEST_WAIT = 0.2, 2.0  # seconds between looks at the swarm while blocks are uncovered
+# seconds between looks at the swarm while blocks are uncovered: the first wait, doubling up to the longest
+FIRST_WAIT = 0.2
+LONGEST_WAIT = 2.0
 
 
 class Router:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         config: ClientConfig,
         num_blocks: int,
@@ -46,7 +48,7 @@ class Router:
         self._estimates = estimates
         self._rng = rng or random.Random()
 
-    async def route(  # noqa: PLR0913
+    async def route(
         self,
         start: int = 0,
         end: int | None = None,
@@ -61,7 +63,8 @@ class Router:
         Waits up to routing_timeout for every block to be covered (`wait`; else MissingBlocks at once)."""
         end = self.num_blocks if end is None else end
         deadline = time.monotonic() + self.config.routing_timeout
-        delay, repinged = FIRST_WAIT, False
+        delay = FIRST_WAIT
+        repinged = False
         while True:
             if self._view.stale:
                 await self._view.refresh()
@@ -95,7 +98,8 @@ class Router:
         """The servers a chain over [start, end) may use. InvalidRequest if the blocks are served, but only
         by servers with a lower inference_max_length than `max_length` (no server would take the request:
         refused before sending)."""
-        config, excluded = self.config, self._bans.banned() | set(avoid)
+        config = self.config
+        excluded = self._bans.banned() | set(avoid)
         limits = [set(a) for a in (config.allowed_servers, allowed) if a is not None]
         served = [
             span
@@ -129,7 +133,8 @@ class Router:
         )
 
     def _raise_missing(self, error: MissingBlocks) -> None:
-        config, refusals = self.config, self._view.refusals
+        config = self.config
+        refusals = self._view.refusals
         which = f" with adapter {config.active_adapter!r}" if config.active_adapter is not None else ""
         which += " with full-precision weights (exact)" if config.exact else ""
         refused = f"; {counted(len(refusals), 'server')} refused this peer: " if refusals else ""

@@ -25,7 +25,7 @@ from corolla.swarm.routing import Hop
 
 
 class InferenceSession:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         swarm: Swarm,
         runtime: LoopThread,

@@ -69,10 +69,13 @@ class Step:
 
 
 class SpanStream:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self, stream: MessageStream, hop: Hop, uid: str, opening: Opening, encoding: str, timeout: float
     ):
-        self.hop, self.uid, self.opening, self.timeout = hop, uid, opening, timeout
+        self.hop = hop
+        self.uid = uid
+        self.opening = opening
+        self.timeout = timeout
         self.encoding = encoding  # what the server reads from us
         self.session_id = uuid.uuid4().hex
         self._stream: MessageStream | None = stream
@@ -157,7 +160,8 @@ class SpanStream:
         return Reply(outputs, encoded)
 
     async def close(self) -> None:
-        stream, self._stream = self._stream, None
+        stream = self._stream
+        self._stream = None
         if stream is None:
             return
         try:  # end our side, then drain: the server frees the cache once its replies are out

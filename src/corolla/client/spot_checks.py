@@ -151,7 +151,8 @@ class SpotChecker:
         start = state.verified_length(link)
         if history.outputs is None or start >= history.length:
             return (), None
-        inputs, outputs = history.inputs, history.outputs
+        inputs = history.inputs
+        outputs = history.outputs
         reference, checkers = await self._shadow_outputs(session, state, link, start)
         if reference is None:
             self.counts["unchecked"] += 1

@@ -29,7 +29,7 @@ SpanReader = Callable[[Counter], Awaitable[list[RemoteSpan]]]
 
 
 class SwarmView:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         config: ClientConfig,
         model_fingerprint: str,
@@ -47,8 +47,10 @@ class SwarmView:
         self.rejected_records: Counter[str] = Counter()  # unsigned or malformed records read, by reason
         self.refreshed_at = 0.0
         self._statuses: dict[str, ServerStatus] = {}
-        self._read_spans, self._peers = read_spans, peers
-        self._estimates, self._bans = estimates, bans
+        self._read_spans = read_spans
+        self._peers = peers
+        self._estimates = estimates
+        self._bans = bans
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
 

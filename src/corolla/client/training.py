@@ -49,7 +49,9 @@ class ChainPasses:
         self, trace: Trace, grad_outputs: torch.Tensor, prompts: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients wrt the chain's inputs and (when given) the deep prompts [blocks, B or 1, P, H]."""
-        budget, pending, grad = RetryBudget(self.swarm.config), list(trace), grad_outputs
+        budget = RetryBudget(self.swarm.config)
+        pending = list(trace)
+        grad = grad_outputs
         grad_prompts = torch.zeros_like(prompts) if prompts is not None else None
         while pending:
             hop, inputs = pending.pop()
@@ -77,7 +79,8 @@ class ChainPasses:
     ) -> tuple[torch.Tensor | None, Trace]:
         """Run `hops` in order (replacing any that fail); returns the outputs (None without last_outputs:
         the last hop is then not run) and each hop with its inputs."""
-        trace, index = [], 0
+        trace = []
+        index = 0
         while index < len(hops):
             hop = hops[index]
             if not last_outputs and index == len(hops) - 1:
@@ -94,7 +97,8 @@ class ChainPasses:
                 )  # without the faulty
                 continue
             trace.append((hop, hidden))
-            hidden, index = outputs, index + 1
+            hidden = outputs
+            index = index + 1
         return hidden, trace
 
     async def _checked_backward(
@@ -130,12 +134,14 @@ class ChainPasses:
         chain's forward gives each of its hops' inputs, then its backward runs; the gradients joined."""
 
         async def run(chain: list[Hop]) -> torch.Tensor:
-            trace, hidden = [], inputs
+            trace = []
+            hidden = inputs
             for hop in chain[:-1]:
                 trace.append((hop, hidden))
                 hidden = await forward_hop(self.swarm, hop, hidden, prompts)
             trace.append((chain[-1], hidden))
-            grads, grad_inputs = [], grad
+            grads = []
+            grad_inputs = grad
             for hop, hop_inputs in reversed(trace):
                 grad_inputs, hop_grad_prompts = await backward_hop(
                     self.swarm, hop, hop_inputs, grad_inputs, prompts
@@ -158,15 +164,18 @@ class RemoteChain(torch.autograd.Function):
     outputs [B, T, H], differentiable wrt both."""
 
     @staticmethod
-    def forward(ctx, hidden, prompts, passes: ChainPasses, runtime: LoopThread):  # noqa: ANN001
+    def forward(ctx, hidden, prompts, passes: ChainPasses, runtime: LoopThread):
         deep = prompts if prompts.numel() else None
         outputs, trace = runtime.run(passes.forward(hidden.detach(), None if deep is None else deep.detach()))
-        ctx.passes, ctx.runtime, ctx.trace, ctx.has_prompts = passes, runtime, trace, deep is not None
+        ctx.passes = passes
+        ctx.runtime = runtime
+        ctx.trace = trace
+        ctx.has_prompts = deep is not None
         ctx.save_for_backward(prompts)
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_outputs):  # noqa: ANN001
+    def backward(ctx, grad_outputs):
         (prompts,) = ctx.saved_tensors
         deep = prompts.detach() if ctx.has_prompts else None
         grad_hidden, grad_prompts = ctx.runtime.run(

@@ -45,7 +45,8 @@ class RowEnds:
         self.reset()
 
     def reset(self) -> None:
-        stop, size = self.params.stop, self.batch_size
+        stop = self.params.stop
+        size = self.batch_size
         texts = [IncrementalText(self.tokenizer, stop) for _ in range(size)] if stop else []
         self.texts = texts  # the one detokenizer (decoding/text.py), only where stop strings need the text
         self.finished = torch.zeros(size, dtype=torch.bool)
@@ -90,7 +91,8 @@ class Chooser:
 
     def choose(self, logits: torch.Tensor) -> GenerationStep:
         """logits [B, vocab] after the text so far -> the next token of every row."""
-        params, context = self.params, self.context
+        params = self.params
+        context = self.context
         if self.generator is not None:
             self.states.append(self.generator.get_state())
         active = ~self.ends.finished

@@ -88,7 +88,9 @@ class Constraint:
     def __init__(self, grammar: str, hf_tokenizer: Any, eos_token_ids: Sequence[int], rows: int):
         if hf_tokenizer is None:
             raise InvalidRequest("constrained decoding needs a tokenizer, and this model folder has none")
-        self.grammar, self.hf_tokenizer, self.eos = grammar, hf_tokenizer, tuple(eos_token_ids)
+        self.grammar = grammar
+        self.hf_tokenizer = hf_tokenizer
+        self.eos = tuple(eos_token_ids)
         self.rows = rows
         self.matchers: list[llguidance.LLMatcher] = []
 

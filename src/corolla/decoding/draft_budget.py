@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured: each level is accepted 60% of the time
 RATE = 0.15  # weight of a new observation in the running shares
-EXPLORE_EVERY, MAX_EXPLORE_EVERY = 8, 64
+EXPLORE_EVERY = 8
+MAX_EXPLORE_EVERY = 64
 WINDOW = 48  # steps in the cost fit
 PRIOR_SLOPE = 0.1  # until two depths have been timed: each level adds this share of a step's cost
 
@@ -50,7 +51,8 @@ class SpeculationStats:
 
 class DraftBudget:
     def __init__(self, max_depth: int, adaptive: bool = True):
-        self.max_depth, self.adaptive = max_depth, adaptive
+        self.max_depth = max_depth
+        self.adaptive = adaptive
         self.acceptance: list[float | None] = [None] * max_depth  # per level, once it was ever drafted
         self.observed = [0] * max_depth
         self.costs: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (depth drafted, seconds)
@@ -74,7 +76,8 @@ class DraftBudget:
             min(2 * self.explore_every, MAX_EXPLORE_EVERY) if best == self.last_best else EXPLORE_EVERY
         )
         self.next_exploration = self.num_steps + self.explore_every
-        self.last_best, self.num_explorations = best, self.num_explorations + 1
+        self.last_best = best
+        self.num_explorations = self.num_explorations + 1
         above = self.num_explorations % 2 == 1
         return min(limit, best + 1) if above or best == 0 else best - 1
 
@@ -96,7 +99,8 @@ class DraftBudget:
 
     def expected_tokens(self, depth: int) -> float:
         default = self._default()
-        expected, reach = 1.0, 1.0
+        expected = 1.0
+        reach = 1.0
         for level in self.acceptance[:depth]:
             reach *= default if level is None else level
             expected += reach
@@ -108,7 +112,8 @@ class DraftBudget:
             return 1.0 + PRIOR_SLOPE * depth
         depths = [d for d, _ in self.costs]
         seconds = [s for _, s in self.costs]
-        mean_d, mean_s = sum(depths) / len(depths), sum(seconds) / len(seconds)
+        mean_d = sum(depths) / len(depths)
+        mean_s = sum(seconds) / len(seconds)
         spread = sum((d - mean_d) ** 2 for d in depths)
         if spread == 0:
             base = mean_s / (1 + PRIOR_SLOPE * mean_d)

@@ -31,12 +31,15 @@ BRANCH_LOG_RATIO = math.log(0.1)  # a level keeps alternatives at least a tenth 
 
 class DraftModel:
     def __init__(self, span: Span, head: ModelHead, width: int, name: str, vocab_size: int | None = None):
-        self.span, self.head, self.width, self.name = span, head, width, name
+        self.span = span
+        self.head = head
+        self.width = width
+        self.name = name
         # drafts only tokens the target knows (a family's models may pad their embeddings differently)
         self.vocab_size = vocab_size or span.config.vocab_size
 
     @classmethod
-    def load(  # noqa: PLR0913
+    def load(
         cls,
         folder: str | Path,
         width: int = 1,
@@ -87,7 +90,8 @@ class DraftModelSession:
             if ours != theirs:
                 break
             common += 1
-        self.cache.position, self.tokens = common, context[:]
+        self.cache.position = common
+        self.tokens = context[:]
         return self._run(context[common:], None, None)[-1]
 
     def _expand(self, root_logits: torch.Tensor, depth: int, max_tokens: int) -> Draft:
@@ -130,7 +134,8 @@ class DraftModelSession:
     def _run(self, new: list[int], tree: TokenTree | None, start: int | None) -> torch.Tensor:
         """Run `new` tokens at the cache's position (a sequence, or the last tokens of `tree` stored from
         `start`); returns their logits [len(new), vocab]."""
-        model, cache = self.model, self.cache
+        model = self.model
+        cache = self.cache
         hidden = model.head.embed(torch.tensor([new], dtype=torch.long)).to(model.span.dtype)
         positions = None
         if tree is not None:

@@ -24,7 +24,9 @@ from corolla.errors import InvalidRequest
 if TYPE_CHECKING:
     from corolla.models.config import ModelConfig
 
-NGRAM, MIN_NGRAM = 3, 1  # prompt lookup matches the last 3 tokens, else the last 2, else the last one
+# prompt lookup matches the last 3 tokens, else the last 2, else the last one
+NGRAM = 3
+MIN_NGRAM = 1
 
 
 @dataclass(frozen=True)

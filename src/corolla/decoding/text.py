@@ -36,7 +36,8 @@ class IncrementalText:
                 "decoding text token by token (stop strings, streamed text) needs the model folder's "
                 "tokenizer.json (a tokenizers-backed tokenizer); this model has none"
             )
-        self._backend, self._stream = backend, DecodeStream(skip_special_tokens=True)
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.stops = tuple(stops)
         self.eos = frozenset(() if ignore_eos else eos_token_ids)
         self.token_ids: list[int] = []  # generated, EOS included

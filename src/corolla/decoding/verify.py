@@ -26,7 +26,10 @@ class Verified:
 def verify(chooser: Chooser, logits: torch.Tensor, nodes: list[int], tree: TokenTree | None) -> Verified:
     """Walk the tree of `nodes` (token ids, root first) with the logits [len(nodes), vocab] at each node;
     `tree` None: the root alone (no draft). A stop string, EOS or max_new_tokens ends the walk at once."""
-    steps, path, node, accepted = [], [0], 0, 0
+    steps = []
+    path = [0]
+    node = 0
+    accepted = 0
     while True:
         step = chooser.choose(logits[node : node + 1])
         steps.append(step)

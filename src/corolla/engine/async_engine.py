@@ -65,7 +65,8 @@ class CommandQueue:
 
     def drain(self) -> list[Callable[[], None]]:
         with self._lock:
-            commands, self._commands = self._commands, []
+            commands = self._commands
+            self._commands = []
         return commands
 
 
@@ -164,7 +165,8 @@ class AsyncEngine:
                 self.commands.wakeup.wait(delay)
                 self.commands.wakeup.clear()
                 continue
-            started, passes = time.perf_counter(), self.engine.num_passes
+            started = time.perf_counter()
+            passes = self.engine.num_passes
             try:
                 completions = self.engine.step()
             except Exception as e:

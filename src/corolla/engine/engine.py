@@ -44,7 +44,8 @@ class Engine:
     def __init__(self, span: Span, config: EngineConfig):
         if config.max_cache_tokens is None:
             raise InvalidRequest("the engine needs max_cache_tokens: the size of its attention cache")
-        self.span, self.config = span, config
+        self.span = span
+        self.config = config
         num_pages = config.max_cache_tokens // config.page_size
         self.pages = PageAllocator(num_pages, config.page_size)
         self.pool = KVPool(
@@ -59,7 +60,9 @@ class Engine:
             self.pages, config.max_batch_tokens, config.max_batch_rows, self.pool.move_positions
         )
         self.runner = ModelRunner(span, self.pool)
-        self.num_passes, self.batched_rows, self.total_rows = 0, 0, 0
+        self.num_passes = 0
+        self.batched_rows = 0
+        self.total_rows = 0
         self.pass_seconds = 0.0  # a moving average of recent passes' duration
 
     @property
@@ -207,7 +210,8 @@ class Engine:
         return Completion(work.request_id, work.result())
 
     def _postprocess(self, chunk: Chunk, outputs: torch.Tensor) -> Completion | None:
-        session, work = chunk.session, chunk.work
+        session = chunk.session
+        work = chunk.work
         session.num_cached = chunk.position + chunk.num_tokens
         if work is None:  # a recompute chunk: the cache is rebuilt up to num_cached, outputs are not needed
             if not session.needs_recompute:

@@ -82,7 +82,9 @@ class PagedAttention:
     """
 
     def __init__(self, pool: KVPool, first_layer: int, rows: list[Row]):
-        self.pool, self.first_layer, self.rows = pool, first_layer, rows
+        self.pool = pool
+        self.first_layer = first_layer
+        self.rows = rows
         size = pool.page_size
         self.slots = torch.cat(
             [
@@ -94,7 +96,8 @@ class PagedAttention:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         cache = self.pool.data[self.first_layer + layer]  # [keys|values, num_pages, page_size, kv_heads, d]
-        kv_heads, head_dim = cache.shape[3], cache.shape[4]
+        kv_heads = cache.shape[3]
+        head_dim = cache.shape[4]
         cache[0].view(-1, kv_heads, head_dim)[self.slots] = k[0].transpose(0, 1)  # k: [1, kv_heads, N, d]
         cache[1].view(-1, kv_heads, head_dim)[self.slots] = v[0].transpose(0, 1)
 
@@ -106,7 +109,8 @@ class PagedAttention:
         for row in self.rows:
             # keys and values of the row's pages in one copy: [2, pages * page_size, kv_heads, d]
             gathered = cache.index_select(1, row.table).flatten(1, 2)[:, : row.context].transpose(1, 2)
-            keys, values = gathered[0:1], gathered[1:2]  # [1, kv_heads, context, d]
+            keys = gathered[0:1]  # [1, kv_heads, context, d]
+            values = gathered[1:2]
             span = slice(row.offset, row.offset + row.length)
             out[:, :, span] = causal_attention(q[:, :, span], keys, values, row.position, scores, row.tree)
         return out
@@ -114,13 +118,18 @@ class PagedAttention:
 
 class ModelRunner:
     def __init__(self, span: Span, pool: KVPool):
-        self.span, self.pool = span, pool
+        self.span = span
+        self.pool = pool
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """One pass over the chunks (all for the same block range); returns each chunk's outputs [B, T, H]."""
         first = chunks[0].session
-        pieces, positions, rows, prompts, offset = [], [], [], [], 0
+        pieces = []
+        positions = []
+        rows = []
+        prompts = []
+        offset = 0
         for chunk in chunks:
             inputs = _chunk_inputs(chunk).to(self.span.dtype)  # [B, T, H]
             tree = chunk.work.tree if chunk.work is not None else None  # a tree runs in one chunk
@@ -146,7 +155,8 @@ class ModelRunner:
                 blocks=(first.start, first.end),
                 positions=torch.cat(positions),
             )[0]  # [N, H]
-        results, offset = [], 0
+        results = []
+        offset = 0
         for chunk in chunks:
             size = chunk.num_rows * chunk.num_tokens
             results.append(outputs[offset : offset + size].view(chunk.num_rows, chunk.num_tokens, -1))
@@ -183,7 +193,8 @@ def _adapter_ranges(chunks: list[Chunk]) -> tuple[tuple[int, int, str | None], .
     adapters = {chunk.session.adapter for chunk in chunks}
     if len(adapters) == 1:
         return adapters.pop()
-    ranges, offset = [], 0
+    ranges = []
+    offset = 0
     for chunk in chunks:
         size = chunk.num_rows * chunk.num_tokens
         ranges.append((offset, offset + size, chunk.session.adapter))

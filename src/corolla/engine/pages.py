@@ -19,7 +19,8 @@ def pages_for(num_positions: int, page_size: int) -> int:
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         assert num_pages > 0 and page_size > 0
-        self.num_pages, self.page_size = num_pages, page_size
+        self.num_pages = num_pages
+        self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
         self._refcounts = [0] * num_pages
         self._fresh: list[int] = []  # allocated since the last take_fresh(): their memory holds stale bytes
@@ -40,7 +41,8 @@ class PageAllocator:
 
     def take_fresh(self) -> list[int]:
         """Pages allocated since the last call; the caller clears them before anything reads them."""
-        fresh, self._fresh = self._fresh, []
+        fresh = self._fresh
+        self._fresh = []
         return fresh
 
     def share(self, page: int) -> int:
@@ -67,14 +69,16 @@ class PageAllocator:
 
     def pages_needed(self, table: list[int], start: int, end: int) -> int:
         """New pages that writing positions [start, end) into this row requires (growth + copy-on-write)."""
-        first, last = start // self.page_size, pages_for(end, self.page_size)
+        first = start // self.page_size
+        last = pages_for(end, self.page_size)
         shared = sum(1 for i in range(first, min(last, len(table))) if self._refcounts[table[i]] > 1)
         return max(0, last - len(table)) + shared
 
     def prepare_write(self, table: list[int], start: int, end: int) -> list[tuple[int, int]]:
         """Make positions [start, end) of this row writable; returns pages to copy (source, destination)."""
         copies = []
-        first, last = start // self.page_size, pages_for(end, self.page_size)
+        first = start // self.page_size
+        last = pages_for(end, self.page_size)
         for index in range(first, min(last, len(table))):
             if self._refcounts[table[index]] > 1:
                 fresh = self.allocate()

@@ -53,7 +53,9 @@ MoveKV = Callable[[list[int], list[int], list[int]], None]  # (row's page table,
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int, move_kv: MoveKV):
-        self.pages, self.max_batch_tokens, self.max_batch_rows = pages, max_batch_tokens, max_batch_rows
+        self.pages = pages
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_rows = max_batch_rows
         self.move_kv = move_kv  # copies cached keys and values within a row (keeping a tree's path)
         self.sessions: dict[str, EngineSession] = {}
         self.forwards: deque[ForwardWork] = deque()
@@ -71,13 +73,15 @@ class Scheduler:
     def schedule(self) -> Plan:
         plan = Plan()
         if self.forwards and self._forward_skips >= FORWARD_MAX_SKIPS:  # a starved forward takes this pass
-            plan.forward, self._forward_skips = self.forwards.popleft(), 0
+            plan.forward = self.forwards.popleft()
+            self._forward_skips = 0
             return plan
         self._schedule_steps(plan, time.monotonic())
         if self.forwards and plan.chunks:
             self._forward_skips += 1
         elif self.forwards:
-            plan.forward, self._forward_skips = self.forwards.popleft(), 0
+            plan.forward = self.forwards.popleft()
+            self._forward_skips = 0
         return plan
 
     def _candidates(self) -> list[StepWork]:
@@ -97,7 +101,9 @@ class Scheduler:
         return sorted(heads, key=lambda w: order[w.request_id])
 
     def _schedule_steps(self, plan: Plan, now: float) -> None:
-        tokens, rows, block_range = self.max_batch_tokens, self.max_batch_rows, None
+        tokens = self.max_batch_tokens
+        rows = self.max_batch_rows
+        block_range = None
         for work in self._candidates():
             session = work.session
             if block_range not in (None, (session.start, session.end)) or session.batch_size > rows:
@@ -119,7 +125,8 @@ class Scheduler:
                     plan.failed.append((work, self._exhausted(work)))
                 continue
             if session.status == SessionStatus.WAITING:
-                session.status, session.admitted_order = SessionStatus.RUNNING, next(self._admissions)
+                session.status = SessionStatus.RUNNING
+                session.admitted_order = next(self._admissions)
             chunk_work = None if session.needs_recompute else work
             plan.chunks.append(Chunk(session, chunk_work, position, length))
             tokens -= length * session.batch_size
@@ -132,7 +139,8 @@ class Scheduler:
         The step's position is absolute: an earlier one rolls the session back to it. A later one means an
         earlier step of the session never ran here (it failed), so this one cannot run either.
         """
-        session, work.started = work.session, True
+        session = work.session
+        work.started = True
         if work.position > session.position:
             return ServerUnavailable(
                 f"session {session.session_id}: a step at position {work.position} follows an earlier step "
@@ -162,7 +170,8 @@ class Scheduler:
         start; its other tokens are dropped with their cache pages. The caller has checked the path."""
         if session.tree is None:
             return
-        (start, tree), session.tree = session.tree, None
+        (start, tree) = session.tree
+        session.tree = None
         if work.position <= start:
             return  # rolled back to before the tree: the rollback drops all of it
         nodes = list(work.accepted) if work.accepted is not None else list(range(work.position - start))
@@ -236,7 +245,8 @@ class Scheduler:
             victim = min(victims, key=lambda s: (bool(s.pending), -s.admitted_order))
         for table in victim.page_tables:
             self.pages.release_all(table)
-        victim.num_cached, victim.status = 0, SessionStatus.PREEMPTED
+        victim.num_cached = 0
+        victim.status = SessionStatus.PREEMPTED
         return True
 
     def _pages_by_owner(self) -> Counter[str]:

@@ -46,7 +46,9 @@ class ForkedPeer:
     """A forked peer, with the Popen methods PeerProcess uses (its return code is -N if signal N ended it)."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]):
-        self._process, self.args, self.pid = process, args, process.pid
+        self._process = process
+        self.args = args
+        self.pid = process.pid
 
     @property
     def returncode(self) -> int | None:

@@ -45,7 +45,8 @@ class PeerProcess:
         """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
         without one, the peer is forked from a process that has imported corolla already (launch/forked.py).
         """
-        self.name, self.log_path = name, log_path
+        self.name = name
+        self.log_path = log_path
         self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
         self.popen: subprocess.Popen | ForkedPeer
         if wrapper:
@@ -121,8 +122,12 @@ class LocalSwarm:
         start_timeout: float = 180.0,
         dht_args: Sequence[str] = (),
     ):
-        self.model, self.spans, self.dht_prefix = model, list(spans), dht_prefix
-        self.num_threads, self.server_args, self.start_timeout = num_threads, list(server_args), start_timeout
+        self.model = model
+        self.spans = list(spans)
+        self.dht_prefix = dht_prefix
+        self.num_threads = num_threads
+        self.server_args = list(server_args)
+        self.start_timeout = start_timeout
         self.dht_args = list(dht_args)  # e.g. a private swarm's --identity and --allowed-peers
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="corolla-swarm-")
         self.workdir = Path(workdir or self._tmp.name)
@@ -214,7 +219,8 @@ class LocalSwarm:
     def wait_ready(self, server: PeerProcess) -> None:
         """Wait until a server started with wait=False is ready (its peer id and blocks are known then)."""
         match = server.wait_for(READY_SERVER, self.start_timeout)
-        server.peer_id, server.blocks = match.group(1), (int(match.group(2)), int(match.group(3)))
+        server.peer_id = match.group(1)
+        server.blocks = (int(match.group(2)), int(match.group(3)))
 
     def stop(self) -> None:
         """Stop every peer, even if stopping one of them fails (that error is raised once all are done)."""

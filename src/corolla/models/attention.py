@@ -131,7 +131,9 @@ def causal_attention(
         return masked_attention(q, k, v, tree.mask(q_start, scores.window), scores)
     if scores.softcap is not None or scores.sinks is not None:
         return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window), scores)
-    num_queries, num_keys, window = q.shape[2], k.shape[2], scores.window
+    num_queries = q.shape[2]
+    num_keys = k.shape[2]
+    window = scores.window
     sdpa = {"scale": scores.scaling, "enable_gqa": True}
     if num_queries == 1 and (window is None or num_keys <= window):
         # one new token sees every key: no mask at all, SDPA's fastest path
@@ -167,7 +169,8 @@ def _by_hand(
     """Attention with tanh soft-capping of the logits (Gemma 2) or attention sinks (gpt-oss), which SDPA
     cannot do."""
     groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
     scaling = scores.scaling if scores.scaling is not None else 1 / math.sqrt(q.shape[-1])
     logits = torch.matmul(q, k.transpose(2, 3)) * scaling
     if scores.softcap is not None:
@@ -223,7 +226,8 @@ class ContiguousCache:
         return self.buffer.shape[2]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        start, end = self.position, self.position + k.shape[2]
+        start = self.position
+        end = self.position + k.shape[2]
         self.buffer[layer, 0, :, :, start:end] = k
         self.buffer[layer, 1, :, :, start:end] = v
 
@@ -231,7 +235,8 @@ class ContiguousCache:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
         end = self.position + q.shape[2]
-        keys, values = self.buffer[layer, 0, :, :, :end], self.buffer[layer, 1, :, :, :end]
+        keys = self.buffer[layer, 0, :, :, :end]
+        values = self.buffer[layer, 1, :, :, :end]
         if self.tree is not None:  # the tree ends with the pass's tokens; earlier ones are stored already
             size = len(self.tree)
             mask = self.tree.mask(end - size, scores.window)[size - q.shape[2] :]

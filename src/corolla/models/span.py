@@ -34,7 +34,9 @@ class Span(nn.Module):
                 f"blocks {start}:{end} are not a non-empty range inside the model's "
                 f"{config.num_hidden_layers} blocks"
             )
-        self.config, self.start, self.end = config, start, end
+        self.config = config
+        self.start = start
+        self.end = end
         self._model = [
             empty_model(config, ATTENTION_NAME, dtype)
         ]  # a list: not a submodule, not in state_dict
@@ -43,7 +45,8 @@ class Span(nn.Module):
         self.rotary = decoder.rotary_emb
         self.layer_types = config.layer_types
         # the cache's shape per token: the config's, until loading measures what the layers store
-        self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -76,7 +79,8 @@ class Span(nn.Module):
                 f"{folder}: the checkpoint lacks tensors of blocks {start}:{end}: {missing[:5]}"
             )
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
-        span.dtype, span.quantized = dtype, quantize
+        span.dtype = dtype
+        span.quantized = quantize
         _check_cache_shape(span)
         span.requires_grad_(False)
         return span.eval()
@@ -170,7 +174,8 @@ def _check_cache_shape(span: Span) -> None:
             f"{model_type}: its attention stores keys {list(keys)} and values {list(values)} per token; "
             "corolla's cache holds keys and values of one shape [kv_heads, 1, head_dim]"
         )
-    span.kv_heads, span.head_dim = keys[0], keys[2]
+    span.kv_heads = keys[0]
+    span.head_dim = keys[2]
 
 
 def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:

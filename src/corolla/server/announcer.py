@@ -26,7 +26,9 @@ class Announcer:
         snapshot: Callable[[], ServerStatus],
         num_blocks: int,
     ):
-        self.dht, self.dht_prefix, self.period = dht, dht_prefix, period
+        self.dht = dht
+        self.dht_prefix = dht_prefix
+        self.period = period
         self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
         self.snapshot = snapshot
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)

@@ -39,7 +39,8 @@ from corolla.wire.messages import ForwardRequest, InferenceStep, StepReply
 
 logger = logging.getLogger(__name__)
 
-ExpertRequest, ExpertResponse = runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse
+ExpertRequest = runtime_pb2.ExpertRequest
+ExpertResponse = runtime_pb2.ExpertResponse
 ERROR_DRAIN_SECONDS = 0.5
 Unary = Callable[..., Awaitable[Any]]
 
@@ -67,8 +68,11 @@ def _typed_errors(handler: Unary) -> Unary:
 
 class TransformerConnectionHandler:
     def __init__(self, inference: InferenceService, passes: PassService, status: StatusBoard):
-        self.inference, self.passes, self.status = inference, passes, status
-        self.config, self.hidden_size = inference.config, inference.hidden_size
+        self.inference = inference
+        self.passes = passes
+        self.status = status
+        self.config = inference.config
+        self.hidden_size = inference.hidden_size
         self.step_timeout = inference.config.step_timeout
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
@@ -109,7 +113,7 @@ class TransformerConnectionHandler:
 
     def _admitted_stream(self, name: str, handler: Callable[..., AsyncIterator[ExpertResponse]]) -> Callable:
         @functools.wraps(handler)
-        async def admitted(requests: AsyncIterator[ExpertRequest], context: P2PContext):  # noqa: ANN202
+        async def admitted(requests: AsyncIterator[ExpertRequest], context: P2PContext):
             async with _reading_to_the_end(requests, name):
                 self._admit(context)
             async for reply in handler(requests, context):
@@ -182,7 +186,7 @@ class TransformerConnectionHandler:
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
         async with _reading_to_the_end(requests, "rpc_forward_stream"):
-            uid, metadata, parts = await self._collect_stream(requests, num_tensors=2)
+            uid, metadata, parts = await self.passes.collect(requests, num_tensors=2)
             meta = ForwardRequest.from_bytes(metadata)
             compression = output_compression(meta)
             tensors = wire_tensors.combine_tensors(parts, ("hidden_states", "prompts"))
@@ -202,7 +206,7 @@ class TransformerConnectionHandler:
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
         async with _reading_to_the_end(requests, "rpc_backward_stream"):
-            uid, metadata, parts = await self._collect_stream(requests, num_tensors=3)
+            uid, metadata, parts = await self.passes.collect(requests, num_tensors=3)
             meta = ForwardRequest.from_bytes(metadata)
             compression = output_compression(meta)
             tensors = wire_tensors.combine_tensors(parts, ("inputs", "grad_outputs", "prompts"))
@@ -211,37 +215,6 @@ class TransformerConnectionHandler:
                 for chunk in wire_tensors.split(wire_tensors.serialize(grad, compression)):
                     yield ExpertResponse(tensors=[chunk])
             await self._until_end(requests)
-
-    async def _collect_stream(
-        self, requests: AsyncIterator[ExpertRequest], num_tensors: int
-    ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
-        """The chunks of a pass's tensors, each message read within the step timeout. The inputs' first
-        chunk declares their shape, checked at once; the stream is refused as soon as it goes past its
-        byte limit, announces more chunks than that limit allows, or sends a message without tensors."""
-        uid, metadata, parts, received = "", b"", [], 0
-        limit = self.passes.stream_limit()
-        while (request := await next_within(requests, self.step_timeout)) is not None:
-            if not request.tensors:
-                raise InvalidRequest(f"stream: a message after {len(parts)} chunks carries no tensors")
-            if not parts:
-                uid, metadata = request.uid, request.metadata
-                # the inputs' first chunk declares their whole shape: refuse an oversized pass at once
-                limits = (self.config.max_batch_size, self.config.max_forward_tokens)
-                validation.check_pass_hidden(request.tensors[0], self.hidden_size, *limits)
-            parts.extend(request.tensors)
-            received += sum(len(part.buffer) for part in request.tensors)
-            if received > limit:
-                raise InvalidRequest(f"stream carries more than {limit} bytes, the limit for this server")
-            expected = wire_tensors.count_expected_chunks(parts, num_tensors, limit)
-            if expected is not None and len(parts) > expected:
-                raise InvalidRequest(
-                    f"stream carries {len(parts)} chunks, its first chunks announce {expected}"
-                )
-            if expected == len(parts):
-                break
-        if not parts:
-            raise InvalidRequest("the stream carried no tensors")
-        return uid, metadata, parts
 
     async def _until_end(self, requests: AsyncIterator[ExpertRequest]) -> None:
         """Wait for the caller's end of stream (or the reply's tail may be cut), at most the step timeout."""

@@ -45,7 +45,7 @@ PIPELINE_DEPTH = 4  # steps a session may have taken and not yet been replied to
 
 
 class InferenceService:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         spans: HostedSpans,
         config: ServerConfig,
@@ -53,7 +53,10 @@ class InferenceService:
         pusher: Pusher | None,
         num_blocks: int = 2**31,
     ):
-        self.spans, self.config, self.hidden_size, self.pusher = spans, config, hidden_size, pusher
+        self.spans = spans
+        self.config = config
+        self.hidden_size = hidden_size
+        self.pusher = pusher
         self.num_blocks = num_blocks  # the model's: every block range a step names lies within it
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
@@ -89,7 +92,8 @@ class InferenceService:
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
                 inputs = self._inputs(session, first, digest(first.tensors[0], meta), hidden)
-                session.push_from, session.output_encoding = meta.push_from, encoding
+                session.push_from = meta.push_from
+                session.output_encoding = encoding
                 self._run(session, first.meta, inputs, pushed=False)
                 async for reply in self._replies(session, later):
                     yield reply
@@ -120,7 +124,8 @@ class InferenceService:
                     if done.refused is not None or session.ledger.claim_reply(done.step_id, done.run):
                         yield done
                 elif reading is not None and reading.done():
-                    step, reading = reading.result(), None
+                    step = reading.result()
+                    reading = None
                     if step is None:
                         more = False
                     else:
@@ -251,7 +256,7 @@ class InferenceService:
         session.running.add(task)
         task.add_done_callback(session.running.discard)
 
-    async def _complete(  # noqa: PLR0913
+    async def _complete(
         self,
         session: ServerSession,
         meta: InferenceStep,

@@ -25,8 +25,12 @@ PING_TIMEOUT = 2.0
 
 class LinkMonitor:
     def __init__(self, dht: DHT, p2p: P2P, spans: HostedSpans, peer_id: str, num_blocks: int, period: float):
-        self.dht, self.p2p, self.spans, self.peer_id = dht, p2p, spans, peer_id
-        self.num_blocks, self.period = num_blocks, period
+        self.dht = dht
+        self.p2p = p2p
+        self.spans = spans
+        self.peer_id = peer_id
+        self.num_blocks = num_blocks
+        self.period = period
         self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
         failure = "Measuring the links to the next servers failed"
         self._loop = Periodic(

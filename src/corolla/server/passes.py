@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -20,13 +20,16 @@ from corolla.engine.sequence import BackwardWork, ForwardWork, Gradients
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.server import validation
 from corolla.server.spans import HostedSpans
+from corolla.server.steps import next_within
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import ForwardRequest
 
 
 class PassService:
     def __init__(self, spans: HostedSpans, config: ServerConfig, hidden_size: int):
-        self.spans, self.config, self.hidden_size = spans, config, hidden_size
+        self.spans = spans
+        self.config = config
+        self.hidden_size = hidden_size
         self._running: Counter[str] = Counter()  # passes running or queued, by peer
 
     @contextlib.contextmanager
@@ -43,6 +46,42 @@ class PassService:
             self._running[peer] -= 1
             if not self._running[peer]:
                 del self._running[peer]
+
+    async def collect(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], num_tensors: int
+    ) -> tuple[str, bytes, list[runtime_pb2.Tensor]]:
+        """A pass sent over a stream (`rpc_forward_stream`, `rpc_backward_stream`): its uid, metadata and the
+        chunks of its tensors, each message read within the step timeout. The inputs' first
+        chunk declares their shape, checked at once; the stream is refused as soon as it goes past its
+        byte limit, announces more chunks than that limit allows, or sends a message without tensors."""
+        uid = ""
+        metadata = b""
+        parts = []
+        received = 0
+        limit = self.stream_limit()
+        while (request := await next_within(requests, self.config.step_timeout)) is not None:
+            if not request.tensors:
+                raise InvalidRequest(f"stream: a message after {len(parts)} chunks carries no tensors")
+            if not parts:
+                uid = request.uid
+                metadata = request.metadata
+                # the inputs' first chunk declares their whole shape: refuse an oversized pass at once
+                limits = (self.config.max_batch_size, self.config.max_forward_tokens)
+                validation.check_pass_hidden(request.tensors[0], self.hidden_size, *limits)
+            parts.extend(request.tensors)
+            received += sum(len(part.buffer) for part in request.tensors)
+            if received > limit:
+                raise InvalidRequest(f"stream carries more than {limit} bytes, the limit for this server")
+            expected = wire_tensors.count_expected_chunks(parts, num_tensors, limit)
+            if expected is not None and len(parts) > expected:
+                raise InvalidRequest(
+                    f"stream carries {len(parts)} chunks, its first chunks announce {expected}"
+                )
+            if expected == len(parts):
+                break
+        if not parts:
+            raise InvalidRequest("the stream carried no tensors")
+        return uid, metadata, parts
 
     async def forward(
         self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor], peer: str = ""

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 class Periodic:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         name: str,
         work: Callable[[], Awaitable[Any]],
@@ -25,8 +25,12 @@ class Periodic:
         at_once: bool = False,  # the first round runs at once, not after a delay
         level: int = logging.WARNING,  # how loudly a failed round is logged
     ):
-        self.name, self.work, self.delay, self.failure = name, work, delay, failure
-        self.at_once, self.level = at_once, level
+        self.name = name
+        self.work = work
+        self.delay = delay
+        self.failure = failure
+        self.at_once = at_once
+        self.level = level
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -77,7 +77,7 @@ class Pusher:
         self._links: dict[tuple[str, str, str, str], PushLink] = {}
         self._closing: set[asyncio.Task] = set()  # links sending their last pushes
 
-    async def push(  # noqa: PLR0913
+    async def push(
         self, outputs: runtime_pb2.Tensor, meta: InferenceStep, position: int, origin: str, from_session: str
     ) -> None:
         """Send a step's outputs (computed at `position` in `from_session`, opened by peer `origin`) on to
@@ -87,7 +87,8 @@ class Pusher:
         client after this, so the push (one hop to the next server) starts ahead of the client's copy (two
         hops through the client).
         """
-        target, rest = meta.next_servers[0], meta.next_servers[1:]
+        target = meta.next_servers[0]
+        rest = meta.next_servers[1:]
         step = InferenceStep(
             step_id=meta.step_id,
             start_from_position=position,

@@ -21,7 +21,7 @@ from corolla.swarm.dht import placed_servers
 
 
 class Rebalancer:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         dht: DHT,
         spans: HostedSpans,
@@ -32,8 +32,13 @@ class Rebalancer:
         throughput: float,
         period: float,
     ):
-        self.dht, self.spans, self.inference, self.announcer = dht, spans, inference, announcer
-        self.peer_id, self.num_blocks, self.throughput = peer_id, num_blocks, throughput
+        self.dht = dht
+        self.spans = spans
+        self.inference = inference
+        self.announcer = announcer
+        self.peer_id = peer_id
+        self.num_blocks = num_blocks
+        self.throughput = throughput
         # the jitter spreads the servers' DHT reads; a failed check or move is retried at the next period
         jittered = lambda: period * random.uniform(0.8, 1.2)  # noqa: E731
         self._loop = Periodic("corolla-balancer", self.check, jittered, "Rebalancing failed")

@@ -105,7 +105,9 @@ class Server:
 
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""
-        config, hidden_size, num_blocks = self.config, self.model.hidden_size, self.model.num_hidden_layers
+        config = self.config
+        hidden_size = self.model.hidden_size
+        num_blocks = self.model.num_hidden_layers
         self.p2p = await self.dht.replicate_p2p()
         self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
         self.inference = InferenceService(self.spans, config, hidden_size, self.pusher, num_blocks)
@@ -241,7 +243,8 @@ async def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None 
 
     A second signal during the drain stops at once.
     """
-    stop, hurry = asyncio.Event(), asyncio.Event()
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
 
     def on_signal() -> None:
         (hurry if stop.is_set() else stop).set()

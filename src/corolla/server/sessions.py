@@ -97,7 +97,8 @@ class SessionRegistry:
     """The open sessions of one engine, by id."""
 
     def __init__(self, engine: AsyncEngine, session_timeout: float, max_sessions_per_peer: int = 2**31):
-        self.engine, self.session_timeout = engine, session_timeout
+        self.engine = engine
+        self.session_timeout = session_timeout
         self.max_sessions_per_peer = max_sessions_per_peer
         self.sessions: dict[tuple[str, str], ServerSession] = {}  # by (owner, session id)
         self._claimed: set[tuple[str, str]] = set()  # keys in use, including sessions still being opened
@@ -112,7 +113,7 @@ class SessionRegistry:
         return sum(key[0] == owner for key in self._claimed)
 
     @contextlib.asynccontextmanager
-    async def open(  # noqa: PLR0913
+    async def open(
         self,
         owner: str,
         session_id: str | None,

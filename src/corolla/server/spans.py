@@ -31,7 +31,9 @@ class HostedSpans:
         adapters: frozenset[str] = frozenset(),
         drain_timeout: float = 60.0,
     ):
-        self.dht_prefix, self.adapters, self.drain_timeout = dht_prefix, adapters, drain_timeout
+        self.dht_prefix = dht_prefix
+        self.adapters = adapters
+        self.drain_timeout = drain_timeout
         self._load = load
         self._backends: list[SpanBackend] = []  # the accepting one first
         self._retiring: set[asyncio.Task] = set()

@@ -17,7 +17,7 @@ from corolla.wire.tensors import supported_encodings
 
 
 class StatusBoard:
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         spans: HostedSpans,
         inference: InferenceService,
@@ -28,9 +28,14 @@ class StatusBoard:
         links: LinkMonitor | None = None,
         model_fingerprint: str = "",
     ):
-        self.spans, self.inference, self.config, self.links = spans, inference, config, links
+        self.spans = spans
+        self.inference = inference
+        self.config = config
+        self.links = links
         self.model_fingerprint = model_fingerprint
-        self.version, self.dtype, self.throughput = version, dtype, throughput
+        self.version = version
+        self.dtype = dtype
+        self.throughput = throughput
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
     def snapshot(self) -> ServerStatus:

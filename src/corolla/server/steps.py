@@ -61,7 +61,7 @@ async def next_within(messages: AsyncIterator[T], timeout: float) -> T | None:
         raise SessionTimeout(f"no request arrived within step_timeout={timeout:.1f}s") from None
 
 
-def read_inputs(  # noqa: PLR0913
+def read_inputs(
     session: ServerSession,
     step: StepMessage,
     inputs_digest: bytes,

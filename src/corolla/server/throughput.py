@@ -29,7 +29,8 @@ from corolla.models.span import Span
 
 logger = logging.getLogger(__name__)
 
-CONTEXT, STEPS = 128, 16
+CONTEXT = 128
+STEPS = 16
 MAX_AGE = 3600.0  # seconds a cached measurement stands for
 
 

@@ -150,7 +150,8 @@ async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, int]:
         if signer_of(subkey, tally) is None:
             continue
         value = value if isinstance(value, dict) else {}
-        prefix, blocks = value.get("dht_prefix"), value.get("num_blocks")
+        prefix = value.get("dht_prefix")
+        blocks = value.get("num_blocks")
         if (
             isinstance(prefix, str)
             and 0 < len(prefix) <= 256

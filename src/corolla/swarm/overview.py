@@ -170,7 +170,8 @@ def _coverage_char(count: int) -> str:
 
 def _ranges(indices: Sequence[int]) -> str:
     """(3, 4, 5, 9) -> "3-5, 9"."""
-    parts, first = [], None
+    parts = []
+    first = None
     for i, index in enumerate(indices):
         first = index if first is None else first
         if i + 1 == len(indices) or indices[i + 1] != index + 1:

@@ -43,7 +43,9 @@ class Stream:
     """One open stream to a peer's protobuf stream handler (e.g. a server's `rpc_inference`)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str):
-        self._reader, self._writer, self._name = reader, writer, name
+        self._reader = reader
+        self._writer = writer
+        self._name = name
 
     @classmethod
     async def open(cls, p2p: P2P, peer_id: PeerID, handler: str) -> Stream:

@@ -50,7 +50,8 @@ def uncovered_blocks(spans: Sequence[RemoteSpan], start: int, end: int) -> tuple
 
 def format_blocks(blocks: Sequence[int]) -> str:
     """Compact ranges: (0, 1, 2, 5) -> '0-2, 5'."""
-    parts, run_start = [], None
+    parts = []
+    run_start = None
     for i, block in enumerate(blocks):
         if run_start is None:
             run_start = block
@@ -60,7 +61,7 @@ def format_blocks(blocks: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-def choose_chain(  # noqa: PLR0913
+def choose_chain(
     spans: Sequence[RemoteSpan],
     start: int,
     end: int,
@@ -118,7 +119,7 @@ class _LinkCosts:
         return self.estimate[last].rtt / 2 if self.push else 0.0
 
 
-def _cheapest(  # noqa: PLR0913
+def _cheapest(
     usable: Sequence[RemoteSpan],
     start: int,
     end: int,

@@ -39,7 +39,8 @@ FLOAT16 = runtime_pb2.CompressionType.FLOAT16
 BLOCKWISE_8BIT = runtime_pb2.CompressionType.BLOCKWISE_8BIT
 ENCODINGS = dict(zip(WIRE_ENCODINGS, (NONE, FLOAT16, BLOCKWISE_8BIT), strict=True))
 LOSSY_MIN_BYTES = 32 * 1024  # smaller tensors (decode steps) always travel lossless
-BLOCKWISE_BLOCK, BLOCKWISE_CODES = 256, 256  # values per scale; bitsandbytes' dynamic 8-bit map
+BLOCKWISE_BLOCK = 256  # values per scale
+BLOCKWISE_CODES = 256  # bitsandbytes' dynamic 8-bit map
 BLOCKWISE_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsandbytes quantizes in
 MAX_RANK = 5
 MAX_NUMEL = 2**31 - 1
@@ -226,7 +227,8 @@ def split_tensors(protos: Iterable[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.
 
 def combine_tensors(parts: list[runtime_pb2.Tensor], names: tuple[str, ...]) -> list[runtime_pb2.Tensor]:
     """Regroup a flat list of chunks into whole tensors, using each first chunk's count."""
-    tensors, index = [], 0
+    tensors = []
+    index = 0
     while index < len(parts):
         count = max(parts[index].chunks, 1)
         name = names[len(tensors)] if len(tensors) < len(names) else f"#{len(tensors)}"

@@ -1,0 +1,91 @@
+"""Every supported family served by a chain of two of corolla's own servers in this process
+(tests/loopback.py): greedy tokens, the hidden states at the block boundary and after the last block,
+logits, the loss and its gradients are transformers' own; eight sessions running at once (so that the
+servers batch their steps) get exactly their solo tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from loopback import LoopbackSwarm
+from swarm_helpers import reference_generate
+from tiny_models import FAMILIES, hidden_states, load_reference
+
+NEW_TOKENS = 12
+SPANS = [(0, 3), (3, 6)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tiny_models):
+    """A swarm of two servers of one tiny family, and transformers' model of it."""
+    path = tiny_models[request.param]
+    with LoopbackSwarm(path, SPANS) as swarm:
+        yield swarm, load_reference(path)
+
+
+async def generate_together(model, servers, prompts: list[torch.Tensor]) -> tuple[list, list[int]]:
+    """Every prompt's greedy generation at once, each in its own session; also how many sessions each
+    server held once every generation had its first token (all of them, if they really overlapped)."""
+    everyone_started = asyncio.Barrier(len(prompts))
+    held: list[int] = []
+
+    async def one(ids: torch.Tensor) -> torch.Tensor:
+        new = []
+        async for tokens in model.agenerate(ids, max_new_tokens=NEW_TOKENS):
+            new.append(tokens[:, None])
+            if len(new) == 1 and await asyncio.wait_for(everyone_started.wait(), 60) == 0:
+                held.extend(server.status.snapshot().num_sessions for server in servers)
+        return torch.cat([ids, *new], dim=1)
+
+    return await asyncio.gather(*(one(ids) for ids in prompts)), held
+
+
+def test_greedy_tokens_alone_and_in_batched_sessions_are_transformers_tokens(family):
+    swarm, reference = family
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (1, 4 + i), generator=generator) for i in range(8)]
+    expected = [reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
+    model = swarm.model()
+    solo = [model.generate(ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
+    batched, held = model.runtime.run(generate_together(model, swarm.servers, prompts))
+    assert held == [len(prompts)] * len(SPANS)  # the servers ran the eight sessions together
+    for index, (want, alone, together) in enumerate(zip(expected, solo, batched, strict=True)):
+        assert torch.equal(alone, want), f"prompt {index}: solo differs from transformers"
+        assert torch.equal(together, alone), f"prompt {index}: batched differs from solo"
+    assert all(server.status.snapshot().num_sessions == 0 for server in swarm.servers)
+
+
+def test_block_boundaries_and_logits_are_transformers_hidden_states(family):
+    swarm, reference = family
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(8))
+    expected = hidden_states(reference, input_ids)
+    model = swarm.model()
+    with model.inference_session(max_length=16) as session:
+        outputs = session.step(model.head.embed(input_ids))
+        assert [(hop.start, hop.end) for hop in session.route] == SPANS
+        boundary = session.chain.links[1].history.inputs  # what the first server sent the second
+    torch.testing.assert_close(boundary, expected[3], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.head.norm(outputs), expected[6], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        expected_logits = reference(input_ids).logits
+    torch.testing.assert_close(model(input_ids).logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_loss_and_its_gradients_through_the_servers_are_local_autograds(family):
+    swarm, reference = family
+    input_ids = torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(9))
+    model = swarm.model()
+    model.head.requires_grad_(True)  # gradients flow back through both servers to the embeddings
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    reference.zero_grad(set_to_none=True)
+    expected = reference(input_ids, labels=input_ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=0)
+    grad, want = model.head.embed_tokens.weight.grad, reference.get_input_embeddings().weight.grad
+    assert grad.abs().sum() > 0
+    torch.testing.assert_close(grad, want, atol=1e-4, rtol=1e-3)
+    reference.zero_grad(set_to_none=True)

@@ -1,0 +1,152 @@
+"""Speculative decoding through chains of corolla's own servers in this process (tests/loopback.py):
+drafts verified in one step give exactly the tokens of plain decoding (greedy and seeded sampling), with
+every drafter, in every Llama-like family; stop strings, max_new_tokens and log-probabilities are those
+of plain decoding (on SmolLM2: stop strings need a tokenizer); concurrent speculating sessions, whose
+trees the servers batch with each other's steps, stay exact. (The verification walk, the depth budget and
+the drafters alone: test_speculative.py; the OpenAI API with a drafter: the integration tests.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from corolla.config import SpeculationConfig
+from loopback import LoopbackSwarm
+from swarm_helpers import reference_generate
+from tiny_models import LLAMA_LIKE, load_reference
+
+# chains of 3 servers (0:2, 2:4, 4:6) and of 2 (0:3, 3:6), as servers of one swarm
+SPANS = [(0, 2), (2, 4), (4, 6), (0, 3), (3, 6)]
+CHAINS = {3: [0, 1, 2], 2: [3, 4]}
+DRAFTERS = {  # the tiny model drafts for itself: an exact draft, so trees are verified deep
+    "lookup": lambda path: SpeculationConfig(draft="lookup"),
+    "model chain": lambda path: SpeculationConfig(draft=str(path), width=1, max_depth=4, adaptive=False),
+    "model tree": lambda path: SpeculationConfig(draft=str(path), width=3, max_depth=3, adaptive=False),
+}
+
+
+def repetitive_prompt(seed: int) -> torch.Tensor:
+    """Random tokens with a repeated stretch, so that prompt lookup finds matches."""
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([ids, ids[:, :6], ids], dim=1)
+
+
+@pytest.fixture(scope="module", params=LLAMA_LIKE)
+def family(request, tiny_models):
+    path = tiny_models[request.param]
+    with LoopbackSwarm(path, SPANS) as swarm:
+        yield path, swarm, load_reference(path)
+
+
+def chain_model(swarm: LoopbackSwarm, hops: int, **config):
+    """A model whose client routes only through the chain of `hops` servers."""
+    allowed = tuple(swarm.servers[i].peer_id for i in CHAINS[hops])
+    return swarm.model(allowed_servers=allowed, **config)
+
+
+def steps_received(swarm: LoopbackSwarm, hops: int) -> list[int]:
+    return [swarm.servers[i].steps_received for i in CHAINS[hops]]
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_speculation_gives_transformers_tokens_through_three_servers(family, drafter):
+    path, swarm, reference = family
+    prompt = repetitive_prompt(1)
+    expected = reference_generate(reference, prompt, max_new_tokens=24)
+    model = chain_model(swarm, 3, speculation=DRAFTERS[drafter](path))
+    before = steps_received(swarm, 3)
+    assert torch.equal(model.generate(prompt, max_new_tokens=24), expected)
+    stats = model.speculator.stats
+    assert stats.emitted == 23 and stats.drafted > 0  # 24 tokens: the first comes with the prompt
+    if drafter != "lookup":
+        assert stats.tokens_per_step > 2  # an exact draft: most of each tree is accepted
+    # every server of the chain verified every step (the prompt's, then each tree)
+    after = steps_received(swarm, 3)
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1 + stats.steps] * 3
+
+
+def test_seeded_sampling_with_speculation_repeats_plain_sampling(family):
+    path, swarm, _ = family
+    prompt = repetitive_prompt(2)
+    sampling = dict(max_new_tokens=20, do_sample=True, temperature=0.7, top_p=0.9, seed=11)
+    expected = chain_model(swarm, 2).generate(prompt, **sampling)
+    model = chain_model(swarm, 2, speculation=SpeculationConfig(draft=str(path), width=2, max_depth=3))
+    assert torch.equal(model.generate(prompt, **sampling), expected)
+    assert torch.equal(model.generate(prompt, **sampling), expected)  # twice
+    assert model.speculator.stats.accepted > 0
+
+
+async def generate_together(
+    model, servers, prompts: list[torch.Tensor], new_tokens: int
+) -> tuple[list, list]:
+    """Every prompt's generation at once; also how many sessions each server held once every generation
+    had its first token (all of them, if they really overlapped)."""
+    everyone_started = asyncio.Barrier(len(prompts))
+    held: list[int] = []
+
+    async def one(ids: torch.Tensor) -> torch.Tensor:
+        new = []
+        async for tokens in model.agenerate(ids, max_new_tokens=new_tokens):
+            new.append(tokens[:, None])
+            if len(new) == 1 and await asyncio.wait_for(everyone_started.wait(), 60) == 0:
+                held.extend(server.status.snapshot().num_sessions for server in servers)
+        return torch.cat([ids, *new], dim=1)
+
+    return await asyncio.gather(*(one(ids) for ids in prompts)), held
+
+
+def test_concurrent_speculative_sessions_batch_and_stay_exact(family):
+    """Four sessions verify their draft trees at once: the servers batch trees with each other's steps,
+    and each keeps only its own accepted paths."""
+    path, swarm, reference = family
+    prompts = [repetitive_prompt(seed) for seed in range(3, 7)]
+    expected = [reference_generate(reference, ids, max_new_tokens=24) for ids in prompts]
+    model = chain_model(swarm, 3, speculation=DRAFTERS["model tree"](path))
+    chain = [swarm.servers[i] for i in CHAINS[3]]
+    results, held = model.runtime.run(generate_together(model, chain, prompts, 24))
+    assert held == [len(prompts)] * len(chain)
+    for actual, want in zip(results, expected, strict=True):
+        assert torch.equal(actual, want)
+    assert model.speculator.stats.accepted > 0  # drafted tokens were verified and kept
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    """SmolLM2 over two servers, and a model of it decoding without a draft."""
+    with LoopbackSwarm(smollm2_path, [(0, 15), (15, 30)]) as swarm:
+        yield swarm, swarm.model()
+
+
+def chat_ids(tokenizer, request: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def collect_steps(model, ids, **kwargs) -> list:
+    async def collect():
+        return [step async for step in model.agenerate_steps(ids, **kwargs)]
+
+    return model.runtime.run(collect())
+
+
+def test_stop_strings_max_tokens_and_logprobs_are_those_of_plain_decoding(smol):
+    swarm, plain = smol
+    sentence = "The quick brown fox jumps over the lazy dog near the old mill by the river."
+    ids = chat_ids(plain.tokenizer, f"Repeat this sentence exactly: {sentence}")
+    model = swarm.model(speculation=SpeculationConfig())
+    for kwargs in (dict(max_new_tokens=7), dict(max_new_tokens=40, stop=("mill",))):
+        expected = plain.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+    assert expected.shape[1] < len(ids) + 40  # the stop string ended it
+    assert model.speculator.stats.tokens_per_step > 1.5  # the quote is drafted by prompt lookup
+    steps = collect_steps(plain, ids, max_new_tokens=12, logprobs=2)
+    spec = collect_steps(model, ids, max_new_tokens=12, logprobs=2)
+    assert [int(s.tokens[0]) for s in spec] == [int(s.tokens[0]) for s in steps]
+    for a, b in zip(spec, steps, strict=True):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a.top_values, b.top_values, atol=1e-4, rtol=0)
+        assert torch.equal(a.top_ids, b.top_ids)
