@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -67,3 +68,17 @@ def _is_runtime_helper(process: psutil.Process) -> bool:
     command = " ".join(_cmdline(process))
     helpers = ("torch_shm_manager", "resource_tracker", "multiprocessing.forkserver")
     return any(helper in command for helper in helpers)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test module's time (setup, calls and teardowns of its tests), slowest first: where a run's
+    minutes go (CI prints it with every run)."""
+    totals: Counter[str] = Counter()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                totals[report.nodeid.split("::")[0]] += report.duration
+    if totals:
+        terminalreporter.write_sep("=", "time per test module")
+        for module, seconds in totals.most_common(40):
+            terminalreporter.write_line(f"{seconds:8.1f}s {module}")

@@ -221,7 +221,9 @@ class LoopbackNetwork:
     ) -> LoopbackServer:
         """A server of `blocks`, built as `corolla server` builds one; `config`: ServerConfig fields."""
         peer_id = name or f"server{next(self._names)}-{blocks[0]}-{blocks[1]}"
-        config = ServerConfig(model=str(self.folder), blocks=blocks, step_timeout=30.0, **config)
+        config = ServerConfig(
+            model=str(self.folder), blocks=blocks, engine=self.engine, step_timeout=30.0, **config
+        )
         adapters = adapter_names(config.adapters)
         loader = SpanLoader(
             self.folder,

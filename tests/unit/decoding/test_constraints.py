@@ -97,9 +97,7 @@ def test_speculation_accepts_only_drafted_tokens_the_grammar_allows(tokenizer):
     logits[0, ord("a")] = 1.0
     nodes = [0, ord("x"), ord("b")]  # the root, then the draft "xb"
     verified = verify(chooser, logits, nodes, TokenTree.chain(3))
-    assert [int(s.tokens[0]) for s in verified.steps] == [
-        ord("a")
-    ] and not verified.accepted  # "x" forbidden
+    assert [int(s.tokens[0]) for s in verified.steps] == [ord("a")] and not verified.accepted  # "x" forbidden
     nodes = [ord("a"), ord("b")]  # the root (the token just chosen), then the draft "b"
     verified = verify(chooser, logits[1:], nodes, TokenTree.chain(2))
     assert [int(s.tokens[0]) for s in verified.steps] == [ord("b"), EOS] and verified.accepted == 1

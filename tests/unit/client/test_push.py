@@ -1,0 +1,113 @@
+"""Server-to-server push among corolla's own servers in this process (tests/loopback.py): most decode steps
+reach the later servers by push, each step runs once per server, the tokens are those without push; a step
+abandoned after its first hop still travels the chain by push, and the next step at its position rolls
+every server back and skips the late replies to it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from corolla.client.session import InferenceSession
+from corolla.client.span_stream import Step, StepRoute
+from corolla.models.head import ModelHead
+from corolla.wire.messages import RPC_INFERENCE, RPC_PUSH, InferenceStep, NextServer, StepReply
+from loopback import LoopbackSwarm
+
+NEW_TOKENS = 32
+SPANS = [(0, 2), (2, 4), (4, 6)]
+
+
+def step_counts(servers) -> list[tuple[int, int]]:
+    """Each server's steps computed from the client's copy and from a pushed copy, so far."""
+    return [(s.status.snapshot().steps_from_client, s.status.snapshot().steps_from_push) for s in servers]
+
+
+def generate_counting(model, servers, prompt: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+    """The tokens, and each server's steps from the client and by push during the generation."""
+    before = step_counts(servers)
+    tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    after = step_counts(servers)
+    client = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    pushed = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    return tokens, client, pushed
+
+
+def test_most_steps_arrive_by_push_and_results_do_not_change(llama):
+    prompt = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    with LoopbackSwarm(llama, SPANS) as swarm:
+        without_push, client, pushed = generate_counting(swarm.model(use_push=False), swarm.servers, prompt)
+        assert pushed == [0, 0, 0] and client == [NEW_TOKENS] * 3  # no push at all
+        with_push, client, pushed = generate_counting(swarm.model(), swarm.servers, prompt)
+    assert torch.equal(with_push, without_push)
+    # the prompt step and the 31 decode steps that follow it
+    assert pushed[0] == 0 and client[0] == NEW_TOKENS  # the first server hears from the client only
+    for server in (1, 2):  # every step ran once; most of them by push
+        assert client[server] + pushed[server] == NEW_TOKENS
+        assert pushed[server] > NEW_TOKENS // 2, f"server {server}: {pushed[server]} steps by push"
+
+
+def step_ids(network, rpc: str, direction: str, peer_id: str) -> list[str | None]:
+    """The step id of every message of the wire log on `rpc` to or from `peer_id` (its metadata)."""
+    ids = []
+    for logged_rpc, logged_direction, server, message in network.wire:
+        if (logged_rpc, logged_direction, server) == (rpc, direction, peer_id):
+            if direction == "reply":
+                ids.append(StepReply.from_bytes(message.metadata).step_id)
+            else:
+                ids.append(InferenceStep.from_bytes(message.metadata, first=False).step_id)
+    return ids
+
+
+async def test_a_step_abandoned_midway_is_rolled_back_and_its_late_replies_are_skipped(
+    network, llama, reference
+):
+    """A step given up after its first server (as when a caller gives up) still reaches the next servers
+    by push, and they reply to it. The next step at the same position must roll every server back, and
+    the client must not take those late replies for the next step's."""
+    head = ModelHead.load(llama, torch.float32)
+    servers = [await network.add_server(span) for span in SPANS]
+    client = network.client()
+    ids = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(4))
+    async with InferenceSession(client.swarm, None, 16) as session:
+        await session.astep(head.embed(ids[:, :5]))
+        assert [hop.peer_id for hop in session.route] == [s.peer_id for s in servers]
+        first, *later = session.chain.links
+        before = step_counts(servers)
+        network.recording = True
+        next_servers = tuple(
+            NextServer(link.hop.peer_id, link.stream.session_id, link.hop.start, link.hop.end)
+            for link in later
+        )
+        abandoned = StepRoute("abandoned", next_servers)
+        await first.stream.step(Step(head.embed(torch.tensor([[7]])), 5), abandoned)  # the first hop only
+
+        def pushed_to_both() -> bool:
+            after = step_counts(servers)
+            return all(after[i][1] - before[i][1] == 1 for i in (1, 2))
+
+        for _ in range(1000):  # 10 s at most
+            if pushed_to_both():
+                break
+            await asyncio.sleep(0.01)
+        assert pushed_to_both()  # the second and third servers ran the abandoned step
+        for server in servers[1:]:  # ... pushed, never sent by the client, and replied to it
+            assert step_ids(network, RPC_PUSH, "request", server.peer_id) == ["abandoned"]
+            assert step_ids(network, RPC_INFERENCE, "request", server.peer_id) == []
+            await _replied(network, server.peer_id, "abandoned")
+        last = await session.astep(head.embed(ids[:, 5:6]))
+        assert session.num_failovers == 0 and session.position == 6
+    logits = head.logits(last)
+    with torch.no_grad():
+        expected = reference(ids).logits[:, 5:6]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+async def _replied(network, peer_id: str, step_id: str) -> None:
+    for _ in range(1000):  # 10 s at most: the reply leaves once the step ran
+        if step_id in step_ids(network, RPC_INFERENCE, "reply", peer_id):
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"{peer_id} never replied to step {step_id}")

@@ -1,0 +1,75 @@
+"""Servers with quantized weights (int8 / int4), among corolla's own servers in this process
+(tests/loopback.py): a chain mixing them with full-precision servers works and stays close to
+transformers; each server reports its weights' precision (rpc_info, its DHT record, `corolla status`'s
+table); a client with `exact` routes around the quantized ones and gets exact tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.swarm.overview import build_overview, format_table
+from loopback import PREFIX, LoopbackSwarm
+from swarm_helpers import reference_generate
+from tiny_models import load_reference
+
+PRECISIONS = ["float32", "int8", "int4", "float32"]  # of the servers below, in order
+
+
+@pytest.fixture(scope="module")
+def mixed_precision(tiny_models):
+    path = tiny_models["qwen3"]
+    with LoopbackSwarm(path, [(0, 3)]) as swarm:
+        for mode in ("int8", "int4"):
+            swarm.add_server((3, 6), quantize=mode)
+        swarm.add_server((3, 6))
+        yield swarm, load_reference(path)
+
+
+def test_servers_report_their_weights_precision(mixed_precision):
+    swarm, _ = mixed_precision
+    model = swarm.model()
+    reports = [model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in swarm.servers]
+    assert [(info.precision, info.quantized, info.dtype) for info in reports] == [
+        ("float32", False, "float32"),
+        ("int8", True, "float32"),
+        ("int4", True, "float32"),
+        ("float32", False, "float32"),
+    ]
+    # what the DHT holds (each server's record), as `corolla status` prints it: weights, the last column
+    records = [server.record() for server in swarm.servers]
+    assert [record.info.precision for record in records] == PRECISIONS
+    table = format_table(build_overview(PREFIX, 6, records)).splitlines()
+    assert table[3].split()[-1] == "weights"
+    for server, precision in zip(swarm.servers, PRECISIONS, strict=True):
+        line = next(line for line in table if line.startswith(f"...{server.peer_id[-8:]}"))
+        assert line.split()[-1] == precision
+
+
+@pytest.mark.parametrize("quantized", [1, 2], ids=["int8", "int4"])
+def test_a_chain_through_a_quantized_server_stays_close_to_full_precision(mixed_precision, quantized):
+    swarm, reference = mixed_precision
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(quantized))
+    chain = [swarm.servers[i].peer_id for i in (0, quantized)]
+    model = swarm.model(allowed_servers=tuple(chain))
+    logits = model(input_ids).logits
+    with model.inference_session(max_length=16) as session:
+        session.step(model.head.embed(input_ids))
+        assert [hop.peer_id for hop in session.route] == chain
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    error = ((logits - expected).norm() / expected.norm()).item()
+    assert 0 < error < (0.03 if quantized == 1 else 0.25), error  # lossy, measurably, and within bounds
+
+
+def test_an_exact_client_skips_quantized_servers(mixed_precision):
+    swarm, reference = mixed_precision
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    expected = reference_generate(reference, input_ids, max_new_tokens=12)
+    quantized = {swarm.servers[1].peer_id, swarm.servers[2].peer_id}
+    model = swarm.model(exact=True)
+    for _ in range(4):  # routing picks at random among equals: never a quantized server
+        with model.inference_session(max_length=16) as session:
+            session.step(model.head.embed(input_ids))
+            assert not {hop.peer_id for hop in session.route} & quantized
+    assert torch.equal(model.generate(input_ids, max_new_tokens=12), expected)

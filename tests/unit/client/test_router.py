@@ -1,0 +1,119 @@
+"""Routing without sockets: the one routability filter, waiting for servers, re-pinging silent ones once,
+and what MissingBlocks says. The servers are records and scripted pings (the view's two inputs)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from corolla.client.bans import Bans
+from corolla.client.estimates import ServerEstimates
+from corolla.client.router import Router
+from corolla.client.swarm_view import SwarmView
+from corolla.config import ClientConfig
+from corolla.errors import InvalidRequest, MissingBlocks
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.ping import Ping
+from corolla.swarm.routing import Hop
+from corolla.wire.records import ServerStatus
+
+
+def span(peer: str, start: int, end: int, **status) -> RemoteSpan:
+    fields = {"inference_max_length": 1024, "cache_tokens_available": 512, **status}
+    return RemoteSpan(peer, start, end, ServerStatus(start, end, "0.1.0", "float32", **fields))
+
+
+class Pings:
+    """Answers pings as scripted: a server answers from its `silent`-th ping on, or refuses this peer."""
+
+    def __init__(self, silent: dict[str, int] | None = None, refusing: dict[str, str] | None = None):
+        self.silent, self.refusing, self.count = silent or {}, refusing or {}, {}
+        self.reads = 0  # DHT reads (the router's view refreshes)
+
+    async def ping(self, peer_id: str) -> Ping:
+        self.count[peer_id] = self.count.get(peer_id, 0) + 1
+        if peer_id in self.refusing:
+            return Ping(refusal=self.refusing[peer_id])
+        if self.count[peer_id] <= self.silent.get(peer_id, 0):
+            return Ping()
+        return Ping(0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512))
+
+
+def router(spans, pings=None, **config) -> tuple[Router, Bans, Pings]:
+    """A router over `spans` (a list, or a callable giving the list at each DHT read)."""
+    config = ClientConfig(**{"routing_timeout": 1.0, **config})
+    pings = pings or Pings()
+
+    async def read(tally):
+        pings.reads += 1
+        return list(spans() if callable(spans) else spans)
+
+    bans, estimates = Bans(config), ServerEstimates()
+    view = SwarmView(config, "", read, pings, estimates, bans)
+    return Router(config, 6, view, bans, estimates), bans, pings
+
+
+async def test_the_one_filter_leaves_out_banned_avoided_disallowed_unanswered_and_unfit_servers():
+    servers = [
+        span("plain", 0, 6),
+        span("lora", 0, 6, adapters=("mine",)),
+        span("int8", 0, 6, precision="int8"),
+        span("short", 0, 6, inference_max_length=64),
+        span("mute", 0, 6),
+    ]
+    route, bans, _ = router(servers, Pings(silent={"mute": 99}))
+    await route._view.refresh()
+    usable = {s.peer_id for s in route.routable(0, 6, max_length=128)}
+    assert usable == {"plain", "lora", "int8"}  # "short" takes 64 tokens, "mute" never answered
+    bans.ban("plain")
+    assert {s.peer_id for s in route.routable(0, 6, 128, avoid={"lora"})} == {"int8"}
+    assert {s.peer_id for s in route.routable(0, 6, 128, allowed={"lora", "short"})} == {"lora"}
+    exact, _, _ = router(servers, exact=True, active_adapter="mine")
+    await exact._view.refresh()
+    assert [s.peer_id for s in exact.routable(0, 6)] == ["lora"]  # the adapter, full precision
+    limited, _, _ = router([span("short", 0, 6, inference_max_length=64)])
+    await limited._view.refresh()
+    with pytest.raises(
+        InvalidRequest, match="max_length=128 exceeds the inference_max_length of every server"
+    ):
+        limited.routable(0, 6, max_length=128)  # refused before anything is sent
+
+
+async def test_a_client_restricted_to_some_servers_routes_through_parts_of_their_spans():
+    servers = [span("a", 0, 6), span("b", 0, 3), span("c", 3, 6), span("d", 0, 2), span("e", 2, 4)]
+    route, _, _ = router(servers, allowed_servers=("d", "e", "c"))
+    chain = await route.route()
+    assert [hop.peer_id for hop in chain] == ["d", "e", "c"]
+    assert chain[0] == Hop("d", 0, 2) and chain[1].start == 2 and chain[-1].end == 6
+    assert await route.route(3, 5) == [Hop("c", 3, 5)]
+
+
+async def test_a_server_that_missed_its_ping_is_pinged_again_once_before_waiting():
+    route, _, pings = router([span("late", 0, 6)], Pings(silent={"late": 1}))  # misses the first ping
+    assert await route.route() == [Hop("late", 0, 6)]
+    # pinged again at once (answering: 3 pings, one round trip alone is noise), not after a wait and a
+    # second read of the DHT
+    assert pings.count["late"] == 4 and pings.reads == 1
+
+
+async def test_the_router_waits_for_a_server_to_join_then_routes_through_it():
+    joined = []
+    route, _, _ = router(lambda: [span("a", 0, 3), *joined], routing_timeout=30.0)
+    waiting = asyncio.ensure_future(route.route())
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # blocks 3-5 uncovered: it waits
+    joined.append(span("b", 3, 6))
+    assert await asyncio.wait_for(waiting, 10) == [Hop("a", 0, 3), Hop("b", 3, 6)]
+
+
+async def test_missing_blocks_name_the_blocks_and_why_servers_refused_this_peer():
+    pings = Pings(refusing={"private": "peer Qm... is not allowed in this private swarm"})
+    route, _, _ = router([span("a", 0, 3), span("private", 3, 6)], pings, routing_timeout=0.3)
+    with pytest.raises(MissingBlocks) as info:
+        await route.route()
+    message = str(info.value)
+    assert info.value.blocks == (3, 4, 5) and "no server available for blocks 3-5" in message
+    assert "waited 0s" in message and "1 server refused this peer: peer Qm... is not allowed" in message
+    with pytest.raises(MissingBlocks):  # without waiting, at once
+        await route.route(wait=False)
