@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from corolla.launch.local import LocalSwarm
-from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, TINY_SPANS, connect
-from tiny_models import LLAMA_LIKE, load_reference
+from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, connect
 
 
 def pytest_collection_modifyitems(items):
@@ -52,12 +51,3 @@ def smol_client(smollm2_path, smol_swarm):
     model = connect(smollm2_path, smol_swarm)
     yield model
     model.shutdown()
-
-
-@pytest.fixture(scope="session", params=LLAMA_LIKE)
-def family_swarm(request, tiny_models):
-    """A swarm of each tiny family over TINY_SPANS (chains of 1, 2 and 3 servers), shared by every test
-    module that needs one: pytest runs the tests of one family together, then stops its swarm."""
-    path = tiny_models[request.param]
-    with LocalSwarm(str(path), TINY_SPANS) as swarm:
-        yield path, swarm, load_reference(path)
