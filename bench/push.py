@@ -22,6 +22,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
+from corolla.swarm.ping import fetch_status
 
 NEW_TOKENS = 64
 
@@ -58,7 +59,10 @@ def main() -> None:
             for push in (True, False):
                 model.client.config = replace(model.client.config, use_push=push)
                 gaps[push] += token_gaps(model, prompt)
-        infos = [model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in swarm.servers]
+        infos = [
+            model.runtime.run(fetch_status(model.client.swarm.peers.transport, s.peer_id, 10.0))
+            for s in swarm.servers
+        ]
     on, off = statistics.median(gaps[True]), statistics.median(gaps[False])
     print(
         json.dumps(

@@ -40,6 +40,7 @@ from corolla.launch.local import LocalSwarm
 from corolla.models.quantize import quantize_blocks, weight_bytes
 from corolla.models.source import resolve_model
 from corolla.models.span import Span
+from corolla.swarm.ping import fetch_status
 from corolla.swarm.routing import Hop
 from corolla.utils import peak_rss_bytes
 
@@ -112,8 +113,9 @@ def memory_probe(model: DistributedModelForCausalLM, swarm: LocalSwarm) -> dict:
 
 def announced(model: DistributedModelForCausalLM, swarm: LocalSwarm) -> dict:
     """The precision each server reports in its status (rpc_info)."""
-    run, info = model.runtime.run, model.client.swarm.peers.status
-    return {f"{s.blocks[0]}:{s.blocks[1]}": run(info(s.peer_id)).precision for s in swarm.servers}
+    transport = model.client.swarm.peers.transport
+    statuses = {s.blocks: model.runtime.run(fetch_status(transport, s.peer_id, 10.0)) for s in swarm.servers}
+    return {f"{start}:{end}": status.precision for (start, end), status in statuses.items()}
 
 
 def ppl_ids(tokenizer) -> torch.Tensor:

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from corolla.swarm.ping import fetch_status
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -139,7 +141,8 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
 def _engine_counters(model) -> tuple[int, int]:
     """(rows, passes) run so far by every server the client knows."""
     infos = [
-        model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in model.client.swarm.view.spans
+        model.runtime.run(fetch_status(model.client.swarm.peers.transport, s.peer_id, 10.0))
+        for s in model.client.swarm.view.spans
     ]
     return sum(i.engine_rows for i in infos), sum(i.engine_passes for i in infos)
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from openai import OpenAI
 
+from corolla.swarm.ping import fetch_status
 from swarm_helpers import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -277,7 +278,10 @@ def test_a_client_that_disconnects_leaves_no_session_open(smol_api, smol_openai,
 
     async def sessions_open() -> int:
         return sum(
-            [(await model.client.swarm.peers.status(s.peer_id)).num_sessions for s in smol_swarm.servers]
+            [
+                (await fetch_status(model.client.swarm.peers.transport, s.peer_id, 10.0)).num_sessions
+                for s in smol_swarm.servers
+            ]
         )
 
     async def busy() -> bool:

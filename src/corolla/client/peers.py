@@ -21,7 +21,7 @@ from hivemind.proto import runtime_pb2
 from corolla.client.span_stream import Opening, SpanStream
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest, ServerUnavailable
-from corolla.swarm.ping import Ping, fetch_status, ping
+from corolla.swarm.ping import Ping, ping
 from corolla.swarm.routing import Hop
 from corolla.swarm.transport import Transport, remote_errors
 from corolla.wire import tensors as wire_tensors
@@ -48,11 +48,6 @@ class Peers:
 
     async def ping(self, peer_id: str) -> Ping:
         return await ping(self.transport, peer_id, PING_TIMEOUT)
-
-    async def status(self, peer_id: str) -> ServerStatus:
-        """A server's own report (rpc_info): its span, limits and live load."""
-        async with remote_errors(peer_id, self.timeout):
-            return await fetch_status(self.transport, peer_id, self.timeout)
 
     async def open_session(self, hop: Hop, opening: Opening, encoding: str) -> SpanStream:
         """An inference session's stream to hop's server (the session opens with its first step)."""

@@ -16,6 +16,7 @@ import torch
 
 from corolla.client.session import InferenceSession
 from corolla.config import EngineConfig
+from corolla.swarm.ping import fetch_status
 from loopback import LoopbackNetwork, LoopbackSwarm
 
 NEW_TOKENS = 16
@@ -120,7 +121,9 @@ async def test_twenty_sessions_declaring_2048_tokens_share_a_4096_token_cache(ll
             for _ in range(40):  # 40 decode steps each, all sessions open throughout
                 await asyncio.gather(*(s.astep(torch.randn(1, 1, 64)) for s in sessions))
             assert [s.position for s in sessions] == [140] * 20
-            load = await client.swarm.peers.status(server.peer_id)  # as the server reports itself
+            load = await fetch_status(
+                client.swarm.peers.transport, server.peer_id, 10.0
+            )  # as the server reports itself
             assert load.num_sessions == 20
             assert load.cache_tokens_available == 4096 - 20 * 144  # 9 pages of 16 per session
         finally:

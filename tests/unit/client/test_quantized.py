@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from corolla.swarm.overview import build_overview, format_table
+from corolla.swarm.ping import fetch_status
 from loopback import PREFIX, LoopbackSwarm
 from swarm_helpers import reference_generate
 from tiny_models import load_reference
@@ -29,7 +30,10 @@ def mixed_precision(tiny_models):
 def test_servers_report_their_weights_precision(mixed_precision):
     swarm, _ = mixed_precision
     model = swarm.model()
-    reports = [model.runtime.run(model.client.swarm.peers.status(s.peer_id)) for s in swarm.servers]
+    reports = [
+        model.runtime.run(fetch_status(model.client.swarm.peers.transport, s.peer_id, 10.0))
+        for s in swarm.servers
+    ]
     assert [(info.precision, info.quantized, info.dtype) for info in reports] == [
         ("float32", False, "float32"),
         ("int8", True, "float32"),

@@ -17,6 +17,7 @@ from hivemind.proto import runtime_pb2
 from corolla.errors import InvalidRequest, ServerUnavailable, WireError
 from corolla.server import validation
 from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.passes import PassService
 from corolla.wire import tensors as wire_tensors
 
 H = 64
@@ -104,15 +105,23 @@ def test_optional_tensors_still_read_as_before():
     assert validation.read_hypo_ids([*protos, wire_tensors.empty()], 2) is None
 
 
-# --- the RPC layer's receive side (server/handler.py), fed by fake peers ------------------------------------
+# --- the RPC layer's receive side (server/handler.py, server/passes.py), fed by fake peers ------------------
 
 STEP_TIMEOUT = 0.3
 PEER = SimpleNamespace(remote_id="peer")  # the P2PContext of a call
 LIMIT = 3 * wire_tensors.STREAM_CHUNK_BYTES
 
 
-class FakePasses:
+CONFIG = SimpleNamespace(
+    step_timeout=STEP_TIMEOUT, max_batch_size=4, inference_max_length=64, max_forward_tokens=128
+)
+
+
+class FakePasses(PassService):
+    """The pass service's stream reading (`collect`, the real one) over a fake engine."""
+
     def __init__(self, error: Exception | None = None):
+        super().__init__(spans=None, config=CONFIG, hidden_size=H)
         self.error, self.calls = error, 0
 
     def stream_limit(self) -> int:
@@ -126,10 +135,7 @@ class FakePasses:
 
 
 def handler(passes: FakePasses) -> TransformerConnectionHandler:
-    config = SimpleNamespace(
-        step_timeout=STEP_TIMEOUT, max_batch_size=4, inference_max_length=64, max_forward_tokens=128
-    )
-    inference = SimpleNamespace(config=config, hidden_size=H)
+    inference = SimpleNamespace(config=CONFIG, hidden_size=H)
     return TransformerConnectionHandler(inference, passes, status=None)
 
 
