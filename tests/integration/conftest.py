@@ -8,11 +8,17 @@ import torch
 from corolla.launch.local import LocalSwarm
 from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, connect
 
+SMOL_FIXTURES = {"smol_swarm", "smol_api", "smol_openai", "smol_client", "smol_reference"}
+
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if "integration" in str(item.fspath):
             item.add_marker(pytest.mark.slow)
+        if SMOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            # with pytest-xdist (make test: --dist loadgroup), the tests of the one shared SmolLM2 swarm
+            # run in one worker, which starts that swarm once
+            item.add_marker(pytest.mark.xdist_group("smol"))
 
 
 @pytest.fixture(scope="session")
