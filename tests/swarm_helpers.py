@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
+import shutil
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ import torch
 from corolla.client.client import Client
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.config import ClientConfig
+from corolla.launch.forked import fork_peer
 from corolla.launch.local import LocalSwarm
 from corolla.swarm.dht import RemoteSpan
 
@@ -86,26 +87,27 @@ def assert_boundaries_match(model, session, outputs: torch.Tensor, hidden_states
 
 
 def run_corolla(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """Run `corolla` commands at once; one still running after `timeout` fails the test (its process
-    group, with its DHT process and daemon, is killed)."""
+    """Run `corolla` commands at once, each forked from the process that has imported corolla already
+    (launch/forked.py: the same command line, without paying for the imports again); one still running
+    after `timeout` fails the test (its process group, with its DHT process and daemon, is killed)."""
+    folder = Path(tempfile.mkdtemp(prefix="corolla-cli-"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "corolla", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for args in commands
+        fork_peer(args, folder / f"{i}.out", env, err_path=folder / f"{i}.err")
+        for i, args in enumerate(commands)
     ]
     results = []
     try:
-        for run, args in zip(runs, commands, strict=True):
-            stdout, stderr = run.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(args, run.returncode, stdout, stderr))
+        for i, (run, args) in enumerate(zip(runs, commands, strict=True)):
+            try:
+                code = run.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"corolla {' '.join(args)} still ran after {timeout:.0f}s") from None
+            out, err = ((folder / f"{i}.{name}").read_text(errors="replace") for name in ("out", "err"))
+            results.append(subprocess.CompletedProcess(args, code, out, err))
     finally:
         for run in runs:
-            if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
-                run.communicate()
+            run.kill_group()
+            run.wait()
+        shutil.rmtree(folder, ignore_errors=True)
     return results

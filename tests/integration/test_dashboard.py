@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from corolla.launch.local import LocalSwarm
+from swarm_helpers import run_corolla
 
 ARTIFACTS = Path(os.environ.get("COROLLA_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
 LOOPBACK_ONLY = [
@@ -95,16 +95,9 @@ def test_swarm_json_lists_the_servers(api, smol_swarm):
 
 
 def corolla_status(initial_peers: list[str]) -> str:
-    command = [
-        sys.executable,
-        "-m",
-        "corolla",
-        "status",
-        "--no-nat-port-map",
-        "--initial-peers",
-        *initial_peers,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+    (result,) = run_corolla(["status", "--no-nat-port-map", "--initial-peers", *initial_peers])
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 def test_status_prints_every_server_span(smol_swarm):

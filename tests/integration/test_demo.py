@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from swarm_helpers import run_corolla
 
 
 def test_demo_answers_and_shuts_down():
-    result = subprocess.run(
-        [sys.executable, "-m", "corolla", "demo", "--max-new-tokens", "24"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    (result,) = run_corolla(["demo", "--max-new-tokens", "24"], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout
     assert "Swarm ready" in result.stderr and "shutting the swarm down" in result.stderr

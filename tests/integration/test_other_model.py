@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from corolla.launch.local import LocalSwarm
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.swarm.overview import read_overview
 from corolla.swarm.routing import Hop
-from swarm_helpers import connect
+from swarm_helpers import connect, run_corolla
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2]
 
@@ -66,8 +64,7 @@ def test_clients_route_around_it_and_generate_as_without_it(smollm2_path, mixed_
 
 
 def corolla_status(swarm: LocalSwarm, *args: str) -> str:
-    command = [sys.executable, "-m", "corolla", "status", *args, "--initial-peers", swarm.initial_peers[0]]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=swarm.env)
+    (result,) = run_corolla(["status", *args, "--initial-peers", swarm.initial_peers[0]])
     assert result.returncode == 0, result.stderr
     return result.stdout
 

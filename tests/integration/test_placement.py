@@ -1,4 +1,4 @@
-"""Servers without --blocks place themselves on SmolLM2's 30 blocks and rebalance when one leaves; a
+"""Servers without --blocks place themselves on the tiny llama's 6 blocks and rebalance when one leaves; a
 session running across a move completes with the right tokens."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from corolla.launch.local import LocalSwarm
 from corolla.server.placement import coverage
 from swarm_helpers import connect
 
-BUDGET_12_BLOCKS = "250000000"  # 12 x (14.2 MB of weights + 4096 tokens x 1.5 KB of cache) for SmolLM2
-ARGS = ["--memory-budget", BUDGET_12_BLOCKS, "--announce-period", "1", "--balance-period", "2"]
+BUDGET_2_BLOCKS = "2400000"  # 2 x (148 KB of weights + 4096 tokens x 256 B of cache) for the tiny llama
+ARGS = ["--memory-budget", BUDGET_2_BLOCKS, "--announce-period", "1", "--balance-period", "2"]
+BLOCKS = 6
 
 
 def current_spans(model) -> dict[str, tuple[int, int]]:
@@ -30,12 +31,13 @@ def wait_for(condition, timeout: float, interval: float = 1.0):
         time.sleep(interval)
 
 
-def test_self_placement_and_rebalancing(smollm2_path):
-    with LocalSwarm(str(smollm2_path), []) as swarm:
+def test_self_placement_and_rebalancing(tiny_models):
+    path = tiny_models["llama"]
+    with LocalSwarm(str(path), []) as swarm:
         first_three = [swarm.add_server(None, extra_args=ARGS) for _ in range(3)]
-        assert [server.blocks[1] - server.blocks[0] for server in first_three] == [12, 12, 12]
-        before = coverage([(*s.blocks, 1.0) for s in first_three], 30)
-        assert min(before) == 1  # all 30 blocks covered by three servers of 12
+        assert [server.blocks[1] - server.blocks[0] for server in first_three] == [2, 2, 2]
+        before = coverage([(*s.blocks, 1.0) for s in first_three], BLOCKS)
+        assert min(before) == 1  # all 6 blocks covered by three servers of 2
 
         fourth = swarm.add_server(None, extra_args=ARGS)
         lowest = min(before)
@@ -44,7 +46,7 @@ def test_self_placement_and_rebalancing(smollm2_path):
         # the server to remove: the only one covering some blocks; the server that will move: of the two
         # holding the same blocks, the one with the smaller peer id (placement.my_move breaks ties so)
         def unique(server):
-            rest = coverage([(*o.blocks, 1.0) for o in swarm.servers if o is not server], 30)
+            rest = coverage([(*o.blocks, 1.0) for o in swarm.servers if o is not server], BLOCKS)
             return any(rest[i] == 0 for i in range(*server.blocks))
 
         alone = next(s for s in swarm.servers if unique(s))
@@ -57,8 +59,8 @@ def test_self_placement_and_rebalancing(smollm2_path):
             *keep,
         ]  # the session runs on the mover
         # the session waits for the move however long a loaded machine takes (the test's timeout bounds it)
-        with connect(smollm2_path, swarm, pinned, routing_timeout=300.0) as model:
-            prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2]
+        with connect(path, swarm, pinned, routing_timeout=300.0) as model:
+            prompt = [1, 96, 198, 26, 35, 253, 56, 56, 2]
             expected = model.generate(prompt, max_new_tokens=40, ignore_eos=True)
             results = {}
             session_ready = threading.Event()
@@ -85,7 +87,8 @@ def test_self_placement_and_rebalancing(smollm2_path):
             assert torch.equal(results["tokens"], expected)  # through the departure and the move
             assert results["route"][0] == mover.peer_id  # its first hop stayed on the mover's old blocks
             covered = wait_for(
-                lambda: min(coverage([(*b, 1.0) for b in current_spans(model).values()], 30)) > 0, timeout=60
+                lambda: min(coverage([(*b, 1.0) for b in current_spans(model).values()], BLOCKS)) > 0,
+                timeout=60,
             )
             assert covered, f"blocks left uncovered: {current_spans(model)}"
         assert [s for s in swarm.servers if "Moving from blocks" in s.log()] == [mover]

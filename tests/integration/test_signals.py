@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,21 +19,21 @@ import psutil
 import pytest
 
 from byte_tokenizer import byte_tokenizer
+from corolla.launch.forked import fork_peer
 from corolla.launch.local import LocalSwarm, answers_http, free_port
-from swarm_helpers import connect
+from swarm_helpers import connect, run_corolla
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 LOOPBACK = ["--host", "127.0.0.1", "--no-nat-port-map"]
 
 
 class Command:
-    """`corolla ARGS` in a process group of its own, its stdout and stderr in files."""
+    """`corolla ARGS` in a process group of its own, its stdout and stderr in files: forked from the process
+    that has imported corolla already (launch/forked.py), as local swarms start their peers."""
 
     def __init__(self, args: list[str], out_path: Path):
         self.out_path, self.err_path = out_path, out_path.with_suffix(".err")
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            command = [sys.executable, "-m", "corolla", *args]
-            self.popen = subprocess.Popen(command, stdout=out, stderr=err, env=ENV, start_new_session=True)
+        self.popen = fork_peer(args, self.out_path, ENV, err_path=self.err_path)
         self.pid = self.popen.pid
         self.family: list[psutil.Process] = []
 
@@ -197,13 +196,7 @@ def test_generate_stream_ctrl_c_raises_keyboard_interrupt(slow_swarm, chat_model
 
 def test_generate_without_initial_peers_says_so_at_once(chat_model):
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "corolla", "generate", str(chat_model), "hi", *LOOPBACK],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=60,
-    )
+    (result,) = run_corolla(["generate", str(chat_model), "hi", *LOOPBACK], timeout=60)
     took = time.monotonic() - started
     assert result.returncode == 2 and "--initial-peers" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

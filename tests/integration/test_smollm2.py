@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from swarm_helpers import SMOL_CHAINS, assert_boundaries_match, connect, reference_generate
+from swarm_helpers import SMOL_CHAINS, assert_boundaries_match, connect, reference_generate, run_corolla
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
@@ -100,23 +97,13 @@ def test_stop_strings_and_streaming(smol_client):
 
 
 def test_generate_command_prints_the_answer(smol_swarm):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "corolla",
-            "generate",
-            "smollm2",
-            "What is the capital of France?",
-            "--initial-peers",
-            *smol_swarm.initial_peers,
-            "--max-new-tokens",
-            "20",
-            "--no-nat-port-map",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    args = [
+        "generate",
+        "smollm2",
+        "What is the capital of France?",
+        "--initial-peers",
+        *smol_swarm.initial_peers,
+    ]
+    (result,) = run_corolla([*args, "--max-new-tokens", "20", "--no-nat-port-map"], timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "The capital of France is Paris." in result.stdout

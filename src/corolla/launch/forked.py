@@ -29,15 +29,20 @@ PRELOAD = ["corolla.cli.main", "corolla.server.server"]
 _context: multiprocessing.context.ForkServerContext | None = None
 
 
-def fork_peer(args: Sequence[str], log_path: Path, env: dict[str, str]) -> ForkedPeer:
-    """Start `corolla ARGS` as a forked peer, its output going to `log_path`."""
+def fork_peer(
+    args: Sequence[str], log_path: Path, env: dict[str, str], err_path: Path | None = None
+) -> ForkedPeer:
+    """Start `corolla ARGS` as a forked peer, its output going to `log_path` (its stderr to `err_path`,
+    when given)."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-    log_path.write_bytes(b"")  # exists at once: the caller reads it while the peer starts
+    for path in (log_path, err_path or log_path):
+        path.write_bytes(b"")  # exists at once: the caller reads it while the peer starts
+    streams = (str(log_path), str(err_path or log_path))
     # not daemonic: a peer runs a DHT, which is a child process of its own
-    process = _context.Process(target=_peer_main, args=(list(args), str(log_path), env), daemon=False)
+    process = _context.Process(target=_peer_main, args=(list(args), streams, env), daemon=False)
     process.start()
     return ForkedPeer(process, list(args))
 
@@ -78,13 +83,14 @@ class ForkedPeer:
                 self.send_signal(signal.SIGKILL)
 
 
-def _peer_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
-    """In the forked child: a session of its own, output to the log, the environment, then `corolla`."""
+def _peer_main(args: list[str], streams: tuple[str, str], env: dict[str, str]) -> None:
+    """In the forked child: a session of its own, stdout and stderr to their files, the environment,
+    then `corolla`."""
     os.setsid()
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in zip((1, 2), streams, strict=True):
+        file = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own streams)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
