@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# two pytest-xdist workers (the tests of the one shared SmolLM2 swarm stay together in one of them)
+XDIST ?= -n 2 --dist loadgroup
 API_PORT ?= 8000
 # torch first and pinned: the CPU wheel this machine has; an unpinned torch would pull a CUDA build
 TORCH_SPEC ?= torch==2.13.0
@@ -16,7 +18,7 @@ help: ## show this help
 	@echo
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "Variables: PROMPT=\"...\" (make demo/api), API_PORT (make api, default 8000), PYTEST_ARGS=\"...\" (make test), PYTHON"
+	@echo "Variables: PROMPT=\"...\" (make demo/api), API_PORT (make api, default 8000), PYTEST_ARGS=\"...\" and XDIST (make test; XDIST= runs in one process), PYTHON"
 
 install: $(STAMP) ## create .venv and install corolla with its pinned dependencies
 
@@ -42,14 +44,14 @@ demo: $(STAMP) ## start a local 3-server swarm serving SmolLM2-135M-Instruct and
 api: $(STAMP) ## the demo swarm, then the OpenAI API and dashboard on 127.0.0.1:API_PORT until Ctrl-C
 	$(BIN)/corolla demo --api $(API_PORT) $(if $(PROMPT),"$(PROMPT)")
 
-test: $(STAMP) browser ## run every test (unit + integration with real local swarms, a headless browser)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+test: $(STAMP) browser ## run every test (unit + integration with real local swarms, a headless browser; 2 workers)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
-test-unit: $(STAMP) ## run the fast unit tests only (no sockets, tiny models)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+test-unit: $(STAMP) ## run the unit tests only (no sockets: tiny models, corolla's servers in process)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(XDIST) $(PYTEST_ARGS)
 
 check-clients: $(STAMP) ## openai (Python, Node), litellm and LangChain against `corolla api` on a local swarm (clients/; ~1 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py

@@ -344,3 +344,23 @@ class LoopbackSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def generate_together(
+    model: Any, servers: list[LoopbackServer], prompts: list[torch.Tensor], new_tokens: int
+):
+    """Every prompt's greedy generation at once, each in a session of its own; also how many sessions each
+    of `servers` held once every generation had its first token (all of them, if they really overlapped,
+    so that the servers batched their steps)."""
+    everyone_started = asyncio.Barrier(len(prompts))
+    held: list[int] = []
+
+    async def one(ids: torch.Tensor) -> torch.Tensor:
+        new = []
+        async for tokens in model.agenerate(ids, max_new_tokens=new_tokens):
+            new.append(tokens[:, None])
+            if len(new) == 1 and await asyncio.wait_for(everyone_started.wait(), 60) == 0:
+                held.extend(server.status.snapshot().num_sessions for server in servers)
+        return torch.cat([ids, *new], dim=1)
+
+    return await asyncio.gather(*(one(ids) for ids in prompts)), held

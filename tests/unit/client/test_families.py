@@ -5,12 +5,10 @@ servers batch their steps) get exactly their solo tokens."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
-from loopback import LoopbackSwarm
+from loopback import LoopbackSwarm, generate_together
 from swarm_helpers import reference_generate
 from tiny_models import FAMILIES, hidden_states, load_reference
 
@@ -26,23 +24,6 @@ def family(request, tiny_models):
         yield swarm, load_reference(path)
 
 
-async def generate_together(model, servers, prompts: list[torch.Tensor]) -> tuple[list, list[int]]:
-    """Every prompt's greedy generation at once, each in its own session; also how many sessions each
-    server held once every generation had its first token (all of them, if they really overlapped)."""
-    everyone_started = asyncio.Barrier(len(prompts))
-    held: list[int] = []
-
-    async def one(ids: torch.Tensor) -> torch.Tensor:
-        new = []
-        async for tokens in model.agenerate(ids, max_new_tokens=NEW_TOKENS):
-            new.append(tokens[:, None])
-            if len(new) == 1 and await asyncio.wait_for(everyone_started.wait(), 60) == 0:
-                held.extend(server.status.snapshot().num_sessions for server in servers)
-        return torch.cat([ids, *new], dim=1)
-
-    return await asyncio.gather(*(one(ids) for ids in prompts)), held
-
-
 def test_greedy_tokens_alone_and_in_batched_sessions_are_transformers_tokens(family):
     swarm, reference = family
     generator = torch.Generator().manual_seed(7)
@@ -50,7 +31,7 @@ def test_greedy_tokens_alone_and_in_batched_sessions_are_transformers_tokens(fam
     expected = [reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
     model = swarm.model()
     solo = [model.generate(ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
-    batched, held = model.runtime.run(generate_together(model, swarm.servers, prompts))
+    batched, held = model.runtime.run(generate_together(model, swarm.servers, prompts, NEW_TOKENS))
     assert held == [len(prompts)] * len(SPANS)  # the servers ran the eight sessions together
     for index, (want, alone, together) in enumerate(zip(expected, solo, batched, strict=True)):
         assert torch.equal(alone, want), f"prompt {index}: solo differs from transformers"

@@ -7,13 +7,11 @@ the drafters alone: test_speculative.py; the OpenAI API with a drafter: the inte
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from corolla.config import SpeculationConfig
-from loopback import LoopbackSwarm
+from loopback import LoopbackSwarm, generate_together
 from swarm_helpers import reference_generate
 from tiny_models import LLAMA_LIKE, load_reference
 
@@ -76,25 +74,6 @@ def test_seeded_sampling_with_speculation_repeats_plain_sampling(family):
     assert torch.equal(model.generate(prompt, **sampling), expected)
     assert torch.equal(model.generate(prompt, **sampling), expected)  # twice
     assert model.speculator.stats.accepted > 0
-
-
-async def generate_together(
-    model, servers, prompts: list[torch.Tensor], new_tokens: int
-) -> tuple[list, list]:
-    """Every prompt's generation at once; also how many sessions each server held once every generation
-    had its first token (all of them, if they really overlapped)."""
-    everyone_started = asyncio.Barrier(len(prompts))
-    held: list[int] = []
-
-    async def one(ids: torch.Tensor) -> torch.Tensor:
-        new = []
-        async for tokens in model.agenerate(ids, max_new_tokens=new_tokens):
-            new.append(tokens[:, None])
-            if len(new) == 1 and await asyncio.wait_for(everyone_started.wait(), 60) == 0:
-                held.extend(server.status.snapshot().num_sessions for server in servers)
-        return torch.cat([ids, *new], dim=1)
-
-    return await asyncio.gather(*(one(ids) for ids in prompts)), held
 
 
 def test_concurrent_speculative_sessions_batch_and_stay_exact(family):
