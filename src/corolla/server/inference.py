@@ -251,6 +251,7 @@ class InferenceService:
         session.engine.submit(work, stream)
         session.position = inputs.position + inputs.length
         session.tree = (inputs.position, inputs.tree) if inputs.tree is not None else None
+        session.path_before_tree = inputs.accepted if inputs.tree is not None else None
         session.num_unreported += 1
         task = asyncio.create_task(self._complete(session, meta, work, stream, run, pushed))
         session.running.add(task)

@@ -61,6 +61,9 @@ class ServerSession:
     push_from: str | None = None  # the peer the owner named as its previous hop: the only one that may push
     # the token tree of the last step taken (start, tree), until the next step keeps one path of it
     tree: tuple[int, TokenTree] | None = None
+    # the path of the tree before that the tree step kept (`accepted`): a client retrying the tree step
+    # after a failover names it again, not knowing that this session took the step already (by push)
+    path_before_tree: tuple[int, ...] | None = None
     output_encoding: str = "lossless"  # of its replies and pushes, as its owner asked (wire/tensors.py)
 
     @property

@@ -120,7 +120,9 @@ def _kept_path(session: ServerSession, meta: InferenceStep, position: int) -> tu
     A step after a tree step starts at the tree's start + the length of the path it keeps: `accepted`,
     or, when none is named, the tree's first tokens (which must then form a chain). With no tree pending
     (a server that joined the chain after the tree: it was given the path itself), `accepted` may only
-    name where the session already is."""
+    name where the session already is. A step at a tree's start drops the tree (a rollback); it may name
+    the path kept before that tree again (a client retrying the tree step after a failover, while this
+    session took the tree step by push)."""
     accepted = meta.accepted
     if session.tree is None:
         if accepted is not None and position != session.position:
@@ -131,7 +133,9 @@ def _kept_path(session: ServerSession, meta: InferenceStep, position: int) -> tu
         return None
     start, tree = session.tree
     if position <= start:
-        if accepted:
+        # the tree step retried after a failover may name the path this session kept before it again
+        already_kept = position == start and accepted == session.path_before_tree
+        if accepted and not already_kept:
             raise InvalidRequest(
                 f"accepted: start_from_position={position} rolls back to before the tree at {start}"
             )

@@ -52,6 +52,26 @@ async def test_a_pushed_tree_step_and_its_path_run_like_the_clients(service):
     assert_close(outputs, reference_outputs(service.spans.primary.span, [path, later])[1])
 
 
+async def test_a_tree_step_retried_after_a_failover_may_name_the_path_it_kept_again(service):
+    """The previous server pushed tree step "t2" (keeping path (0, 2) of tree "t1") and died before the
+    client heard of it; the client retries the step under a new id, naming that path again, not knowing
+    that this session took the step already: a rollback to the tree's start, then the same tree."""
+    first, nodes, more = inputs(3, 4, 5, 5)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(nodes, "t1", 4, tree=PARENTS))
+    await session.reply()
+    service.take_push(message(more, "t2", 6, pushed=True, tree=PARENTS, accepted=(0, 2)), "previous-server")
+    assert (await session.reply())[0] == "t2"
+    await session.steps.put(message(more, "t2-again", 6, tree=PARENTS, accepted=(0, 2)))
+    step_id, outputs = await session.reply()
+    await session.close()
+    assert step_id == "t2-again" and outputs is not None
+    path = torch.cat([first, nodes[:, [0, 2]]], dim=1)
+    tree_again = reference_outputs(service.spans.primary.span, [path, more[:, [0, 1, 3]]])[1]
+    assert_close(outputs[:, [0, 1, 3]], tree_again)  # the path 0-1-3 of the tree, after the kept path
+
+
 @pytest.mark.parametrize(
     ("meta", "length", "error"),
     [
