@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from swarm_helpers import SMOL_LIMITS, SMOL_SPANS, connect
 SMOL_FIXTURES = {"smol_swarm", "smol_api", "smol_openai", "smol_client", "smol_reference"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which turns the marks into node ids
 def pytest_collection_modifyitems(items):
     for item in items:
         if "integration" in str(item.fspath):
@@ -22,7 +25,14 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def smol_swarm(smollm2_path):
+def smol_swarm(smollm2_path, tmp_path_factory, worker_id):
+    if worker_id != "master":  # under pytest-xdist: the first worker to start the swarm claims it
+        claim = tmp_path_factory.getbasetemp().parent / "smol-swarm"
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            # pytest 9.2 loses the group (pytest-xdist issue 1386): each worker would start its own swarm
+            pytest.fail("a second worker needs the SmolLM2 swarm: --dist loadgroup did not group its tests")
     with LocalSwarm(str(smollm2_path), SMOL_SPANS, server_args=SMOL_LIMITS) as swarm:
         yield swarm
 
