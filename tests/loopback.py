@@ -4,7 +4,9 @@ Each `LoopbackServer` is the server stack `corolla server` runs (a span's weight
 inference and pass services, the status board, the RPC handlers, the pusher), built in this process on a
 tiny model. Clients and servers reach each other through `LoopbackTransport`, which hands each message to
 the handler the server registered, as libp2p would: a copy of the message, a stream handler's error as
-its text, a unary handler's as its repr, the end of a stream when the handler returns. Servers can be
+its text, a unary handler's as its repr, the end of a stream when the handler returns, a stream message
+over its handler's cap refused as the real stream reader refuses it (swarm/stream_handlers.py; the
+server lowers a session's cap after its first message). Servers can be
 killed (their streams end, calls to them fail, as with a dead process), frozen (they take requests and
 never answer) or made to lie (server/faults.py). Everything runs on the caller's event loop.
 """
@@ -25,6 +27,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from corolla.client.client import Client
 from corolla.client.runtime import LoopThread
 from corolla.config import ClientConfig, EngineConfig, ServerConfig
+from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.server.backend import SpanLoader
 from corolla.server.faults import Fault
@@ -50,9 +53,10 @@ def _copy(message: Message) -> Message:
     return type(message).FromString(message.SerializeToString())
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Context:
     remote_id: str
+    max_message_bytes: int = 2**62
 
 
 class LoopbackStream:
@@ -63,7 +67,8 @@ class LoopbackStream:
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses: asyncio.Queue = asyncio.Queue()
         handler = server.handlers[rpc]
-        self._task = asyncio.ensure_future(self._serve(handler, _Context(caller)))
+        self._context = _Context(caller, server.message_caps.get(rpc, 2**62))
+        self._task = asyncio.ensure_future(self._serve(handler, self._context))
         server.streams.add(self)
 
     async def _serve(self, handler: Any, context: _Context) -> None:
@@ -82,12 +87,20 @@ class LoopbackStream:
 
     async def _incoming(self) -> Any:
         while (request := await self._requests.get()) is not None:
+            if isinstance(request, InvalidRequest):
+                raise request
             yield request
 
     async def send(self, message: Message) -> None:
         if self._task.done():
             raise ConnectionResetError(f"the stream to {self.server.peer_id} is closed")
         self.server.network.log(self.rpc, "request", self.server.peer_id, message)
+        if (size := message.ByteSize()) > self._context.max_message_bytes:
+            limit = self._context.max_message_bytes
+            self._requests.put_nowait(
+                InvalidRequest(f"a message of {size} bytes exceeds the limit of {limit}")
+            )
+            return
         self._requests.put_nowait(_copy(message))
         if self.rpc == RPC_INFERENCE:
             self.server.steps_received += 1
@@ -145,13 +158,20 @@ class LoopbackTransport:
 
 
 class _Handlers:
-    """What a server's handler registers, by RPC name (the P2P object's part it uses)."""
+    """What a server's handler registers, by RPC name (swarm/stream_handlers.py's ProtobufHandlers)."""
 
     def __init__(self) -> None:
         self.handlers: dict[str, Any] = {}
+        self.message_caps: dict[str, int] = {}
 
-    async def add_protobuf_handler(self, name: str, handler: Any, input_type: Any, **kinds: bool) -> None:
+    async def add_unary_handler(self, name: str, handler: Any, input_type: Any) -> None:
         self.handlers[name] = handler
+
+    async def add_stream_handler(
+        self, name: str, handler: Any, input_type: Any, max_message_bytes: int
+    ) -> None:
+        self.handlers[name] = handler
+        self.message_caps[name] = max_message_bytes
 
 
 class LoopbackServer:
@@ -166,6 +186,7 @@ class LoopbackServer:
             pusher,
         )
         self.handlers: dict[str, Any] = {}
+        self.message_caps: dict[str, int] = {}
         self.streams: set[LoopbackStream] = set()
         self.calls: set[asyncio.Future] = set()
         self.alive = True
@@ -248,8 +269,9 @@ class LoopbackNetwork:
         )
         server.status.state = ServerState.ONLINE
         registry = _Handlers()
-        await TransformerConnectionHandler(server.inference, passes, server.status).add_p2p_handlers(registry)
+        await TransformerConnectionHandler(server.inference, passes, server.status).register(registry)
         server.handlers = registry.handlers
+        server.message_caps = registry.message_caps
         self.servers[peer_id] = server
         return server
 

@@ -142,8 +142,12 @@ BAD_INFERENCE = {
         "block 'tiny-llama.\u0660' is not one of this server's blocks",
     ),
     "hidden states longer than the session": (  # 4 MiB for 16 tokens: refused from its declared shape
+        [request(metadata=meta(max_length=16), hidden=torch.randn(1, 1024, HIDDEN))],
+        "hidden_states: length 1024 exceeds the session's max_length=16",
+    ),
+    "a first message over every session's size": (  # 4 MiB: refused from its length header
         [request(metadata=meta(max_length=16), hidden=torch.randn(1, 16384, HIDDEN))],
-        "hidden_states: length 16384 exceeds the session's max_length=16",
+        "rpc_inference: a message of 4194372 bytes exceeds this stream's limit of 593952 bytes",
     ),
     "a later step longer than the session": (
         [request(), request(metadata=meta(), hidden=torch.randn(1, 1024, HIDDEN))],
@@ -340,7 +344,7 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
     )
     model = await asyncio.to_thread(connect, tiny_models["llama"], guarded_swarm)
     try:
-        session = model.inference_session(max_length=40)
+        session = model.inference_session(max_length=48)
         await asyncio.to_thread(session.open)
         outputs, position = [], 0
 
@@ -610,10 +614,45 @@ async def test_an_oversized_push_is_refused_before_it_is_decoded(raw_peer):
     p2p, peer = raw_peer
     full = await server_info(p2p, peer)
     fields = meta(session_id="anyone", step_id="s", start_from_position=0, origin="someone", pushed=True)
-    with pytest.raises(P2PHandlerError, match="hidden_states: length 1000 exceeds inference_max_length=64"):
+    with pytest.raises(P2PHandlerError, match="hidden_states: length 65 exceeds inference_max_length=64"):
+        await run_push(p2p, peer, [request(hidden=torch.randn(1, 65, HIDDEN), metadata=fields)])
+    with pytest.raises(
+        P2PHandlerError, match="rpc_push: a message of 256125 bytes exceeds this stream's limit"
+    ):
         await run_push(p2p, peer, [request(hidden=torch.randn(1, 1000, HIDDEN), metadata=fields)])
     after = await server_info(p2p, peer)  # the server serves on, its cache untouched
     assert after.cache_tokens_available == full.cache_tokens_total and after.num_sessions == 0
+
+
+async def test_an_oversized_step_is_refused_from_its_header_and_refusals_log_one_line(
+    raw_peer, guarded_swarm
+):
+    """A 64 MB step for a max_length=16 session: refused from its length header, before its body arrives
+    (only 1 KB of it is sent), at once; the server serves on; its log holds one line per refusal."""
+    p2p, peer = raw_peer
+    server = guarded_swarm.servers[0]
+    log_before = len(server.log())
+    announced = 64 * 2**20
+    session = frame(request(metadata=meta(max_length=16)))
+    heavy = frame(request(hidden=torch.randn(1, 1, HIDDEN), metadata=meta(step_id="big")))
+    head = heavy[:1] + announced.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + heavy[9:] + bytes(1024)
+    reader, writer = await open_raw(p2p, peer, RPC_INFERENCE, session, head)
+    message, waited = await error_from(reader, timeout=10)
+    if message.startswith("a reply"):  # the first step's reply, unless the refusal overtook it
+        message, waited = await error_from(reader, timeout=10)
+    assert f"rpc_inference: a message of {announced} bytes exceeds this stream's limit of" in message
+    assert waited < 2, f"refused after {waited:.1f}s"  # the step timeout is 4 s: not a timeout
+    writer.close()
+    error = await inference_error(p2p, peer, [request(), request(metadata=meta(step_id="t", tree=["a"]))])
+    assert "field 'tree[0]' must be an integer" in error
+    assert await server_info(p2p, peer)  # serving on
+
+    await asyncio.sleep(1)  # the server's log is written by another process
+    log = server.log()[log_before:]
+    assert "Traceback" not in log and "Handler failed" not in log, log
+    # one line for the oversized step (unless earlier tests' refusals used up the minute's lines); the
+    # tree step's refusal is a reply, not a log line
+    assert log.count("Refused rpc_inference") <= 1, log
 
 
 CLIENT_SCRIPT = textwrap.dedent("""

@@ -7,10 +7,11 @@ back. Any error a request causes is raised as a typed `CorollaError`; hivemind s
 caller, and only that request or session ends. An unexpected error is logged here with its traceback and
 reaches the caller as a `ServerUnavailable`, never as a raw Python exception.
 
-What arrives is bounded before it is used: every read of a stream waits at most the step timeout, a
-tensor stream at most its byte limit and the chunk count that limit allows, and hidden states are
-checked against the session's or pass's limits from their declared shape, before they are decoded.
-hivemind itself reads each stream message whole, whatever its length header says (it has no cap).
+What arrives is bounded before it is used: every read of a stream waits at most the step timeout, each
+stream message at most the bytes its handler's limits allow (a session's own, after its first message;
+refused from the length header, before the body is read: swarm/stream_handlers.py), a tensor stream at
+most its byte limit and the chunk count that limit allows, and hidden states are checked against the
+session's or pass's limits from their declared shape, before they are decoded.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from corolla.server.inference import InferenceService, StepMessage, next_within
 from corolla.server.passes import PassService, output_compression
 from corolla.server.sessions import Completed
 from corolla.server.status import StatusBoard
+from corolla.swarm.stream_handlers import ProtobufHandlers, limit_messages
 from corolla.wire import messages
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import ForwardRequest, InferenceStep, StepReply
@@ -76,22 +78,36 @@ class TransformerConnectionHandler:
         self.step_timeout = inference.config.step_timeout
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
+        await self.register(ProtobufHandlers(p2p))
+
+    async def register(self, registry: ProtobufHandlers) -> None:
+        """Every handler, each stream's with the longest message it may carry (`registry`: a P2P's, or a
+        test's in-process network)."""
+        longest_step = self._step_bytes(self.config.max_batch_size, self.config.inference_max_length)
+        pushed_step = validation.max_step_bytes(
+            self.hidden_size, self.config.max_batch_size, self.config.inference_max_length, num_blocks=0
+        )
         streams = {
-            messages.RPC_INFERENCE: self.rpc_inference,
-            messages.RPC_FORWARD_STREAM: self.rpc_forward_stream,
-            messages.RPC_BACKWARD_STREAM: self.rpc_backward_stream,
-            messages.RPC_PUSH: self.rpc_push,
+            messages.RPC_INFERENCE: (self.rpc_inference, longest_step),
+            messages.RPC_FORWARD_STREAM: (self.rpc_forward_stream, validation.max_chunk_bytes()),
+            messages.RPC_BACKWARD_STREAM: (self.rpc_backward_stream, validation.max_chunk_bytes()),
+            messages.RPC_PUSH: (self.rpc_push, pushed_step),  # hidden states only
         }
-        for name, handler in streams.items():
+        for name, (handler, max_bytes) in streams.items():
             stream = self._admitted_stream(name, handler)
-            await p2p.add_protobuf_handler(name, stream, ExpertRequest, stream_input=True, stream_output=True)
+            await registry.add_stream_handler(name, stream, ExpertRequest, max_bytes)
         unary = {
             messages.RPC_FORWARD: (self.rpc_forward, ExpertRequest),
             messages.RPC_BACKWARD: (self.rpc_backward, ExpertRequest),
             messages.RPC_INFO: (self.rpc_info, runtime_pb2.ExpertUID),
         }
         for name, (handler, request_type) in unary.items():
-            await p2p.add_protobuf_handler(name, self._admitted(handler), request_type)
+            await registry.add_unary_handler(name, self._admitted(handler), request_type)
+
+    def _step_bytes(self, batch: int, length: int) -> int:
+        """The longest step message of a session of `batch` rows and `length` tokens on this server."""
+        num_blocks = max(end - start for start, end in (b.blocks for b in self.inference.spans.backends))
+        return validation.max_step_bytes(self.hidden_size, batch, length, num_blocks)
 
     # --- a private swarm's admission ----------------------------------------------------------------------
 
@@ -137,7 +153,8 @@ class TransformerConnectionHandler:
                 )
             meta = InferenceStep.from_bytes(request.metadata, first=True)
             longest, limit = self._session_length(meta)
-            self._check_step(request, longest, limit)
+            batch = self._check_step(request, longest, limit)
+            limit_messages(context, self._step_bytes(batch, longest))  # this session's steps, no longer
             first = StepMessage(request.uid, meta, list(request.tensors))
             later = _later_steps(requests, lambda step: self._check_step(step, longest, limit))
             async for reply in self.inference.serve(first, later, str(context.remote_id)):
@@ -166,12 +183,14 @@ class TransformerConnectionHandler:
             return meta.max_length, "the session's max_length"
         return self.config.inference_max_length, "inference_max_length"
 
-    def _check_step(self, request: ExpertRequest, max_length: int, limit: str) -> None:
+    def _check_step(self, request: ExpertRequest, max_length: int, limit: str) -> int:
         """A step's hidden states against the session's limits, from their declared shape: an oversized
-        step is refused before anything decodes it."""
-        if request.tensors:
-            batch_limit = self.config.max_batch_size
-            validation.check_hidden(request.tensors[0], self.hidden_size, batch_limit, max_length, limit)
+        step is refused before anything decodes it. Returns its batch size (0 without tensors)."""
+        if not request.tensors:
+            return 0
+        batch_limit = self.config.max_batch_size
+        shape = validation.check_hidden(request.tensors[0], self.hidden_size, batch_limit, max_length, limit)
+        return shape[0]
 
     # --- forward and backward passes ------------------------------------------------------------------------
 
@@ -243,11 +262,19 @@ async def _later_steps(
     requests: AsyncIterator[ExpertRequest], check: Callable[[ExpertRequest], None]
 ) -> AsyncIterator[StepMessage]:
     """The client's steps after the first, each `check`ed; an empty message (or the end of the stream)
-    ends the session. The service reads them within its step timeout."""
+    ends the session. A step whose metadata fails its checks (a `tree` of strings, say) is refused on its
+    own when it names its step_id; the session goes on. The service reads them within its step timeout."""
     async for request in requests:
         if not request.tensors:
             return
-        meta = InferenceStep.from_bytes(request.metadata, first=False)
+        try:
+            meta = InferenceStep.from_bytes(request.metadata, first=False)
+        except InvalidRequest as error:
+            step_id = InferenceStep.step_id_of(request.metadata)
+            if step_id is None:  # a reply could not name the step: the session ends with the error
+                raise
+            yield StepMessage(request.uid, InferenceStep(step_id), list(request.tensors), refused=error)
+            continue
         check(request)
         yield StepMessage(request.uid, meta, list(request.tensors))
 

@@ -201,6 +201,8 @@ class InferenceService:
         second copies. A client's copy that differs from a pushed copy of the same id runs again (the
         session's owner decides what runs); a client reusing its own step id for another step gets an
         error."""
+        if step.refused is not None:  # its metadata failed the wire's checks
+            raise step.refused
         meta = step.meta
         self._check_hops(meta)
         inputs_digest = digest(step.tensors[0], meta)

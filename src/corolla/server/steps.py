@@ -27,11 +27,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step as it came off the wire: the blocks it names, its metadata and its tensors."""
+    """One step as it came off the wire: the blocks it names, its metadata and its tensors; `refused`: why
+    its metadata failed the wire's checks (then `meta` holds only its step_id, and the step is refused)."""
 
     uid: str
     meta: InferenceStep
     tensors: list[runtime_pb2.Tensor]
+    refused: InvalidRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.errors import InvalidRequest
 from corolla.wire import tensors as wire_tensors
+from corolla.wire.fields import MAX_METADATA_BYTES
 
 MAX_UID_CHARS = 64 * 1024
 
@@ -165,3 +166,20 @@ def read_hypo_ids(protos: list[runtime_pb2.Tensor], batch: int) -> torch.Tensor 
     if int(hypo_ids.min()) < 0 or int(hypo_ids.max()) >= batch:
         raise InvalidRequest(f"hypo_ids values must lie in [0, {batch}), got {hypo_ids.tolist()[:16]}")
     return hypo_ids
+
+
+# What one stream message may weigh beyond its tensors: metadata, the uid, protobuf fields and headers
+MESSAGE_OVERHEAD_BYTES = MAX_METADATA_BYTES + MAX_UID_CHARS + 4096
+
+
+def max_step_bytes(hidden_size: int, batch: int, length: int, num_blocks: int) -> int:
+    """The longest inference step message within these limits: hidden states [batch, length, hidden] and
+    deep prompts [num_blocks, batch, length, hidden] (float32 at most), hypo_ids [batch] (int64).
+    A stream message over it is refused from its length header, before its body is read."""
+    floats = batch * length * hidden_size * (1 + num_blocks)
+    return 4 * floats + 8 * batch + MESSAGE_OVERHEAD_BYTES
+
+
+def max_chunk_bytes() -> int:
+    """The longest message of a forward or backward stream: one chunk (wire/tensors.py) and its header."""
+    return wire_tensors.STREAM_CHUNK_BYTES + MESSAGE_OVERHEAD_BYTES

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from corolla.errors import InvalidRequest
 from corolla.wire.fields import Fields, pack, unpack
 
 PROTOCOL_VERSION = 1
@@ -109,6 +110,15 @@ class InferenceStep:
             points=fields.float("points", default=0.0, low=0.0),
             output_encoding=fields.str("output_encoding", max_chars=32),
         )
+
+    @staticmethod
+    def step_id_of(raw: bytes) -> str | None:
+        """The step_id of a later step whose other fields failed their checks, so that its refusal can
+        name it; None where even that cannot be read."""
+        try:
+            return unpack(raw, "rpc_inference").str("step_id")
+        except InvalidRequest:
+            return None
 
     @staticmethod
     def _step_fields(fields: Fields) -> dict:
