@@ -100,7 +100,12 @@ class ProtobufHandlers:
             info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         ) -> None:
             context = StreamContext(name, self.p2p.peer_id, info.peer_id, max_message_bytes)
-            await serve_stream(handler, input_type, context, reader, writer)
+            try:
+                await serve_stream(handler, input_type, context, reader, writer)
+            except asyncio.CancelledError:
+                # the server is stopping: nothing awaits this connection's task, and asyncio's stream
+                # callback would log a cancelled one as an ERROR with a traceback (Python 3.11)
+                return
 
         await self.p2p.add_binary_stream_handler(name, handle)
 

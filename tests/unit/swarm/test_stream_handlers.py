@@ -14,7 +14,13 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.errors import InvalidRequest, WireError
 from corolla.swarm import stream_handlers
-from corolla.swarm.stream_handlers import RateLimitedLog, StreamContext, limit_messages, serve_stream
+from corolla.swarm.stream_handlers import (
+    ProtobufHandlers,
+    RateLimitedLog,
+    StreamContext,
+    limit_messages,
+    serve_stream,
+)
 
 NAME = "TransformerConnectionHandler.rpc_inference"
 
@@ -152,3 +158,27 @@ async def test_a_failing_handler_never_logs_a_traceback(caplog, handler_error):
     writer, _ = await serve(failing, cap=100, eof=False)
     assert str(handler_error) in writer.messages()[0].message
     assert all(r.exc_info is None for r in caplog.records)
+
+
+async def test_a_stream_cancelled_by_the_servers_stop_ends_quietly(caplog):
+    """p2pd's client runs each stream in a task nobody awaits; asyncio's stream callback logs a cancelled
+    one as an ERROR with a traceback (two of them after "Server stopped", issue 26)."""
+    registered = {}
+
+    class FakeP2P:
+        peer_id = "server"
+
+        async def add_binary_stream_handler(self, name, handle):
+            registered[name] = handle
+
+    async def waiting(requests, context):
+        async for _ in requests:
+            yield runtime_pb2.ExpertResponse()
+
+    await ProtobufHandlers(FakeP2P()).add_stream_handler(NAME, waiting, runtime_pb2.ExpertRequest, 100)
+    info = type("StreamInfo", (), {"peer_id": "peer-abcdef"})()
+    task = asyncio.create_task(registered[NAME](info, asyncio.StreamReader(), Writer()))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    await asyncio.wait({task})
+    assert not task.cancelled() and task.exception() is None
