@@ -150,8 +150,12 @@ BAD_INFERENCE = {
         "rpc_inference: a message of 4194372 bytes exceeds this stream's limit of 593952 bytes",
     ),
     "a later step longer than the session": (
+        [request(), request(metadata=meta(), hidden=torch.randn(1, 17, HIDDEN))],
+        "hidden_states: length 17 exceeds the session's max_length=16",
+    ),
+    "a later step heavier than any of the session's": (  # refused from its length header
         [request(), request(metadata=meta(), hidden=torch.randn(1, 1024, HIDDEN))],
-        "hidden_states: length 1024 exceeds the session's max_length=16",
+        "rpc_inference: a message of 262197 bytes exceeds this stream's limit of 163848 bytes",
     ),
     "empty first message": ([request(hidden=False)], "must carry hidden_states"),
     "corrupted tensor buffer": ([request(hidden=False, extra=[corrupted()])], "buffer has 508 bytes"),
@@ -344,7 +348,7 @@ async def test_bad_requests_get_precise_errors_and_a_concurrent_session_is_unhar
     )
     model = await asyncio.to_thread(connect, tiny_models["llama"], guarded_swarm)
     try:
-        session = model.inference_session(max_length=48)
+        session = model.inference_session(max_length=56)
         await asyncio.to_thread(session.open)
         outputs, position = [], 0
 

@@ -31,7 +31,6 @@ from corolla.swarm import p2p_io
 
 logger = logging.getLogger(__name__)
 
-MAX_PREFETCH = 5  # messages read ahead of the handler (as hivemind's default)
 DRAIN_SECONDS = 0.5  # input read (and dropped) after an error reply: closing with unread input resets it
 StreamHandler = Callable[[AsyncIterator[Any], "StreamContext"], AsyncIterator[Message]]
 
@@ -117,11 +116,20 @@ async def serve_stream(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> None:
-    """Feed the stream's messages to `handler` and write its replies, until either side ends."""
-    requests: asyncio.Queue = asyncio.Queue(MAX_PREFETCH)
+    """Feed the stream's messages to `handler` and write its replies, until either side ends.
+
+    A message's header is read ahead (so a caller that goes away is noticed), its body only once the
+    handler asks for it: the cap it is checked against then holds whatever the handler learnt from the
+    messages before it (hivemind reads 5 messages ahead)."""
+    requests: asyncio.Queue = asyncio.Queue()
+    wanted = asyncio.Event()  # the handler waits for its next message
 
     async def incoming() -> AsyncIterator[Message]:
-        while (item := await requests.get()) is not None:
+        while True:
+            wanted.set()
+            item = await requests.get()
+            if item is None:
+                return
             if isinstance(item, InvalidRequest):
                 raise item
             yield item
@@ -130,7 +138,7 @@ async def serve_stream(
         processing = asyncio.create_task(_process(handler(incoming(), context), context, writer))
         try:
             while True:
-                receiving = asyncio.create_task(_receive(input_type, reader, context))
+                receiving = asyncio.create_task(_receive(input_type, reader, context, wanted))
                 await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if processing.done():
                     receiving.cancel()
@@ -149,11 +157,14 @@ async def serve_stream(
 
 
 async def _receive(
-    input_type: type[Message], reader: asyncio.StreamReader, context: StreamContext
+    input_type: type[Message], reader: asyncio.StreamReader, context: StreamContext, wanted: asyncio.Event
 ) -> Message | None:
-    """The next message (None for the caller's end of stream), its length checked before its body is read."""
+    """The next message (None for the caller's end of stream), its length checked before its body is read,
+    once the handler wants it."""
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    await wanted.wait()
+    wanted.clear()
     name = context.handle_name.rpartition(".")[2]
     if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
         raise InvalidRequest(f"{name}: a message starts with {marker!r}, not a message or error marker")

@@ -182,3 +182,20 @@ async def test_a_stream_cancelled_by_the_servers_stop_ends_quietly(caplog):
     task.cancel()
     await asyncio.wait({task})
     assert not task.cancelled() and task.exception() is None
+
+
+async def test_a_message_sent_right_behind_the_first_is_held_to_the_cap_the_first_one_set():
+    """A session's cap comes from its first message: the second, already in the stream behind it, must
+    not be read ahead under the server-wide cap (a 64 MB step of a max_length=16 session got through)."""
+    seen: list = []
+
+    async def session(requests, context):
+        async for message in requests:
+            seen.append(message)
+            await asyncio.sleep(0.05)  # the handler checks the first message (the server awaits, too)
+            limit_messages(context, 200)
+            yield runtime_pb2.ExpertResponse()
+
+    writer, _ = await serve(session, frame(request(10)), frame(request(500)), cap=2**20)
+    reply, error = writer.messages()
+    assert len(seen) == 1 and "exceeds this stream's limit of 200 bytes" in error.message
