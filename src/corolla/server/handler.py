@@ -3,9 +3,10 @@
 Handler names follow Petals ("TransformerConnectionHandler.rpc_*"). Each handler parses metadata into
 typed messages, hands them to the service that owns the work (inference sessions: server/inference.py;
 forward and backward passes: server/passes.py; the status: server/status.py) and encodes what comes
-back. Any error a request causes is raised as a typed `CorollaError`; hivemind sends its text to the
-caller, and only that request or session ends. An unexpected error is logged here with its traceback and
-reaches the caller as a `ServerUnavailable`, never as a raw Python exception.
+back. Any error a request causes is raised as a typed `CorollaError`; its text goes to the caller
+(swarm/stream_handlers.py for streams, hivemind for unary calls), and only that request or session
+ends. An unexpected error is logged here with its traceback and reaches the caller as a
+`ServerUnavailable`, never as a raw Python exception.
 
 What arrives is bounded before it is used: every read of a stream waits at most the step timeout, each
 stream message at most the bytes its handler's limits allow (a session's own, after its first message;
