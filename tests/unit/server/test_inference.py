@@ -256,6 +256,26 @@ async def test_each_reply_names_the_position_and_the_inputs_it_ran(service):
     assert_close(wire_tensors.deserialize(honest_reply.outputs, "outputs"), expected[2])
 
 
+async def test_a_pushed_copy_without_the_clients_beam_order_is_not_its_twin(service):
+    """The previous hop pushes the step's hidden states as they are, but the client's copy also reorders
+    the beams (hypo_ids): the pushed copy ran something else, so the client's copy runs and replies too."""
+    generator = torch.Generator().manual_seed(16)
+    first, second = torch.randn(2, 3, H, generator=generator), torch.randn(2, 1, H, generator=generator)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    service.take_push(message(second, "b", 3, pushed=True), PREVIOUS)
+    await session.reply()
+    own = message(second, "b", 3)
+    hypo_ids = torch.tensor([1, 0])
+    tensors = [own.tensors[0], wire_tensors.empty(), wire_tensors.serialize(hypo_ids)]
+    await session.steps.put(StepMessage(UID, own.meta, tensors))
+    reply = await asyncio.wait_for(anext(session.replies), 10)
+    await session.close()
+    assert reply.inputs == step_digest(tensors).hex()
+    expected = reference_outputs(service.spans.primary.span, [first, second], hypo_ids=[None, hypo_ids])
+    assert_close(wire_tensors.deserialize(reply.outputs, "outputs"), expected[1])
+
+
 async def test_pushes_go_on_before_the_reply(service):
     first, second = inputs(8, 2, 1)
     hop = NextServer("next-peer", "next-session", 6, 8)
