@@ -7,7 +7,7 @@ different step that reuses an id (never trusted as the same step): a pushed copy
 is refused, the client's copy of a step whose pushed copy differed runs again (the session's owner
 decides what its cache holds), and a client reusing one of its own step ids for other inputs gets an
 error. Each step gets exactly one reply, whichever copy ran it; a step id gets a second reply only when
-the client's copy ran after a pushed copy with other inputs had replied to, and each reply names the
+the client's copy ran after a pushed copy with other inputs had its reply, and each reply names the
 inputs it ran (the client takes the one to its own). Only the most recent steps are remembered: a copy
 can lag behind its twin by a step or two, never by REMEMBERED_STEPS.
 """
