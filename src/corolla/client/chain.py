@@ -3,7 +3,7 @@
 Each hop's server keeps its own cache, so a step sends only the new tokens' hidden states; each hop's
 history (client/hop_history.py) keeps what that cache was built from. With push, each step names the
 later servers of the chain (`next_servers`): a server sends its outputs straight to the next one, which
-runs the step once, whichever copy (pushed or the client's) arrives first.
+runs the step once, whichever copy (pushed or the client's) arrives first (forged pushes: push_trust.py).
 
 Failover: when a hop's server fails (error, timeout, lost connection, dead process), the chain bans it,
 routes its blocks again (possibly over several servers), replays the inputs the hop had received to the
@@ -25,8 +25,9 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.hop_history import HopHistory
 from corolla.client.peers import hop_encodings
+from corolla.client.push_trust import PushTrust
 from corolla.client.retries import RetryBudget
-from corolla.client.span_stream import Opening, Reply, SpanStream, Step, StepRoute
+from corolla.client.span_stream import ForgedPush, Opening, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
 from corolla.errors import RETRYABLE, ServerUnavailable
 from corolla.swarm.routing import Hop
@@ -68,6 +69,7 @@ class Chain:
         self.links: list[Link] = []
         self.num_failovers = 0
         self._background: set[asyncio.Task] = set()
+        self.push_trust = PushTrust()
 
     @property
     def route(self) -> list[Hop]:
@@ -100,6 +102,7 @@ class Chain:
         step_id = uuid.uuid4().hex  # the same at every hop: a server runs a step once, pushed or not
         push = self.swarm.config.use_push and prompts is None and hypo_ids is None
         pushed_to: set[str] = set()  # sessions that the previous servers push this step to
+        forged = False  # a hop of this step got a forged push (later hops got it passed on)
         while index < len(self.links):
             link = self.links[index]
             hop_prompts = None if prompts is None else prompts[link.hop.start : link.hop.end]
@@ -108,13 +111,17 @@ class Chain:
             try:
                 reply = await self._send(link, step, route, encoded)
             except RETRYABLE as e:
-                await self._recover(index, e, budget)
+                forged = self._forgery(forged, isinstance(e, ForgedPush), route, link)
+                # a server that a forged push (here or upstream in this step) made refuse is not at fault
+                excused = forged and self.push_trust.excuse(link.hop.peer_id)
+                await self._recover(index, e, budget, ban=not excused)
                 # later servers may hold this step as pushed by the failed one: a new id makes the rest
                 # of the chain run it again (servers refuse a step id reused for other inputs)
                 step_id = uuid.uuid4().hex
                 encoded = None
                 continue
             pushed_to.update(server.session_id for server in route.next_servers)
+            forged = self._forgery(forged, reply.num_foreign > 0, route, link)
             outputs.append(reply.outputs)
             hidden = reply.outputs
             encoded = reply.encoded  # sent on as it came: byte for byte its push
@@ -161,20 +168,40 @@ class Chain:
 
     def _step_route(self, index: int, step_id: str, push: bool, pushed_to: set[str]) -> StepRoute:
         link = self.links[index]
-        later = self.links[index + 1 :] if push else []
+        end = index + 1
+        while push and end < len(self.links) and self._push_from(end) is not None:
+            end += 1  # pushes go on down the chain as far as each server takes them
+        later = self.links[index + 1 : end]
         return StepRoute(
             step_id,
             tuple(NextServer(s.hop.peer_id, s.stream.session_id, s.hop.start, s.hop.end) for s in later),
             link.stream.session_id in pushed_to,
-            # the one peer this server may take pushed steps from (for this step or later ones)
-            self.links[index - 1].hop.peer_id if index and self.swarm.config.use_push else None,
+            self._push_from(index),
         )
 
-    async def _recover(self, index: int, error: Exception | None, budget: RetryBudget) -> None:
-        """Replace the hop at `index` (its server failed with `error`, or lied: None), trying other servers
-        while the budget lasts."""
+    def _push_from(self, index: int) -> str | None:
+        """The one peer the server at `index` may take pushed steps from (for this step or later ones): the
+        previous hop's, unless it was caught pushing other inputs than this client's there."""
+        if not index or not self.swarm.config.use_push:
+            return None
+        previous = self.links[index - 1].hop.peer_id
+        return previous if self.push_trust.allows(previous, self.links[index].hop.peer_id) else None
+
+    def _forgery(self, seen: bool, here: bool, route: StepRoute, link: Link) -> bool:
+        """Whether a step met a forged push so far: the first hop to meet one blames its pusher (later
+        hops only got the forgery passed on by honest servers)."""
+        if here and not seen:
+            self.push_trust.distrust(route.push_from, link.hop.peer_id)
+        return seen or here
+
+    async def _recover(
+        self, index: int, error: Exception | None, budget: RetryBudget, ban: bool = True
+    ) -> None:
+        """Replace the hop at `index` (its server failed with `error`, or lied: None; `ban`: avoid it for a
+        while), trying other servers while the budget lasts."""
         failed = self.links[index]
-        self.swarm.bans.ban(failed.hop.peer_id)
+        if ban:
+            self.swarm.bans.ban(failed.hop.peer_id)
         self.swarm.estimates.release([failed.hop])
         self._close_in_background(failed.stream)  # its server is gone or broken: do not wait for it
         short = failed.hop.peer_id[-6:]

@@ -2,8 +2,11 @@
 
 The first message carries the session's parameters (max_length, session_id, alloc_timeout, adapter,
 output encoding) with the first step's tensors; every message gets exactly one reply, whose shape is
-checked. A reply to a step abandoned earlier (its step id is not the one awaited) is skipped. Closing
-sends the end of stream and waits for the server to finish, so the server frees the cache at once.
+checked. A reply to a step abandoned earlier (its step id is not the one awaited) is skipped, and so is a
+reply that names other inputs than the step's (its position and the digest of its tensors, tree and kept
+path: wire/digest.py): the outputs of a copy that the previous server pushed and the client never sent.
+The server runs the client's copy too and replies to it; the chain decides what a forged push means.
+Closing sends the end of stream and waits for the server to finish, so the server frees the cache at once.
 
 A span stream keeps no history: what the server's cache was built from is the chain's (client/hop_history.py).
 A server that dies with a step in flight is noticed when its stream ends, not at the timeout.
@@ -23,9 +26,15 @@ from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.swarm.routing import Hop
 from corolla.swarm.transport import MessageStream, remote_errors
 from corolla.wire import tensors as wire_tensors
+from corolla.wire.digest import step_digest
 from corolla.wire.messages import InferenceStep, NextServer, StepReply
 
 CLOSE_TIMEOUT = 5.0
+
+
+class ForgedPush(ServerUnavailable):
+    """The server refused the client's copy of a step after it had run a pushed copy with other inputs
+    (whose tree path its cache now keeps): the server that pushed it is at fault, not this one."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,8 @@ class Opening:
 class Reply:
     outputs: torch.Tensor  # [B, T, H]
     encoded: runtime_pb2.Tensor  # the outputs as the server sent them (the next hop gets these bytes)
+    # replies to this step id that named other inputs, skipped: a pushed copy ran that was not this one
+    num_foreign: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,11 +104,13 @@ class SpanStream:
             raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
         encoded = encoded if encoded is not None else wire_tensors.encode(step.hidden, self.encoding)
         request = self._request(step, route, encoded)
+        inputs = step_digest(request.tensors, step.tree, step.accepted)
+        sent = _Sent(route.step_id, step.position, inputs.hex())
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
                 await asyncio.wait_for(stream.send(request), self.timeout)
-                response = await self._reply_to(stream, route.step_id)
-            return self._read(response, step.hidden.shape)
+                response = await self._reply_to(stream, sent)
+            return self._read(response, step.hidden.shape, sent.num_foreign)
         except BaseException:  # a failed stream takes no more steps (a cancelled read leaves it unreadable)
             self._stream = None
             stream.close()
@@ -135,21 +148,26 @@ class SpanStream:
             tensors.append(wire_tensors.serialize(step.hypo_ids))
         return runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
 
-    async def _reply_to(self, stream: MessageStream, step_id: str) -> ExpertResponse:
-        """The reply to step `step_id` (replies to a step abandoned earlier are skipped)."""
+    async def _reply_to(self, stream: MessageStream, sent: _Sent) -> ExpertResponse:
+        """The reply to the step `sent` (replies to a step abandoned earlier are skipped, and so are replies
+        to its id that name other inputs: the server replies to the client's copy too)."""
         while True:
             response = await asyncio.wait_for(stream.receive(ExpertResponse), self.timeout)
             if response is None:  # the server finished, closed or died: no reply is coming
                 raise ConnectionResetError("the stream ended before the reply")
             reply = _reply_meta(response, self.hop.peer_id)
-            if reply.step_id in (None, step_id):
-                if reply.error is not None:  # the client checked what it sent: this server is at fault
-                    raise ServerUnavailable(
-                        f"server ...{self.hop.peer_id[-6:]} refused a step: {reply.error}"
-                    )
-                return response
+            if reply.step_id not in (None, sent.step_id):
+                continue
+            if reply.error is not None:  # the client checked what it sent: this server is at fault...
+                fault = ForgedPush if sent.num_foreign else ServerUnavailable  # ... unless a forger is
+                raise fault(f"server ...{self.hop.peer_id[-6:]} refused a step: {reply.error}")
+            # a server that names no inputs (a Petals-style one) is taken at its word
+            if reply.inputs is not None and (reply.inputs, reply.position) != (sent.inputs, sent.position):
+                sent.num_foreign += 1
+                continue
+            return response
 
-    def _read(self, response: ExpertResponse, shape: torch.Size) -> Reply:
+    def _read(self, response: ExpertResponse, shape: torch.Size, num_foreign: int) -> Reply:
         encoded = response.tensors[0] if response.tensors else None
         outputs = wire_tensors.deserialize(encoded, "outputs") if encoded is not None else None
         if outputs is None or outputs.shape != shape:
@@ -157,7 +175,7 @@ class SpanStream:
                 f"server ...{self.hop.peer_id[-6:]} returned outputs of shape "
                 f"{None if outputs is None else list(outputs.shape)}, expected {list(shape)}"
             )
-        return Reply(outputs, encoded)
+        return Reply(outputs, encoded, num_foreign)
 
     async def close(self) -> None:
         stream = self._stream
@@ -170,6 +188,16 @@ class SpanStream:
             pass
         finally:
             stream.close()
+
+
+@dataclass
+class _Sent:
+    """What the reply to a step must name: its id, and the position and digest (hex) of what was sent."""
+
+    step_id: str
+    position: int
+    inputs: str
+    num_foreign: int = 0  # replies to its id that named other inputs
 
 
 async def _end_and_drain(stream: MessageStream) -> None:

@@ -251,7 +251,8 @@ class TransformerConnectionHandler:
 def _reply(reply: Completed) -> ExpertResponse:
     if reply.refused is not None:  # the step never ran; the session goes on
         return ExpertResponse(metadata=StepReply(reply.step_id, error=reply.refused).to_bytes())
-    return ExpertResponse(tensors=[reply.outputs], metadata=StepReply(reply.step_id).to_bytes())
+    ran = StepReply(reply.step_id, position=reply.position, inputs=reply.inputs)
+    return ExpertResponse(tensors=[reply.outputs], metadata=ran.to_bytes())
 
 
 def _grad_tensors(grads: Gradients) -> list[torch.Tensor]:

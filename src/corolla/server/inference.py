@@ -4,7 +4,9 @@ A session is one `rpc_inference` stream: its first message opens the session, ev
 and every step gets exactly one reply, whichever of its copies ran it. With push, the previous server of
 a chain sends the step here too (`rpc_push`), often before the client's copy; the copy that arrives
 first runs, the other is recognised by the step ledger (server/ledger.py) and runs nothing, and the reply
-goes to the client as soon as the step has run.
+goes to the client as soon as the step has run. A reply names the position and digest of the inputs it
+ran (wire/digest.py): a pushed copy unlike the client's (a lying previous server) may run and reply first,
+then the client's copy runs and replies too, and the client takes only the reply to its own inputs.
 
 Taking a step is atomic: its position is checked against the session's, the ledger records it, the
 engine receives it (with an absolute position: append, or roll back to an earlier one) and the session's
@@ -31,12 +33,12 @@ from corolla.engine.async_engine import ResultStream
 from corolla.engine.sequence import StepWork
 from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable
 from corolla.server import validation
-from corolla.server.ledger import digest
 from corolla.server.push import Pusher
 from corolla.server.sessions import Completed, ServerSession
 from corolla.server.spans import HostedSpans
 from corolla.server.steps import StepInputs, StepMessage, next_within, read_inputs
 from corolla.wire import tensors as wire_tensors
+from corolla.wire.digest import step_digest
 from corolla.wire.messages import InferenceStep
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,8 @@ class InferenceService:
             opened = (session.session_id, peer[-6:], *blocks, batch)
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
-                inputs = self._inputs(session, first, digest(first.tensors[0], meta), hidden)
+                inputs_digest = step_digest(first.tensors, meta.tree, meta.accepted)
+                inputs = self._inputs(session, first, inputs_digest, hidden)
                 session.push_from = meta.push_from
                 session.output_encoding = encoding
                 self._run(session, first.meta, inputs, pushed=False)
@@ -172,7 +175,7 @@ class InferenceService:
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
             span = f"{session.start}:{session.end}"
             raise InvalidRequest(f"uid: the pushed step's blocks differ from the session's {span}")
-        inputs_digest = digest(step.tensors[0], meta)
+        inputs_digest = step_digest(step.tensors, meta.tree, meta.accepted)
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
             return
         if session.ledger.conflicts(meta.step_id):
@@ -205,7 +208,7 @@ class InferenceService:
             raise step.refused
         meta = step.meta
         self._check_hops(meta)
-        inputs_digest = digest(step.tensors[0], meta)
+        inputs_digest = step_digest(step.tensors, meta.tree, meta.accepted)
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
             session.push_from = meta.push_from
             return
@@ -255,7 +258,7 @@ class InferenceService:
         session.tree = (inputs.position, inputs.tree) if inputs.tree is not None else None
         session.path_before_tree = inputs.accepted if inputs.tree is not None else None
         session.num_unreported += 1
-        task = asyncio.create_task(self._complete(session, meta, work, stream, run, pushed))
+        task = asyncio.create_task(self._complete(session, meta, work, stream, run, pushed, inputs.digest))
         session.running.add(task)
         task.add_done_callback(session.running.discard)
 
@@ -267,8 +270,9 @@ class InferenceService:
         stream: ResultStream,
         run: int,
         pushed: bool,
+        inputs_digest: bytes,
     ) -> None:
-        """Wait for a taken step's outputs, push them on, then queue its reply."""
+        """Wait for a taken step's outputs, push them on, then queue its reply (naming what ran)."""
         try:
             outputs = wire_tensors.encode(await stream.next(), session.output_encoding)
             if pushed:
@@ -278,7 +282,8 @@ class InferenceService:
             if meta.next_servers and self.pusher is not None:
                 # the push leaves before the reply: one hop to the next server beats two through the client
                 await self.pusher.push(outputs, meta, work.position, *session.key)
-            session.completed.put_nowait(Completed(meta.step_id, run, outputs))
+            ran = Completed(meta.step_id, run, outputs, position=work.position, inputs=inputs_digest.hex())
+            session.completed.put_nowait(ran)
         except asyncio.CancelledError:
             session.engine.abort(work.request_id)
             raise

@@ -1,43 +1,29 @@
 """The step ledger of one inference session: which steps it has taken, and which it has replied to.
 
 With push, a step can reach a server twice: pushed by the previous server and sent by the client. A step
-is identified by its session, its `step_id`, its position and its inputs together (a digest of the hidden
-states' bytes), so the ledger can tell a second copy of a step (run nothing, reply nothing more) from a
+is identified by its session, its `step_id`, its position and its inputs together (their digest,
+wire/digest.py), so the ledger can tell a second copy of a step (run nothing, reply nothing more) from a
 different step that reuses an id (never trusted as the same step): a pushed copy that reuses a taken id
 is refused, the client's copy of a step whose pushed copy differed runs again (the session's owner
 decides what its cache holds), and a client reusing one of its own step ids for other inputs gets an
-error. Each step gets exactly one reply, whichever copy ran it. Only the most recent steps are
-remembered: a copy can lag behind its twin by a step or two, never by REMEMBERED_STEPS.
+error. Each step gets exactly one reply, whichever copy ran it; a step id gets a second reply only when
+the client's copy ran after a pushed copy with other inputs had its reply, and each reply names the
+inputs it ran (the client takes the one to its own). Only the most recent steps are remembered: a copy
+can lag behind its twin by a step or two, never by REMEMBERED_STEPS.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from hivemind.proto import runtime_pb2
-
-from corolla.wire.messages import InferenceStep
-
 REMEMBERED_STEPS = 8
-
-
-def digest(tensor: runtime_pb2.Tensor, meta: InferenceStep | None = None) -> bytes:
-    """What identifies a step's inputs: their bytes, dtype, shape and compression, and the token tree
-    they form and the path of the previous tree they keep (speculative decoding)."""
-    hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(f"{tensor.dtype}|{list(tensor.size)}|{tensor.compression}|".encode())
-    if meta is not None and (meta.tree is not None or meta.accepted is not None):
-        hasher.update(f"tree={meta.tree}|accepted={meta.accepted}|".encode())
-    hasher.update(tensor.buffer)
-    return hasher.digest()
 
 
 @dataclass
 class TakenStep:
     position: int
-    inputs: bytes  # digest of the hidden states
+    inputs: bytes  # their digest (wire/digest.py)
     run: int  # which run of this step id replies (a client's copy can supersede a pushed one)
     pushed: bool  # the copy that ran was pushed here (not the client's own)
     replied: bool = False

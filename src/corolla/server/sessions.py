@@ -37,6 +37,9 @@ class Completed:
     outputs: runtime_pb2.Tensor | None = None  # serialized once, for the reply and the push alike
     error: Exception | None = None  # the step failed: the session ends
     refused: str | None = None  # the step failed its checks and never ran: the session goes on
+    # where the step ran and the digest of its inputs (hex, wire/digest.py): its reply names them
+    position: int | None = None
+    inputs: str | None = None
 
 
 @dataclass(eq=False)

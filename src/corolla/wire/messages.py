@@ -164,18 +164,29 @@ class StepReply:
     client's own copy of the step arrives; a reply to an abandoned step names a step the client no longer
     waits for. A step the server refuses (it failed a check, nothing ran) gets a reply with `error` and no
     tensors; the session goes on as if the step had not been sent.
+
+    A reply with outputs names what ran: the position and the digest of the inputs (wire/digest.py, in
+    hex). A step id has a second reply when a pushed copy with other inputs ran and replied before the
+    client's copy arrived; the client takes the reply to what it sent (client/span_stream.py).
     """
 
     step_id: str | None = None
     error: str | None = None
+    position: int | None = None  # where the outputs' step ran
+    inputs: str | None = None  # the digest of the inputs it ran, in hex
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> StepReply:
         fields = unpack(raw, "rpc_inference reply")
-        return cls(step_id=fields.str("step_id"), error=fields.str("error", max_chars=4096))
+        return cls(
+            step_id=fields.str("step_id"),
+            error=fields.str("error", max_chars=4096),
+            position=fields.int("position", low=0),
+            inputs=fields.str("inputs", max_chars=64),
+        )
 
     def to_bytes(self) -> bytes:
-        return pack(dict(step_id=self.step_id, error=self.error))
+        return pack(dict(step_id=self.step_id, error=self.error, position=self.position, inputs=self.inputs))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.models.head import ModelHead
 from corolla.swarm.routing import Hop
 from corolla.wire import tensors as wire_tensors
+from corolla.wire.digest import step_digest
 from corolla.wire.messages import StepReply
 from tiny_models import hidden_states
 
@@ -209,6 +210,30 @@ async def test_a_span_stream_skips_replies_to_abandoned_steps_and_refuses_bad_on
         with pytest.raises(ServerUnavailable, match=why):
             await stream.step(Step(hidden, 0), StepRoute("now"))
         assert stream.closed and wire.closed  # a failed stream takes no more steps
+
+
+async def test_a_span_stream_takes_only_the_reply_that_names_what_it_sent():
+    """Replies to the awaited step id that name other inputs or another position (a pushed copy the
+    client never sent ran first) are skipped and counted; a reply naming no inputs is taken as before."""
+    hidden = torch.randn(1, 1, 8)
+    sent = step_digest([wire_tensors.serialize(hidden)]).hex()
+    other = step_digest([wire_tensors.serialize(hidden + 1)]).hex()
+
+    def ran(outputs, position, inputs):
+        metadata = StepReply("now", position=position, inputs=inputs).to_bytes()
+        return runtime_pb2.ExpertResponse(tensors=[wire_tensors.serialize(outputs)], metadata=metadata)
+
+    forged, elsewhere, good = ran(hidden * 3, 4, other), ran(hidden * 5, 5, sent), ran(hidden * 2, 4, sent)
+    stream = SpanStream(
+        Replies([forged, elsewhere, good]), Hop("p", 0, 2), "uid", Opening(16), "lossless", 1.0
+    )
+    result = await stream.step(Step(hidden, 4), StepRoute("now"))
+    assert torch.equal(result.outputs, hidden * 2) and result.num_foreign == 2
+    stream = SpanStream(
+        Replies([reply("now", hidden * 7)]), Hop("p", 0, 2), "uid", Opening(16), "lossless", 1.0
+    )
+    result = await stream.step(Step(hidden, 4), StepRoute("now"))
+    assert torch.equal(result.outputs, hidden * 7) and result.num_foreign == 0
 
 
 async def test_a_banned_server_is_never_routed_to_until_its_ban_ends(network):

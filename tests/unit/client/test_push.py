@@ -1,18 +1,23 @@
 """Server-to-server push among corolla's own servers in this process (tests/loopback.py): most decode steps
 reach the later servers by push, each step runs once per server, the tokens are those without push; a step
 abandoned after its first hop still travels the chain by push, and the next step at its position rolls
-every server back and skips the late replies to it."""
+every server back and skips the late replies to it. A previous hop that forges its pushes (other hidden
+states, or another kept path of a token tree) never gets its outputs taken for the client's step, and
+never gets the honest next server banned."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
+from corolla.client.push_trust import PushTrust
 from corolla.client.session import InferenceSession
 from corolla.client.span_stream import Step, StepRoute
 from corolla.models.head import ModelHead
+from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import RPC_INFERENCE, RPC_PUSH, InferenceStep, NextServer, StepReply
 from loopback import LoopbackSwarm
 
@@ -111,3 +116,94 @@ async def _replied(network, peer_id: str, step_id: str) -> None:
             return
         await asyncio.sleep(0.01)
     pytest.fail(f"{peer_id} never replied to step {step_id}")
+
+
+class ForgingPusher:
+    """The previous hop as an attacker: it pushes other hidden states under each step's id, then holds
+    its reply to the client back, so that its forged copy runs at the next server before the client's."""
+
+    def __init__(self, honest):
+        self.honest = honest
+        self.forged = 0
+
+    async def push(self, outputs, meta, position, origin, from_session):
+        forged = wire_tensors.deserialize(outputs, "outputs") + 1.0
+        await self.honest.push(wire_tensors.serialize(forged), meta, position, origin, from_session)
+        self.forged += 1
+        await asyncio.sleep(0.3)  # the client's own copy reaches the next server 0.3 s after the forgery
+
+    def end_session(self, origin, session_id):
+        self.honest.end_session(origin, session_id)
+
+
+async def test_a_forged_push_that_runs_first_is_never_taken_for_the_clients_step(network, llama, reference):
+    """The next server runs the forged copy first and replies to it, then runs the client's copy. Each
+    reply names the inputs it ran (a digest and the position): the client skips the forged one and takes
+    the reply to what it sent, and stops letting the forger push into that server."""
+    head = ModelHead.load(llama, torch.float32)
+    servers = [await network.add_server(span) for span in SPANS]
+    forger = ForgingPusher(servers[0].pusher)
+    servers[0].inference.pusher = forger
+    client = network.client()
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(5))
+    logits = []
+    async with InferenceSession(client.swarm, None, 16) as session:
+        logits.append(head.logits(await session.astep(head.embed(ids[:, :5]))))
+        for position in range(5, 9):
+            logits.append(head.logits(await session.astep(head.embed(ids[:, position : position + 1]))))
+        assert session.num_failovers == 0
+    with torch.no_grad():
+        expected = reference(ids).logits
+    torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-4, rtol=0)
+    ran_forged = step_counts(servers)[1][1]
+    assert forger.forged >= 1 and ran_forged >= 1  # the forged copy really ran first at the next server
+    assert forger.forged <= 2  # after its first forgery, the client no longer names it as a pusher
+
+
+PARENTS = (-1, 0, 0, 1, 2)  # a token tree: paths 0-1-3 and 0-2-4
+KEPT, FORGED_PATH = (0, 2), (0, 1)
+
+
+class PathForgingPusher(ForgingPusher):
+    """The previous hop as an attacker after a speculative tree step: it pushes its true outputs, but
+    names another path of the tree as the one the step keeps; the next server takes it and drops the
+    tree's other branches, so it must refuse the client's own copy (which keeps the true path)."""
+
+    async def push(self, outputs, meta, position, origin, from_session):
+        if meta.accepted == KEPT:
+            meta = dataclasses.replace(meta, accepted=FORGED_PATH)
+            self.forged += 1
+        await self.honest.push(outputs, meta, position, origin, from_session)
+        await asyncio.sleep(0.3)
+
+
+async def test_a_server_that_a_forged_path_made_refuse_the_clients_step_is_not_banned(
+    network, llama, reference
+):
+    head = ModelHead.load(llama, torch.float32)
+    servers = [await network.add_server(span) for span in SPANS]
+    forger = PathForgingPusher(servers[0].pusher)
+    servers[0].inference.pusher = forger
+    client = network.client()
+    ids = torch.randint(3, 300, (1, 10), generator=torch.Generator().manual_seed(6))
+    prompt, nodes, later = ids[:, :4], ids[:, 4:9], ids[:, 9:]
+    async with InferenceSession(client.swarm, None, 16) as session:
+        await session.astep(head.embed(prompt))
+        await session.astep(head.embed(nodes), tree=PARENTS)
+        session.accept(KEPT)
+        logits = head.logits(await session.astep(head.embed(later)))
+    assert forger.forged == 1 and step_counts(servers)[1][1] >= 1  # the forged path ran at server 1
+    assert client.swarm.bans.banned() == set()  # no honest server is avoided for the forger's lie
+    with torch.no_grad():
+        expected = reference(torch.cat([prompt, nodes[:, list(KEPT)], later], dim=1)).logits[:, -1:]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_a_forger_loses_its_right_to_push_there_and_a_refusing_server_is_excused_once():
+    trust = PushTrust()
+    assert trust.allows("forger", "next")
+    trust.distrust("forger", "next")
+    trust.distrust(None, "other")  # a hop that takes no pushes: no one to blame
+    assert not trust.allows("forger", "next")
+    assert trust.allows("forger", "other") and trust.allows("honest", "next")
+    assert trust.excuse("next") and not trust.excuse("next")  # claiming it again is a failure like any

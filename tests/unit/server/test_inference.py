@@ -16,6 +16,7 @@ import torch
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.server.inference import PIPELINE_DEPTH, StepMessage
 from corolla.wire import tensors as wire_tensors
+from corolla.wire.digest import step_digest
 from corolla.wire.messages import NextServer
 from engine_helpers import assert_close, reference_outputs
 from service_helpers import CLIENT, PREVIOUS, UID, H, Session, inputs, message
@@ -228,6 +229,51 @@ async def test_the_owners_copy_supersedes_a_pushed_copy_with_other_inputs(servic
     _, outputs = await session.reply()
     await session.close()
     assert_close(outputs, reference_outputs(service.spans.primary.span, [first, owners, after])[2])
+
+
+async def test_each_reply_names_the_position_and_the_inputs_it_ran(service):
+    """A forged push of "b" runs and replies before the owner's copy arrives; the owner's copy runs too.
+    Each reply names what it ran, so the client takes the one to its own inputs; an honest push's reply
+    names the client's inputs (the same bytes), and the client's copy then runs nothing."""
+    first, forged, owners, honest = inputs(15, 3, 1, 1, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    assert (await anext(session.replies)).inputs == step_digest(message(first).tensors).hex()
+    service.take_push(message(forged, "b", 3, pushed=True), PREVIOUS)
+    forged_reply = await asyncio.wait_for(anext(session.replies), 10)
+    await session.steps.put(message(owners, "b", 3))
+    owners_reply = await asyncio.wait_for(anext(session.replies), 10)
+    service.take_push(message(honest, "c", 4, pushed=True), PREVIOUS)
+    honest_reply = await asyncio.wait_for(anext(session.replies), 10)
+    await session.steps.put(message(honest, "c", 4))
+    assert await session.close() == []  # one reply for "c"
+    assert (forged_reply.step_id, forged_reply.position) == ("b", 3)
+    assert forged_reply.inputs == step_digest(message(forged).tensors).hex()
+    assert (owners_reply.step_id, owners_reply.position) == ("b", 3)
+    assert owners_reply.inputs == step_digest(message(owners).tensors).hex()
+    assert (honest_reply.position, honest_reply.inputs) == (4, step_digest(message(honest).tensors).hex())
+    expected = reference_outputs(service.spans.primary.span, [first, owners, honest])
+    assert_close(wire_tensors.deserialize(owners_reply.outputs, "outputs"), expected[1])
+    assert_close(wire_tensors.deserialize(honest_reply.outputs, "outputs"), expected[2])
+
+
+async def test_a_pushed_copy_without_the_clients_beam_order_is_not_its_twin(service):
+    """The previous hop pushes the step's hidden states as they are, but the client's copy also reorders
+    the beams (hypo_ids): the pushed copy ran something else, so the client's copy runs and replies too."""
+    generator = torch.Generator().manual_seed(16)
+    first, second = torch.randn(2, 3, H, generator=generator), torch.randn(2, 1, H, generator=generator)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    service.take_push(message(second, "b", 3, pushed=True), PREVIOUS)
+    await session.reply()
+    own = message(second, "b", 3)
+    hypo_ids = torch.tensor([1, 0])
+    tensors = [own.tensors[0], wire_tensors.empty(), wire_tensors.serialize(hypo_ids)]
+    await session.steps.put(StepMessage(UID, own.meta, tensors))
+    reply = await asyncio.wait_for(anext(session.replies), 10)
+    await session.close()
+    assert reply.inputs == step_digest(tensors).hex()
+    expected = reference_outputs(service.spans.primary.span, [first, second], hypo_ids=[None, hypo_ids])
+    assert_close(wire_tensors.deserialize(reply.outputs, "outputs"), expected[1])
 
 
 async def test_pushes_go_on_before_the_reply(service):

@@ -126,3 +126,13 @@ def test_tree_and_accepted_fields_roundtrip_and_reject_garbage():
 def test_a_refused_steps_reply_carries_its_error():
     reply = StepReply.from_bytes(StepReply("s", error="tree[1]=1: a cycle").to_bytes())
     assert reply == StepReply("s", "tree[1]=1: a cycle")
+
+
+def test_a_step_reply_names_the_position_and_inputs_it_ran():
+    reply = StepReply("s", position=7, inputs="ab" * 16)
+    assert StepReply.from_bytes(reply.to_bytes()) == reply
+    assert StepReply.from_bytes(StepReply("s").to_bytes()).inputs is None  # a reply that names none
+    with pytest.raises(InvalidRequest, match="'position' must be >= 0"):
+        StepReply.from_bytes(msgpack.packb({"step_id": "s", "position": -1}))
+    with pytest.raises(InvalidRequest, match="'inputs' has 65 characters, the limit is 64"):
+        StepReply.from_bytes(msgpack.packb({"step_id": "s", "inputs": "a" * 65}))
