@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from corolla.launch.local import LocalSwarm
 from corolla.swarm.dht import MODELS_KEY, read_records
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity
-from corolla.swarm.overview import format_table, read_overview
+from corolla.swarm.overview import format_table
 from corolla.wire.records import ServerState, ServerStatus, block_key
 from swarm_helpers import connect, reference_generate, run_corolla
 from tiny_models import load_reference
@@ -97,8 +97,9 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
             tokens = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
             assert torch.equal(tokens, expected)
 
-            # what status and the dashboard show: the servers that answer, not the forger's record
-            overview = model.runtime.run(read_overview(model.client.dht, PREFIX, 6))
+            # what status and the dashboard (/v1/swarm: the client's overview) show: the servers that
+            # answer, not the forger's record
+            overview = model.runtime.run(model.client.overview())
             assert sorted(s.peer_id for s in overview.servers) == sorted(s.peer_id for s in pair.servers)
             assert [s.peer_id for s in overview.silent] == [forger_id]
             assert overview.coverage == (1,) * 6

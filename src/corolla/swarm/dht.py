@@ -30,7 +30,7 @@ from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest, StartFailed
 from corolla.swarm import p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
-from corolla.swarm.daemons import daemons_die_with_this_process, identity_taken, watch_parent
+from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
 from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
 from corolla.wire.records import ServerState, ServerStatus, block_key
@@ -115,7 +115,6 @@ class PeerDHT(DHT):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         watch_parent(self.parent_pid)
-        daemons_die_with_this_process()
         super().run()
 
 
