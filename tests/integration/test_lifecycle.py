@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import threading
 import time
 
+import psutil
 import pytest
 import torch
 
-from corolla.errors import MissingBlocks
+from corolla.config import SwarmConfig
+from corolla.errors import MissingBlocks, StartFailed
 from corolla.launch.local import READY_SERVER, LocalSwarm, PeerProcess
+from corolla.swarm.dht import start_dht
+from corolla.swarm.identity import load_identity
 from corolla.wire.records import ServerState
 from swarm_helpers import connect, fresh_spans, run_corolla
 
@@ -63,6 +69,73 @@ def test_sigterm_announces_offline_and_exits_cleanly(half_swarm):
     assert server.peer_id not in {s.peer_id for s in read_spans(half_swarm)}  # OFFLINE, not just expired
     server.kill_group()
     half_swarm.servers.remove(server)
+
+
+def test_kill_9_takes_the_whole_process_tree_and_status_drops_the_server_at_once(half_swarm):
+    """A server killed with SIGKILL cannot stop its DHT process and libp2p daemon: they end by themselves
+    (they watch their parent), and `corolla status` no longer lists the server as online: it pings."""
+    server = half_swarm.add_server((3, 6))
+    family = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+    try:
+        assert {p.name() for p in family} >= {"p2pd"} and len(family) >= 3, family  # server, DHT, daemon
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while left := [p for p in family if _alive(p)]:
+            assert time.monotonic() < deadline, f"left running 5s after kill -9: {left}"
+            time.sleep(0.1)
+        (result,) = run_corolla(["status", "--no-nat-port-map", "--initial-peers", *half_swarm.initial_peers])
+        assert result.returncode == 0, result.stderr
+        rows = [line for line in result.stdout.splitlines() if line.startswith("...")]
+        assert len(rows) == 1 and server.peer_id[-8:] not in rows[0], result.stdout  # the 0:3 server only
+        assert "uncovered blocks: 3-5" in result.stdout, result.stdout
+    finally:
+        for process in family:  # only what this test started
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        server.kill_group()
+        half_swarm.servers.remove(server)
+
+
+def test_identity_check_honours_nat_port_map_and_refuses_a_taken_identity(half_swarm, tmp_path):
+    """A loopback peer with an existing --identity checks that no other peer uses it with a daemon of its
+    own settings: no libp2p daemon with NAT port mapping is ever started. A taken identity is refused."""
+    path = tmp_path / "peer.key"
+    load_identity(path)  # an existing identity file: the check runs
+    config = SwarmConfig(
+        initial_peers=tuple(half_swarm.initial_peers), host="127.0.0.1", identity_path=str(path)
+    )
+    seen: set[tuple[str, ...]] = set()
+    stop = threading.Event()
+
+    def watch() -> None:  # every daemon this process starts, however short-lived
+        while not stop.is_set():
+            for process in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if process.name() == "p2pd":
+                        seen.add(tuple(process.cmdline()))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        dht = start_dht(config)
+        try:
+            with pytest.raises(StartFailed, match=f"the identity in {path} is in use by another peer"):
+                start_dht(config)
+        finally:
+            dht.shutdown()
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(seen) >= 2, seen  # the identity checks' daemons and the peer's own
+    assert all("-natPortMap=0" in args for args in seen), seen
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_num_blocks_fills_the_gap_and_dead_servers_expire(half_swarm, tiny_models):

@@ -19,11 +19,11 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from corolla.launch.local import LocalSwarm
-from corolla.swarm.dht import read_records
+from corolla.swarm.dht import MODELS_KEY, read_records
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity
-from corolla.swarm.overview import read_overview
+from corolla.swarm.overview import format_table
 from corolla.wire.records import ServerState, ServerStatus, block_key
-from swarm_helpers import connect, reference_generate
+from swarm_helpers import connect, reference_generate, run_corolla
 from tiny_models import load_reference
 
 PREFIX = "tiny-llama"
@@ -97,7 +97,16 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
             tokens = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
             assert torch.equal(tokens, expected)
 
-            overview = model.runtime.run(read_overview(model.client.dht, PREFIX, 6))
+            # what status and the dashboard (/v1/swarm: the client's overview) show: the servers that
+            # answer, not the forger's record
+            overview = model.runtime.run(model.client.overview())
+            assert sorted(s.peer_id for s in overview.servers) == sorted(s.peer_id for s in pair.servers)
+            assert [s.peer_id for s in overview.silent] == [forger_id]
+            assert overview.coverage == (1,) * 6
+            shown = overview.to_dict()  # the dashboard's JSON
+            assert forger_id not in {row["peer_id"] for row in shown["servers"]}
+            assert shown["not_answering"] == [{"peer_id": forger_id, "start": 0, "end": 6}]
+            assert "do not answer (not counted): ..." + forger_id[-8:] in format_table(overview)
             refused = dict(overview.rejected_records)
             assert refused.get("unsigned", 0) >= 1, refused
             assert refused.get("bad signature", 0) + refused.get("signed in another peer's name", 0) >= 1, (
@@ -106,3 +115,37 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
         finally:
             blunt.shutdown()
             signer.shutdown()
+
+
+def test_status_shows_what_answers_not_what_records_claim(pair, tmp_path):
+    """`corolla status`: a forger's signed record of a server that does not exist, and its signed claim
+    that the model has 1000 blocks, neither count; the real servers' 6 blocks are covered."""
+    forger_key = load_identity(tmp_path / "forger.key")
+    signer = raw_node(
+        pair,
+        identity_path=str(tmp_path / "forger.key"),
+        record_validators=[RSASignatureValidator(forger_key)],
+    )
+    forger_id = peer_id_of_identity(forger_key)
+    subkey = owned_subkey(forger_id, forger_key)
+    try:
+        lure = ServerStatus(
+            start=0, end=6, version="0", dtype="float32", inference_max_length=4096,
+            cache_tokens_available=10**9, dht_prefix=PREFIX, throughput=1e9,
+        )  # fmt: skip
+        forge(signer, subkey, lure, range(6))
+        expiration = get_dht_time() + 600
+        assert signer.store(MODELS_KEY, {"dht_prefix": PREFIX, "num_blocks": 1000}, expiration, subkey=subkey)
+        (result,) = run_corolla(["status", "--no-nat-port-map", "--initial-peers", *pair.initial_peers])
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        assert f"model {PREFIX}: 6 blocks, 2 servers" in out, out
+        assert "(servers per block, 0-5): 111111" in out and "every block is covered" in out, out
+        assert "1000" not in out and "uncovered" not in out, out
+        (silent,) = [line for line in out.splitlines() if "do not answer (not counted)" in line]
+        assert f"...{forger_id[-8:]} (0:6)" in silent, out  # shown apart (an earlier test's forger too)
+        server_lines = [line for line in out.splitlines() if line.startswith("...")]
+        assert len(server_lines) == 2 and all(forger_id[-8:] not in line for line in server_lines), out
+        assert all(" online " in line for line in server_lines), out
+    finally:
+        signer.shutdown()

@@ -11,6 +11,7 @@ is validated again here: unsigned ones are ignored, the rest read into typed rec
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import tempfile
 from collections import Counter
@@ -26,9 +27,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from corolla.config import SwarmConfig
-from corolla.errors import InvalidRequest
+from corolla.errors import InvalidRequest, StartFailed
 from corolla.swarm import p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
+from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
 from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
 from corolla.wire.records import ServerState, ServerStatus, block_key
@@ -47,6 +49,8 @@ def start_dht(config: SwarmConfig) -> PeerDHT:
         key = load_identity(path)
         validators = record_validators(key, config.allowed_peers)
         try:
+            if not fresh and config.initial_peers:  # hivemind's own check ignores nat_port_map
+                _check_identity_free(path, config)
             return PeerDHT(
                 key,
                 validators,
@@ -56,12 +60,18 @@ def start_dht(config: SwarmConfig) -> PeerDHT:
                 host_maddrs=config.host_maddrs,
                 announce_maddrs=config.announce_maddrs,
                 identity_path=str(path),
-                check_if_identity_free=not fresh,
+                check_if_identity_free=False,  # checked above
                 nat_port_map=config.use_nat_port_map,
                 num_workers=4,
             )
         except P2PDaemonError as e:
             raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+
+
+def _check_identity_free(path: Path, config: SwarmConfig) -> None:
+    taken = identity_taken(path, config.initial_peers, config.host_maddrs, config.use_nat_port_map)
+    if taken:
+        raise StartFailed(f"the identity in {path} is in use by another peer of this swarm now")
 
 
 @contextmanager
@@ -83,12 +93,14 @@ class PeerDHT(DHT):
     wrote it into the parent's event loop (a second signal there: no drain) and never exited, not even on
     DHT.shutdown()'s SIGTERM, so the parent hung at exit joining it. SIGTERM and SIGHUP end the child
     (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
+    A parent that dies without stopping it (kill -9) takes it and its daemon along (swarm/daemons.py).
 
     It also holds the peer's identity key (`subkey`: what its records are signed under) and its node's
     record checks, whose counters `rejected_records` reads from the child.
     """
 
     def __init__(self, key: RSAPrivateKey, validators: list, **kwargs):
+        self.parent_pid = os.getpid()  # the child ends itself when this process is gone (kill -9)
         self.identity = key
         self.owner_check = next(v for v in validators if isinstance(v, OwnerCheck))
         super().__init__(record_validators=validators, **kwargs)
@@ -102,6 +114,7 @@ class PeerDHT(DHT):
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        watch_parent(self.parent_pid)
         super().run()
 
 
@@ -141,13 +154,15 @@ async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expirat
     return await dht.run_coroutine(store, return_future=True)
 
 
-async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, int]:
-    """The models servers have announced recently: DHT prefix -> number of blocks."""
+async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, dict[str, int]]:
+    """The models servers have announced recently: DHT prefix -> {peer id of the signer: number of
+    blocks it claims}. Claims, not facts: any peer can sign one (swarm/overview.py's `confirmed_models`
+    keeps those of servers that answer)."""
     found = await dht.run_coroutine(partial(read_records, keys=[MODELS_KEY]), return_future=True)
     tally = Counter() if tally is None else tally
-    models = {}
+    models: dict[str, dict[str, int]] = {}
     for subkey, value in found.get(MODELS_KEY, {}).items():
-        if signer_of(subkey, tally) is None:
+        if (peer_id := signer_of(subkey, tally)) is None:
             continue
         value = value if isinstance(value, dict) else {}
         prefix = value.get("dht_prefix")
@@ -159,7 +174,7 @@ async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, int]:
             and not isinstance(blocks, bool)
             and 0 < blocks <= MAX_MODEL_BLOCKS
         ):
-            models[prefix] = max(blocks, models.get(prefix, 0))
+            models.setdefault(prefix, {})[peer_id] = blocks
         else:
             tally["malformed"] += 1
     return dict(sorted(models.items()))

@@ -1,6 +1,10 @@
 """What the swarm looks like for one model: every server's span and figures, and each block's coverage.
 
-Built from the DHT records (`find_spans`), so it shows what clients see. The API's dashboard draws it
+Built as clients see the swarm: the DHT records (`find_spans`), then a ping (rpc_info) to each server.
+Only servers that answer are listed and counted, with their live figures; a record whose server does not
+answer (dead, or signed by a peer that is no server at all) is listed apart as "not answering" and never
+counts, as clients never route to it. A model's number of blocks is what the servers that answer claim
+(`confirmed_models`), never a `corolla.models` record alone. The API's dashboard draws it
 (`to_dict` is its JSON) and `corolla status` prints it (`format_table`). A server whose model fingerprint
 differs from the model's (the API's own model; for `corolla status`, the one that most blocks are
 announced with) serves another model under the same prefix: it is shown as "other model" and does not
@@ -21,7 +25,7 @@ from hivemind.p2p import P2P
 
 from corolla.errors import counted
 from corolla.swarm.dht import RemoteSpan, find_spans, rejected_records
-from corolla.swarm.ping import ping
+from corolla.swarm.ping import Ping, ping
 from corolla.swarm.reports import find_reports
 from corolla.swarm.transport import P2PTransport
 from corolla.wire.records import ServerState
@@ -34,8 +38,8 @@ LIVE_TIMEOUT = 2.0  # seconds a server has to report its live figures
 class SwarmOverview:
     model: str  # the DHT prefix
     num_blocks: int
-    servers: tuple[RemoteSpan, ...]  # each server's blocks and its announced status
-    coverage: tuple[int, ...]  # ONLINE servers of this model per block
+    servers: tuple[RemoteSpan, ...]  # the servers that answered: blocks (from the DHT), live report
+    coverage: tuple[int, ...]  # ONLINE servers of this model per block, among those that answered
     taken_at: float
     model_fingerprint: str = ""  # the model's; servers announcing another are shown, not counted
     # DHT records refused by this peer (bad signatures, signed in another's name, unsigned, malformed,
@@ -43,6 +47,8 @@ class SwarmOverview:
     rejected_records: tuple[tuple[str, int], ...] = ()
     # servers that clients' spot checks caught (swarm/reports.py): (peer id, what each client found)
     reported_faulty: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # DHT records whose server did not answer rpc_info: shown apart, never counted
+    silent: tuple[RemoteSpan, ...] = ()
 
     def other_model(self, span: RemoteSpan) -> bool:
         return not span.info.serves_model(self.model_fingerprint)
@@ -66,6 +72,8 @@ class SwarmOverview:
             "model_fingerprint": self.model_fingerprint,
             "rejected_records": dict(self.rejected_records),
             "reported_faulty": {peer_id: list(reasons) for peer_id, reasons in self.reported_faulty},
+            # what their records claim is not shown: nothing vouches for it
+            "not_answering": [{"peer_id": s.peer_id, "start": s.start, "end": s.end} for s in self.silent],
         }
 
 
@@ -89,9 +97,14 @@ def _row(span: RemoteSpan, state: str) -> dict:
 
 
 def build_overview(
-    model: str, num_blocks: int, spans: Sequence[RemoteSpan], model_fingerprint: str | None = None
+    model: str,
+    num_blocks: int,
+    spans: Sequence[RemoteSpan],
+    model_fingerprint: str | None = None,
+    silent: Sequence[RemoteSpan] = (),
 ) -> SwarmOverview:
-    """`model_fingerprint`: the model's (None: the one announced for most blocks)."""
+    """`spans`: the servers that answered; `silent`: the records of those that did not (not counted).
+    `model_fingerprint`: the model's (None: the one announced for most blocks)."""
     if model_fingerprint is None:
         weights = Counter()
         for span in spans:
@@ -103,31 +116,64 @@ def build_overview(
         if span.info.state == ServerState.ONLINE and not overview.other_model(span):
             for index in range(span.start, min(span.end, num_blocks)):
                 coverage[index] += 1
-    servers = tuple(sorted(spans, key=lambda s: (s.start, s.end, s.peer_id)))
-    return dataclasses.replace(overview, servers=servers, coverage=tuple(coverage))
+    servers = tuple(sorted(spans, key=_span_order))
+    silent = tuple(sorted(silent, key=_span_order))
+    return dataclasses.replace(overview, servers=servers, coverage=tuple(coverage), silent=silent)
+
+
+def _span_order(span: RemoteSpan) -> tuple[int, int, str]:
+    return (span.start, span.end, span.peer_id)
 
 
 async def read_overview(
     dht: DHT, model: str, num_blocks: int, model_fingerprint: str | None = None, p2p: P2P | None = None
 ) -> SwarmOverview:
-    """With `p2p`, each server's figures are its live report (rpc_info) rather than its last announcement,
-    which may be an announce period old; a server that does not answer in time keeps its announced ones."""
+    """Pings every server found in the DHT (through `p2p`, else a replica of the DHT's daemon): those
+    that answer within LIVE_TIMEOUT are shown with their live report, the others apart (`silent`)."""
     tally = Counter(await rejected_records(dht))
     spans = await find_spans(dht, model, num_blocks, SHOWN_STATES, tally)
-    if p2p is not None:
-        transport = P2PTransport(p2p)
-        answers = await asyncio.gather(*(ping(transport, span.peer_id, LIVE_TIMEOUT) for span in spans))
-        spans = [
-            dataclasses.replace(span, info=answer.status) if answer.answered else span
-            for span, answer in zip(spans, answers, strict=True)
-        ]
+    replica = await dht.replicate_p2p() if p2p is None else None
+    try:
+        answers = await _ping_all(P2PTransport(p2p or replica), [span.peer_id for span in spans])
+    finally:
+        if replica is not None:
+            await replica.shutdown()
+    answered = [
+        dataclasses.replace(span, info=answers[span.peer_id].status)
+        for span in spans
+        if answers[span.peer_id].answered
+    ]
+    silent = [span for span in spans if not answers[span.peer_id].answered]
     reports = await find_reports(dht, model, tally)
-    overview = build_overview(model, num_blocks, spans, model_fingerprint)
+    overview = build_overview(model, num_blocks, answered, model_fingerprint, silent)
     return dataclasses.replace(
         overview,
         rejected_records=tuple(sorted(tally.items())),
         reported_faulty=tuple((peer_id, tuple(reasons)) for peer_id, reasons in reports.items()),
     )
+
+
+async def confirmed_models(p2p: P2P, claims: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Each model's number of blocks as the servers that answer claim it (`claims`: find_models'): a
+    claim counts only where its signer answers rpc_info as a server of that model; where they differ,
+    the number most of them claim (then the smallest). Models no such server claims are left out."""
+    signers = sorted({peer_id for by_peer in claims.values() for peer_id in by_peer})
+    answers = await _ping_all(P2PTransport(p2p), signers)
+    models = {}
+    for prefix, by_peer in claims.items():
+        votes = Counter(
+            blocks
+            for peer_id, blocks in by_peer.items()
+            if answers[peer_id].answered and answers[peer_id].status.dht_prefix == prefix
+        )
+        if votes:
+            models[prefix] = min(votes, key=lambda blocks: (-votes[blocks], blocks))
+    return models
+
+
+async def _ping_all(transport: P2PTransport, peer_ids: Sequence[str]) -> dict[str, Ping]:
+    answers = await asyncio.gather(*(ping(transport, peer_id, LIVE_TIMEOUT) for peer_id in peer_ids))
+    return dict(zip(peer_ids, answers, strict=True))
 
 
 def format_table(overview: SwarmOverview) -> str:
@@ -141,6 +187,9 @@ def format_table(overview: SwarmOverview) -> str:
     if overview.rejected_records:
         refused = ", ".join(f"{count} {reason}" for reason, count in overview.rejected_records)
         lines.append(f"DHT records refused (never used): {refused}")
+    if overview.silent:
+        silent = ", ".join(f"...{span.peer_id[-8:]} ({span.start}:{span.end})" for span in overview.silent)
+        lines.append(f"DHT records of servers that do not answer (not counted): {silent}")
     for peer_id, reasons in overview.reported_faulty:
         by = counted(len(reasons), "client")
         lines.append(f"reported faulty by the spot checks of {by}: ...{peer_id[-8:]} ({reasons[0]})")

@@ -37,6 +37,22 @@ def test_a_given_fingerprint_wins_and_servers_without_one_are_taken_on_trust():
     assert "1 servers" not in format_table(build_overview("m", 8, [old]))
 
 
+def test_records_of_servers_that_did_not_answer_are_shown_apart_and_never_counted():
+    lure = dataclasses.replace(
+        server("peer-x", 0, 8, "good"), info=ServerStatus(0, 8, "1.0", "float32", 64, 10**9)
+    )
+    overview = build_overview("m", 8, SERVERS[:1], silent=[lure])
+    assert overview.coverage == (1,) * 4 + (0,) * 4 and overview.uncovered == (4, 5, 6, 7)
+    shown = overview.to_dict()
+    assert [row["peer_id"] for row in shown["servers"]] == ["peer-a"]
+    assert shown["not_answering"] == [{"peer_id": "peer-x", "start": 0, "end": 8}]
+    table = format_table(overview)
+    assert "DHT records of servers that do not answer (not counted): ...peer-x (0:8)" in table
+    assert "1 server" in table.splitlines()[0] and not any(
+        line.startswith("...peer-x") for line in table.splitlines()
+    )
+
+
 def test_reports_of_faulty_servers_are_shown_and_only_well_formed_ones_read():
     overview = dataclasses.replace(
         build_overview("m", 8, SERVERS), reported_faulty=(("peer-b", ("wrong outputs", "wrong outputs")),)
