@@ -8,7 +8,10 @@ runs the step once, whichever copy (pushed or the client's) arrives first.
 Failover: when a hop's server fails (error, timeout, lost connection, dead process), the chain bans it,
 routes its blocks again (possibly over several servers), replays the inputs the hop had received to the
 replacement in chunks, so that its cache matches, and retries the step there, within a retry budget.
-A server a spot check caught lying is replaced the same way (`replace`), after a rewind.
+A server a spot check caught lying is replaced the same way (`replace`), after a rewind. A decode step
+unanswered for several times the server's recent decode steps (client/estimates.py `silence_limit`,
+at least a few seconds) counts as a failure: a frozen server is replaced without waiting for the
+request timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from corolla.client.peers import hop_encodings
 from corolla.client.retries import RetryBudget
 from corolla.client.span_stream import Opening, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
-from corolla.errors import RETRYABLE, ServerUnavailable
+from corolla.errors import RETRYABLE, ServerUnavailable, SessionTimeout
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
@@ -152,10 +155,21 @@ class Chain:
         self, link: Link, step: Step, route: StepRoute, encoded: runtime_pb2.Tensor | None
     ) -> Reply:
         started = time.perf_counter()
-        reply = await link.stream.step(step, route, encoded)
-        if step.hidden.shape[1] == 1 and not route.pushed:  # a decode step's time says how fast it is
-            hop = link.hop
-            self.swarm.estimates.observe_step(hop.peer_id, time.perf_counter() - started, hop.end - hop.start)
+        hop = link.hop
+        estimates = self.swarm.estimates
+        decode = step.hidden.shape[1] == 1
+        limit = estimates.silence_limit(hop.peer_id) if decode else None
+        try:
+            reply = await asyncio.wait_for(link.stream.step(step, route, encoded), limit)
+        except asyncio.TimeoutError:  # a silent (frozen) server is replaced like a dead one
+            if limit is None:
+                raise
+            raise SessionTimeout(f"server ...{hop.peer_id[-6:]} said nothing for {limit:.1f}s") from None
+        seconds = time.perf_counter() - started
+        if decode:
+            estimates.replied(hop.peer_id, seconds)
+        if decode and not route.pushed:  # a decode step's time says how fast it is
+            estimates.observe_step(hop.peer_id, seconds, hop.end - hop.start)
         link.history.record(step, reply.outputs)
         return reply
 
