@@ -10,8 +10,8 @@ routes its blocks again (possibly over several servers), replays the inputs the 
 replacement in chunks, so that its cache matches, and retries the step there, within a retry budget.
 A server a spot check caught lying is replaced the same way (`replace`), after a rewind. A decode step
 unanswered for several times the server's recent decode steps (client/estimates.py `silence_limit`,
-at least a few seconds) counts as a failure: a frozen server is replaced without waiting for the
-request timeout.
+at least a second or two) whose server then misses a ping counts as a failure (client/silence.py): a
+frozen server is replaced without waiting for the request timeout; a busy one that answers is waited for.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from hivemind.proto import runtime_pb2
 from corolla.client.hop_history import HopHistory
 from corolla.client.peers import hop_encodings
 from corolla.client.retries import RetryBudget
+from corolla.client.silence import unless_silent
 from corolla.client.span_stream import Opening, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
-from corolla.errors import RETRYABLE, ServerUnavailable, SessionTimeout
+from corolla.errors import RETRYABLE, ServerUnavailable
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
@@ -159,12 +160,8 @@ class Chain:
         estimates = self.swarm.estimates
         decode = step.hidden.shape[1] == 1
         limit = estimates.silence_limit(hop.peer_id) if decode else None
-        try:
-            reply = await asyncio.wait_for(link.stream.step(step, route, encoded), limit)
-        except asyncio.TimeoutError:  # a silent (frozen) server is replaced like a dead one
-            if limit is None:
-                raise
-            raise SessionTimeout(f"server ...{hop.peer_id[-6:]} said nothing for {limit:.1f}s") from None
+        transport = self.swarm.peers.transport
+        reply = await unless_silent(link.stream.step(step, route, encoded), limit, transport, hop.peer_id)
         seconds = time.perf_counter() - started
         if decode:
             estimates.replied(hop.peer_id, seconds)

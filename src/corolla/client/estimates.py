@@ -18,9 +18,9 @@ from corolla.wire.records import ServerStatus
 SMOOTHING = 0.3  # weight of a new observation in the moving averages
 RTT_FLOOR = 0.003
 # a hop silent this many times its slowest recent decode step (and at least SILENCE_FLOOR seconds) is
-# replaced as a dead one is: a frozen server would otherwise stall its streams until the request timeout
+# pinged, and replaced as a dead one is if it misses the ping (client/silence.py)
 SILENCE_FACTOR = 8
-SILENCE_FLOOR = 2.0
+SILENCE_FLOOR = 1.5
 RECENT_STEPS = 8
 
 

@@ -175,6 +175,19 @@ async def test_a_server_silent_for_many_times_its_step_time_is_replaced_before_t
         chain[2].kill()
 
 
+async def test_a_busy_server_that_answers_pings_is_waited_for(network, head, reference):
+    chain = await three_hops(network)
+    client = network.client()
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await decode(session, head, ids[:, :12])
+        await network.add_server((4, 6))
+        chain[2].spans.primary.engine.pass_delay = 3.0  # suddenly slow (loaded), but alive
+        outputs = await session.astep(head.embed(ids[:, 12:13]))
+        assert session.num_failovers == 0 and chain[2].peer_id in {hop.peer_id for hop in session.route}
+        assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
+
+
 async def test_without_a_replica_the_step_fails_naming_the_blocks(network, head):
     chain = await three_hops(network)
     client = network.client(routing_timeout=0.5)
