@@ -28,7 +28,7 @@ LAYERS = [
 ]
 CLIENT_LAYERS = [
     {"runtime"},
-    {"span_stream", "peers"},
+    {"span_stream", "peers", "silence"},
     {"estimates", "bans", "swarm_view", "router"},
     {"swarm", "retries", "hop_history", "push_trust", "chain", "passes"},
     {"session"},

@@ -8,7 +8,10 @@ runs the step once, whichever copy (pushed or the client's) arrives first (forge
 Failover: when a hop's server fails (error, timeout, lost connection, dead process), the chain bans it,
 routes its blocks again (possibly over several servers), replays the inputs the hop had received to the
 replacement in chunks, so that its cache matches, and retries the step there, within a retry budget.
-A server a spot check caught lying is replaced the same way (`replace`), after a rewind.
+A server a spot check caught lying is replaced the same way (`replace`), after a rewind. A decode step
+unanswered for several times the server's recent decode steps (client/estimates.py `silence_limit`,
+at least a second or two) whose server then misses a ping counts as a failure (client/silence.py): a
+frozen server is replaced without waiting for the request timeout; a busy one that answers is waited for.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from corolla.client.hop_history import HopHistory
 from corolla.client.peers import hop_encodings
 from corolla.client.push_trust import PushTrust
 from corolla.client.retries import RetryBudget
+from corolla.client.silence import unless_silent
 from corolla.client.span_stream import ForgedPush, Opening, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
 from corolla.errors import RETRYABLE, ServerUnavailable
@@ -159,10 +163,17 @@ class Chain:
         self, link: Link, step: Step, route: StepRoute, encoded: runtime_pb2.Tensor | None
     ) -> Reply:
         started = time.perf_counter()
-        reply = await link.stream.step(step, route, encoded)
-        if step.hidden.shape[1] == 1 and not route.pushed:  # a decode step's time says how fast it is
-            hop = link.hop
-            self.swarm.estimates.observe_step(hop.peer_id, time.perf_counter() - started, hop.end - hop.start)
+        hop = link.hop
+        estimates = self.swarm.estimates
+        decode = step.hidden.shape[1] == 1
+        limit = estimates.silence_limit(hop.peer_id) if decode else None
+        transport = self.swarm.peers.transport
+        reply = await unless_silent(link.stream.step(step, route, encoded), limit, transport, hop.peer_id)
+        seconds = time.perf_counter() - started
+        if decode:
+            estimates.replied(hop.peer_id, seconds)
+        if decode and not route.pushed:  # a decode step's time says how fast it is
+            estimates.observe_step(hop.peer_id, seconds, hop.end - hop.start)
         link.history.record(step, reply.outputs)
         return reply
 

@@ -17,6 +17,11 @@ from corolla.wire.records import ServerStatus
 
 SMOOTHING = 0.3  # weight of a new observation in the moving averages
 RTT_FLOOR = 0.003
+# a hop silent this many times its slowest recent decode step (and at least SILENCE_FLOOR seconds) is
+# pinged, and replaced as a dead one is if it misses the ping (client/silence.py)
+SILENCE_FACTOR = 8
+SILENCE_FLOOR = 1.5
+RECENT_STEPS = 8
 
 
 class ServerEstimates:
@@ -26,6 +31,7 @@ class ServerEstimates:
         self.infos: dict[str, ServerStatus] = {}
         self.mine: Counter[str] = Counter()  # this client's open span sessions per server
         self._recent_rtts: dict[str, deque[float]] = {}
+        self._recent_steps: dict[str, deque[float]] = {}  # the latest decode steps' round trips
 
     def has_rtt(self, peer_id: str) -> bool:
         return peer_id in self.rtt
@@ -42,6 +48,16 @@ class ServerEstimates:
         """A decode step's round trip on `num_blocks` blocks of this server."""
         compute = max(seconds - self.rtt.get(peer_id, 0.0), 0.0) / num_blocks
         self.observed[peer_id] = _smooth(self.observed.get(peer_id), compute)
+
+    def replied(self, peer_id: str, seconds: float) -> None:
+        """A decode step's round trip on this server, pushed or not (for `silence_limit`)."""
+        self._recent_steps.setdefault(peer_id, deque(maxlen=RECENT_STEPS)).append(seconds)
+
+    def silence_limit(self, peer_id: str) -> float | None:
+        """How long a decode step may go unanswered before its server counts as failed (None: no decode
+        step seen yet, so no measure of its pace: the request timeout applies)."""
+        recent = self._recent_steps.get(peer_id)
+        return max(SILENCE_FLOOR, SILENCE_FACTOR * max(recent)) if recent else None
 
     def acquire(self, hops: Iterable[Hop]) -> None:
         self.mine.update(hop.peer_id for hop in hops)

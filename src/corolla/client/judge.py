@@ -3,7 +3,9 @@
 More opinions decide, supposing one server among those compared is lying (a liar changes every chain it
 is in): the same work run on a chain of servers outside both sides; with too few replicas for that, one
 chain per checker that avoids it and the checked server. The servers found faulty are banned for good
-(client/bans.py) and counted.
+(client/bans.py) and counted. A dispute no other server can settle accuses no one: this client avoids
+both sides (`Undecided`) and judges it again once the swarm has changed (`settle`), as a server of those
+blocks, or servers of parts of them, may have joined.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.client.agreement import deviation
+from corolla.client.bans import Undecided
 from corolla.client.swarm import Swarm
 from corolla.errors import RETRYABLE, CorollaError, MissingBlocks
 from corolla.swarm.routing import Hop
@@ -43,6 +46,8 @@ class Judge:
         self.swarm = swarm
         self.counts = counts  # the spot checker's: failed, third opinions
         self.found: dict[str, str] = {}  # peer id -> what a check found
+        self.pending: dict[Undecided, Dispute] = {}  # disputes no server could settle yet
+        self._settled_at = 0.0  # when the swarm view was read at the last try to settle them
 
     async def elsewhere(self, hop: Hop, run: Run, avoid: set[str]) -> tuple[torch.Tensor | None, list[str]]:
         """`run` on a chain of servers over blocks [hop.start, hop.end), none in `avoid` (None: no such
@@ -60,24 +65,52 @@ class Judge:
         return result, [link.peer_id for link in chain]
 
     async def judge(self, dispute: Dispute) -> tuple[str, ...]:
-        """More opinions decide who is faulty (`opinions`); reports and returns the faulty servers."""
+        """More opinions decide who is faulty (`opinions`); reports and returns the faulty servers.
+        Undecided: both sides, avoided by this client but not reported."""
         self.counts["third opinions"] += 1
+        hop = dispute.hop
         faulty = await self.opinions(dispute)
+        if faulty is None:
+            undecided = Undecided(hop.peer_id, tuple(dispute.checkers), hop.start, hop.end)
+            self.counts["undecided"] += 1
+            self.pending[undecided] = dispute
+            self.swarm.bans.dispute(undecided)
+            return undecided.peers
+        self._convict(dispute, faulty)
+        return faulty
+
+    async def settle(self) -> None:
+        """Judge the undecided disputes again on a chain of servers outside both sides, if the swarm was
+        read again since the last try (servers of those blocks may have joined)."""
+        if not self.pending or self.swarm.view.refreshed_at == self._settled_at:
+            return
+        self._settled_at = self.swarm.view.refreshed_at
+        for undecided, dispute in list(self.pending.items()):
+            opinion, _ = await self.elsewhere(dispute.hop, dispute.run, set(undecided.peers))
+            if opinion is None:
+                continue
+            del self.pending[undecided]
+            self.swarm.bans.settle(undecided)
+            self.counts["undecided"] -= 1
+            faulty = undecided.checkers if dispute.agree(dispute.result, opinion) else (undecided.checked,)
+            logger.info("Settled %s: ...%s lied", undecided.describe(), " ...".join(p[-6:] for p in faulty))
+            self._convict(dispute, faulty)
+
+    def _convict(self, dispute: Dispute, faulty: tuple[str, ...]) -> None:
         hop = dispute.hop
         if hop.peer_id not in faulty:  # the checked result is right after all
             self._report(faulty, f"disagreed with two others on blocks {hop.start}:{hop.end}")
         else:
             seen = float(deviation(dispute.result.reshape(1, -1), dispute.reference.reshape(1, -1)))
             self._report(faulty, f"wrong outputs for blocks {hop.start}:{hop.end} (deviation {seen:.3g})")
-        return faulty
 
-    async def opinions(self, dispute: Dispute) -> tuple[str, ...]:
+    async def opinions(self, dispute: Dispute) -> tuple[str, ...] | None:
         """Who is faulty, supposing one server of the two chains is.
 
         A chain of servers outside both decides. Without one (too few replicas), one chain per checker that
         avoids it and the checked server: one that agrees with the checked result convicts the checkers it
         avoided; one that agrees with the reference clears the checker it avoided, and the checked server
-        is faulty once every checker is cleared. Undecided, both sides are faulty (the client uses neither).
+        is faulty once every checker is cleared. None: undecided.
         """
         hop = dispute.hop
         checkers = dispute.checkers
@@ -93,7 +126,7 @@ class Judge:
                 return tuple(c for c in checkers if c not in servers)
             if opinion is not None and agree(dispute.reference, opinion):
                 cleared.add(checker)
-        return (hop.peer_id,) if cleared == set(checkers) else (hop.peer_id, *checkers)
+        return (hop.peer_id,) if cleared == set(checkers) else None
 
     def _report(self, peers: tuple[str, ...] | list[str], what: str) -> None:
         for peer_id in peers:

@@ -5,7 +5,8 @@
 when `exact`, and taking sessions of the request's length. Among them the cheapest chain is chosen under
 what the client knows of each server (client/estimates.py, swarm/routing.py). With blocks uncovered, the
 router waits up to `routing_timeout` for servers (re-reading the DHT), then raises MissingBlocks naming
-the blocks and, in a private swarm, why servers refused this peer.
+the blocks and, in a private swarm, why servers refused this peer, and any undecided dispute between servers
+of them (client/bans.py), which it tries to settle while it waits.
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ class Router:
                     if await self._view.ping_silent(avoid):
                         continue
                 if not wait:
-                    raise
+                    raise MissingBlocks(e.message + self._bans.explain(start, end), e.blocks) from None
+                if self._bans.settle_disputes is not None and self._bans.undecided:
+                    await self._bans.settle_disputes()  # a server that joined may settle one
                 if time.monotonic() + delay > deadline:
-                    self._raise_missing(e)
+                    self._raise_missing(e, start, end)
                 logger.debug("Waiting for servers: %s", e.message)
             await asyncio.sleep(delay)
             delay = min(delay * 2, LONGEST_WAIT)
@@ -132,13 +135,15 @@ class Router:
             rng=self._rng,
         )
 
-    def _raise_missing(self, error: MissingBlocks) -> None:
+    def _raise_missing(self, error: MissingBlocks, start: int, end: int) -> None:
         config = self.config
         refusals = self._view.refusals
         which = f" with adapter {config.active_adapter!r}" if config.active_adapter is not None else ""
         which += " with full-precision weights (exact)" if config.exact else ""
         refused = f"; {counted(len(refusals), 'server')} refused this peer: " if refusals else ""
         refused += next(iter(refusals.values()), "")
+        disputes = self._bans.explain(start, end)
         raise MissingBlocks(
-            f"{error.message}; waited {config.routing_timeout:.0f}s for servers{which}{refused}", error.blocks
+            f"{error.message}; waited {config.routing_timeout:.0f}s for servers{which}{refused}{disputes}",
+            error.blocks,
         ) from None

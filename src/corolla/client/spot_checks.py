@@ -86,6 +86,8 @@ class SpotChecker:
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()  # passed, failed, unchecked (no other server), third opinions
         self.judge = Judge(swarm, self.counts)
+        if swarm is not None:
+            swarm.bans.settle_disputes = self.judge.settle  # the router tries when blocks are missing
         self._sessions: weakref.WeakKeyDictionary[InferenceSession, _SessionChecks] = (
             weakref.WeakKeyDictionary()
         )
@@ -102,6 +104,7 @@ class SpotChecker:
         """Check the hops due at this round (each once per window of rounds), or `every_hop`; a verdict
         when a server of the session's chain is faulty."""
         state = self._state(session)
+        await self.judge.settle()
         if session.has_pending_tree:
             return None
         links = session.chain.links

@@ -1,10 +1,11 @@
 """Who serves what, as this client sees it: the servers' records, and which of them answered.
 
 A background task re-reads the DHT and pings every server (rpc_info: round-trip time and live load)
-every `refresh_period`. A record alone (any peer can sign one for itself) never makes a server: only
-servers that answered a ping are `answered`. Servers announcing another model under the same prefix are
-set apart (`mismatched`); a private swarm's servers that refuse this peer say why (`refusals`); records
-the DHT read refused are counted by reason (`rejected_records`).
+every `refresh_period`; servers avoided after a failure are pinged too, in the background, so that one
+that comes back is reinstated (client/bans.py). A record alone (any peer can sign one for itself) never
+makes a server: only servers that answered a ping are `answered`. Servers announcing another model under
+the same prefix are set apart (`mismatched`); a private swarm's servers that refuse this peer say why
+(`refusals`); records the DHT read refused are counted by reason (`rejected_records`).
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ class SwarmView:
         self._bans = bans
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
+        self._probing: asyncio.Future | None = None  # pings of avoided servers: are they back?
 
     def start(self) -> None:
         self._refresher = asyncio.create_task(self._refresh_forever(), name="corolla-swarm-refresh")
 
     async def shutdown(self) -> None:
-        for task in (self._refresher, self._refreshing):
+        for task in (self._refresher, self._refreshing, self._probing):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -102,13 +104,21 @@ class SwarmView:
         self._statuses = {span.peer_id: span.info for span in spans}
         self.refreshed_at = time.monotonic()
         banned = self._bans.banned()
+        self._probe({s.peer_id for s in spans} & self._bans.avoided())
         await asyncio.gather(*(self._ping(s.peer_id) for s in spans if s.peer_id not in banned))
         return spans
+
+    def _probe(self, avoided: set[str]) -> None:
+        """Ping servers avoided after a failure, in the background (a dead one takes a ping's timeout)."""
+        avoided -= self._bans.disputed()
+        if avoided and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.ensure_future(asyncio.gather(*(self._ping(p) for p in avoided)))
 
     async def _ping(self, peer_id: str) -> None:
         # a server met for the first time gets a few pings: one round trip alone is noise
         for _ in range(1 if self._estimates.has_rtt(peer_id) else 3):
             answer = await self._peers.ping(peer_id)
+            self._bans.pinged(peer_id, answer.answered)
             if not answer.answered:
                 if answer.refusal is not None:
                     self.refusals[peer_id] = answer.refusal

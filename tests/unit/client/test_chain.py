@@ -159,6 +159,36 @@ async def test_a_frozen_server_times_out_and_is_replaced(network, head, referenc
         chain[2].kill()
 
 
+async def test_a_server_silent_for_many_times_its_step_time_is_replaced_before_the_timeout(
+    network, head, reference
+):
+    chain = await three_hops(network)
+    client = network.client(request_timeout=40.0)
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await decode(session, head, ids[:, :12])  # three decode steps: each hop's pace is known
+        await network.add_server((4, 6))
+        chain[2].freeze()
+        # replaced after a few seconds of silence (estimates.silence_limit), not the 40 s timeout
+        outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 20.0)
+        assert session.num_failovers == 1 and chain[2].peer_id not in {hop.peer_id for hop in session.route}
+        assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
+        chain[2].kill()
+
+
+async def test_a_busy_server_that_answers_pings_is_waited_for(network, head, reference):
+    chain = await three_hops(network)
+    client = network.client()
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await decode(session, head, ids[:, :12])
+        await network.add_server((4, 6))
+        chain[2].spans.primary.engine.pass_delay = 3.0  # suddenly slow (loaded), but alive
+        outputs = await session.astep(head.embed(ids[:, 12:13]))
+        assert session.num_failovers == 0 and chain[2].peer_id in {hop.peer_id for hop in session.route}
+        assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
+
+
 async def test_without_a_replica_the_step_fails_naming_the_blocks(network, head):
     chain = await three_hops(network)
     client = network.client(routing_timeout=0.5)
