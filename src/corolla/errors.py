@@ -39,6 +39,14 @@ class InvalidRequest(CorollaError):
     """A request (from a peer, a user or a CLI) is malformed or exceeds a limit."""
 
 
+class LengthLimit(InvalidRequest):
+    """A session would be longer than the servers of some blocks keep: `limit` tokens at most."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
+
+
 class SessionNotFound(CorollaError):
     """A message refers to an inference session that does not exist (any more) on this server."""
 

@@ -84,6 +84,13 @@ class Command:
         self.popen.wait()
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # it has exited already
+        pass
+
+
 def _alive(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
@@ -166,16 +173,21 @@ def test_demo_sighup_stops_its_whole_swarm(chat_model, tmp_path):
         demo.kill()
 
 
-def test_generate_ctrl_c_exits_quietly_with_130(slow_swarm, chat_model, tmp_path):
+@pytest.mark.parametrize("gap", [None, 0.0, 0.3], ids=["once", "twice-at-once", "twice-apart"])
+def test_generate_ctrl_c_exits_quietly_with_130(slow_swarm, chat_model, tmp_path, gap):
+    """Ctrl-C once, or twice: `timeout -s INT` signals the command, then its group, at once; a user presses
+    Ctrl-C again while the first one is being handled."""
     args = ["generate", str(chat_model), "hello", "--raw", "--max-new-tokens", "200", "--no-nat-port-map"]
     generate = Command([*args, "--initial-peers", slow_swarm.initial_peers[0]], tmp_path / "generate.log")
     try:
         generate.wait_for(lambda: generate.out(), timeout=120)  # the first generated characters
-        status, took = generate.signal_and_wait(signal.SIGINT, bound=20)
+        if gap is not None:  # a second one, to the group, after the first to the command alone
+            threading.Timer(gap, _signal_group, (generate.pid, signal.SIGINT)).start()
+        status, took = generate.signal_and_wait(signal.SIGINT, bound=20, group=gap is None)
         assert status == 130, generate.log()[-3000:]
         assert "Traceback" not in generate.log() and "Error" not in generate.log(), generate.log()[-3000:]
         generate.assert_all_gone()
-        print(f"corolla generate: exited {took:.1f}s after Ctrl-C")
+        print(f"corolla generate: exited {took:.1f}s after Ctrl-C ({gap=})")
     finally:
         generate.kill()
 

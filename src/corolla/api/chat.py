@@ -59,14 +59,15 @@ def prepare(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt | Erro
         return invalid(f"the tools' parameter schemas: {e}", "tools")
     if grammar is not None:
         return ChatPrompt(ids, grammar, calls)
-    formatted = format_grammar(request)
+    formatted = format_grammar(request, request.token_limit)
     return formatted if isinstance(formatted, ErrorResponse) else ChatPrompt(ids, formatted, calls)
 
 
-def format_grammar(request: SamplingRequest) -> str | None | ErrorResponse:
-    """The response format's grammar (None for free text), or the 400 for a schema it cannot enforce."""
+def format_grammar(request: SamplingRequest, max_tokens: int | None) -> str | None | ErrorResponse:
+    """The response format's grammar (None for free text), its answers fitted to `max_tokens`, or the 400
+    for a schema it cannot enforce."""
     try:
-        return request.response_format.grammar() if request.response_format else None
+        return request.response_format.grammar(max_tokens) if request.response_format else None
     except InvalidRequest as e:
         return invalid(f"response_format: {e}", "response_format")
 

@@ -67,10 +67,11 @@ class RequestedFormat(OpenAIBaseModel):
             return {"type": "object"}
         return None if self.json_schema is None else self.json_schema.schema_
 
-    def grammar(self) -> str | None:
-        """llguidance's grammar for this format (None for free text); raises InvalidRequest."""
+    def grammar(self, max_tokens: int | None = None) -> str | None:
+        """llguidance's grammar for this format (None for free text), its open bounds fitted to
+        `max_tokens`; raises InvalidRequest."""
         schema = self.answer_schema()
-        return None if schema is None else json_schema_grammar(schema)
+        return None if schema is None else json_schema_grammar(schema, max_tokens)
 
 
 class SamplingRequest(OpenAIBaseModel):

@@ -100,7 +100,7 @@ class OpenAIServing:
         for ids in prompts:
             if any(not 0 <= t < vocab for t in ids):
                 return _invalid(f"prompt holds token ids outside the vocabulary of {vocab}", "prompt")
-        grammar = chat.format_grammar(request)
+        grammar = chat.format_grammar(request, request.max_tokens)
         if isinstance(grammar, ErrorResponse):
             return grammar
         return await self._generate(

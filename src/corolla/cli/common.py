@@ -51,8 +51,9 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen
     group.add_argument(
         "--announce-host",
         default=None,
-        help="address other peers should use to reach this one (needs --port)",
+        help=f"address other peers should use to reach this one (needs --{listen_flag}port)",
     )
+    parser.set_defaults(port_flag=f"--{listen_flag}port")
     group.add_argument(
         "--nat-port-map",
         action=argparse.BooleanOptionalAction,
@@ -164,8 +165,14 @@ def _peer(text: str) -> str:
 
 
 def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> SwarmConfig:
+    port_flag = getattr(args, "port_flag", "--port")
     if not 0 <= args.port <= 65535:
-        raise InvalidRequest(f"--port must lie in 0..65535, got {args.port}")
+        raise InvalidRequest(f"{port_flag} must lie in 0..65535, got {args.port}")
+    if args.announce_host is not None and args.port == 0:  # peers would be told no port to dial
+        raise InvalidRequest(
+            f"--announce-host {args.announce_host} needs a fixed {port_flag} (the port other peers dial, "
+            "forwarded to this machine if it is behind NAT)"
+        )
     return SwarmConfig(
         initial_peers=tuple(args.initial_peers),
         host=args.host,

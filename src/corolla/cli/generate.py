@@ -8,8 +8,8 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from corolla.cli.common import add_client_args, add_swarm_args, client_config
-from corolla.cli.signals import exit_on
-from corolla.errors import InvalidRequest
+from corolla.cli.signals import exit_now, exit_on
+from corolla.errors import InvalidRequest, LengthLimit
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
     from corolla.decoding.sampling import SamplingParams
@@ -111,11 +111,43 @@ def run(args: argparse.Namespace) -> None:
             "no --initial-peers: this client knows no peer to find servers through; pass the address "
             "`corolla dht` (or a server) prints, e.g. --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm..."
         )
-    exit_on(signal.SIGTERM, signal.SIGHUP)  # through `with model`: its DHT process and daemon stop too
+    # through `with model`: its DHT process and daemon stop too; Ctrl-C again (`timeout -s INT` signals the
+    # command, then its group) is ignored while they stop
+    exit_on(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     params = sampling_params(args)
     config = client_config(args)
-    with DistributedModelForCausalLM.from_pretrained(
-        args.model, dht_prefix=args.dht_prefix, config=config
-    ) as model:
-        input_ids = encode_prompt(model.tokenizer, args.prompt, args.system, args.raw)
+    model = None
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            args.model, dht_prefix=args.dht_prefix, config=config
+        ) as model:
+            generate_text(model, args, params)
+    except SystemExit as e:
+        if model is None:  # stopped while starting: the interpreter's exit stops what was started
+            raise
+        print(flush=True)  # end the line the completion stopped in
+        exit_now(e.code)  # `with model` has stopped it all
+
+
+def generate_text(model: Any, args: argparse.Namespace, params: SamplingParams) -> None:
+    input_ids = encode_prompt(model.tokenizer, args.prompt, args.system, args.raw)
+    check_length(len(input_ids), params.max_new_tokens, model.config.max_position_embeddings)
+    try:
         stream_completion(model, input_ids, params, sys.stdout)
+    except LengthLimit as e:  # in the words the user typed, as the API says it
+        raise InvalidRequest(
+            f"--max-new-tokens={params.max_new_tokens} plus the prompt's {len(input_ids)} tokens exceed "
+            f"the {e.limit} tokens a session may hold on the swarm's servers (their "
+            "--inference-max-length)"
+        ) from None
+
+
+def check_length(prompt: int, max_new_tokens: int, context: int) -> None:
+    """The API's check (api/serving.py), in the CLI's words: the prompt and the new tokens fit the model."""
+    if prompt >= context:
+        raise InvalidRequest(f"the prompt has {prompt} tokens; this model's context is {context}")
+    if prompt + max_new_tokens > context:
+        raise InvalidRequest(
+            f"--max-new-tokens={max_new_tokens} plus the prompt's {prompt} tokens exceed this model's "
+            f"context of {context} tokens"
+        )

@@ -68,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _limit_options(parser, defaults)
     _operation_options(parser, defaults)
     add_swarm_args(parser, default_host="0.0.0.0")
+    _testing_options(parser.add_argument_group("for testing only (make this server misbehave)"), defaults)
     parser.set_defaults(run=run)
 
 
@@ -191,19 +192,28 @@ def _operation_options(parser: argparse.ArgumentParser, defaults: ServerConfig) 
         "http://METRICS_HOST:PORT/metrics (default: off)",
     )
     option("metrics_host", None, "address for --metrics-port (default: %(default)s)")
-    option("simulate_slow_ms", float, "testing aid: make this server slow: sleep this long after every pass")
-    option(
-        "simulate_faulty",
-        None,
-        "testing aid: make this server compute wrong outputs, for spot checks to catch: noise[:SCALE] "
-        "(Gaussian noise, SCALE x each block's output RMS, default 0.1), skip-layer (its last block does "
-        "nothing), wrong-weights (its first block's MLP output weights permuted), garbage-after:N (random "
-        "outputs after N passes)",
-    )
     option(
         "num_threads",
         int,
         "torch compute threads (default: torch's choice; use 1 when several peers share a small machine)",
+    )
+
+
+def _testing_options(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
+    """Testing aids, apart from the real options in --help: never for a server others rely on."""
+
+    def option(name: str, kind: type | None, text: str) -> None:
+        group.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name), help=text
+        )
+
+    option("simulate_slow_ms", float, "sleep this long after every pass")
+    option(
+        "simulate_faulty",
+        None,
+        "compute wrong outputs, for spot checks to catch: noise[:SCALE] (Gaussian noise, SCALE x each "
+        "block's output RMS, default 0.1), skip-layer (its last block does nothing), wrong-weights (its "
+        "first block's MLP output weights permuted), garbage-after:N (random outputs after N passes)",
     )
 
 

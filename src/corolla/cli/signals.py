@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 
 
 def exit_on(*signals: signal.Signals, status: int | None = None) -> None:
@@ -20,3 +23,16 @@ def exit_on(*signals: signal.Signals, status: int | None = None) -> None:
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+def exit_now(status: int | str | None) -> None:
+    """Exit with `status` at once, once a command has stopped what it started: without the interpreter's
+    teardown, which frees torch's and transformers' state for 1-2 s after Ctrl-C (the user waits for
+    the prompt)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe
+            pass
+    os._exit(status if isinstance(status, int) else 1)

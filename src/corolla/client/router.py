@@ -21,7 +21,7 @@ from corolla.client.bans import Bans
 from corolla.client.estimates import ServerEstimates
 from corolla.client.swarm_view import SwarmView
 from corolla.config import ClientConfig
-from corolla.errors import InvalidRequest, MissingBlocks, counted
+from corolla.errors import LengthLimit, MissingBlocks, counted
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.routing import Hop, choose_chain, format_blocks, uncovered_blocks
 
@@ -117,9 +117,10 @@ class Router:
         short = uncovered_blocks(usable, start, end)
         if short and not uncovered_blocks(served, start, end):
             limit = max(s.info.inference_max_length for s in served if s.start <= short[0] < s.end)
-            raise InvalidRequest(
+            raise LengthLimit(
                 f"max_length={max_length} exceeds the inference_max_length of every server for blocks "
-                f"{format_blocks(short)} (at most {limit})"
+                f"{format_blocks(short)} (at most {limit})",
+                limit,
             )
         return usable
 

@@ -8,11 +8,14 @@ loop. Any number of threads may call in at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 CANCEL_TIMEOUT = 10.0  # how long an interrupted call waits for its cancelled coroutine to end
 
 
@@ -46,7 +49,7 @@ class LoopThread:
             # step of an async generator) before the caller goes on, or a caller that then closes what it
             # was using (generate_stream's aclose) would find it still running
             future.cancel()
-            ended.wait(CANCEL_TIMEOUT)
+            _wait_out(ended, CANCEL_TIMEOUT)
             raise
 
     def iterate(self, stream: AsyncIterator[T]) -> Iterator[T]:
@@ -59,7 +62,10 @@ class LoopThread:
                     return
         finally:
             if self.loop.is_running():  # after stop() there is nothing left to close
-                self.run(stream.aclose())
+                try:
+                    self.run(stream.aclose())
+                except RuntimeError:  # its cancelled step outlived CANCEL_TIMEOUT: it ends on its own
+                    logger.debug("A stream's step was still running when it was left", exc_info=True)
 
     def stop(self) -> None:
         if self.loop.is_running():
@@ -68,6 +74,18 @@ class LoopThread:
             self._thread.join(timeout=10)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+def _wait_out(ended: threading.Event, timeout: float) -> None:
+    """Wait for `ended` up to `timeout` seconds, through any further Ctrl-C: the first one is on its way up
+    already, and a second one must not leave the cancelled coroutine running behind the caller's back."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ended.wait(max(0.0, deadline - time.monotonic()))
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 async def _tracked(coro: Coroutine[Any, Any, T], ended: threading.Event) -> T:

@@ -22,6 +22,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from corolla.decoding.json_bounds import bounded_schema
 from corolla.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -35,10 +36,12 @@ JSON_OPTIONS: llguidance.JsonCompileOptions = {
 }
 
 
-def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    """The grammar of JSON matching `schema` (True or {} for any JSON value); raises InvalidRequest."""
+def json_schema_grammar(schema: dict[str, Any] | bool, max_tokens: int | None = None) -> str:
+    """The grammar of JSON matching `schema` (True or {} for any JSON value), with the bounds it leaves open
+    filled in to fit `max_tokens` (decoding/json_bounds.py); raises InvalidRequest."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
+    schema = bounded_schema(schema, max_tokens)
     return checked(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
 
 

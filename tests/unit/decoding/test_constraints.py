@@ -109,3 +109,59 @@ def test_a_stop_string_ends_a_constrained_row_early(tokenizer):
         ", "
     )  # cut at the stop string, as without a grammar
     assert bool(chooser.ends.finished[0]) and chooser.num_chosen < 60
+
+
+OPEN_SCHEMA = {  # as a user writes it: no additionalProperties, no maxLength, no maxItems, no integer bounds
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "tags"],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.mark.parametrize("max_tokens", [30, 60, 100])
+def test_an_open_schema_still_parses_within_a_small_max_tokens(smollm2_tokenizer, max_tokens):
+    """A model that rambles (random logits over SmolLM2's vocabulary) under a schema that bounds nothing:
+    extra keys are forbidden, and strings and arrays are bounded so that the object closes before
+    max_tokens cuts it off."""
+    tokenizer, eos = smollm2_tokenizer, smollm2_tokenizer.eos_token_id
+    params = SamplingParams(max_new_tokens=max_tokens, grammar=json_schema_grammar(OPEN_SCHEMA, max_tokens))
+    for noise in range(6):
+        chooser = Chooser(params, RowEnds(params, [eos], tokenizer, 1), eos, torch.zeros(1, 1).long())
+        logits = torch.Generator().manual_seed(noise)
+        while not chooser.done:
+            chooser.choose(torch.randn(1, len(tokenizer), generator=logits) * 5)
+        text = tokenizer.decode([t for t in chooser.context[0, 1:].tolist() if t != eos])
+        value = json.loads(text)
+        assert set(value) == {"name", "tags"} and isinstance(value["tags"], list), text
+        assert bool(chooser.ends.finished.all())
+
+
+def test_extra_keys_are_forbidden_unless_the_schema_allows_them(tokenizer):
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for noise in range(4):
+        _, (text,) = run(tokenizer, json_schema_grammar(closed, 60), steps=60, do_sample=True, seed=noise)
+        assert set(json.loads(text)) == {"a"}, text
+    allowed = {**closed, "additionalProperties": {"type": "integer"}}
+    extra = [
+        run(tokenizer, json_schema_grammar(allowed), steps=200, do_sample=True, seed=n)[1][0]
+        for n in range(8)
+    ]
+    assert any(set(json.loads(text)) > {"a"} for text in extra if text.endswith("}")), extra
+
+
+def test_all_of_branches_keep_their_properties_together(tokenizer):
+    parts = {
+        "allOf": [
+            {"properties": {"a": {"const": 1}}, "required": ["a"]},
+            {"properties": {"b": {"type": "integer"}}, "required": ["b"]},
+        ]
+    }
+    _, (text,) = run(tokenizer, json_schema_grammar({"type": "object", **parts}, 60), steps=60)
+    assert {"a", "b"} <= set(json.loads(text)), text

@@ -1,0 +1,41 @@
+"""The client's loop thread under Ctrl-C: any number of interrupts while a stream's step unwinds end the
+iteration with one KeyboardInterrupt, after the step has unwound (never `aclose(): asynchronous generator
+is already running`)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+
+import pytest
+
+from corolla.client.runtime import LoopThread
+
+
+def test_second_ctrl_c_while_a_step_unwinds_raises_keyboard_interrupt():
+    runtime = LoopThread("test-runtime")
+    unwound = threading.Event()
+
+    async def stream():
+        yield 1
+        try:
+            await asyncio.sleep(60)  # the step in flight when Ctrl-C comes
+        finally:
+            await asyncio.shield(asyncio.sleep(0.6))  # closing the session on its servers, say
+            unwound.set()
+        yield 2
+
+    main = threading.main_thread().ident
+    try:
+        steps = runtime.iterate(stream())
+        assert next(steps) == 1
+        for delay in (0.2, 0.4):  # Ctrl-C, then again while the step unwinds
+            threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt) as raised:
+            next(steps)
+        assert unwound.is_set()
+        assert not isinstance(raised.value.__context__, RuntimeError)
+        assert runtime.run(asyncio.sleep(0, "still serving")) == "still serving"
+    finally:
+        runtime.stop()
