@@ -32,7 +32,9 @@ float32 activations takes 6x to 50x the time (not vectorized). Only an int8 grid
 (asymmetric groups of 32 with a float minimum, simulated: 512 of 512), and neither torch nor torchao has a
 CPU kernel for it: torchao's IntxWeightOnlyConfig dequantizes on every call (2.4x the time per token even on
 SmolLM2), and its integer zero points miss the grid (268 of 512). On weights not stored on a 4-bit grid int8
-is the faithful one (the tiny random model in tests: 0.7% vs 11% of the logits).
+is the faithful one (the tiny random model in tests: 0.7% vs 11% of the logits). Float32 weights with every
+linear's input and output rounded to bfloat16 agree on 316 of 512: int4 sits at that ceiling, so an int8 on
+bfloat16 kernels could at best tie it, by chance; only float32 compute beats it reliably.
 
 MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
 `...Experts` module: Mixtral, Qwen3-MoE) are not `nn.Linear`: they stay at full precision.
