@@ -23,6 +23,19 @@ place. The span keeps its dtype: activations, norms, biases and the attention ca
   32, not 64: 5 bits per weight instead of 4.5, and SmolLM2's perplexity (bench/quantize.py) 1.002x
   fp32's instead of 1.32x (its weights come from a GGUF quantized in blocks of 32).
 
+Faithfulness (issue 26, item 7): on SmolLM2 int8 agrees with fp32 less than int4 does (bench/quantize.py:
+greedy 239 vs 376 of 512 tokens), and the cause is int8's grid, not its bfloat16 activations. SmolLM2's
+weights come from a Q4_1 GGUF (asymmetric groups of 32 with a float minimum): int4's groups of 32 with float
+zero points land on that grid, int8's per-row steps do not. torchao's per-row int8 run in float32 agrees no
+better (156 of 512 vs 175 on the bfloat16 kernel, bench/quantize_isolation.py), and torch's int8 kernel on
+float32 activations takes 6x to 50x the time (not vectorized). Only an int8 grid holding the int4 one agrees
+(asymmetric groups of 32 with a float minimum, simulated: 512 of 512), and neither torch nor torchao has a
+CPU kernel for it: torchao's IntxWeightOnlyConfig dequantizes on every call (2.4x the time per token even on
+SmolLM2), and its integer zero points miss the grid (268 of 512). On weights not stored on a 4-bit grid int8
+is the faithful one (the tiny random model in tests: 0.7% vs 11% of the logits). Float32 weights with every
+linear's input and output rounded to bfloat16 agree on 316 of 512: int4 sits at that ceiling, so an int8 on
+bfloat16 kernels could at best tie it, by chance; only float32 compute beats it reliably.
+
 MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
 `...Experts` module: Mixtral, Qwen3-MoE) are not `nn.Linear`: they stay at full precision.
 
