@@ -21,49 +21,23 @@ import logging
 import time
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.hop_history import HopHistory
-from corolla.client.peers import hop_encodings
+from corolla.client.links import ChainSpec, Link, open_links
 from corolla.client.push_trust import PushTrust
 from corolla.client.retries import RetryBudget
 from corolla.client.silence import unless_silent
-from corolla.client.span_stream import ForgedPush, Opening, Reply, SpanStream, Step, StepRoute
+from corolla.client.span_stream import ForgedPush, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
-from corolla.errors import RETRYABLE, ServerUnavailable
+from corolla.errors import RETRYABLE
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
 logger = logging.getLogger(__name__)
 
 REPLAY_CHUNK = 512  # tokens per message when replaying a failed server's inputs to its replacement
-
-
-@dataclass
-class Link:
-    """One hop of a chain: the stream to its server and what that server's cache was built from."""
-
-    stream: SpanStream
-    history: HopHistory
-
-    @property
-    def hop(self) -> Hop:
-        return self.stream.hop
-
-
-@dataclass(frozen=True)
-class ChainSpec:
-    """What every server of a chain must take, and which servers it may use."""
-
-    max_length: int
-    alloc_timeout: float = 0.0
-    keep_outputs: bool = False  # each hop's replies too (spot checks compare them)
-    avoid: frozenset[str] = frozenset()  # never these servers (a shadow avoids the server it checks)
-    allowed: frozenset[str] | None = None  # only these servers (a session's own restriction)
-    wait: bool = True  # wait for servers when blocks are uncovered (else MissingBlocks at once)
 
 
 class Chain:
@@ -86,7 +60,8 @@ class Chain:
         return min((0 if status is None else status.max_tree_tokens for status in statuses), default=0)
 
     async def open(self, start: int = 0, end: int | None = None) -> Chain:
-        self.links = await self._open_links(start, self.swarm.num_blocks if end is None else end)
+        end = self.swarm.num_blocks if end is None else end
+        self.links = await open_links(self.swarm, self.spec, start, end)
         return self
 
     async def step(
@@ -231,7 +206,7 @@ class Chain:
     async def _replacement(self, failed: Link) -> list[Link]:
         """A new chain over the failed hop's blocks, brought to the same state by replaying its inputs."""
         started = time.perf_counter()
-        links = await self._open_links(failed.hop.start, failed.hop.end)
+        links = await open_links(self.swarm, self.spec, failed.hop.start, failed.hop.end)
         inputs = failed.history.inputs
         prompts = failed.history.prompts
         start = failed.hop.start
@@ -261,49 +236,6 @@ class Chain:
             step = Step(inputs[:, start : start + REPLAY_CHUNK], start, prompts if start == 0 else None)
             outputs.append((await self._send(link, step, StepRoute(), None)).outputs)
         return torch.cat(outputs, dim=1)
-
-    async def _open_links(self, start: int, end: int) -> list[Link]:
-        """Streams to a chain of servers over blocks [start, end), re-routing around servers that fail to
-        open."""
-        swarm = self.swarm
-        spec = self.spec
-        for _ in range(swarm.config.max_retries + 1):
-            hops = await swarm.router.route(
-                start,
-                end,
-                needed_cache=spec.max_length,
-                max_length=spec.max_length,
-                avoid=spec.avoid,
-                allowed=spec.allowed,
-                wait=spec.wait,
-            )
-            swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
-            results = await asyncio.gather(*self._opening(hops), return_exceptions=True)
-            failed = [(hop, r) for hop, r in zip(hops, results, strict=True) if isinstance(r, BaseException)]
-            if not failed:
-                return [Link(stream, HopHistory(spec.keep_outputs)) for stream in results]
-            swarm.estimates.release(hops)
-            opened = [r for r in results if isinstance(r, SpanStream)]
-            await asyncio.gather(*(stream.close() for stream in opened), return_exceptions=True)
-            for hop, error in failed:
-                if not isinstance(error, RETRYABLE):
-                    raise error
-                swarm.bans.ban(hop.peer_id)
-        raise ServerUnavailable(
-            f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
-        )
-
-    def _opening(self, hops: list[Hop]) -> list:
-        swarm = self.swarm
-        spec = self.spec
-        statuses = [swarm.view.status_of(hop.peer_id) for hop in hops]
-        openings = []
-        for hop, (inbound, outbound) in zip(
-            hops, hop_encodings(swarm.config.wire_encoding, statuses), strict=True
-        ):
-            opening = Opening(spec.max_length, spec.alloc_timeout, swarm.config.active_adapter, outbound)
-            openings.append(swarm.peers.open_session(hop, opening, inbound))
-        return openings
 
     def _close_in_background(self, stream: SpanStream) -> None:
         closing = asyncio.ensure_future(stream.close())

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import torch
 
-from corolla.client.chain import Chain, ChainSpec
+from corolla.client.chain import Chain
+from corolla.client.links import ChainSpec
 from corolla.client.runtime import LoopThread
 from corolla.client.swarm import Swarm
 from corolla.errors import InvalidRequest

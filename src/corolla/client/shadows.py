@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from corolla.client.chain import Chain, ChainSpec, Link
+from corolla.client.chain import Chain
+from corolla.client.links import ChainSpec, Link
 from corolla.client.swarm import Swarm
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from corolla.client.agreement import first_change, first_wrong, gradients_agree, outputs_agree
-from corolla.client.chain import Link
 from corolla.client.judge import Dispute, Judge, Run
+from corolla.client.links import Link
 from corolla.client.passes import forward_along
 from corolla.client.session import InferenceSession
 from corolla.client.shadows import Shadow

@@ -5,8 +5,8 @@ typed messages, hands them to the service that owns the work (inference sessions
 forward and backward passes: server/passes.py; the status: server/status.py) and encodes what comes
 back. Any error a request causes is raised as a typed `CorollaError`; its text goes to the caller
 (swarm/stream_handlers.py for streams, hivemind for unary calls), and only that request or session
-ends. An unexpected error is logged here with its traceback and reaches the caller as a
-`ServerUnavailable`, never as a raw Python exception.
+ends. An unexpected error is logged with its traceback and reaches the caller as a `ServerUnavailable`,
+never as a raw Python exception (server/rpc_errors.py).
 
 What arrives is bounded before it is used: every read of a stream waits at most the step timeout, each
 stream message at most the bytes its handler's limits allow (a session's own, after its first message;
@@ -17,11 +17,9 @@ session's or pass's limits from their declared shape, before they are decoded.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -29,10 +27,11 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.engine.sequence import Gradients
-from corolla.errors import CorollaError, InvalidRequest, NotAllowed, ServerUnavailable, WireError, wire_text
+from corolla.errors import InvalidRequest, NotAllowed
 from corolla.server import validation
 from corolla.server.inference import InferenceService, StepMessage, next_within
 from corolla.server.passes import PassService, output_compression
+from corolla.server.rpc_errors import Unary, reading_to_the_end, typed_errors
 from corolla.server.sessions import Completed
 from corolla.server.status import StatusBoard
 from corolla.swarm.stream_handlers import ProtobufHandlers, limit_messages
@@ -44,29 +43,6 @@ logger = logging.getLogger(__name__)
 
 ExpertRequest = runtime_pb2.ExpertRequest
 ExpertResponse = runtime_pb2.ExpertResponse
-ERROR_DRAIN_SECONDS = 0.5
-Unary = Callable[..., Awaitable[Any]]
-
-
-def _internal_error(rpc: str, error: Exception) -> ServerUnavailable:
-    """An unexpected error: its traceback stays in this server's log, the caller gets a typed error."""
-    logger.error("%s failed unexpectedly", rpc, exc_info=error)
-    return ServerUnavailable(f"{rpc}: internal error on this server ({type(error).__name__})")
-
-
-def _typed_errors(handler: Unary) -> Unary:
-    """A unary handler whose unexpected errors reach the caller typed (hivemind sends it repr(error))."""
-
-    @functools.wraps(handler)
-    async def typed(self: TransformerConnectionHandler, request: Any, context: P2PContext) -> Any:
-        try:
-            return await handler(self, request, context)
-        except CorollaError:
-            raise
-        except Exception as e:
-            raise _internal_error(handler.__name__, e) from e
-
-    return typed
 
 
 class TransformerConnectionHandler:
@@ -131,7 +107,7 @@ class TransformerConnectionHandler:
     def _admitted_stream(self, name: str, handler: Callable[..., AsyncIterator[ExpertResponse]]) -> Callable:
         @functools.wraps(handler)
         async def admitted(requests: AsyncIterator[ExpertRequest], context: P2PContext):
-            async with _reading_to_the_end(requests, name):
+            async with reading_to_the_end(requests, name):
                 self._admit(context)
             async for reply in handler(requests, context):
                 yield reply
@@ -144,7 +120,7 @@ class TransformerConnectionHandler:
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
         """One inference session on a chain of this server's blocks; one reply per step."""
-        async with _reading_to_the_end(requests, "rpc_inference"):
+        async with reading_to_the_end(requests, "rpc_inference"):
             request = await next_within(requests, self.step_timeout)
             if request is None:
                 return
@@ -169,7 +145,7 @@ class TransformerConnectionHandler:
         A link idle for the step timeout is closed: its session here has timed out too, or the pusher's
         next push opens a new link.
         """
-        async with _reading_to_the_end(requests, "rpc_push"):
+        async with reading_to_the_end(requests, "rpc_push"):
             sender = str(context.remote_id)
             while (request := await next_within(requests, self.step_timeout)) is not None:
                 self._check_step(request, self.config.inference_max_length, "inference_max_length")
@@ -195,7 +171,7 @@ class TransformerConnectionHandler:
 
     # --- forward and backward passes ------------------------------------------------------------------------
 
-    @_typed_errors
+    @typed_errors
     async def rpc_forward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         meta = ForwardRequest.from_bytes(request.metadata)
         compression = output_compression(meta)
@@ -205,7 +181,7 @@ class TransformerConnectionHandler:
     async def rpc_forward_stream(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
-        async with _reading_to_the_end(requests, "rpc_forward_stream"):
+        async with reading_to_the_end(requests, "rpc_forward_stream"):
             uid, metadata, parts = await self.passes.collect(requests, num_tensors=2)
             meta = ForwardRequest.from_bytes(metadata)
             compression = output_compression(meta)
@@ -215,7 +191,7 @@ class TransformerConnectionHandler:
                 yield ExpertResponse(tensors=[chunk])
             await self._until_end(requests)
 
-    @_typed_errors
+    @typed_errors
     async def rpc_backward(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         meta = ForwardRequest.from_bytes(request.metadata)
         compression = output_compression(meta)
@@ -225,7 +201,7 @@ class TransformerConnectionHandler:
     async def rpc_backward_stream(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertResponse]:
-        async with _reading_to_the_end(requests, "rpc_backward_stream"):
+        async with reading_to_the_end(requests, "rpc_backward_stream"):
             uid, metadata, parts = await self.passes.collect(requests, num_tensors=3)
             meta = ForwardRequest.from_bytes(metadata)
             compression = output_compression(meta)
@@ -243,7 +219,7 @@ class TransformerConnectionHandler:
 
     # --- status ---------------------------------------------------------------------------------------------
 
-    @_typed_errors
+    @typed_errors
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         return runtime_pb2.ExpertInfo(serialized_info=self.status.snapshot().to_bytes())
 
@@ -279,23 +255,3 @@ async def _later_steps(
             continue
         check(request)
         yield StepMessage(request.uid, meta, list(request.tensors))
-
-
-@contextlib.asynccontextmanager
-async def _reading_to_the_end(requests: AsyncIterator[ExpertRequest], rpc: str) -> AsyncIterator[None]:
-    """On an error, read what the caller already sent before the error reply goes out; the error is typed.
-
-    hivemind closes the stream right after sending an error; closing it with unread incoming data resets
-    the connection, and the reset can overtake the error message. Draining first (briefly: a caller that
-    waits for our reply sends nothing more) lets the caller read a precise error instead of a broken pipe.
-    An unexpected error is logged and sent as a ServerUnavailable.
-    """
-    try:
-        yield
-    except Exception as e:
-        error = e if isinstance(e, CorollaError) else _internal_error(rpc, e)
-        deadline = asyncio.get_running_loop().time() + ERROR_DRAIN_SECONDS
-        with contextlib.suppress(Exception):
-            while (left := deadline - asyncio.get_running_loop().time()) > 0:
-                await asyncio.wait_for(anext(requests), left)
-        raise WireError(wire_text(error)) from e  # hivemind sends a stream's error as str(): keep the class

@@ -1,0 +1,84 @@
+"""The links of a chain (client/chain.py): a stream to each hop's server and what its cache was built from,
+and how a run of them opens over blocks [start, end).
+
+Opening routes the blocks (client/router.py), counts the hops' load at once (so that sessions opened
+together spread out), opens a session on every hop in parallel with the encodings each server takes,
+and routes again around servers that fail to open (banning them), a few times at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from corolla.client.hop_history import HopHistory
+from corolla.client.peers import hop_encodings
+from corolla.client.span_stream import Opening, SpanStream
+from corolla.client.swarm import Swarm
+from corolla.errors import RETRYABLE, ServerUnavailable
+from corolla.swarm.routing import Hop
+
+
+@dataclass
+class Link:
+    """One hop of a chain: the stream to its server and what that server's cache was built from."""
+
+    stream: SpanStream
+    history: HopHistory
+
+    @property
+    def hop(self) -> Hop:
+        return self.stream.hop
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """What every server of a chain must take, and which servers it may use."""
+
+    max_length: int
+    alloc_timeout: float = 0.0
+    keep_outputs: bool = False  # each hop's replies too (spot checks compare them)
+    avoid: frozenset[str] = frozenset()  # never these servers (a shadow avoids the server it checks)
+    allowed: frozenset[str] | None = None  # only these servers (a session's own restriction)
+    wait: bool = True  # wait for servers when blocks are uncovered (else MissingBlocks at once)
+
+
+async def open_links(swarm: Swarm, spec: ChainSpec, start: int, end: int) -> list[Link]:
+    """Streams to a chain of servers over blocks [start, end), re-routing around servers that fail to
+    open."""
+    for _ in range(swarm.config.max_retries + 1):
+        hops = await swarm.router.route(
+            start,
+            end,
+            needed_cache=spec.max_length,
+            max_length=spec.max_length,
+            avoid=spec.avoid,
+            allowed=spec.allowed,
+            wait=spec.wait,
+        )
+        swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
+        results = await asyncio.gather(*_openings(swarm, spec, hops), return_exceptions=True)
+        failed = [(hop, r) for hop, r in zip(hops, results, strict=True) if isinstance(r, BaseException)]
+        if not failed:
+            return [Link(stream, HopHistory(spec.keep_outputs)) for stream in results]
+        swarm.estimates.release(hops)
+        opened = [r for r in results if isinstance(r, SpanStream)]
+        await asyncio.gather(*(stream.close() for stream in opened), return_exceptions=True)
+        for hop, error in failed:
+            if not isinstance(error, RETRYABLE):
+                raise error
+            swarm.bans.ban(hop.peer_id)
+    raise ServerUnavailable(
+        f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
+    )
+
+
+def _openings(swarm: Swarm, spec: ChainSpec, hops: list[Hop]) -> list:
+    statuses = [swarm.view.status_of(hop.peer_id) for hop in hops]
+    openings = []
+    for hop, (inbound, outbound) in zip(
+        hops, hop_encodings(swarm.config.wire_encoding, statuses), strict=True
+    ):
+        opening = Opening(spec.max_length, spec.alloc_timeout, swarm.config.active_adapter, outbound)
+        openings.append(swarm.peers.open_session(hop, opening, inbound))
+    return openings
