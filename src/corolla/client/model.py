@@ -7,13 +7,14 @@ or from its own event loop (the `a*` coroutines).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
 import torch
 
+from corolla.client import hf_generate
 from corolla.client.client import Client
 from corolla.client.embeddings import Pooling, embed_sequences
 from corolla.client.generation import Withdrawals, first_step, generate_steps
@@ -206,25 +207,20 @@ class DistributedModelForCausalLM:
         input_ids: torch.Tensor | Sequence[int],
         params: SamplingParams | None = None,
         session: InferenceSession | None = None,
-        streamer: Callable[[torch.Tensor], None] | None = None,
+        streamer: Any = None,
+        attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Generate like transformers' `generate`: returns [B, T + new] (inputs followed by new tokens).
 
-        kwargs are SamplingParams fields: max_new_tokens, do_sample, temperature, top_k, top_p,
-        repetition_penalty, seed, stop, ignore_eos. `streamer` is called with each step's tokens [B].
+        kwargs are SamplingParams fields (max_new_tokens, do_sample, temperature, top_k, top_p,
+        repetition_penalty, seed, stop, ignore_eos) or transformers' max_length and stop_strings.
+        `attention_mask`: padded rows (left or right) each run without their padding, and get exactly the
+        tokens they get alone. `streamer`: a transformers streamer or a callable of each step's tokens [B]
+        (client/hf_generate.py).
         """
-        input_ids = _as_batch(input_ids)
-        new_tokens = []
-        steps = self.agenerate_steps(input_ids, params, session, withdrawals="redo", **kwargs)
-        for step in self.runtime.iterate(steps):
-            if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
-                del new_tokens[len(new_tokens) - step.withdrawn :]
-                continue
-            new_tokens.append(step.tokens[:, None])
-            if streamer is not None:
-                streamer(step.tokens)
-        return torch.cat([input_ids, *new_tokens], dim=1)
+        ids = _as_batch(input_ids)
+        return hf_generate.generate(self, ids, params, session, streamer, attention_mask, kwargs)
 
     # --- forward pass --------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ top-k and top-p, then a draw from the resulting distribution (greedy takes the a
 penalties). OpenAI's presence and frequency penalties and logit bias come first: they subtract
 `presence * (count > 0) + frequency * count` from each token's logit, counting only the tokens generated
 so far (not the prompt), as OpenAI documents. A seed makes sampling reproducible: each request owns its
-`torch.Generator`. Log-probabilities, when asked for, are those of the model's raw distribution.
+`torch.Generator` (without a seed, seeded from torch's global generator: `torch.manual_seed` holds too).
+Log-probabilities, when asked for, are those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def make_generator(self) -> torch.Generator:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return generator
+        """The request's own generator: from its seed, else seeded by a draw from torch's global generator
+        (so `torch.manual_seed` makes sampling reproducible, as in transformers, and the global generator is
+        advanced, never re-seeded)."""
+        seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        return torch.Generator().manual_seed(seed)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, context_ids: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""What transformers' `generate` takes, on corolla's generation loop (client/model.py `generate`).
+
+- `attention_mask` [B, T]: rows padded on the left or on the right. Each row runs as its own sequence
+  without its padding (a session of its own, all rows at once), so a padded row gets exactly the tokens
+  it gets alone; the result keeps transformers' layout: the input rows as given, then each row's new
+  tokens, then `pad_token_id` after a row that ended early. A mask of ones is no padding at all.
+- `streamer`: transformers' streamers (`TextStreamer`, `TextIteratorStreamer`, any `BaseStreamer`) get
+  the prompt first, then each step's tokens, then `end()`, which is called even when the generation
+  fails, so a reader of a `TextIteratorStreamer` never waits forever. A plain callable gets each step's
+  tokens, as before.
+- transformers' names for corolla's parameters: `max_length` (prompt included) and `stop_strings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from corolla.decoding.sampling import SamplingParams
+from corolla.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from corolla.client.runtime import LoopThread
+    from corolla.client.session import InferenceSession
+    from corolla.decoding.chooser import GenerationStep
+
+
+class GeneratingModel(Protocol):
+    """What these functions use of `DistributedModelForCausalLM` (client/model.py)."""
+
+    runtime: LoopThread
+    pad_token_id: int
+
+    def agenerate_steps(
+        self,
+        input_ids: torch.Tensor,
+        params: SamplingParams | None,
+        session: InferenceSession | None = None,
+        withdrawals: str = "redo",
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationStep]: ...
+
+
+def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """Each row's tokens [1, T_i] without its padding; None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    mask = torch.as_tensor(attention_mask)
+    if mask.dim() == 1:
+        mask = mask[None]
+    if mask.shape != input_ids.shape:
+        raise InvalidRequest(
+            f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, got {list(mask.shape)}"
+        )
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise InvalidRequest("attention_mask must hold only 0 (padding) and 1 (a token)")
+    mask = mask.bool()
+    if bool(mask.all()):
+        return None
+    rows = []
+    for index, (ids, keep) in enumerate(zip(input_ids, mask, strict=True)):
+        kept = keep.nonzero().flatten()
+        if not len(kept):
+            raise InvalidRequest(f"attention_mask row {index} masks every token: nothing to continue")
+        if int(kept[-1] - kept[0]) + 1 != len(kept):
+            raise InvalidRequest(
+                f"attention_mask row {index} has padding between tokens: pad on the left or on the right only"
+            )
+        rows.append(ids[keep][None])
+    return rows
+
+
+def transformers_names(input_ids: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs with transformers' `max_length` and `stop_strings` as SamplingParams fields."""
+    kwargs = dict(kwargs)
+    max_length = kwargs.pop("max_length", None)
+    if max_length is not None and "max_new_tokens" not in kwargs:
+        if max_length <= input_ids.shape[1]:
+            raise InvalidRequest(
+                f"max_length={max_length} leaves no room after the {input_ids.shape[1]} input tokens "
+                "(max_length counts the prompt; max_new_tokens does not)"
+            )
+        kwargs["max_new_tokens"] = max_length - input_ids.shape[1]
+    stop_strings = kwargs.pop("stop_strings", None)
+    if stop_strings is not None:
+        kwargs["stop"] = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    return kwargs
+
+
+@dataclass
+class Streamer:
+    """Where `generate` reports tokens: a transformers streamer (put/end) or a callable, or nowhere."""
+
+    put: Callable[[torch.Tensor], Any] | None = None
+    end: Callable[[], Any] | None = None
+
+    @classmethod
+    def of(cls, streamer: Any, input_ids: torch.Tensor) -> Streamer:
+        if streamer is None:
+            return cls()
+        if hasattr(streamer, "put") and hasattr(streamer, "end"):
+            streamer.put(input_ids)  # transformers' streamers take the prompt first (skip_prompt drops it)
+            return cls(streamer.put, streamer.end)
+        if not callable(streamer):
+            raise InvalidRequest(
+                f"streamer must be a transformers streamer (put and end) or a callable, got {type(streamer)}"
+            )
+        return cls(streamer)
+
+    def step(self, tokens: torch.Tensor) -> None:
+        if self.put is not None:
+            self.put(tokens)
+
+    def close(self) -> None:
+        if self.end is not None:
+            self.end()
+
+
+async def generate_rows(
+    model: GeneratingModel, rows: list[torch.Tensor], params: SamplingParams
+) -> list[list[int]]:
+    """Each row's new tokens, every row its own generation, all at once (a seed is varied per row)."""
+
+    async def one(index: int, row: torch.Tensor) -> list[int]:
+        seed = None if params.seed is None else params.seed + index
+        tokens: list[int] = []
+        steps = model.agenerate_steps(row, params, None, "redo", seed=seed)
+        async for step in steps:
+            if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
+                del tokens[len(tokens) - step.withdrawn :]
+                continue
+            tokens.append(int(step.tokens[0]))
+        return tokens
+
+    return list(await asyncio.gather(*(one(index, row) for index, row in enumerate(rows))))
+
+
+def padded_outputs(input_ids: torch.Tensor, new_tokens: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """[B, T + longest] as transformers lays it out: the inputs as given, new tokens, then padding."""
+    longest = max(len(tokens) for tokens in new_tokens)
+    tail = torch.full((len(new_tokens), longest), pad_token_id, dtype=input_ids.dtype)
+    for row, tokens in enumerate(new_tokens):
+        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail], dim=1)
+
+
+def generate(
+    model: GeneratingModel,
+    input_ids: torch.Tensor,
+    params: SamplingParams | None,
+    session: InferenceSession | None,
+    streamer: Any,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """`DistributedModelForCausalLM.generate`: [B, T] -> [B, T + new]."""
+    kwargs = transformers_names(input_ids, kwargs)
+    rows = unpadded_rows(input_ids, attention_mask)
+    if rows is not None and (session is not None or (len(rows) > 1 and streamer is not None)):
+        raise InvalidRequest(
+            "a padded batch (attention_mask with zeros) runs each row apart: it takes no session, and a "
+            "streamer only with one row (as transformers' streamers)"
+        )
+    stream = Streamer.of(streamer, input_ids)
+    try:
+        if rows is not None and len(rows) > 1:
+            params = replace(params or SamplingParams(), **kwargs)
+            new_tokens = model.runtime.run(generate_rows(model, rows, params))
+            return padded_outputs(input_ids, new_tokens, model.pad_token_id)
+        prompt = input_ids if rows is None else rows[0]
+        steps = model.agenerate_steps(prompt, params, session, withdrawals="redo", **kwargs)
+        chosen = []
+        for step in model.runtime.iterate(steps):
+            if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
+                del chosen[len(chosen) - step.withdrawn :]
+                continue
+            chosen.append(step.tokens[:, None])
+            stream.step(step.tokens)
+        return torch.cat([input_ids, *chosen], dim=1)
+    finally:
+        stream.close()

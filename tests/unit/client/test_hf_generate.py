@@ -1,0 +1,149 @@
+"""`model.generate` called as transformers users call it (client/hf_generate.py), over corolla's own servers
+in this process (tests/loopback.py): attention masks and padded batches, transformers' streamers, its
+argument names, and sampling that leaves the caller's random generator alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoTokenizer, TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+
+from corolla.client.hf_generate import transformers_names, unpadded_rows
+from corolla.errors import InvalidRequest
+from loopback import LoopbackSwarm
+from swarm_helpers import reference_generate
+
+CHAIN = [(0, 3), (3, 6)]
+NEW_TOKENS = 8
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def swarm(llama):
+    with LoopbackSwarm(llama, CHAIN) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def model(swarm):
+    return swarm.model()
+
+
+def prompts() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 300, (1, length), generator=generator) for length in (9, 4, 6)]
+
+
+def padded(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(row.shape[1] for row in rows)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        span = slice(width - row.shape[1], width) if side == "left" else slice(0, row.shape[1])
+        ids[index, span] = row[0]
+        mask[index, span] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_gives_each_row_what_it_gets_alone(model, reference, side):
+    rows = prompts()
+    ids, mask = padded(rows, side)
+    outputs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert outputs.shape == (len(rows), ids.shape[1] + NEW_TOKENS)
+    assert torch.equal(outputs[:, : ids.shape[1]], ids)  # transformers' layout: the inputs as given
+    for index, row in enumerate(rows):
+        alone = reference_generate(reference, row, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert torch.equal(outputs[index, ids.shape[1] :], alone[0, row.shape[1] :]), f"row {index}"
+
+
+def test_the_most_common_call_takes_a_tokenizers_output(model, reference):
+    row = prompts()[0]
+    inputs = {"input_ids": row, "attention_mask": torch.ones_like(row)}  # what a tokenizer returns
+    outputs = model.generate(**inputs, max_length=row.shape[1] + 5, ignore_eos=True)
+    assert torch.equal(outputs, reference_generate(reference, row, max_new_tokens=5, min_new_tokens=5))
+
+
+def test_bad_masks_are_refused_naming_the_argument():
+    ids = torch.arange(3, 9)[None]
+    for mask, words in [
+        (torch.ones(1, 5), "shape"),
+        (torch.tensor([[1, 1, 0, 1, 1, 1]]), "between tokens"),
+        (torch.zeros(1, 6), "masks every token"),
+        (torch.tensor([[2, 1, 1, 1, 1, 1]]), "only 0"),
+    ]:
+        with pytest.raises(InvalidRequest, match="attention_mask") as error:
+            unpadded_rows(ids, mask)
+        assert words in str(error.value)
+    assert unpadded_rows(ids, torch.ones(1, 6)) is None  # no padding: the batch runs as one
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)  # decodes the tiny model's ids (< 320) as any others
+
+
+def test_a_text_iterator_streamer_in_a_thread_gets_the_text(model, tokenizer):
+    row = prompts()[1]
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(model.generate(row, max_new_tokens=NEW_TOKENS, streamer=streamer))
+    )
+    thread.start()
+    text = "".join(streamer)
+    thread.join(60)
+    assert text == tokenizer.decode(results[0][0, row.shape[1] :])
+
+
+def test_a_streamer_ends_when_the_generation_fails(model, tokenizer):
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        model.generate(prompts()[1], max_new_tokens=0, streamer=streamer)
+    assert "".join(streamer) == ""  # the reader is told the end instead of waiting forever
+
+
+def test_a_streamer_gets_the_prompt_then_every_token(model):
+    class Recorder(BaseStreamer):
+        def __init__(self) -> None:
+            self.calls: list[list[int]] = []
+            self.ended = False
+
+        def put(self, value: torch.Tensor) -> None:
+            self.calls.append(value.flatten().tolist())
+
+        def end(self) -> None:
+            self.ended = True
+
+    row = prompts()[2]
+    recorder = Recorder()
+    outputs = model.generate(row, max_new_tokens=NEW_TOKENS, ignore_eos=True, streamer=recorder)
+    assert recorder.calls[0] == row[0].tolist() and recorder.ended
+    assert [token for call in recorder.calls[1:] for token in call] == outputs[0, row.shape[1] :].tolist()
+
+
+def test_sampling_follows_torch_manual_seed_and_never_reseeds(model):
+    row = prompts()[0]
+    sampled = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        sampled.append(model.generate(row, max_new_tokens=NEW_TOKENS, do_sample=True, ignore_eos=True))
+        assert torch.initial_seed() == 0  # torch.seed() would have set a new one
+    assert torch.equal(*sampled)
+    torch.manual_seed(1)
+    other = model.generate(row, max_new_tokens=NEW_TOKENS, do_sample=True, ignore_eos=True)
+    assert not torch.equal(other, sampled[0])
+
+
+def test_transformers_names_for_length_and_stop_strings():
+    ids = torch.arange(3, 9)[None]
+    assert transformers_names(ids, {"max_length": 10, "stop_strings": "ab"}) == {
+        "max_new_tokens": 4,
+        "stop": ("ab",),
+    }
+    assert transformers_names(ids, {"max_length": 10, "max_new_tokens": 2}) == {"max_new_tokens": 2}
+    with pytest.raises(InvalidRequest, match="max_length=6 leaves no room"):
+        transformers_names(ids, {"max_length": 6})
