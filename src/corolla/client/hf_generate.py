@@ -8,20 +8,37 @@
   the prompt first, then each step's tokens, then `end()`, which is called even when the generation
   fails, so a reader of a `TextIteratorStreamer` never waits forever. A plain callable gets each step's
   tokens, as before.
-- transformers' names for corolla's parameters: `max_length` (prompt included) and `stop_strings`.
+- transformers' names for corolla's parameters: `max_length` (prompt included), `stop_strings`,
+  `eos_token_id`, `pad_token_id`; a `generation_config`, else the checkpoint's generation_config.json,
+  under the call's own kwargs (as transformers has it). Beam search and the settings corolla cannot honour
+  are refused by name (a checkpoint's own are logged and ignored).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from transformers import GenerationConfig
 
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+# GenerationConfig fields `generate` honours (as transformers does) and fields that change nothing here
+SETTINGS = (
+    "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+    "stop_strings", "eos_token_id", "pad_token_id", "num_beams",
+)  # fmt: skip
+IGNORED_SETTINGS = {
+    "transformers_version", "_from_model_config", "use_cache", "bos_token_id", "output_attentions",
+    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
+}  # fmt: skip
 
 if TYPE_CHECKING:
     from corolla.client.runtime import LoopThread
@@ -34,6 +51,7 @@ class GeneratingModel(Protocol):
 
     runtime: LoopThread
     pad_token_id: int
+    generation_config: GenerationConfig
 
     def agenerate_steps(
         self,
@@ -74,9 +92,19 @@ def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
     return rows
 
 
-def transformers_names(input_ids: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """kwargs with transformers' `max_length` and `stop_strings` as SamplingParams fields."""
+def transformers_names(
+    input_ids: torch.Tensor, kwargs: dict[str, Any], defaults: GenerationConfig | None = None
+) -> dict[str, Any]:
+    """kwargs in SamplingParams' names: a `generation_config` (else `defaults`, the checkpoint's) under
+    the caller's own kwargs, and transformers' names (max_length, stop_strings, eos_token_id, ...)."""
     kwargs = dict(kwargs)
+    config = kwargs.pop("generation_config", None)
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise InvalidRequest(f"generation_config must be a transformers GenerationConfig, got {type(config)}")
+    chosen = config if config is not None else defaults
+    kwargs = {**({} if chosen is None else settings(chosen, strict=config is not None)), **kwargs}
+    if kwargs.pop("num_beams", 1) != 1:
+        raise InvalidRequest("num_beams > 1: beam search is not supported by generate yet")
     max_length = kwargs.pop("max_length", None)
     if max_length is not None and "max_new_tokens" not in kwargs:
         if max_length <= input_ids.shape[1]:
@@ -88,7 +116,26 @@ def transformers_names(input_ids: torch.Tensor, kwargs: dict[str, Any]) -> dict[
     stop_strings = kwargs.pop("stop_strings", None)
     if stop_strings is not None:
         kwargs["stop"] = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    eos = kwargs.pop("eos_token_id", None)
+    if eos is not None:
+        kwargs["eos_token_ids"] = (eos,) if isinstance(eos, int) else tuple(eos)
     return kwargs
+
+
+def settings(config: GenerationConfig, strict: bool) -> dict[str, Any]:
+    """What a GenerationConfig sets, in transformers' names that `generate` takes. `strict` (a config the
+    caller passed): a setting corolla cannot honour is an error; in a checkpoint's, it is logged."""
+    fields = {
+        name: value
+        for name, value in config.to_diff_dict().items()
+        if value is not None and name not in IGNORED_SETTINGS
+    }
+    unknown = sorted(set(fields) - set(SETTINGS))
+    if unknown and strict:
+        raise InvalidRequest(f"generation_config sets {', '.join(unknown)}: generate does not take these yet")
+    if unknown:
+        logger.warning("Ignoring the checkpoint's generation settings %s (not supported)", ", ".join(unknown))
+    return {name: value for name, value in fields.items() if name in SETTINGS}
 
 
 @dataclass
@@ -158,7 +205,7 @@ def generate(
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """`DistributedModelForCausalLM.generate`: [B, T] -> [B, T + new]."""
-    kwargs = transformers_names(input_ids, kwargs)
+    kwargs = transformers_names(input_ids, kwargs, None if params is not None else model.generation_config)
     rows = unpadded_rows(input_ids, attention_mask)
     if rows is not None and (session is not None or (len(rows) > 1 and streamer is not None)):
         raise InvalidRequest(
@@ -170,7 +217,8 @@ def generate(
         if rows is not None and len(rows) > 1:
             params = replace(params or SamplingParams(), **kwargs)
             new_tokens = model.runtime.run(generate_rows(model, rows, params))
-            return padded_outputs(input_ids, new_tokens, model.pad_token_id)
+            pad = model.pad_token_id if params.pad_token_id is None else params.pad_token_id
+            return padded_outputs(input_ids, new_tokens, pad)
         prompt = input_ids if rows is None else rows[0]
         steps = model.agenerate_steps(prompt, params, session, withdrawals="redo", **kwargs)
         chosen = []

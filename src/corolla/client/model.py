@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from corolla.client import hf_generate
 from corolla.client.client import Client
@@ -107,6 +108,11 @@ class DistributedModelForCausalLM:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.source.eos_token_ids(self.config.eos_token_ids)
 
+    @cached_property
+    def generation_config(self) -> GenerationConfig:
+        """The checkpoint's generation_config.json (transformers' GenerationConfig): `generate`'s defaults."""
+        return self.source.generation_config()
+
     @property
     def pad_token_id(self) -> int:
         if self.config.pad_token_id is not None:
@@ -166,8 +172,10 @@ class DistributedModelForCausalLM:
         try:
             first = first_step(self.head_batcher, session, input_ids, params, self._tuned(session, input_ids))
             tokenizer = self.tokenizer if params.stop or params.grammar else None
-            ends = RowEnds(params, self.eos_token_ids, tokenizer, input_ids.shape[0])
-            chooser = Chooser(params, ends, self.pad_token_id, input_ids)
+            eos = self.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids
+            ends = RowEnds(params, eos, tokenizer, input_ids.shape[0])
+            pad = self.pad_token_id if params.pad_token_id is None else params.pad_token_id
+            chooser = Chooser(params, ends, pad, input_ids)
             speculation = None
             if self.speculator is not None and params.speculative and input_ids.shape[0] == 1:
                 speculation = self.speculator.start(session.max_length)

@@ -30,6 +30,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one
     ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] | None = None  # the tokens that end a row (None: the model's)
+    pad_token_id: int | None = None  # what fills a finished row (None: the model's)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per earlier occurrence in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import GenerationConfig
+
 from corolla.errors import UnsupportedModel
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,12 @@ class ModelSource:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.path)
+
+    def generation_config(self) -> GenerationConfig:
+        """generation_config.json's settings (transformers' defaults where the folder has none)."""
+        if (self.path / "generation_config.json").is_file():
+            return GenerationConfig.from_pretrained(self.path)
+        return GenerationConfig()
 
     def eos_token_ids(self, config_ids: tuple[int, ...]) -> tuple[int, ...]:
         """The config's EOS tokens and generation_config.json's (chat models often add one there)."""

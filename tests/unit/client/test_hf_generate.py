@@ -4,11 +4,12 @@ argument names, and sampling that leaves the caller's random generator alone."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
 import torch
-from transformers import AutoTokenizer, TextIteratorStreamer
+from transformers import AutoTokenizer, GenerationConfig, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from corolla.client.hf_generate import transformers_names, unpadded_rows
@@ -147,3 +148,43 @@ def test_transformers_names_for_length_and_stop_strings():
     assert transformers_names(ids, {"max_length": 10, "max_new_tokens": 2}) == {"max_new_tokens": 2}
     with pytest.raises(InvalidRequest, match="max_length=6 leaves no room"):
         transformers_names(ids, {"max_length": 6})
+
+
+def test_a_generation_config_and_its_refusals(model, reference):
+    row = prompts()[0]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False)
+    expected = reference_generate(reference, row, max_new_tokens=5, min_new_tokens=5)
+    assert torch.equal(model.generate(row, generation_config=config, ignore_eos=True), expected)
+    assert model.generate(row, generation_config=config, max_new_tokens=2).shape[1] <= row.shape[1] + 2
+    for refused, words in [
+        (GenerationConfig(num_beams=2), "beam search"),
+        (GenerationConfig(min_p=0.1), "min_p"),
+    ]:
+        with pytest.raises(InvalidRequest, match=words):
+            model.generate(row, generation_config=refused)
+
+
+def test_eos_and_pad_token_ids(model):
+    rows = prompts()[:2]
+    ids, mask = padded(rows, "left")
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    width = ids.shape[1]
+    eos = int(free[0, width + 1])  # row 0 ends at its second token
+    if eos in free[1, width:].tolist():
+        pytest.skip("both rows choose that token")  # not with this seed: the check below always runs
+    ended = model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=7
+    )
+    assert torch.equal(ended[0, : width + 2], free[0, : width + 2])
+    assert ended[0, width + 2 :].tolist() == [7] * (NEW_TOKENS - 2)
+    assert torch.equal(ended[1], free[1])
+
+
+def test_the_checkpoints_generation_config_is_the_default(llama, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(llama, folder)
+    GenerationConfig(max_new_tokens=3).save_pretrained(folder)
+    with LoopbackSwarm(folder, CHAIN) as swarm:
+        row = prompts()[0]
+        assert swarm.model().generate(row, ignore_eos=True).shape[1] == row.shape[1] + 3
+        assert swarm.model().generate(row, ignore_eos=True, max_new_tokens=4).shape[1] == row.shape[1] + 4
