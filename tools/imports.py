@@ -34,7 +34,7 @@ CLIENT_LAYERS = [
     {"session"},
     {"agreement", "judge", "shadows", "spot_checks"},
     {"ptune", "training", "lm_outputs", "head_batcher", "speculative", "generation", "embeddings"},
-    {"hf_generate"},
+    {"hf_generate", "hf_model"},
     {"client"},
     {"model"},
     {"__init__"},

@@ -1,6 +1,7 @@
 """corolla: run large language models across a swarm of ordinary machines.
 
-Public API: `DistributedModelForCausalLM` (client), `SamplingParams`, and the error types. Importing
+Public API: `DistributedModelForCausalLM` (client; `AutoDistributedModelForCausalLM` is the same class: one
+client serves every family), `SamplingParams`, and the error types. Importing
 corolla has one side effect: torchao, which transformers imports whenever it is installed, logs at import
 that it cannot load its CUDA-only extensions on a CPU machine and torch deprecation notes about its
 enums, and bitsandbytes (blockwise 8-bit wire encoding) that a 4-bit CPU kernel it offers is missing;
@@ -16,12 +17,12 @@ from corolla.version import __version__
 for _noisy in ("torchao", "torch.utils._pytree", "bitsandbytes"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
 
-__all__ = ["DistributedModelForCausalLM", "SamplingParams", "__version__"]
+__all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     # lazy: a server process must not pay for the client's imports (tokenizers, transformers)
-    if name == "DistributedModelForCausalLM":
+    if name in ("DistributedModelForCausalLM", "AutoDistributedModelForCausalLM"):
         from corolla.client.model import DistributedModelForCausalLM
 
         return DistributedModelForCausalLM

@@ -20,6 +20,7 @@ from corolla.client.client import Client
 from corolla.client.embeddings import Pooling, embed_sequences
 from corolla.client.generation import Withdrawals, first_step, generate_steps
 from corolla.client.head_batcher import HeadBatcher
+from corolla.client.hf_model import TransformersModel
 from corolla.client.lm_outputs import CausalLMOutput, causal_lm_output, chain_inputs
 from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
@@ -35,7 +36,7 @@ from corolla.models.head import ModelHead
 from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
 
 
-class DistributedModelForCausalLM:
+class DistributedModelForCausalLM(TransformersModel):
     def __init__(
         self,
         source: ModelSource,
@@ -49,7 +50,7 @@ class DistributedModelForCausalLM:
         """`client` runs on `runtime`'s loop; `ptune`: trainable prompts (tuning_mode); `speculator`:
         speculative decoding (ClientConfig.speculation)."""
         self.source = source
-        self.config = config
+        self.model_config = config  # corolla's view of it (models/config.py)
         self.head = head
         self.client = client
         self.runtime = runtime
@@ -106,7 +107,7 @@ class DistributedModelForCausalLM:
 
     @cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return self.source.eos_token_ids(self.config.eos_token_ids)
+        return self.source.eos_token_ids(self.model_config.eos_token_ids)
 
     @cached_property
     def generation_config(self) -> GenerationConfig:
@@ -115,8 +116,8 @@ class DistributedModelForCausalLM:
 
     @property
     def pad_token_id(self) -> int:
-        if self.config.pad_token_id is not None:
-            return self.config.pad_token_id
+        if self.model_config.pad_token_id is not None:
+            return self.model_config.pad_token_id
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
     # --- inference -----------------------------------------------------------------------------------------

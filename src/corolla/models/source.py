@@ -19,11 +19,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import GenerationConfig
+from typing import TYPE_CHECKING, Any
 
 from corolla.errors import UnsupportedModel
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class ModelSource:
 
     def generation_config(self) -> GenerationConfig:
         """generation_config.json's settings (transformers' defaults where the folder has none)."""
+        from transformers import GenerationConfig  # not at import: `corolla --help` loads no transformers
+
         if (self.path / "generation_config.json").is_file():
             return GenerationConfig.from_pretrained(self.path)
         return GenerationConfig()
