@@ -9,9 +9,10 @@
   fails, so a reader of a `TextIteratorStreamer` never waits forever. A plain callable gets each step's
   tokens, as before.
 - transformers' names for corolla's parameters: `max_length` (prompt included), `stop_strings`,
-  `eos_token_id`, `pad_token_id`; a `generation_config`, else the checkpoint's generation_config.json,
-  under the call's own kwargs (as transformers has it). Beam search and the settings corolla cannot honour
-  are refused by name (a checkpoint's own are logged and ignored).
+  `eos_token_id`, `pad_token_id`, `logits_processor` and `stopping_criteria` (lists of transformers'
+  callables, run as its generate runs custom ones); a `generation_config`, else the checkpoint's
+  generation_config.json, under the call's own kwargs (as transformers has it). Beam search and the
+  settings corolla cannot honour are refused by name (a checkpoint's own are logged and ignored).
 """
 
 from __future__ import annotations
@@ -116,6 +117,14 @@ def transformers_names(
     stop_strings = kwargs.pop("stop_strings", None)
     if stop_strings is not None:
         kwargs["stop"] = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    for name, field in (
+        ("logits_processor", "logits_processors"),
+        ("stopping_criteria", "stopping_criteria"),
+    ):
+        callables = kwargs.pop(name, None)
+        if callables:  # a processor may keep state: no speculation, whose drafts it would see and forget
+            kwargs[field] = tuple(callables)
+            kwargs["speculative"] = False
     eos = kwargs.pop("eos_token_id", None)
     if eos is not None:
         kwargs["eos_token_ids"] = (eos,) if isinstance(eos, int) else tuple(eos)

@@ -51,6 +51,11 @@ class RowEnds:
         self.texts = texts  # the one detokenizer (decoding/text.py), only where stop strings need the text
         self.finished = torch.zeros(size, dtype=torch.bool)
 
+    def stop(self, rows: torch.Tensor) -> torch.Tensor:
+        """End these rows [B] (a caller's stopping criterion said so); returns which rows are finished."""
+        self.finished = self.finished | rows
+        return self.finished
+
     def update(self, tokens: torch.Tensor) -> torch.Tensor:
         """Record one step's tokens [B]; returns which rows are finished now."""
         self.finished = self.finished | torch.isin(tokens, self.eos)
@@ -104,6 +109,8 @@ class Chooser:
         self.context = torch.cat([context, tokens[:, None]], dim=1)
         self.num_chosen += 1
         finished = self.ends.update(tokens)
+        for criterion in params.stopping_criteria:  # transformers' StoppingCriteria: [B] bools
+            finished = self.ends.stop(torch.as_tensor(criterion(self.context, logits), dtype=torch.bool))
         if params.logprobs is None:
             return GenerationStep(tokens, finished)
         return GenerationStep(tokens, finished, *top_logprobs(logits, tokens, params.logprobs))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # the tokens that end a row (None: the model's)
     pad_token_id: int | None = None  # what fills a finished row (None: the model's)
+    # transformers' LogitsProcessor / StoppingCriteria callables, applied as its generate applies them
+    logits_processors: tuple[Any, ...] = ()
+    stopping_criteria: tuple[Any, ...] = ()
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per earlier occurrence in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
@@ -133,16 +137,20 @@ def next_tokens(
     """Choose the next token of each row: logits [B, V] (float32), context_ids [B, T] -> [B].
 
     `output_ids` [B, t] are the generated tokens among context_ids (default: none), for OpenAI's penalties.
+    The caller's logits processors run last, after the sampling warpers, as transformers runs custom ones.
     """
     logits = logits.float()
     if params.logit_bias or params.penalizes_output:
         none = context_ids[:, :0]
         logits = apply_openai_penalties(logits, none if output_ids is None else output_ids, params)
     logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
+    if params.do_sample:
+        logits = warp(logits, params)
+    for processor in params.logits_processors:
+        logits = processor(context_ids, logits)
     if not params.do_sample:
         return logits.argmax(dim=-1)
-    probs = warp(logits, params).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
 def top_logprobs(

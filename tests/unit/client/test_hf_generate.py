@@ -9,7 +9,15 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GenerationConfig, TextIteratorStreamer
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    SuppressTokensLogitsProcessor,
+    TextIteratorStreamer,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from corolla.client.hf_generate import transformers_names, unpadded_rows
@@ -188,3 +196,30 @@ def test_the_checkpoints_generation_config_is_the_default(llama, tmp_path):
         row = prompts()[0]
         assert swarm.model().generate(row, ignore_eos=True).shape[1] == row.shape[1] + 3
         assert swarm.model().generate(row, ignore_eos=True, max_new_tokens=4).shape[1] == row.shape[1] + 4
+
+
+class StopAt(StoppingCriteria):
+    """Ends a row once it has chosen `token` (a criterion of transformers' interface)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return input_ids[:, -1] == self.token
+
+
+def test_logits_processors_and_stopping_criteria_as_transformers_runs_them(model, reference):
+    row = prompts()[0]
+    free = reference_generate(reference, row, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    banned = int(free[0, row.shape[1] + 1])  # what greedy picks second
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor([banned])])
+    expected = reference_generate(
+        reference, row, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, logits_processor=processors
+    )
+    ours = model.generate(row, max_new_tokens=NEW_TOKENS, ignore_eos=True, logits_processor=processors)
+    assert torch.equal(ours, expected) and banned not in ours[0, row.shape[1] :].tolist()
+    stop = int(free[0, row.shape[1] + 3])
+    criteria = StoppingCriteriaList([StopAt(stop)])
+    expected = reference_generate(reference, row, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria)
+    ours = model.generate(row, max_new_tokens=NEW_TOKENS, ignore_eos=True, stopping_criteria=criteria)
+    assert torch.equal(ours, expected) and ours[0, -1] == stop
