@@ -11,8 +11,9 @@
 - transformers' names for corolla's parameters: `max_length` (prompt included), `stop_strings`,
   `eos_token_id`, `pad_token_id`, `logits_processor` and `stopping_criteria` (lists of transformers'
   callables, run as its generate runs custom ones); a `generation_config`, else the checkpoint's
-  generation_config.json, under the call's own kwargs (as transformers has it). Beam search and the
-  settings corolla cannot honour are refused by name (a checkpoint's own are logged and ignored).
+  generation_config.json, under the call's own kwargs (as transformers has it). `num_beams` > 1 runs
+  client/beam_search.py; settings corolla cannot honour are refused by name (a checkpoint's own are
+  logged and ignored).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from transformers import GenerationConfig
 
+from corolla.client.beam_search import beam_settings, generate_beams
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
 
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 # GenerationConfig fields `generate` honours (as transformers does) and fields that change nothing here
 SETTINGS = (
     "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
-    "stop_strings", "eos_token_id", "pad_token_id", "num_beams",
+    "stop_strings", "eos_token_id", "pad_token_id", "num_beams", "length_penalty", "early_stopping",
+    "num_return_sequences",
 )  # fmt: skip
 IGNORED_SETTINGS = {
     "transformers_version", "_from_model_config", "use_cache", "bos_token_id", "output_attentions",
@@ -104,8 +107,6 @@ def transformers_names(
         raise InvalidRequest(f"generation_config must be a transformers GenerationConfig, got {type(config)}")
     chosen = config if config is not None else defaults
     kwargs = {**({} if chosen is None else settings(chosen, strict=config is not None)), **kwargs}
-    if kwargs.pop("num_beams", 1) != 1:
-        raise InvalidRequest("num_beams > 1: beam search is not supported by generate yet")
     max_length = kwargs.pop("max_length", None)
     if max_length is not None and "max_new_tokens" not in kwargs:
         if max_length <= input_ids.shape[1]:
@@ -216,6 +217,12 @@ def generate(
     """`DistributedModelForCausalLM.generate`: [B, T] -> [B, T + new]."""
     kwargs = transformers_names(input_ids, kwargs, None if params is not None else model.generation_config)
     rows = unpadded_rows(input_ids, attention_mask)
+    beams = beam_settings(kwargs)
+    if beams is not None:
+        if session is not None or streamer is not None:
+            raise InvalidRequest("beam search takes neither a session nor a streamer (as in transformers)")
+        every_row = rows if rows is not None else [row[None] for row in input_ids]
+        return generate_beams(model, input_ids, every_row, beams, kwargs)
     if rows is not None and (session is not None or (len(rows) > 1 and streamer is not None)):
         raise InvalidRequest(
             "a padded batch (attention_mask with zeros) runs each row apart: it takes no session, and a "

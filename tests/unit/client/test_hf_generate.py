@@ -165,11 +165,12 @@ def test_a_generation_config_and_its_refusals(model, reference):
     assert torch.equal(model.generate(row, generation_config=config, ignore_eos=True), expected)
     assert model.generate(row, generation_config=config, max_new_tokens=2).shape[1] <= row.shape[1] + 2
     for refused, words in [
-        (GenerationConfig(num_beams=2), "beam search"),
-        (GenerationConfig(min_p=0.1), "min_p"),
+        ({"generation_config": GenerationConfig(num_beams=2, do_sample=True)}, "greedy beams only"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences"),
+        ({"generation_config": GenerationConfig(min_p=0.1)}, "min_p"),
     ]:
         with pytest.raises(InvalidRequest, match=words):
-            model.generate(row, generation_config=refused)
+            model.generate(row, **refused)
 
 
 def test_eos_and_pad_token_ids(model):
@@ -223,3 +224,29 @@ def test_logits_processors_and_stopping_criteria_as_transformers_runs_them(model
     expected = reference_generate(reference, row, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria)
     ours = model.generate(row, max_new_tokens=NEW_TOKENS, ignore_eos=True, stopping_criteria=criteria)
     assert torch.equal(ours, expected) and ours[0, -1] == stop
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"num_beams": 3},
+        {"num_beams": 4, "num_return_sequences": 2, "length_penalty": 0.5},
+        {"num_beams": 2, "early_stopping": True},
+    ],
+    ids=["3 beams", "4 beams, 2 returned", "early stopping"],
+)
+def test_beam_search_gives_transformers_sequences(model, reference, settings):
+    rows = prompts()
+    ids, mask = padded(rows, "left")
+    with torch.no_grad():
+        expected = [
+            reference.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=10, **settings)
+            for row in rows
+        ]
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=10, **settings)
+    per_row = settings.get("num_return_sequences", 1)
+    width = ids.shape[1]
+    for index, (row, theirs) in enumerate(zip(rows, expected, strict=True)):
+        mine = ours[index * per_row : (index + 1) * per_row, width:]
+        new = theirs[:, row.shape[1] :]
+        assert torch.equal(mine[:, : new.shape[1]], new), f"row {index}"
