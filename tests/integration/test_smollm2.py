@@ -107,3 +107,24 @@ def test_generate_command_prints_the_answer(smol_swarm):
     (result,) = run_corolla([*args, "--max-new-tokens", "20", "--no-nat-port-map"], timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "The capital of France is Paris." in result.stdout
+
+
+def test_transformers_calls_through_real_servers(smol_client, smol_reference):
+    """The issue 27 reproductions over real servers and sockets: a tokenizer's padded batch (each prompt
+    gets what it gets alone: ' Paris.'), and beam search, against transformers on the same checkpoint."""
+    tokenizer = smol_client.tokenizer
+    prompts = ["The capital of France is", "Three colours of the rainbow are"]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    outputs = smol_client.generate(**batch, max_new_tokens=6)
+    for row, prompt in enumerate(prompts):
+        alone = tokenizer(prompt, return_tensors="pt")
+        expected = reference_generate(smol_reference, alone.input_ids, max_new_tokens=6)
+        new = expected[0, alone.input_ids.shape[1] :]
+        assert torch.equal(outputs[row, batch.input_ids.shape[1] :][: len(new)], new), prompt
+    alone = tokenizer(prompts[0], return_tensors="pt")
+    with torch.no_grad():
+        beams = smol_reference.generate(**alone, max_new_tokens=8, num_beams=3, num_return_sequences=2)
+    assert torch.equal(
+        smol_client.generate(**alone, max_new_tokens=8, num_beams=3, num_return_sequences=2), beams
+    )
