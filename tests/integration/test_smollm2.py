@@ -114,8 +114,7 @@ def test_transformers_calls_through_real_servers(smol_client, smol_reference):
     gets what it gets alone: ' Paris.'), and beam search, against transformers on the same checkpoint."""
     tokenizer = smol_client.tokenizer
     prompts = ["The capital of France is", "Three colours of the rainbow are"]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     outputs = smol_client.generate(**batch, max_new_tokens=6)
     for row, prompt in enumerate(prompts):
         alone = tokenizer(prompt, return_tensors="pt")

@@ -45,8 +45,7 @@ def test_a_text_generation_pipeline_answers_as_on_local_transformers(smol, local
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_tokenizers_padded_batch_gives_each_prompt_its_own_answer(smol, local, tokenizer, side):
-    tokenizer.padding_side = side
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side=side)
     outputs = smol.generate(**batch, max_new_tokens=6)
     width = batch.input_ids.shape[1]
     for row, prompt in enumerate(PROMPTS):
