@@ -45,6 +45,13 @@ def raw_node(swarm: LocalSwarm, **kwargs) -> DHT:
     )
 
 
+def signing_node(swarm: LocalSwarm, key_path) -> tuple[DHT, object, str]:
+    """A peer with its own key that signs what it stores: (its DHT node, its key, its peer id)."""
+    key = load_identity(key_path)
+    node = raw_node(swarm, identity_path=str(key_path), record_validators=[RSASignatureValidator(key)])
+    return node, key, peer_id_of_identity(key)
+
+
 def forge(dht: DHT, subkey: str, record: ServerStatus, blocks: range) -> None:
     expiration = get_dht_time() + 600  # outlives the server's own records
     for index in blocks:
@@ -71,13 +78,7 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
         lure = dataclasses.replace(honest, start=0, end=6, throughput=1e6, cache_tokens_available=10**9)
 
         blunt = raw_node(pair)  # stores anything: no validators at all
-        forger_key = load_identity(tmp_path / "forger.key")
-        signer = raw_node(
-            pair,
-            identity_path=str(tmp_path / "forger.key"),
-            record_validators=[RSASignatureValidator(forger_key)],
-        )
-        forger_id = peer_id_of_identity(forger_key)
+        signer, forger_key, forger_id = signing_node(pair, tmp_path / "forger.key")
         try:
             offline = dataclasses.replace(honest, state=ServerState.OFFLINE, start=0, end=6)
             forge(blunt, victim_subkey, offline, range(6))  # overwrite (and take down) the victim's record
@@ -120,13 +121,7 @@ def test_forged_records_never_reach_routing(pair, tiny_models, tmp_path):
 def test_status_shows_what_answers_not_what_records_claim(pair, tmp_path):
     """`corolla status`: a forger's signed record of a server that does not exist, and its signed claim
     that the model has 1000 blocks, neither count; the real servers' 6 blocks are covered."""
-    forger_key = load_identity(tmp_path / "forger.key")
-    signer = raw_node(
-        pair,
-        identity_path=str(tmp_path / "forger.key"),
-        record_validators=[RSASignatureValidator(forger_key)],
-    )
-    forger_id = peer_id_of_identity(forger_key)
+    signer, forger_key, forger_id = signing_node(pair, tmp_path / "forger.key")
     subkey = owned_subkey(forger_id, forger_key)
     try:
         lure = ServerStatus(
