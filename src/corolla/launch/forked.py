@@ -99,5 +99,11 @@ def _peer_main(args: list[str], streams: tuple[str, str], env: dict[str, str]) -
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # hivemind creates MPFuture's two process-shared locks when it is imported, here in the fork server:
+    # every peer forked from it would share them, and a peer killed while holding one (kill -9, a test's
+    # kill_group) would leave every later peer waiting on it forever at its DHT's start. Its own locks:
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
     sys.argv = ["corolla", *args]
     runpy.run_module("corolla", run_name="__main__", alter_sys=True)  # as `python -m corolla ARGS` runs
