@@ -142,6 +142,9 @@ async def serve_stream(
                 await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if processing.done():
                     receiving.cancel()
+                    await asyncio.wait({receiving})  # one reader at a time
+                    if processing.result():  # the handler's error is sent: let it arrive before the reset
+                        await _drop_input(reader, processing)
                     return
                 try:
                     request = receiving.result()
@@ -184,15 +187,16 @@ async def _receive(
 
 async def _process(
     replies: AsyncIterator[Message], context: StreamContext, writer: asyncio.StreamWriter
-) -> None:
-    """Write the handler's replies; its error goes to the caller and, as one line at most, to the log."""
+) -> bool:
+    """Write the handler's replies; its error goes to the caller and, as one line at most, to the log.
+    True when the handler ended with an error."""
     try:
         async for reply in replies:
             try:
                 await P2P.send_protobuf(reply, writer)
             except Exception:  # the caller closed the stream or died: it knows why
                 logger.debug("Could not send a reply on %s", context.handle_name, exc_info=True)
-                return
+                return False
     except Exception as e:
         peer = str(context.remote_id)[-6:]
         text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
@@ -200,6 +204,8 @@ async def _process(
         refusals(logging.INFO, "Refused %s from ...%s: %s", rpc, peer, text)
         with contextlib.suppress(Exception):  # the caller may be gone already
             await P2P.send_protobuf(RPCError(message=str(e)), writer)
+        return True
+    return False
 
 
 async def _drop_input(reader: asyncio.StreamReader, processing: asyncio.Task) -> None:

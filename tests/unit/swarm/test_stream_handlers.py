@@ -199,3 +199,29 @@ async def test_a_message_sent_right_behind_the_first_is_held_to_the_cap_the_firs
     writer, _ = await serve(session, frame(request(10)), frame(request(500)), cap=2**20)
     reply, error = writer.messages()
     assert len(seen) == 1 and "exceeds this stream's limit of 200 bytes" in error.message
+
+
+async def test_input_arriving_after_a_handlers_error_is_read_before_the_stream_closes():
+    """A caller's end of stream (hivemind writes it right behind the request) may arrive after the handler
+    refused the request: closing with it unread resets the stream, and the reset can overtake the error
+    (the caller saw BrokenPipeError instead of the refusal, in CI)."""
+
+    async def refusing(requests, context):
+        async for _ in requests:
+            raise InvalidRequest("unknown block")
+        yield runtime_pb2.ExpertResponse()
+
+    reader, writer = asyncio.StreamReader(), Writer()
+    reader.feed_data(frame(request(10)))
+
+    async def caller_ends_late() -> None:
+        await asyncio.sleep(0.05)
+        reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        reader.feed_eof()
+
+    late = asyncio.create_task(caller_ends_late())
+    context = StreamContext(NAME, "server", "peer-abcdef", 100)
+    await asyncio.wait_for(serve_stream(refusing, runtime_pb2.ExpertRequest, context, reader, writer), 10)
+    await late
+    assert "unknown block" in writer.messages()[0].message
+    assert writer.closed and reader.at_eof()  # nothing was left unread when it closed
