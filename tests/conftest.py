@@ -7,6 +7,7 @@ between servers, client and test makes runs 5-20x slower.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -82,3 +83,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "time per test module")
         for module, seconds in totals.most_common(40):
             terminalreporter.write_line(f"{seconds:8.1f}s {module}")
+
+
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT as a terminal's Ctrl-C meets Python: a KeyboardInterrupt. A shell's background job (a CI
+    runner may start `make test` as one) inherits SIGINT ignored, and Python then keeps it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

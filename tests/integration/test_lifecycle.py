@@ -111,8 +111,9 @@ def test_identity_check_honours_nat_port_map_and_refuses_a_taken_identity(half_s
         while not stop.is_set():
             for process in psutil.Process().children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    if process.name() == "p2pd":
-                        seen.add(tuple(process.cmdline()))
+                    args = tuple(process.cmdline())  # empty once it has exited
+                    if process.name() == "p2pd" and args:
+                        seen.add(args)
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch)

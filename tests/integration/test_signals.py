@@ -192,7 +192,7 @@ def test_generate_ctrl_c_exits_quietly_with_130(slow_swarm, chat_model, tmp_path
         generate.kill()
 
 
-def test_generate_stream_ctrl_c_raises_keyboard_interrupt(slow_swarm, chat_model):
+def test_generate_stream_ctrl_c_raises_keyboard_interrupt(slow_swarm, chat_model, terminal_sigint):
     with connect(chat_model, slow_swarm) as model:
         stream = model.generate_stream([104, 105], max_new_tokens=200)
         next(stream)  # generation has started; the next step is in flight when the signal comes

@@ -13,7 +13,7 @@ import pytest
 from corolla.client.runtime import LoopThread
 
 
-def test_second_ctrl_c_while_a_step_unwinds_raises_keyboard_interrupt():
+def test_second_ctrl_c_while_a_step_unwinds_raises_keyboard_interrupt(terminal_sigint):
     runtime = LoopThread("test-runtime")
     unwound = threading.Event()
 
