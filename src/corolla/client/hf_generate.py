@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
-from corolla.client.beam_search import beam_settings, generate_beams
+from corolla.client.beam_search import BEAM_FIELDS, beam_settings, generate_beams
+from corolla.client.hf_outputs import StepRecord, decoder_output, merge_rows
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
 
@@ -37,12 +39,15 @@ logger = logging.getLogger(__name__)
 SETTINGS = (
     "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
     "stop_strings", "eos_token_id", "pad_token_id", "num_beams", "length_penalty", "early_stopping",
-    "num_return_sequences",
+    "num_return_sequences", "return_dict_in_generate", "output_scores", "output_logits",
 )  # fmt: skip
 IGNORED_SETTINGS = {
     "transformers_version", "_from_model_config", "use_cache", "bos_token_id", "output_attentions",
-    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
+    "output_hidden_states",
 }  # fmt: skip
+REMOTE_OUTPUTS = ("output_attentions", "output_hidden_states")  # the servers keep these
+# what `generate` takes once in SamplingParams' names
+ACCEPTED = {f.name for f in fields(SamplingParams)} | set(BEAM_FIELDS) | {"return_dict_in_generate"}
 
 if TYPE_CHECKING:
     from corolla.client.runtime import LoopThread
@@ -129,6 +134,19 @@ def transformers_names(
     eos = kwargs.pop("eos_token_id", None)
     if eos is not None:
         kwargs["eos_token_ids"] = (eos,) if isinstance(eos, int) else tuple(eos)
+    return checked_names(kwargs)
+
+
+def checked_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs without transformers' settings that change nothing here; any other unknown name refused."""
+    for name in IGNORED_SETTINGS:
+        if kwargs.pop(name, None) and name in REMOTE_OUTPUTS:
+            raise InvalidRequest(
+                f"{name}: the blocks run on servers, which send no attentions or hidden states"
+            )
+    unknown = sorted(set(kwargs) - ACCEPTED)
+    if unknown:
+        raise InvalidRequest(f"generate does not take {', '.join(unknown)}")
     return kwargs
 
 
@@ -179,30 +197,17 @@ class Streamer:
 
 async def generate_rows(
     model: GeneratingModel, rows: list[torch.Tensor], params: SamplingParams
-) -> list[list[int]]:
-    """Each row's new tokens, every row its own generation, all at once (a seed is varied per row)."""
+) -> list[StepRecord]:
+    """Each row's steps, every row its own generation, all at once (a seed is varied per row)."""
 
-    async def one(index: int, row: torch.Tensor) -> list[int]:
+    async def one(index: int, row: torch.Tensor) -> StepRecord:
         seed = None if params.seed is None else params.seed + index
-        tokens: list[int] = []
-        steps = model.agenerate_steps(row, params, None, "redo", seed=seed)
-        async for step in steps:
-            if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
-                del tokens[len(tokens) - step.withdrawn :]
-                continue
-            tokens.append(int(step.tokens[0]))
-        return tokens
+        record = StepRecord()
+        async for step in model.agenerate_steps(row, params, None, "redo", seed=seed):
+            record.add(step)  # a step withdrawn by a spot check (a lying server) is redone
+        return record
 
     return list(await asyncio.gather(*(one(index, row) for index, row in enumerate(rows))))
-
-
-def padded_outputs(input_ids: torch.Tensor, new_tokens: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """[B, T + longest] as transformers lays it out: the inputs as given, new tokens, then padding."""
-    longest = max(len(tokens) for tokens in new_tokens)
-    tail = torch.full((len(new_tokens), longest), pad_token_id, dtype=input_ids.dtype)
-    for row, tokens in enumerate(new_tokens):
-        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    return torch.cat([input_ids, tail], dim=1)
 
 
 def generate(
@@ -213,37 +218,39 @@ def generate(
     streamer: Any,
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
-) -> torch.Tensor:
-    """`DistributedModelForCausalLM.generate`: [B, T] -> [B, T + new]."""
+) -> Any:
+    """`DistributedModelForCausalLM.generate`: [B, T] -> [B, T + new], or transformers' output with
+    return_dict_in_generate (client/hf_outputs.py)."""
     kwargs = transformers_names(input_ids, kwargs, None if params is not None else model.generation_config)
+    as_dict = kwargs.pop("return_dict_in_generate", False)
     rows = unpadded_rows(input_ids, attention_mask)
     beams = beam_settings(kwargs)
     if beams is not None:
         if session is not None or streamer is not None:
             raise InvalidRequest("beam search takes neither a session nor a streamer (as in transformers)")
         every_row = rows if rows is not None else [row[None] for row in input_ids]
-        return generate_beams(model, input_ids, every_row, beams, kwargs)
+        sequences = generate_beams(model, input_ids, every_row, beams, kwargs)
+        return GenerateBeamDecoderOnlyOutput(sequences=sequences) if as_dict else sequences
     if rows is not None and (session is not None or (len(rows) > 1 and streamer is not None)):
         raise InvalidRequest(
             "a padded batch (attention_mask with zeros) runs each row apart: it takes no session, and a "
             "streamer only with one row (as transformers' streamers)"
         )
+    record = StepRecord()
     stream = Streamer.of(streamer, input_ids)
     try:
         if rows is not None and len(rows) > 1:
             params = replace(params or SamplingParams(), **kwargs)
-            new_tokens = model.runtime.run(generate_rows(model, rows, params))
             pad = model.pad_token_id if params.pad_token_id is None else params.pad_token_id
-            return padded_outputs(input_ids, new_tokens, pad)
-        prompt = input_ids if rows is None else rows[0]
-        steps = model.agenerate_steps(prompt, params, session, withdrawals="redo", **kwargs)
-        chosen = []
-        for step in model.runtime.iterate(steps):
-            if step.withdrawn:  # a spot check caught a lying server: those tokens are redone
-                del chosen[len(chosen) - step.withdrawn :]
-                continue
-            chosen.append(step.tokens[:, None])
-            stream.step(step.tokens)
-        return torch.cat([input_ids, *chosen], dim=1)
+            record = merge_rows(model.runtime.run(generate_rows(model, rows, params)), pad)
+        else:
+            prompt = input_ids if rows is None else rows[0]
+            steps = model.agenerate_steps(prompt, params, session, withdrawals="redo", **kwargs)
+            for step in model.runtime.iterate(steps):
+                record.add(step)  # a step withdrawn by a spot check (a lying server) is redone
+                if not step.withdrawn:
+                    stream.step(step.tokens)
     finally:
         stream.close()
+    sequences = record.sequences(input_ids)
+    return decoder_output(sequences, record) if as_dict else sequences

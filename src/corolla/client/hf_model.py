@@ -3,7 +3,9 @@
 `config` is the checkpoint's transformers `PretrainedConfig` (corolla's own view of it: `model_config`),
 `generation_config` its `GenerationConfig`; `device` and `dtype` are those of the parts computed here
 (the embeddings and the LM head); `eval()` and `train()` switch those parts and return the model, as
-`nn.Module`'s do. The blocks live on the servers and have no device here.
+`nn.Module`'s do; `to(device, dtype)` moves those parts (hidden states still cross the network on the
+CPU). The blocks live on the servers and have no device here. `compute_transition_scores` is
+transformers' own, over `generate(..., return_dict_in_generate=True, output_scores=True)`'s scores.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import GenerationMixin
 
 from corolla.models.config import ModelConfig
 from corolla.models.head import ModelHead
@@ -41,5 +44,12 @@ class TransformersModel:
         self.head.train(mode)
         return self
 
+    def to(self, *args: Any, **kwargs: Any) -> TransformersModel:
+        """`nn.Module.to` of the parts computed here (embeddings, final norm, LM head)."""
+        self.head.to(*args, **kwargs)
+        return self
+
     def can_generate(self) -> bool:
         return True
+
+    compute_transition_scores = GenerationMixin.compute_transition_scores

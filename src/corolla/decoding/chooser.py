@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from corolla.decoding.constraints import Constraint
-from corolla.decoding.sampling import SamplingParams, next_tokens, top_logprobs
+from corolla.decoding.sampling import SamplingParams, pick, processed_scores, top_logprobs
 from corolla.decoding.text import IncrementalText
 from corolla.errors import InvalidRequest
 
@@ -27,6 +27,8 @@ class GenerationStep:
     logprobs: torch.Tensor | None = None  # [B] the chosen tokens' log-probabilities (params.logprobs set)
     top_values: torch.Tensor | None = None  # [B, k] the k most likely tokens' log-probabilities
     top_ids: torch.Tensor | None = None  # [B, k] and their ids
+    scores: torch.Tensor | None = None  # [B, V] what the tokens were chosen from (params.output_scores)
+    logits: torch.Tensor | None = None  # [B, V] the model's raw logits (params.output_logits)
     # a spot check caught a server lying: the last `withdrawn` steps yielded are void (tokens is empty);
     # the steps that follow replace them
     withdrawn: int = 0
@@ -98,11 +100,13 @@ class Chooser:
         """logits [B, vocab] after the text so far -> the next token of every row."""
         params = self.params
         context = self.context
+        logits = logits.cpu()  # a head on an accelerator: choices are made here, beside the context
         if self.generator is not None:
             self.states.append(self.generator.get_state())
         active = ~self.ends.finished
         allowed = logits if self.constraint is None else self.constraint.mask(logits, active)
-        tokens = next_tokens(allowed, context, params, self.generator, self.chosen)
+        scores = processed_scores(allowed, context, params, self.chosen)
+        tokens = pick(scores, params, self.generator)
         tokens = torch.where(active, tokens, torch.full_like(tokens, self.pad_token_id))
         if self.constraint is not None:
             self.constraint.advance(tokens, active)
@@ -111,9 +115,14 @@ class Chooser:
         finished = self.ends.update(tokens)
         for criterion in params.stopping_criteria:  # transformers' StoppingCriteria: [B] bools
             finished = self.ends.stop(torch.as_tensor(criterion(self.context, logits), dtype=torch.bool))
-        if params.logprobs is None:
-            return GenerationStep(tokens, finished)
-        return GenerationStep(tokens, finished, *top_logprobs(logits, tokens, params.logprobs))
+        logprobs = (None,) * 3 if params.logprobs is None else top_logprobs(logits, tokens, params.logprobs)
+        return GenerationStep(
+            tokens,
+            finished,
+            *logprobs,
+            scores=scores if params.output_scores else None,
+            logits=logits.float() if params.output_logits else None,
+        )
 
     def rewind(self, keep: int) -> int:
         """Forget every choice after the first `keep`; returns how many were forgotten."""

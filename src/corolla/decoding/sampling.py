@@ -41,6 +41,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
     speculative: bool = True  # draft and verify when the model has a drafter (never changes the tokens)
+    # transformers' output_scores / output_logits: each step's processed scores / raw logits [B, V]
+    output_scores: bool = False
+    output_logits: bool = False
     grammar: str | None = None  # llguidance's grammar the output must match (decoding/constraints.py)
 
     def __post_init__(self) -> None:
@@ -137,8 +140,15 @@ def next_tokens(
     """Choose the next token of each row: logits [B, V] (float32), context_ids [B, T] -> [B].
 
     `output_ids` [B, t] are the generated tokens among context_ids (default: none), for OpenAI's penalties.
-    The caller's logits processors run last, after the sampling warpers, as transformers runs custom ones.
     """
+    return pick(processed_scores(logits, context_ids, params, output_ids), params, generator)
+
+
+def processed_scores(
+    logits: torch.Tensor, context_ids: torch.Tensor, params: SamplingParams, output_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """The scores a token is chosen from (transformers' `scores`): logits [B, V] after the penalties, the
+    sampling warpers, then the caller's logits processors (run last, as transformers runs custom ones)."""
     logits = logits.float()
     if params.logit_bias or params.penalizes_output:
         none = context_ids[:, :0]
@@ -148,9 +158,14 @@ def next_tokens(
         logits = warp(logits, params)
     for processor in params.logits_processors:
         logits = processor(context_ids, logits)
+    return logits
+
+
+def pick(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The argmax of each row's scores [B, V], or a draw from their softmax with `generator`."""
     if not params.do_sample:
-        return logits.argmax(dim=-1)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        return scores.argmax(dim=-1)
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
 def top_logprobs(

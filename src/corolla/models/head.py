@@ -104,13 +104,14 @@ class ModelHead(nn.Module):
         if input_ids.dim() != 2:
             return self.embed(input_ids.reshape(1, -1)).view(*input_ids.shape, -1)
         try:
-            self._decoder[0](input_ids=input_ids, use_cache=False)
+            self._decoder[0](input_ids=input_ids.to(self.embed_tokens.weight.device), use_cache=False)
         except _Embedded as embedded:
             return embedded.hidden
         raise RuntimeError("the decoder returned without reaching its first layer")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] outputs of the last block -> [..., vocab]."""
-        packed = hidden.reshape(1, -1, hidden.shape[-1])
+        weight = self.embed_tokens.weight  # the servers' outputs, where and as the head computes
+        packed = hidden.reshape(1, -1, hidden.shape[-1]).to(weight.device, weight.dtype)
         logits = self._model[0](inputs_embeds=packed, use_cache=False).logits
         return logits.view(*hidden.shape[:-1], logits.shape[-1])

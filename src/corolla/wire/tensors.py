@@ -57,8 +57,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def serialize(tensor: torch.Tensor, compression: int = NONE) -> runtime_pb2.Tensor:
-    """Encode a CPU tensor; FLOAT16 and BLOCKWISE_8BIT compression apply to float32 tensors only."""
-    tensor = tensor.detach()
+    """Encode a tensor (from any device); FLOAT16 and BLOCKWISE_8BIT compression apply to float32 only."""
+    tensor = tensor.detach().cpu()
     if compression in (FLOAT16, BLOCKWISE_8BIT) and (tensor.dtype != torch.float32 or tensor.numel() == 0):
         compression = NONE
     if compression == BLOCKWISE_8BIT:

@@ -250,3 +250,78 @@ def test_beam_search_gives_transformers_sequences(model, reference, settings):
         mine = ours[index * per_row : (index + 1) * per_row, width:]
         new = theirs[:, row.shape[1] :]
         assert torch.equal(mine[:, : new.shape[1]], new), f"row {index}"
+
+
+def test_return_dict_in_generate_gives_transformers_scores_and_logits(model, reference):
+    row = prompts()[0]
+    asked = {"max_new_tokens": 5, "return_dict_in_generate": True, "output_scores": True}
+    asked |= {"output_logits": True, "repetition_penalty": 1.3}
+    theirs = reference_generate(reference, row, **asked)
+    ours = model.generate(row, **asked)
+    assert type(ours) is type(theirs) and torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.scores) == len(ours.logits) == ours.sequences.shape[1] - row.shape[1] > 1
+    for name in ("scores", "logits"):  # processed (the penalty) and raw
+        for mine, expected in zip(getattr(ours, name), getattr(theirs, name), strict=True):
+            torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(ours.scores[1], ours.logits[1])
+    transitions = model.compute_transition_scores(ours.sequences, ours.scores, normalize_logits=True)
+    expected = reference.compute_transition_scores(theirs.sequences, theirs.scores, normalize_logits=True)
+    torch.testing.assert_close(transitions, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_padded_batchs_scores_are_each_rows_and_certain_padding_after_its_end(model):
+    rows = prompts()
+    ids, mask = padded(rows, "left")
+    asked = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_scores": True, "ignore_eos": True}
+    alone = [model.generate(row, **asked) for row in rows]
+    ours = model.generate(ids, attention_mask=mask, **asked)
+    for index, single in enumerate(alone):
+        for step, scores in enumerate(single.scores):
+            torch.testing.assert_close(ours.scores[step][index], scores[0], rtol=1e-4, atol=1e-4)
+    # row 1 ends at its second token; steps after that make its padding certain
+    end = int(alone[1].sequences[0, rows[1].shape[1] + 1])
+    asked |= {"ignore_eos": False, "eos_token_id": end, "pad_token_id": PAD}
+    ended = model.generate(ids, attention_mask=mask, **asked)
+    assert torch.equal(ended.sequences[1, ids.shape[1] + 2 :], torch.full((4,), PAD))
+    for after in ended.scores[2:]:
+        assert after[1, PAD] == 0 and bool(torch.isinf(after[1]).sum() == after.shape[1] - 1)
+
+
+def test_beam_search_returns_transformers_output(model, reference):
+    row = prompts()[1]
+    settings = {
+        "num_beams": 3,
+        "num_return_sequences": 2,
+        "max_new_tokens": 6,
+        "return_dict_in_generate": True,
+    }
+    with torch.no_grad():
+        theirs = reference.generate(row, attention_mask=torch.ones_like(row), **settings)
+    ours = model.generate(row, **settings)
+    assert type(ours) is type(theirs) and ours.sequences_scores is theirs.sequences_scores is None
+    assert torch.equal(ours.sequences[:, : theirs.sequences.shape[1]], theirs.sequences)
+
+
+def test_what_stays_on_the_servers_and_unknown_names_are_refused(model):
+    row = prompts()[0]
+    with pytest.raises(InvalidRequest, match="output_hidden_states: the blocks run on servers"):
+        model.generate(row, max_new_tokens=2, output_hidden_states=True)
+    with pytest.raises(InvalidRequest, match="generate does not take temprature"):
+        model.generate(row, max_new_tokens=2, temprature=0.5)
+    with pytest.raises(InvalidRequest, match="output_scores"):
+        model.generate(row, max_new_tokens=2, num_beams=2, output_scores=True)
+    assert (
+        model.generate(row, max_new_tokens=2, use_cache=True, output_attentions=False).shape[1] > row.shape[1]
+    )
+
+
+def test_to_moves_the_parts_computed_here(model, reference):
+    row = prompts()[0]
+    expected = reference_generate(reference, row, max_new_tokens=4)
+    try:
+        assert model.to(torch.bfloat16) is model and model.dtype == torch.bfloat16
+        assert model.generate(row, max_new_tokens=4).shape[1] > row.shape[1]  # bfloat16 states cross
+    finally:
+        model.to("cpu", torch.float32)
+    assert model.dtype == torch.float32 and model.device == torch.device("cpu")
+    assert torch.equal(model.generate(row, max_new_tokens=4), expected)
