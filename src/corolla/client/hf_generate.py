@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from corolla.client.beam_search import BEAM_FIELDS, beam_settings, generate_beams
-from corolla.client.hf_outputs import StepRecord, decoder_output, merge_rows
+from corolla.client.hf_outputs import StepRecord, beam_output, decoder_output, merge_rows
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
 
@@ -229,8 +228,8 @@ def generate(
         if session is not None or streamer is not None:
             raise InvalidRequest("beam search takes neither a session nor a streamer (as in transformers)")
         every_row = rows if rows is not None else [row[None] for row in input_ids]
-        sequences = generate_beams(model, input_ids, every_row, beams, kwargs)
-        return GenerateBeamDecoderOnlyOutput(sequences=sequences) if as_dict else sequences
+        found = generate_beams(model, input_ids, every_row, beams, kwargs)
+        return beam_output(found, beams.output_scores) if as_dict else found.sequences
     if rows is not None and (session is not None or (len(rows) > 1 and streamer is not None)):
         raise InvalidRequest(
             "a padded batch (attention_mask with zeros) runs each row apart: it takes no session, and a "

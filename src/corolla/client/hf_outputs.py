@@ -6,9 +6,9 @@ new token: the scores the token was chosen from (after penalties, warpers and th
 the model's raw logits, as transformers keeps them. Rows of a padded batch run apart (each its own
 session); a row that ended before the longest has, for each later step, scores that make its padding
 certain (0 for `pad_token_id`, -inf elsewhere), so `compute_transition_scores` gives 0 there. Beam search
-returns `GenerateBeamDecoderOnlyOutput` with its sequences (its per-step scores and beam indices are not
-kept yet: `output_scores` with beams is refused). Attentions, hidden states and the cache stay on the
-servers: asking for them is refused by name.
+returns `GenerateBeamDecoderOnlyOutput`: sequences, beam_indices, and with `output_scores` the sequences'
+scores and each step's log-probabilities (one prompt per call for those). Attentions, hidden states and
+the cache stay on the servers: asking for them is refused by name.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
+from corolla.client.beam_search import BeamResult
 from corolla.decoding.chooser import GenerationStep
 
 
@@ -74,4 +75,14 @@ def decoder_output(sequences: torch.Tensor, record: StepRecord) -> GenerateDecod
         sequences=sequences,
         scores=tuple(record.scores) or None,
         logits=tuple(record.logits) or None,
+    )
+
+
+def beam_output(found: BeamResult, with_scores: bool) -> GenerateBeamDecoderOnlyOutput:
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=found.sequences,
+        sequences_scores=found.sequences_scores if with_scores else None,
+        scores=found.scores,
+        logits=found.logits,
+        beam_indices=found.beam_indices,
     )

@@ -287,7 +287,8 @@ def test_a_padded_batchs_scores_are_each_rows_and_certain_padding_after_its_end(
         assert after[1, PAD] == 0 and bool(torch.isinf(after[1]).sum() == after.shape[1] - 1)
 
 
-def test_beam_search_returns_transformers_output(model, reference):
+@pytest.mark.parametrize("scores", [False, True], ids=["sequences", "with scores"])
+def test_beam_search_returns_transformers_output(model, reference, scores):
     row = prompts()[1]
     settings = {
         "num_beams": 3,
@@ -295,11 +296,23 @@ def test_beam_search_returns_transformers_output(model, reference):
         "max_new_tokens": 6,
         "return_dict_in_generate": True,
     }
+    settings |= {"output_scores": scores, "output_logits": scores, "length_penalty": 0.7}
     with torch.no_grad():
         theirs = reference.generate(row, attention_mask=torch.ones_like(row), **settings)
     ours = model.generate(row, **settings)
-    assert type(ours) is type(theirs) and ours.sequences_scores is theirs.sequences_scores is None
-    assert torch.equal(ours.sequences[:, : theirs.sequences.shape[1]], theirs.sequences)
+    assert type(ours) is type(theirs) and torch.equal(ours.sequences, theirs.sequences)
+    assert torch.equal(ours.beam_indices, theirs.beam_indices)
+    if not scores:
+        assert ours.sequences_scores is theirs.sequences_scores is ours.scores is theirs.scores is None
+        return
+    torch.testing.assert_close(ours.sequences_scores, theirs.sequences_scores, rtol=1e-4, atol=1e-4)
+    for name in ("scores", "logits"):
+        assert len(getattr(ours, name)) == len(getattr(theirs, name))
+        for mine, expected in zip(getattr(ours, name), getattr(theirs, name), strict=True):
+            torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InvalidRequest, match="one prompt per call"):
+        ids, mask = padded(prompts(), "left")
+        model.generate(ids, attention_mask=mask, **settings)
 
 
 def test_what_stays_on_the_servers_and_unknown_names_are_refused(model):
@@ -308,8 +321,8 @@ def test_what_stays_on_the_servers_and_unknown_names_are_refused(model):
         model.generate(row, max_new_tokens=2, output_hidden_states=True)
     with pytest.raises(InvalidRequest, match="generate does not take temprature"):
         model.generate(row, max_new_tokens=2, temprature=0.5)
-    with pytest.raises(InvalidRequest, match="output_scores"):
-        model.generate(row, max_new_tokens=2, num_beams=2, output_scores=True)
+    with pytest.raises(InvalidRequest, match="do_sample"):
+        model.generate(row, max_new_tokens=2, num_beams=2, do_sample=True)
     assert (
         model.generate(row, max_new_tokens=2, use_cache=True, output_attentions=False).shape[1] > row.shape[1]
     )
