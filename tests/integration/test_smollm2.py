@@ -111,7 +111,7 @@ def test_generate_command_prints_the_answer(smol_swarm):
 
 def test_transformers_calls_through_real_servers(smol_client, smol_reference):
     """The issue 27 reproductions over real servers and sockets: a tokenizer's padded batch (each prompt
-    gets what it gets alone: ' Paris.'), and beam search, against transformers on the same checkpoint."""
+    gets what it gets alone: ' Paris.'), beam search and scores, against transformers on SmolLM2."""
     tokenizer = smol_client.tokenizer
     prompts = ["The capital of France is", "Three colours of the rainbow are"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
@@ -127,3 +127,10 @@ def test_transformers_calls_through_real_servers(smol_client, smol_reference):
     assert torch.equal(
         smol_client.generate(**alone, max_new_tokens=8, num_beams=3, num_return_sequences=2), beams
     )
+    asked = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_scores": True}
+    with torch.no_grad():
+        theirs = smol_reference.generate(**alone, **asked, do_sample=False)
+    ours = smol_client.generate(**alone, **asked)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for mine, expected in zip(ours.scores, theirs.scores, strict=True):  # over the network, in float32
+        torch.testing.assert_close(mine, expected, rtol=1e-3, atol=1e-3)
