@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.launch.local import LocalSwarm
@@ -55,8 +55,25 @@ async def attacker(pair):
     await p2p.add_protobuf_handler(
         RPC_PUSH, rpc_push, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
     )
+
+    async def reachable() -> bool:  # a fresh daemon finds the servers once it has bootstrapped its routing
+        try:
+            for server in pair.servers:
+                await server_info(p2p, server.peer_id)
+            return True
+        except P2PDaemonError:
+            return False
+
+    assert await wait_until(reachable, timeout=15)
     yield p2p, received
     await p2p.shutdown()
+
+
+async def server_info(p2p, peer_id: str) -> ServerStatus:
+    reply = await p2p.call_protobuf_handler(
+        PeerID.from_base58(peer_id), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+    )
+    return ServerStatus.from_bytes(reply.serialized_info)
 
 
 def message(uid, hidden, extra=(), **fields):
@@ -179,10 +196,7 @@ async def test_a_flooding_peer_leaves_room_for_an_honest_client(pair, attacker, 
             await session.close()
 
     async def cache_is_full():
-        reply = await p2p.call_protobuf_handler(
-            PeerID.from_base58(first), RPC_INFO, runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
-        )
-        status = ServerStatus.from_bytes(reply.serialized_info)
+        status = await server_info(p2p, first)
         return status.num_sessions == 0 and status.cache_tokens_available == status.cache_tokens_total
 
     assert await wait_until(cache_is_full, timeout=10)
