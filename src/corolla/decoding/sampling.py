@@ -130,20 +130,6 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def next_tokens(
-    logits: torch.Tensor,
-    context_ids: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    output_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Choose the next token of each row: logits [B, V] (float32), context_ids [B, T] -> [B].
-
-    `output_ids` [B, t] are the generated tokens among context_ids (default: none), for OpenAI's penalties.
-    """
-    return pick(processed_scores(logits, context_ids, params, output_ids), params, generator)
-
-
 def processed_scores(
     logits: torch.Tensor, context_ids: torch.Tensor, params: SamplingParams, output_ids: torch.Tensor | None
 ) -> torch.Tensor:

@@ -13,11 +13,17 @@ from corolla.decoding.sampling import (
     SamplingParams,
     apply_openai_penalties,
     apply_repetition_penalty,
-    next_tokens,
+    pick,
+    processed_scores,
     top_logprobs,
     warp,
 )
 from corolla.errors import InvalidRequest
+
+
+def next_tokens(logits, context, params, generator, output_ids=None):
+    """What the Chooser does with one step's logits: the scores, then the choice."""
+    return pick(processed_scores(logits, context, params, output_ids), params, generator)
 
 
 def test_repetition_penalty_matches_transformers():
