@@ -8,7 +8,10 @@ against transformers decoding the same N prompts as one left-padded batch. Runs 
 two sides so that drift on a shared machine hits both alike; the JSON reports every run, the medians
 and their ratio (issue 26: >= 0.95 for one session, >= 0.7 for 16).
 
-    python bench/latency.py [--new-tokens 64] [--runs 3] [--sessions 8 16]
+On a GPU (`--device cuda`, issue 27) the servers, the client's head and the reference all compute on
+it, in `--dtype` (bfloat16 there is what a GPU server takes by default).
+
+    python bench/latency.py [--new-tokens 64] [--runs 3] [--sessions 8 16] [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -134,15 +138,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--sessions", type=int, nargs="*", default=[], help="also N sessions at once")
+    parser.add_argument("--device", default="cpu", help="of the servers, the client's head and the reference")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
     source = resolve_model("smollm2")
-    reference = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
-    with LocalSwarm("smollm2", even_spans(30, 3), num_threads=1) as swarm:
-        config = swarm.client_config()
+    dtype = getattr(torch, args.dtype)
+    reference = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(args.device).eval()
+    server_args = ["--device", args.device, "--dtype", args.dtype]
+    with LocalSwarm("smollm2", even_spans(30, 3), num_threads=1, server_args=server_args) as swarm:
+        config = replace(swarm.client_config(), dtype=args.dtype)
         with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
+            model.to(args.device)
             ids = chat_ids(model.tokenizer, PROMPT)
             model.generate(torch.tensor([ids]), max_new_tokens=4)  # warm up connections and caches
             levels = [compare(reference, model, [ids], args.runs, args.new_tokens)]
@@ -157,7 +166,11 @@ def main() -> None:
             level["meets_target"] = level["ratio_swarm_to_local"] >= level["target_ratio"]
     result = {
         "model": source.name,
-        "dtype": "float32",
+        "dtype": args.dtype,
+        "device": str(reference.device),
+        "device_name": torch.cuda.get_device_name(reference.device)
+        if reference.device.type == "cuda"
+        else "",
         "torch_threads_per_process": 1,
         "servers": 3,
         "prompt_tokens": len(ids),

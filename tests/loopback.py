@@ -28,8 +28,9 @@ from corolla.client.client import Client
 from corolla.client.runtime import LoopThread
 from corolla.config import ClientConfig, EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig, parse_dtype
-from corolla.server.backend import SpanLoader
+from corolla.models.config import ModelConfig
+from corolla.models.devices import device_info
+from corolla.server.backend import SpanLoader, compute_settings
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.inference import InferenceService
@@ -37,7 +38,7 @@ from corolla.server.passes import PassService
 from corolla.server.push import Pusher
 from corolla.server.server import adapter_names
 from corolla.server.spans import HostedSpans
-from corolla.server.status import StatusBoard
+from corolla.server.status import Compute, StatusBoard
 from corolla.swarm.dht import RemoteSpan
 from corolla.wire.messages import RPC_INFERENCE
 from corolla.wire.records import ServerState
@@ -246,16 +247,18 @@ class LoopbackNetwork:
             model=str(self.folder), blocks=blocks, engine=self.engine, step_timeout=30.0, **config
         )
         adapters = adapter_names(config.adapters)
+        device, dtype = compute_settings(config, self.model)
         loader = SpanLoader(
             self.folder,
             self.model,
-            parse_dtype(config.dtype, self.model),
+            dtype,
             self.engine,
             config.session_timeout,
             pass_delay=config.simulate_slow_ms / 1000,
             adapters=adapters,
             quantize=config.quantize,
             fault=Fault.parse(fault) if fault else None,
+            device=device,
         )
         spans = HostedSpans(PREFIX, loader.load, frozenset(name for name, _ in adapters))
         await spans.start(blocks)
@@ -264,9 +267,8 @@ class LoopbackNetwork:
         server.inference = InferenceService(spans, config, hidden, server.pusher, num_blocks)
         passes = PassService(spans, config, hidden)
         fingerprint = self.model.fingerprint()
-        server.status = StatusBoard(
-            spans, server.inference, config, "test", "float32", 1e3, None, fingerprint
-        )
+        compute = Compute("float32", 1e3, device_info(device))
+        server.status = StatusBoard(spans, server.inference, config, "test", compute, None, fingerprint)
         server.status.state = ServerState.ONLINE
         registry = _Handlers()
         await TransformerConnectionHandler(server.inference, passes, server.status).register(registry)

@@ -112,7 +112,7 @@ class ServerConfig:
     num_blocks: int | None = None  # None: as many as memory_budget holds
     memory_budget: int | None = None  # bytes for block weights + cache; None: half the available memory
     balance_period: float = 120.0  # how often a self-placed server checks whether moving would help
-    dtype: str = "float32"
+    dtype: str | None = None  # of computation and cache; None: float32 on a CPU, bfloat16 on a GPU with it
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
     max_forward_tokens: int = 8192  # batch * length of one forward request
@@ -130,6 +130,7 @@ class ServerConfig:
     simulate_faulty: str | None = None  # testing aid: compute wrong outputs on purpose (server/faults.py)
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders served for this span (NAME=PATH or PATH)
     quantize: str | None = None  # weight-only int8 | int4 through torchao (models/quantize.py); None: off
+    device: str | None = None  # cpu | cuda | cuda:N | mps; None: the best available (models/devices.py)
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port (None: do not)
     metrics_host: str = "127.0.0.1"
 
@@ -150,7 +151,7 @@ class ServerConfig:
             raise InvalidRequest(
                 f"quantize (--quantize) must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
             )
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidRequest(f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             port = self.metrics_port
@@ -166,6 +167,7 @@ class SpeculationConfig:
     # tokenizer (a folder, a .gguf file, a hub id or `smollm2`), run on the client
     draft: str = "lookup"
     quantize: str | None = None  # the draft model's weights: int8 | int4 (torchao), or as stored
+    device: str = "cpu"  # where a draft model runs: cpu | cuda | cuda:N | mps | auto (models/devices.py)
     max_depth: int = 8  # drafted tokens along any path
     # a tree's branching: a draft model's tokens per level (default 1: a chain), prompt lookup's places
     # the last tokens appeared (default 2); 1 drafts a chain, more a SpecExec-style tree

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 # What a user does to run a model locally: load it whole with transformers and run it, which touches
 # every weight. Run in a fresh process so that nothing else counts towards its peak.
@@ -52,3 +54,14 @@ def whole_model_peak_rss_bytes(model_path: str | os.PathLike) -> int:
         check=True,
     )
     return int(result.stdout.strip().splitlines()[-1])
+
+
+def cpu_name() -> str:
+    """The CPU's model name (what `lscpu` calls it), or the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -16,6 +16,7 @@ import torch
 from corolla.config import SwarmConfig
 from corolla.errors import MissingBlocks, StartFailed
 from corolla.launch.local import READY_SERVER, LocalSwarm, PeerProcess
+from corolla.models.devices import best_device
 from corolla.swarm.dht import start_dht
 from corolla.swarm.identity import load_identity
 from corolla.wire.records import ServerState
@@ -87,6 +88,7 @@ def test_kill_9_takes_the_whole_process_tree_and_status_drops_the_server_at_once
         assert result.returncode == 0, result.stderr
         rows = [line for line in result.stdout.splitlines() if line.startswith("...")]
         assert len(rows) == 1 and server.peer_id[-8:] not in rows[0], result.stdout  # the 0:3 server only
+        assert rows[0].split()[-3] == best_device().type, result.stdout  # where it computes: "cpu (25 GB)"
         assert "uncovered blocks: 3-5" in result.stdout, result.stdout
     finally:
         for process in family:  # only what this test started
@@ -174,12 +176,13 @@ def test_num_blocks_fills_the_gap_and_dead_servers_expire(half_swarm, tiny_model
 
 def test_cli_help_and_bad_arguments(tiny_models):
     llama = str(tiny_models["llama"])
-    help_run, server_help_run, bad_range, reversed_range, no_model = run_corolla(
+    help_run, server_help_run, bad_range, reversed_range, no_model, no_gpu = run_corolla(
         ["--help"],
         ["server", "--help"],
         ["server", llama, "--blocks", "4:9", "--host", "127.0.0.1", "--no-nat-port-map"],
         ["server", llama, "--blocks", "3:1"],
         ["server", "/no/such/model", "--host", "127.0.0.1", "--no-nat-port-map", "--log-level", "ERROR"],
+        ["server", llama, "--device", "cuda:7", "--host", "127.0.0.1", "--no-nat-port-map"],
     )
     help_text = help_run.stdout
     for command in ("dht", "server", "generate", "demo"):
@@ -193,6 +196,7 @@ def test_cli_help_and_bad_arguments(tiny_models):
         "--inference-max-length",
         "--nat-port-map",
         "--dtype",
+        "--device",
         "--step-timeout",
     ):
         assert option in server_help
@@ -204,3 +208,6 @@ def test_cli_help_and_bad_arguments(tiny_models):
     assert no_model.returncode == 2 and "no such folder or file: /no/such/model" in no_model.stderr
     assert "Traceback" not in no_model.stderr
     assert no_model.stderr.count("\n") == 1  # --log-level ERROR after the subcommand took effect
+    # a GPU this machine lacks is refused before anything starts, never replaced by the CPU
+    assert no_gpu.returncode == 2 and "device (--device) 'cuda:7': " in no_gpu.stderr, no_gpu.stderr
+    assert "Traceback" not in no_gpu.stderr

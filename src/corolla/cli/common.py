@@ -89,6 +89,19 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use only servers with full-precision weights (skip servers started with --quantize)",
     )
+    _add_draft_args(group)
+    _add_trust_args(group)
+    group.add_argument(
+        "--wire-encoding",
+        default="lossless",
+        choices=WIRE_ENCODINGS,
+        help="hidden states between hops: lossless, or (lossy, for slow links) float16 or blockwise8 "
+        "(8-bit) for tensors of 32 KiB or more, such as prompts (default: %(default)s)",
+    )
+
+
+def _add_draft_args(group: argparse._ArgumentGroup) -> None:
+    """Speculative decoding's options (SpeculationConfig)."""
     defaults = SpeculationConfig()
     group.add_argument(
         "--draft",
@@ -106,6 +119,13 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
         help="store the draft model's weights in int8 or int4 (faster drafts; default: as stored)",
     )
     group.add_argument(
+        "--draft-device",
+        default=defaults.device,
+        metavar="DEVICE",
+        help="where the draft model runs: cpu, cuda, cuda:N, mps or auto (the best available) "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--draft-width",
         type=int,
         default=None,
@@ -118,14 +138,6 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_depth,
         help="most drafted tokens along a path; each step's depth follows the measured acceptance and "
         "round trips (default: %(default)s)",
-    )
-    _add_trust_args(group)
-    group.add_argument(
-        "--wire-encoding",
-        default="lossless",
-        choices=WIRE_ENCODINGS,
-        help="hidden states between hops: lossless, or (lossy, for slow links) float16 or blockwise8 "
-        "(8-bit) for tensors of 32 KiB or more, such as prompts (default: %(default)s)",
     )
 
 
@@ -144,7 +156,11 @@ def client_config(args: argparse.Namespace, **extra: Any) -> ClientConfig:
     speculation = None
     if args.draft is not None:
         speculation = SpeculationConfig(
-            draft=args.draft, quantize=args.draft_quantize, width=args.draft_width, max_depth=args.draft_depth
+            draft=args.draft,
+            quantize=args.draft_quantize,
+            device=args.draft_device,
+            width=args.draft_width,
+            max_depth=args.draft_depth,
         )
     swarm = swarm_config(args, client_mode=True)
     return ClientConfig(

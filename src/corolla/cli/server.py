@@ -32,6 +32,7 @@ SERVER_OPTIONS = (
     "num_blocks",
     "memory_budget",
     "balance_period",
+    "device",
     "dtype",
     "inference_max_length",
     "max_batch_size",
@@ -83,7 +84,7 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="without --blocks: host as many blocks as fit in SIZE (e.g. 2GB, 500MB) with 4096 tokens of "
-        "cache each (default: half the available memory)",
+        "cache each (default: half the available memory of --device)",
     )
     blocks.add_argument(
         "--num-blocks",
@@ -96,7 +97,18 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
         "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
     )
     parser.add_argument(
-        "--dtype", default="float32", choices=DTYPES, help="compute dtype (default: %(default)s)"
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="where the weights, the cache and the computation live: cpu, cuda, cuda:N or mps "
+        "(default: the best available: a CUDA GPU, else MPS, else the CPU)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="compute and cache dtype; auto: the checkpoint's (default: float32 on a CPU, bfloat16 on a GPU "
+        "that has it, else float16)",
     )
     parser.add_argument(
         "--quantize",
@@ -117,7 +129,7 @@ def _engine_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> N
         "max_cache_tokens",
         int,
         "attention cache pool, in tokens over all hosted blocks (default: a quarter of the memory "
-        "available at start, at most 262144)",
+        "available at start on a CPU, 80%% of the GPU's free memory after the weights; at most 262144)",
     )
     option("page_size", int, "positions per cache page (default: %(default)s)", "--block-size")
     option("max_batch_tokens", int, "tokens per engine pass: decodes + prefill chunks (default: %(default)s)")

@@ -46,12 +46,14 @@ class DraftModel:
         quantize: str | None = None,
         name: str = "",
         vocab_size: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> DraftModel:
         from corolla.models.config import ModelConfig
 
         config = ModelConfig.from_folder(folder)
-        span = Span.load(folder, 0, config.num_hidden_layers, quantize=quantize)
-        return cls(span, ModelHead.load(folder), width, name or Path(folder).name, vocab_size)
+        span = Span.load(folder, 0, config.num_hidden_layers, quantize=quantize, device=device)
+        head = ModelHead.load(folder).to(device)
+        return cls(span, head, width, name or Path(folder).name, vocab_size)
 
     def start(self, max_length: int) -> DraftModelSession:
         return DraftModelSession(self, max_length)
@@ -63,7 +65,7 @@ class DraftModelSession:
         span = model.span
         # room for the text and one tree beyond it
         self.cache = ContiguousCache(
-            span.end - span.start, 1, span.kv_heads, max_length + 1024, span.head_dim, span.dtype
+            span.end - span.start, 1, span.kv_heads, max_length + 1024, span.head_dim, span.dtype, span.device
         )
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
         # the last draft: its start, tree and tokens, and how many of them ran (the last level never runs)
@@ -136,10 +138,11 @@ class DraftModelSession:
         `start`); returns their logits [len(new), vocab]."""
         model = self.model
         cache = self.cache
-        hidden = model.head.embed(torch.tensor([new], dtype=torch.long)).to(model.span.dtype)
+        ids = torch.tensor([new], dtype=torch.long, device=model.span.device)
+        hidden = model.head.embed(ids).to(model.span.dtype)
         positions = None
         if tree is not None:
-            positions = tree.positions(start)[len(tree) - len(new) :]
+            positions = tree.positions(start)[len(tree) - len(new) :].to(model.span.device)
         cache.tree = tree
         try:
             outputs = model.span(hidden, cache, cache.position, positions=positions)

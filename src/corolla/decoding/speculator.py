@@ -69,12 +69,14 @@ class Speculator:
         if not config.uses_model:
             return cls(config, PromptLookup(config.width or LOOKUP_WIDTH))
         from corolla.decoding.draft_model import DraftModel
+        from corolla.models.devices import resolve_device
         from corolla.models.source import resolve_model
 
         source = resolve_model(config.draft)
         check_same_tokenizer(source.path, target_folder, target)
         width = config.width or 1
-        drafter = DraftModel.load(source.path, width, config.quantize, source.name, target.vocab_size)
+        device = resolve_device(config.device, "the draft model's device (--draft-device)")
+        drafter = DraftModel.load(source.path, width, config.quantize, source.name, target.vocab_size, device)
         return cls(config, drafter)
 
     def start(self, max_length: int) -> Speculation:

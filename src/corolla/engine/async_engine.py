@@ -22,6 +22,7 @@ import torch
 from corolla.engine.engine import Engine, EngineStats
 from corolla.engine.sequence import Completion, ForwardWork, Gradients, StepWork
 from corolla.errors import CorollaError, ServerUnavailable
+from corolla.models.devices import enter_device
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
+        enter_device(self.engine.span.device)
         while not self._stopping:
             for command in self.commands.drain():
                 command()

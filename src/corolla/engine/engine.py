@@ -55,6 +55,7 @@ class Engine:
             span.kv_heads,
             span.head_dim,
             span.dtype,
+            span.device,
         )
         self.scheduler = Scheduler(
             self.pages, config.max_batch_tokens, config.max_batch_rows, self.pool.move_positions
@@ -221,7 +222,7 @@ class Engine:
             session, work.hidden[:, work.done_tokens : work.done_tokens + chunk.num_tokens]
         )
         work.done_tokens += chunk.num_tokens
-        work.outputs.append(outputs.to(work.hidden.dtype))
+        work.outputs.append(outputs.to(work.hidden.device, work.hidden.dtype))  # off the span's device
         if work.remaining:
             return None
         session.pending.popleft()

@@ -30,9 +30,11 @@ class KVPool:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ):
         # torch.empty: the OS backs memory (and counts it) only as pages are first written
-        self.data = torch.empty(num_layers, 2, num_pages, page_size, kv_heads, head_dim, dtype=dtype)
+        shape = (num_layers, 2, num_pages, page_size, kv_heads, head_dim)
+        self.data = torch.empty(shape, dtype=dtype, device=device)
         self.page_size = page_size
 
     def clear_pages(self, pages: list[int]) -> None:
@@ -48,10 +50,11 @@ class KVPool:
     def move_positions(self, table: list[int], sources: list[int], destinations: list[int]) -> None:
         """Copy one row's keys and values from positions `sources` to `destinations` (every layer)."""
         size = self.page_size
-        pages = torch.tensor(table, dtype=torch.long)
+        device = self.data.device
+        pages = torch.tensor(table, dtype=torch.long, device=device)
 
         def slots(positions: list[int]) -> torch.Tensor:
-            positions = torch.tensor(positions, dtype=torch.long)
+            positions = torch.tensor(positions, dtype=torch.long, device=device)
             return pages[positions // size] * size + positions % size
 
         flat = self.data.flatten(2, 3)  # [layers, 2, pages * page_size, kv_heads, d]
@@ -86,10 +89,11 @@ class PagedAttention:
         self.first_layer = first_layer
         self.rows = rows
         size = pool.page_size
+        device = pool.data.device
         self.slots = torch.cat(
             [
-                row.table[torch.arange(row.position, row.context) // size] * size
-                + torch.arange(row.position, row.context) % size
+                row.table[torch.arange(row.position, row.context, device=device) // size] * size
+                + torch.arange(row.position, row.context, device=device) % size
                 for row in rows
             ]
         )
@@ -117,9 +121,16 @@ class PagedAttention:
 
 
 class ModelRunner:
+    """Runs the span's passes on its device: inputs arrive on the CPU (from the wire) and go to the
+    device, outputs come back in the inputs' device and dtype."""
+
     def __init__(self, span: Span, pool: KVPool):
         self.span = span
         self.pool = pool
+        self.device = span.device
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, self.span.dtype)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> list[torch.Tensor]:
@@ -131,19 +142,20 @@ class ModelRunner:
         prompts = []
         offset = 0
         for chunk in chunks:
-            inputs = _chunk_inputs(chunk).to(self.span.dtype)  # [B, T, H]
+            inputs = self._on_device(_chunk_inputs(chunk))  # [B, T, H]
             tree = chunk.work.tree if chunk.work is not None else None  # a tree runs in one chunk
             for row in range(chunk.num_rows):
-                table = torch.tensor(chunk.session.page_tables[row], dtype=torch.long)
+                table = torch.tensor(chunk.session.page_tables[row], dtype=torch.long, device=self.device)
                 rows.append(Row(offset, chunk.num_tokens, chunk.position, table, tree))
                 pieces.append(inputs[row])
                 if tree is None:
-                    positions.append(torch.arange(chunk.position, chunk.position + chunk.num_tokens))
+                    end = chunk.position + chunk.num_tokens
+                    positions.append(torch.arange(chunk.position, end, device=self.device))
                 else:
-                    positions.append(tree.positions(chunk.position))
+                    positions.append(tree.positions(chunk.position).to(self.device))
                 offset += chunk.num_tokens
             aligned = align_prompts(chunk.session.prompts, chunk.position, chunk.num_tokens)
-            prompts.append(aligned)
+            prompts.append(None if aligned is None else self._on_device(aligned))
         hidden = torch.cat(pieces)[None]  # [1, N, H]
         context = PagedAttention(self.pool, first.start - self.span.start, rows)
         packed_prompts = _pack_prompts(prompts, chunks, first.num_blocks, hidden)
@@ -168,24 +180,27 @@ class ModelRunner:
         """A forward pass without cache (rpc_forward): [B, T, H] -> [B, T, H] in the input's dtype."""
         aligned = align_prompts(work.prompts, 0, work.hidden.shape[1])
         with use_adapters(work.adapter):
-            outputs = self.span(work.hidden.to(self.span.dtype), None, 0, aligned, work.blocks)
-        return outputs.to(work.hidden.dtype)
+            prompts = None if aligned is None else self._on_device(aligned)
+            outputs = self.span(self._on_device(work.hidden), None, 0, prompts, work.blocks)
+        return outputs.to(work.hidden.device, work.hidden.dtype)
 
     def backward(self, work: BackwardWork) -> Gradients:
         """Gradients of sum(outputs * grad_outputs) wrt the inputs [B, T, H] and the deep prompts
         [blocks, B, P, H] (None without prompts), recomputing the span's forward with autograd. The
         weights stay frozen (requires_grad is off), so no weight gradient is ever computed."""
         with torch.enable_grad(), use_adapters(work.adapter):
-            hidden = work.hidden.to(self.span.dtype).detach().requires_grad_()
+            hidden = self._on_device(work.hidden).detach().requires_grad_()
             prompts = None
             if work.prompts is not None:
-                prompts = work.prompts.to(self.span.dtype).detach().requires_grad_()
+                prompts = self._on_device(work.prompts).detach().requires_grad_()
             aligned = align_prompts(prompts, 0, hidden.shape[1])
             outputs = self.span(hidden, None, 0, aligned, work.blocks)
             wrt = [hidden] if aligned is None else [hidden, prompts]
-            grads = torch.autograd.grad(outputs, wrt, work.grad_outputs.to(outputs.dtype))
-        grad_prompts = grads[1].to(work.prompts.dtype) if len(grads) > 1 else None
-        return Gradients(grads[0].to(work.hidden.dtype), grad_prompts)
+            grads = torch.autograd.grad(outputs, wrt, self._on_device(work.grad_outputs))
+        grad_prompts = None
+        if len(grads) > 1:
+            grad_prompts = grads[1].to(work.prompts.device, work.prompts.dtype)
+        return Gradients(grads[0].to(work.hidden.device, work.hidden.dtype), grad_prompts)
 
 
 def _adapter_ranges(chunks: list[Chunk]) -> tuple[tuple[int, int, str | None], ...] | str | None:

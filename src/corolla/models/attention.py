@@ -130,7 +130,7 @@ def causal_attention(
     if tree is not None:
         return masked_attention(q, k, v, tree.mask(q_start, scores.window), scores)
     if scores.softcap is not None or scores.sinks is not None:
-        return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window), scores)
+        return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window, q.device), scores)
     num_queries = q.shape[2]
     num_keys = k.shape[2]
     window = scores.window
@@ -142,21 +142,24 @@ def causal_attention(
         return F.scaled_dot_product_attention(q, k[:, :, -window:], v[:, :, -window:], **sdpa)
     if q_start == 0 and num_keys == num_queries and (window is None or num_keys <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa)
-    return masked_attention(q, k, v, _mask(q_start, num_queries, num_keys, window), scores)
+    return masked_attention(q, k, v, _mask(q_start, num_queries, num_keys, window, q.device), scores)
 
 
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scores: Scores
 ) -> torch.Tensor:
     """Attention where `mask` [T, K] (True: visible) says which keys each query sees."""
+    mask = mask.to(q.device)  # token trees build theirs on the CPU
     if scores.softcap is not None or scores.sinks is not None:
         return _by_hand(q, k, v, mask, scores)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scores.scaling, enable_gqa=True)
 
 
-def _mask(q_start: int, num_queries: int, num_keys: int, window: int | None) -> torch.Tensor:
-    q_pos = torch.arange(q_start, q_start + num_queries)[:, None]  # [T, 1]
-    k_pos = torch.arange(num_keys)[None, :]  # [1, K]
+def _mask(
+    q_start: int, num_queries: int, num_keys: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    q_pos = torch.arange(q_start, q_start + num_queries, device=device)[:, None]  # [T, 1]
+    k_pos = torch.arange(num_keys, device=device)[None, :]  # [1, K]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
@@ -214,9 +217,11 @@ class ContiguousCache:
         max_length: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ):
         # [layers, keys|values, B, kv_heads, max_length, d]; torch.empty leaves pages untouched until used
-        self.buffer = torch.empty(num_layers, 2, batch_size, num_kv_heads, max_length, head_dim, dtype=dtype)
+        shape = (num_layers, 2, batch_size, num_kv_heads, max_length, head_dim)
+        self.buffer = torch.empty(shape, dtype=dtype, device=device)
         self.max_length = max_length
         self.position = 0
         self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
@@ -246,11 +251,11 @@ class ContiguousCache:
     def keep(self, start: int, nodes: list[int]) -> None:
         """After a tree step stored at [start, start + T): keep the keys and values of `nodes` (a path, in
         order) at start, start + 1, ...; the cache then holds start + len(nodes) positions."""
-        source = start + torch.tensor(nodes, dtype=torch.long)
+        source = start + torch.tensor(nodes, dtype=torch.long, device=self.buffer.device)
         self.buffer[..., start : start + len(nodes), :] = self.buffer[..., source, :]
         self.position = start + len(nodes)
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Beam search: row i of the batch continues from row hypo_ids[i]."""
         stored = self.buffer[:, :, :, :, : self.position]
-        stored.copy_(stored[:, :, hypo_ids])
+        stored.copy_(stored[:, :, hypo_ids.to(self.buffer.device)])

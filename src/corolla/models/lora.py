@@ -142,4 +142,5 @@ def attach(blocks: nn.ModuleList, first_block: int, adapter: LoraAdapter) -> Non
                 f"B {list(b.shape)}, which do not fit a {base.in_features} -> {base.out_features} layer"
             )
         dtype = base.weight.dtype if base.weight.is_floating_point() else torch.float32  # int8 weights
-        layer.adapters[adapter.name] = (a.to(dtype), b.to(dtype), adapter.scale)
+        device = base.weight.device
+        layer.adapters[adapter.name] = (a.to(device, dtype), b.to(device, dtype), adapter.scale)

@@ -48,6 +48,7 @@ class Span(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
+        self.device = torch.device("cpu")  # of the weights, the cache and the computation (models/devices.py)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
@@ -60,9 +61,12 @@ class Span(nn.Module):
         end: int,
         dtype: torch.dtype = torch.float32,
         quantize: str | None = None,
+        device: torch.device | str = "cpu",
     ) -> Span:
-        """Blocks [start, end) in `dtype`; with `quantize` (int8 | int4), each block is quantized as soon as
-        it is read, so the span never holds more than one block in full precision."""
+        """Blocks [start, end) in `dtype` on `device`; each block moves to the device (and, with `quantize`,
+        int8 | int4, is quantized there) as soon as it is read, so the span never holds more than one block
+        in host memory or in full precision."""
+        device = torch.device(device)
         span = cls(ModelConfig.from_folder(folder), start, end, dtype)
         checkpoint = Checkpoint(folder)
         # a progress bar on a terminal (tqdm leaves logs and pipes alone): big spans take minutes to read
@@ -71,14 +75,17 @@ class Span(nn.Module):
         )
         for index in indices:
             load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype)
+            block = span.blocks[index - start]
+            missing = missing_on_meta(block)
+            if missing:
+                lacking = missing[:5]
+                raise UnsupportedModel(f"{folder}: the checkpoint lacks tensors of block {index}: {lacking}")
+            block.to(device)
             if quantize is not None:
-                quantize_blocks(span.blocks[index - start], quantize)
-        missing = missing_on_meta(span.blocks)
-        if missing:
-            raise UnsupportedModel(
-                f"{folder}: the checkpoint lacks tensors of blocks {start}:{end}: {missing[:5]}"
-            )
+                quantize_blocks(block, quantize)
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
+        span.rotary.to(device)
+        span.device = device
         span.dtype = dtype
         span.quantized = quantize
         _check_cache_shape(span)
@@ -108,7 +115,7 @@ class Span(nn.Module):
         """
         first, last = blocks or (self.start, self.end)
         if positions is None:
-            positions = torch.arange(position, position + hidden.shape[1])
+            positions = torch.arange(position, position + hidden.shape[1], device=hidden.device)
         position_ids = positions[None]
         rotary = self._rotary(hidden, position_ids, first, last)
         cache = ContextCache()
@@ -159,7 +166,7 @@ def _check_cache_shape(span: Span) -> None:
     (multi-head latent attention keeps other shapes) rather than corrupt their cache."""
     probe = _ShapeProbe()
     span(
-        torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype),
+        torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device),
         probe,
         blocks=(span.start, span.start + 1),
     )

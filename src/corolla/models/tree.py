@@ -8,6 +8,7 @@ the positions before the step and to its own ancestors (and itself), never to it
 in the cache its keys and values take the step's storage slot `start + i`. A chain (`parents[i] = i - 1`)
 is an ordinary multi-token step. Once the client knows which path the model accepts, the session keeps
 that path's keys and values at positions start, start + 1, ... and drops the rest (`is_path` checks it).
+A tree arrives from the wire: its tensors live on the CPU; a pass on a GPU moves what it uses.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ class TokenTree:
         depths: list[int] = []
         for parent in self.parents:
             depths.append(0 if parent < 0 else depths[parent] + 1)
-        return torch.tensor(depths, dtype=torch.long)
+        return torch.tensor(depths, dtype=torch.long, device="cpu")
 
     @cached_property
     def ancestors(self) -> torch.Tensor:
         """[T, T] bool: row i marks token i and every ancestor of i."""
         size = len(self.parents)
-        mask = torch.eye(size, dtype=torch.bool)
+        mask = torch.eye(size, dtype=torch.bool, device="cpu")
         for i, parent in enumerate(self.parents):
             if parent >= 0:
                 mask[i] |= mask[parent]
@@ -99,9 +100,9 @@ class TokenTree:
         """[T, start + T] bool: which keys (the `start` positions before the step, then the step's tokens
         in storage order) each token attends to; with `window`, only keys at positions > its own - window."""
         size = len(self.parents)
-        visible = torch.cat([torch.ones(size, start, dtype=torch.bool), self.ancestors], dim=1)
+        visible = torch.cat([torch.ones(size, start, dtype=torch.bool, device="cpu"), self.ancestors], dim=1)
         if window is not None:
             q_pos = self.positions(start)
-            k_pos = torch.cat([torch.arange(start), q_pos])
+            k_pos = torch.cat([torch.arange(start, device="cpu"), q_pos])
             visible &= k_pos[None, :] > q_pos[:, None] - window
         return visible

@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import psutil
 import torch
 
-from corolla.config import EngineConfig
+from corolla.config import EngineConfig, ServerConfig
 from corolla.engine.async_engine import AsyncEngine
 from corolla.engine.engine import Engine
 from corolla.models import lora
-from corolla.models.config import ModelConfig
+from corolla.models.config import ModelConfig, parse_dtype
+from corolla.models.devices import default_dtype, free_memory, resolve_device
 from corolla.models.span import Span
 from corolla.server.faults import Fault
 from corolla.server.sessions import SessionRegistry
@@ -63,10 +63,11 @@ class SpanLoader:
     pass_listeners: tuple[Callable[[int, float], None], ...] = ()
     quantize: str | None = None  # int8 | int4 weight-only (models/quantize.py)
     fault: Fault | None = None  # testing aid: wrong outputs on purpose (server/faults.py)
+    device: torch.device = torch.device("cpu")  # of the weights, the cache and the passes (models/devices.py)
 
     def load_span(self, blocks: tuple[int, int]) -> Span:
         """The blocks' weights in the dtype, quantized when asked (blocking: reads the checkpoint)."""
-        span = Span.load(self.folder, blocks[0], blocks[1], self.dtype, self.quantize)
+        span = Span.load(self.folder, blocks[0], blocks[1], self.dtype, self.quantize, self.device)
         if self.fault is not None:
             self.fault.apply(span.blocks)
         release_freed_memory()  # the full-precision copies that loading and quantizing let go of
@@ -97,15 +98,27 @@ class SpanLoader:
             return self.engine
         if self.budgeted:
             return replace(self.engine, max_cache_tokens=BUDGET_CACHE_TOKENS)
-        return replace(self.engine, max_cache_tokens=default_cache_tokens(self.model, num_blocks, self.dtype))
+        tokens = default_cache_tokens(self.model, num_blocks, self.dtype, self.device)
+        return replace(self.engine, max_cache_tokens=tokens)
 
 
-def default_cache_tokens(model: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
-    """A quarter of the memory available now, in tokens of cache (with the inputs kept per token).
+def compute_settings(config: ServerConfig, model: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    """Where a server computes and in what: --device (default: the best available), then --dtype
+    (default: by device, models/devices.py)."""
+    device = resolve_device(config.device)
+    return device, parse_dtype(config.dtype or default_dtype(device), model)
 
-    The pool is allocated lazily (pages are touched as they are first written), so a large default costs
-    memory only when sessions use it. Capped at 2**18 tokens, and at least 1024.
-    """
-    per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * num_blocks + model.hidden_size * 4
-    tokens = int(psutil.virtual_memory().available * 0.25) // per_token
+
+def default_cache_tokens(
+    model: ModelConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Tokens of cache in a share of the device's memory free now: a quarter of the host's (the pool is
+    allocated lazily there: pages are touched as they are first written, so a large default costs memory
+    only when sessions use it), 80% of a GPU's (where allocation is whole, and nothing else is kept).
+    The inputs kept per token stay in host memory. Capped at 2**18 tokens, and at least 1024."""
+    kv_per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * num_blocks
+    if device.type == "cpu":
+        tokens = int(free_memory(device) * 0.25) // (kv_per_token + model.hidden_size * 4)
+    else:
+        tokens = int(free_memory(device) * 0.8) // kv_per_token
     return max(1024, min(tokens, 2**18))

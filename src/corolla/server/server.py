@@ -14,17 +14,17 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
 from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig, parse_dtype
+from corolla.models.config import ModelConfig
+from corolla.models.devices import device_info, free_memory
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.server.announcer import Announcer
-from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader
+from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader, compute_settings
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.inference import InferenceService
@@ -35,7 +35,7 @@ from corolla.server.placement import blocks_for_budget, choose_blocks
 from corolla.server.push import Pusher
 from corolla.server.rebalancer import Rebalancer
 from corolla.server.spans import HostedSpans
-from corolla.server.status import StatusBoard
+from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_throughput
 from corolla.swarm.dht import placed_servers, start_dht
 from corolla.swarm.transport import P2PTransport
@@ -68,7 +68,7 @@ class Server:
         fault = Fault.parse(config.simulate_faulty) if config.simulate_faulty else None  # before joining
         source = resolve_model(config.model)
         self.model = ModelConfig.from_folder(source.path)
-        self.dtype = parse_dtype(config.dtype, self.model)
+        self.device, self.dtype = compute_settings(config, self.model)
         self.dht_prefix = config.dht_prefix or dht_prefix_for(source.name)
         total = self.model.num_hidden_layers
         if config.blocks is not None and not config.blocks[1] <= total:  # before anything starts
@@ -89,6 +89,7 @@ class Server:
             pass_listeners=(self.metrics.observe_pass,) if self.metrics is not None else (),
             quantize=config.quantize,
             fault=fault,
+            device=self.device,
         )
         # measured on one block before choosing blocks: placement weighs the swarm by throughput
         probe = await asyncio.to_thread(loader.load_span, (0, 1))
@@ -96,7 +97,9 @@ class Server:
         del probe
         blocks = await self._choose_blocks()
         precision = config.quantize or str(self.dtype).removeprefix("torch.")
-        logger.info("Loading blocks %d:%d of %s (%s weights)", *blocks, source.path, precision)
+        logger.info(
+            "Loading blocks %d:%d of %s (%s weights) on %s", *blocks, source.path, precision, self.device
+        )
         adapters = frozenset(name for name, _ in self.adapters)
         self.spans = HostedSpans(self.dht_prefix, loader.load, adapters, config.drain_timeout)
         await self.spans.start(blocks)
@@ -115,15 +118,10 @@ class Server:
         period = config.announce_period
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)
         dtype = str(self.dtype).replace("torch.", "")
+        compute = Compute(dtype, self.throughput, device_info(self.device))
+        fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
-            self.spans,
-            self.inference,
-            config,
-            __version__,
-            dtype,
-            self.throughput,
-            self.links,
-            self.model.fingerprint(),
+            self.spans, self.inference, config, __version__, compute, self.links, fingerprint
         )
         if self.metrics is not None:
             self.metrics.serve(config.metrics_host, config.metrics_port, self.status.snapshot)
@@ -158,11 +156,11 @@ class Server:
         return choose_blocks(others.values(), min(num_blocks, total), total, self.throughput or 1.0)
 
     def _blocks_in_budget(self) -> int:
-        budget = self.config.memory_budget or int(psutil.virtual_memory().available * 0.5)
+        budget = self.config.memory_budget or int(free_memory(self.device) * 0.5)
         cache = self.config.engine.max_cache_tokens or BUDGET_CACHE_TOKENS
         num_blocks = blocks_for_budget(self.model, self.dtype.itemsize, budget, cache, self.config.quantize)
-        message = "A memory budget of %.0f MB holds %d blocks (with %d cache tokens)"
-        logger.info(message, budget / 2**20, num_blocks, cache)
+        message = "A memory budget of %.0f MB on %s holds %d blocks (with %d cache tokens)"
+        logger.info(message, budget / 2**20, self.device, num_blocks, cache)
         return num_blocks
 
     # --- shutdown -----------------------------------------------------------------------------------------

@@ -8,12 +8,25 @@ figures by hand into another record, so no two reports can disagree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from corolla.config import ServerConfig
+from corolla.models.devices import DeviceInfo
 from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
 from corolla.server.spans import HostedSpans
 from corolla.wire.records import ServerState, ServerStatus
 from corolla.wire.tensors import supported_encodings
+
+
+@dataclass(frozen=True)
+class Compute:
+    """What the server computes with, as found at start: the dtype's name, the measured blocks per
+    second, the device."""
+
+    dtype: str
+    throughput: float | None
+    device: DeviceInfo | None = None
 
 
 class StatusBoard:
@@ -23,8 +36,7 @@ class StatusBoard:
         inference: InferenceService,
         config: ServerConfig,
         version: str,
-        dtype: str,
-        throughput: float | None,
+        compute: Compute,
         links: LinkMonitor | None = None,
         model_fingerprint: str = "",
     ):
@@ -34,20 +46,20 @@ class StatusBoard:
         self.links = links
         self.model_fingerprint = model_fingerprint
         self.version = version
-        self.dtype = dtype
-        self.throughput = throughput
+        self.compute = compute
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
     def snapshot(self) -> ServerStatus:
         """What the server reports now (callable from any thread: it only reads finished snapshots)."""
         primary = self.spans.primary
         stats = self.spans.engine_stats()  # the primary's first
+        device = self.compute.device
         return ServerStatus(
             state=self.state,
             start=primary.blocks[0],
             end=primary.blocks[1],
             version=self.version,
-            dtype=self.dtype,
+            dtype=self.compute.dtype,
             inference_max_length=self.config.inference_max_length,
             cache_tokens_available=stats[0].free_cache_tokens,
             dht_prefix=self.spans.dht_prefix,
@@ -62,10 +74,13 @@ class StatusBoard:
             engine_rows=sum(s.total_rows for s in stats),
             steps_from_client=self.inference.steps_from_client,
             steps_from_push=self.inference.steps_from_push,
-            throughput=self.throughput,
+            throughput=self.compute.throughput,
             adapters=tuple(sorted(self.spans.adapters)),
             precision=primary.span.precision,
             max_tree_tokens=self.config.max_tree_tokens,
             encodings=tuple(e for e in supported_encodings() if e != "lossless"),
             next_pings=tuple(self.links.pings.items()) if self.links is not None else (),
+            device=device.kind if device is not None else "",
+            device_name=device.name if device is not None else "",
+            device_memory=device.total_memory if device is not None else None,
         )

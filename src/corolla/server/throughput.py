@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from corolla.engine.engine import Engine
 from corolla.engine.sequence import StepWork
 from corolla.models.source import cache_dir
 from corolla.models.span import Span
+from corolla.utils import cpu_name
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +78,12 @@ def _cache_key(span: Span) -> str:
         str(span.dtype),
         span.precision,
         torch.get_num_threads(),
+        str(span.device),
+        torch.cuda.get_device_name(span.device) if span.device.type == "cuda" else "",
         torch.__version__,
-        _cpu_name(),
+        cpu_name(),
     )
     return hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _read(path: Path) -> dict:

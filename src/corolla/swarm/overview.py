@@ -28,7 +28,7 @@ from corolla.swarm.dht import RemoteSpan, find_spans, rejected_records
 from corolla.swarm.ping import Ping, ping
 from corolla.swarm.reports import find_reports
 from corolla.swarm.transport import P2PTransport
-from corolla.wire.records import ServerState
+from corolla.wire.records import ServerState, ServerStatus
 
 SHOWN_STATES = (ServerState.JOINING, ServerState.ONLINE)
 LIVE_TIMEOUT = 2.0  # seconds a server has to report its live figures
@@ -92,8 +92,17 @@ def _row(span: RemoteSpan, state: str) -> dict:
         "inference_max_length": info.inference_max_length,
         "dtype": info.dtype,
         "precision": info.precision or info.dtype,  # of the weights: int8 | int4 when quantized
+        "device": device_label(info),
         "version": info.version,
     }
+
+
+def device_label(info: ServerStatus) -> str:
+    """Where a server computes, for people: "cuda (NVIDIA H200, 140 GB)", "cpu (31 GB)", "" if unsaid."""
+    details = [info.device_name] if info.device != "cpu" and info.device_name else []
+    if info.device_memory:
+        details.append(f"{info.device_memory / 1e9:.0f} GB")
+    return f"{info.device} ({', '.join(details)})" if info.device and details else info.device
 
 
 def build_overview(
@@ -194,6 +203,7 @@ def format_table(overview: SwarmOverview) -> str:
         by = counted(len(reasons), "client")
         lines.append(f"reported faulty by the spot checks of {by}: ...{peer_id[-8:]} ({reasons[0]})")
     header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "weights")
+    header += ("device",)
     rows = [
         (
             f"...{span.peer_id[-8:]}",
@@ -204,6 +214,7 @@ def format_table(overview: SwarmOverview) -> str:
             str(span.info.queued_tokens),
             str(span.info.cache_tokens_available),
             span.info.precision or span.info.dtype,
+            device_label(span.info),
         )
         for span in overview.servers
     ]

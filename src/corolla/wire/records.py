@@ -68,6 +68,9 @@ class ServerStatus:
     max_tree_tokens: int = 0  # tokens of one speculative tree step it takes (0: a server without trees)
     encodings: tuple[str, ...] = ()  # hidden-state encodings it reads and writes besides lossless
     next_pings: tuple[tuple[str, float], ...] = ()  # round trips (s) to servers that can take our outputs
+    device: str = ""  # where it computes: cpu | cuda | mps ("" from peers too old to say)
+    device_name: str = ""  # "NVIDIA H200", a CPU's model name
+    device_memory: int | None = None  # bytes of that device's memory (the host's RAM for a CPU)
 
     @property
     def quantized(self) -> bool:
@@ -139,6 +142,9 @@ class ServerStatus:
             max_tree_tokens=fields.int("max_tree_tokens", default=0, low=0) or 0,
             encodings=tuple(encodings),
             next_pings=_read_pings(fields),
+            device=fields.str("device", max_chars=16) or "",
+            device_name=fields.str("device_name", max_chars=128) or "",
+            device_memory=fields.int("device_memory", low=0),
         )
 
 

@@ -12,11 +12,12 @@ from prometheus_client import generate_latest
 
 from corolla.config import EngineConfig, ServerConfig
 from corolla.models.config import ModelConfig
+from corolla.models.devices import device_info
 from corolla.server.backend import SpanLoader
 from corolla.server.inference import InferenceService, StepMessage
 from corolla.server.metrics import ServerMetrics
 from corolla.server.spans import HostedSpans
-from corolla.server.status import StatusBoard
+from corolla.server.status import Compute, StatusBoard
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.overview import build_overview, format_table
 from corolla.wire import tensors as wire_tensors
@@ -33,7 +34,9 @@ async def board(tiny_models):
     await spans.start((1, 5))
     config = ServerConfig(model=str(path), inference_max_length=128, max_batch_size=4)
     inference = InferenceService(spans, config, 64, pusher=None)
-    board = StatusBoard(spans, inference, config, "9.9.9", "float32", throughput=42.5)
+    board = StatusBoard(
+        spans, inference, config, "9.9.9", Compute("float32", 42.5, device_info(torch.device("cpu")))
+    )
     board.state = ServerState.ONLINE
     yield board
     await spans.stop()
@@ -62,6 +65,8 @@ async def test_every_report_reads_the_same_snapshot(board):
     assert (status.cache_tokens_total, status.cache_tokens_available) == (256, 256 - 2 * 3 * 4)
     assert status.engine_passes >= 1 and status.engine_rows == 2 * status.engine_passes
     assert (status.throughput, status.adapters, status.version) == (42.5, ("lora-a",), "9.9.9")
+    # where it computes: the device and its memory (here the CPU and the host's RAM)
+    assert status.device == "cpu" and status.device_name and status.device_memory > 2**30
 
     assert ServerStatus.from_bytes(status.to_bytes()) == status  # rpc_info's reply
     assert ServerStatus.from_dict(status.to_dict()) == status  # the DHT record
@@ -84,6 +89,7 @@ async def test_every_report_reads_the_same_snapshot(board):
     assert overview.coverage == (0, 1, 1, 1, 1, 0)
     line = format_table(overview).splitlines()[-1].split()
     assert line[:3] == ["...23456789", "1:5", "online"] and line[4] == "1" and line[6] == "232"
+    assert row["device"] == f"cpu ({status.device_memory / 1e9:.0f} GB)" and line[-3] == "cpu"
 
     await steps.put(None)
     assert [r async for r in replies] == []
