@@ -24,7 +24,7 @@ import torch
 from corolla.config import EngineConfig
 from corolla.engine.engine import Engine
 from corolla.engine.sequence import StepWork
-from corolla.models.attention import ContiguousCache
+from corolla.models.contiguous import ContiguousCache
 from corolla.models.source import resolve_model
 from corolla.models.span import Span
 
@@ -60,14 +60,7 @@ def engine_passes(span: Span, rows: int, passes: int) -> tuple[list[float], list
 
 def contiguous_passes(span: Span, rows: int, passes: int) -> list[float]:
     config = span.config
-    cache = ContiguousCache(
-        span.end - span.start,
-        rows,
-        config.num_key_value_heads,
-        PROMPT + passes + 8,
-        config.head_dim,
-        span.dtype,
-    )
+    cache = ContiguousCache(span.end - span.start, rows, PROMPT + passes + 8, span.cache_shape, span.dtype)
     times = []
     with torch.inference_mode():
         span(torch.randn(rows, PROMPT, config.hidden_size), cache)

@@ -7,8 +7,7 @@ import torch
 from corolla.config import EngineConfig
 from corolla.engine.engine import Engine
 from corolla.engine.sequence import StepWork
-from corolla.models.attention import ContiguousCache
-from corolla.models.config import ModelConfig
+from corolla.models.contiguous import ContiguousCache
 from corolla.models.span import Span
 
 
@@ -22,11 +21,8 @@ def reference_outputs(
     span: Span, steps: list[torch.Tensor], hypo_ids=None, rollbacks=None
 ) -> list[torch.Tensor]:
     """What each step returns with a plain contiguous cache (hypo_ids / rollbacks: per step, or None)."""
-    config: ModelConfig = span.config
     batch = steps[0].shape[0]
-    cache = ContiguousCache(
-        span.end - span.start, batch, config.num_key_value_heads, 256, config.head_dim, torch.float32
-    )
+    cache = ContiguousCache(span.end - span.start, batch, 256, span.cache_shape, torch.float32)
     outputs = []
     for i, hidden in enumerate(steps):
         if rollbacks and rollbacks[i] is not None:

@@ -78,6 +78,24 @@ LAYOUTS = {
         "GraniteConfig",
         dict(embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0),
     ),
+    "deepseek_v3": (  # multi-head latent attention (a cached latent, expanded per head), grouped MoE routing
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
 }
 FAMILIES = tuple(LAYOUTS)
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests

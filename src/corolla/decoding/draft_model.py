@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from corolla.decoding.drafting import Draft
-from corolla.models.attention import ContiguousCache
+from corolla.models.contiguous import ContiguousCache
 from corolla.models.head import ModelHead
 from corolla.models.span import Span
 from corolla.models.tree import TokenTree
@@ -65,7 +65,7 @@ class DraftModelSession:
         span = model.span
         # room for the text and one tree beyond it
         self.cache = ContiguousCache(
-            span.end - span.start, 1, span.kv_heads, max_length + 1024, span.head_dim, span.dtype, span.device
+            span.end - span.start, 1, max_length + 1024, span.cache_shape, span.dtype, span.device
         )
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
         # the last draft: its start, tree and tokens, and how many of them ran (the last level never runs)

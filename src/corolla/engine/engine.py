@@ -52,8 +52,7 @@ class Engine:
             span.end - span.start,
             num_pages,
             config.page_size,
-            span.kv_heads,
-            span.head_dim,
+            span.cache_shape,
             span.dtype,
             span.device,
         )

@@ -39,16 +39,40 @@ class Scores:
     sinks: torch.Tensor | None = None  # [heads] logits of a sink every query also attends to (gpt-oss)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """What a layer hands its cache per token: keys [key_heads, key_dim] and values [value_heads,
+    value_dim] (measured from the layers at load, models/span.py).
+
+    `gathers`: the layer reads its whole history back from the cache's `update` and transforms it before
+    attending. Multi-head latent attention (DeepSeek-V3, Kimi K2) caches a compressed latent (as "keys")
+    and its rotary key (as "values"), one head each, and expands them into every head's keys and values
+    after `update`; the attention function then gets every position's expanded keys. Other layers store
+    their keys and values and let the attention function read them from the cache.
+    """
+
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+    gathers: bool = False
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return (self.key_heads * self.key_dim + self.value_heads * self.value_dim) * itemsize
+
+
 class AttentionContext(Protocol):
     """Owns the keys and values of one pass; `layer` counts from the first block the pass runs."""
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [B, kv_heads, T, d] of the new tokens."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, kv_heads, T, d] of the new tokens. Returns what the layer gets back from its cache:
+        k, v themselves, or for a gathering layer (CacheShape.gathers) every position's."""
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
-        """q: [B, heads, T, d]; k, v: the new tokens' keys and values. Returns [B, heads, T, d]."""
+        """q: [B, heads, T, d]; k, v: the new tokens' keys and values (every position's for a gathering
+        layer). Returns [B, heads, T, d of v]."""
         ...
 
 
@@ -79,15 +103,15 @@ def _current() -> _Pass:
 
 class ContextCache(Cache):
     """transformers' cache interface over the active pass: `update` stores the new keys and values and
-    returns them unchanged (the attention function reads the rest from the context)."""
+    returns them unchanged (the attention function reads the rest from the context), or, for a gathering
+    layer, returns every position's."""
 
     def __init__(self):
         super().__init__(layers=[])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         current = _current()
-        current.context.store(layer_idx - current.first_layer, key_states, value_states)
-        return key_states, value_states
+        return current.context.store(layer_idx - current.first_layer, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -191,71 +215,10 @@ def _by_hand(
 class NoCache:
     """A pass over whole sequences that start at position 0: nothing is stored."""
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        pass
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v  # whole sequences: the new tokens are every position
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
         return causal_attention(q, k, v, 0, scores)
-
-
-class ContiguousCache:
-    """Keys and values of one session for a run of blocks, in preallocated buffers.
-
-    `position` is the number of tokens already stored; a step writes its tokens at [position, position + T)
-    and the caller advances `position` once every block has run. With `tree` set, the positions up to the
-    step's end hold a token tree (models/tree.py) whose last tokens are the step's (a tree can grow over
-    several steps, a draft model's level by level); `keep` then keeps one path of it.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        batch_size: int,
-        num_kv_heads: int,
-        max_length: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ):
-        # [layers, keys|values, B, kv_heads, max_length, d]; torch.empty leaves pages untouched until used
-        shape = (num_layers, 2, batch_size, num_kv_heads, max_length, head_dim)
-        self.buffer = torch.empty(shape, dtype=dtype, device=device)
-        self.max_length = max_length
-        self.position = 0
-        self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
-
-    @property
-    def batch_size(self) -> int:
-        return self.buffer.shape[2]
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        start = self.position
-        end = self.position + k.shape[2]
-        self.buffer[layer, 0, :, :, start:end] = k
-        self.buffer[layer, 1, :, :, start:end] = v
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
-    ) -> torch.Tensor:
-        end = self.position + q.shape[2]
-        keys = self.buffer[layer, 0, :, :, :end]
-        values = self.buffer[layer, 1, :, :, :end]
-        if self.tree is not None:  # the tree ends with the pass's tokens; earlier ones are stored already
-            size = len(self.tree)
-            mask = self.tree.mask(end - size, scores.window)[size - q.shape[2] :]
-            return masked_attention(q, keys, values, mask, scores)
-        return causal_attention(q, keys, values, self.position, scores)
-
-    def keep(self, start: int, nodes: list[int]) -> None:
-        """After a tree step stored at [start, start + T): keep the keys and values of `nodes` (a path, in
-        order) at start, start + 1, ...; the cache then holds start + len(nodes) positions."""
-        source = start + torch.tensor(nodes, dtype=torch.long, device=self.buffer.device)
-        self.buffer[..., start : start + len(nodes), :] = self.buffer[..., source, :]
-        self.position = start + len(nodes)
-
-    def reorder(self, hypo_ids: torch.Tensor) -> None:
-        """Beam search: row i of the batch continues from row hypo_ids[i]."""
-        stored = self.buffer[:, :, :, :, : self.position]
-        stored.copy_(stored[:, :, hypo_ids.to(self.buffer.device)])

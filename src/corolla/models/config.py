@@ -77,7 +77,11 @@ class ModelConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
-        """Attention cache size of one token in one block: keys and values of every kv head."""
+        """Attention cache size of one token in one block: keys and values of every kv head, or, for
+        multi-head latent attention, its compressed latent and rotary key (what transformers caches)."""
+        latent = getattr(self.hf, "kv_lora_rank", None)
+        if isinstance(latent, int) and isinstance(getattr(self.hf, "qk_rope_head_dim", None), int):
+            return (latent + self.hf.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     @classmethod

@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from corolla.errors import InvalidRequest, UnsupportedModel
-from corolla.models.attention import AttentionContext, ContextCache, NoCache, active_context
+from corolla.models.attention import AttentionContext, CacheShape, ContextCache, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
@@ -45,8 +45,8 @@ class Span(nn.Module):
         self.rotary = decoder.rotary_emb
         self.layer_types = config.layer_types
         # the cache's shape per token: the config's, until loading measures what the layers store
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        heads, dim = config.num_key_value_heads, config.head_dim
+        self.cache_shape = CacheShape(heads, dim, heads, dim)
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
         self.device = torch.device("cpu")  # of the weights, the cache and the computation (models/devices.py)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
@@ -88,7 +88,7 @@ class Span(nn.Module):
         span.device = device
         span.dtype = dtype
         span.quantized = quantize
-        _check_cache_shape(span)
+        _measure_cache_shape(span)
         span.requires_grad_(False)
         return span.eval()
 
@@ -149,21 +149,26 @@ def _cache_kwarg(block: nn.Module) -> str:
 
 
 class _ShapeProbe:
-    """An attention context that records the keys' and values' shapes of one token and attends to none."""
+    """An attention context that records what a layer stores per token and what it attends with, and
+    attends to nothing."""
 
-    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    stored: tuple[torch.Size, torch.Size] | None = None
+    attended: tuple[torch.Size, torch.Size] | None = None
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.shapes = self.shapes or (tuple(k.shape[1:]), tuple(v.shape[1:]))
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stored = self.stored or (k.shape[1:], v.shape[1:])
+        return k, v
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores) -> torch.Tensor:
+        self.attended = self.attended or (k.shape[1:], v.shape[1:])
         return q.new_zeros(*q.shape[:3], v.shape[-1])
 
 
 @torch.inference_mode()
-def _check_cache_shape(span: Span) -> None:
-    """The cache holds [kv_heads, head_dim] keys and values per token: refuse layers that store otherwise
-    (multi-head latent attention keeps other shapes) rather than corrupt their cache."""
+def _measure_cache_shape(span: Span) -> None:
+    """What the layers store per token ([heads, 1, d] keys and values), and whether they attend with what
+    they stored or with something made from it (multi-head latent attention expands a cached latent):
+    then the cache hands them their history (CacheShape.gathers)."""
     probe = _ShapeProbe()
     span(
         torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device),
@@ -171,18 +176,18 @@ def _check_cache_shape(span: Span) -> None:
         blocks=(span.start, span.start + 1),
     )
     model_type = span.config.model_type
-    if probe.shapes is None:
+    if probe.stored is None or probe.attended is None:
         raise UnsupportedModel(
             f"{model_type}: its attention does not go through transformers' cache interface"
         )
-    keys, values = probe.shapes
-    if keys != values or keys[1] != 1:
+    keys, values = probe.stored
+    if keys[1] != 1 or values[1] != 1:
         raise UnsupportedModel(
             f"{model_type}: its attention stores keys {list(keys)} and values {list(values)} per token; "
-            "corolla's cache holds keys and values of one shape [kv_heads, 1, head_dim]"
+            "corolla's cache holds [heads, 1, d] per token"
         )
-    span.kv_heads = keys[0]
-    span.head_dim = keys[2]
+    gathers = probe.attended != probe.stored
+    span.cache_shape = CacheShape(keys[0], keys[2], values[0], values[2], gathers)
 
 
 def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:

@@ -57,7 +57,7 @@ def plan(engine, generator):
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_an_engines_passes_make_every_tensor_on_the_spans_device(tiny_models, family):
     reference = make_engine(tiny_models[family], page_size=4, max_batch_tokens=8)
     expected = drive(reference, plan(reference, torch.Generator().manual_seed(0)))

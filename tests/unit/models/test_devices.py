@@ -8,6 +8,7 @@ from corolla.config import EngineConfig, ServerConfig
 from corolla.engine.engine import Engine
 from corolla.errors import InvalidRequest
 from corolla.models import devices
+from corolla.models.attention import CacheShape
 from corolla.models.config import ModelConfig
 from corolla.models.devices import default_dtype, free_memory, resolve_device
 from corolla.models.span import Span
@@ -84,5 +85,6 @@ def test_a_span_on_a_device_holds_every_weight_buffer_and_cache_page_there(tiny_
     placed = {t.device.type for t in [*span.parameters(), *span.buffers()]}
     assert placed == {"meta"}
     engine = Engine(span, EngineConfig(max_cache_tokens=64, page_size=4))
-    assert engine.pool.data.device.type == "meta"
-    assert (span.kv_heads, span.head_dim) == (span.config.num_key_value_heads, span.config.head_dim)
+    assert engine.pool.keys.device.type == engine.pool.values.device.type == "meta"
+    heads, dim = span.config.num_key_value_heads, span.config.head_dim
+    assert span.cache_shape == CacheShape(heads, dim, heads, dim, gathers=False)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from corolla.errors import InvalidRequest
-from corolla.models.attention import ContiguousCache
+from corolla.models.contiguous import ContiguousCache
 from corolla.models.span import Span
 from corolla.models.tree import TokenTree
 from engine_helpers import assert_close
@@ -56,7 +56,9 @@ def _paths(tree: TokenTree) -> list[list[int]]:
     return paths
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "qwen3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "qwen3", "deepseek_v3"]
+)
 def test_a_tree_step_equals_each_of_its_paths_run_alone(tiny_models, family):
     """Rotary positions by depth, ancestors-only masks, sliding windows, soft-capping and sinks: every
     token's output equals the one it gets in a plain sequence; keeping a path leaves a cache that goes on
@@ -69,7 +71,7 @@ def test_a_tree_step_equals_each_of_its_paths_run_alone(tiny_models, family):
     tree = TokenTree(PARENTS)
 
     def cache():
-        return ContiguousCache(6, 1, span.kv_heads, 32, span.head_dim, torch.float32)
+        return ContiguousCache(6, 1, 32, span.cache_shape, torch.float32)
 
     with torch.no_grad():
         treed = cache()

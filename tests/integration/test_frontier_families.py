@@ -1,0 +1,78 @@
+"""This year's attention layouts served by real `corolla server` processes, against transformers' own
+`generate` on the same tiny checkpoint: alone, as eight sessions at once, with speculative tree steps that
+reject part of their draft, and through a kill -9 of the server a session runs on.
+
+deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
+expanded by the layer after each read) and grouped MoE routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from corolla.config import SpeculationConfig
+from corolla.launch.local import LocalSwarm
+from swarm_helpers import connect, reference_generate
+from tiny_models import load_reference
+
+FRONTIER = ["deepseek_v3"]
+SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
+NEW_TOKENS = 14
+PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+
+@pytest.fixture(scope="module", params=FRONTIER)
+def served(request, tiny_models):
+    path = tiny_models[request.param]
+    reference = load_reference(path)
+    expected = [reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in PROMPTS]
+    with LocalSwarm(str(path), SPANS, server_args=["--announce-period", "2"]) as swarm:
+        yield path, swarm, expected
+
+
+def test_alone_and_eight_at_once_the_tokens_are_transformers(served):
+    path, swarm, expected = served
+    with connect(path, swarm) as model:
+        assert torch.equal(model.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS), expected[0])
+
+        async def together():
+            async def one(ids):
+                new = [tokens[:, None] async for tokens in model.agenerate(ids, max_new_tokens=NEW_TOKENS)]
+                return torch.cat([ids, *new], dim=1)
+
+            return await asyncio.gather(*(one(ids) for ids in PROMPTS))
+
+        for index, tokens in enumerate(model.runtime.run(together())):
+            assert torch.equal(tokens, expected[index]), f"prompt {index} differs when batched"
+
+
+def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(served):
+    path, swarm, expected = served
+    # prompt lookup drafts from the text so far: on random weights most drafts are rejected in part
+    speculation = SpeculationConfig(draft="lookup", width=2, max_depth=4, adaptive=False)
+    with connect(path, swarm, speculation=speculation) as model:
+        for index in (1, 4):
+            tokens = model.generate(PROMPTS[index], max_new_tokens=NEW_TOKENS)
+            assert torch.equal(tokens, expected[index])
+        stats = model.speculator.stats
+        assert stats.drafted > stats.accepted  # some of the drafts were rejected
+
+
+def test_a_server_killed_mid_generation_is_replaced_and_the_tokens_do_not_change(served):
+    path, swarm, expected = served
+    ids = PROMPTS[2]
+    with connect(path, swarm) as model, model.inference_session(ids.shape[1] + NEW_TOKENS) as session:
+        seen = []
+
+        def on_token(_):
+            seen.append(None)
+            if len(seen) == NEW_TOKENS // 2:
+                victim = next(s for s in swarm.servers if s.peer_id == session.route[-1].peer_id)
+                victim.kill_group()
+
+        tokens = model.generate(ids, session=session, max_new_tokens=NEW_TOKENS, streamer=on_token)
+        assert session.num_failovers == 1
+    assert torch.equal(tokens, expected[2])
