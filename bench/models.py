@@ -34,6 +34,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm
+from corolla.models.span import Span
 from tiny_models import FAMILIES, load_reference, save_tiny_model, tiny_config
 
 logger = logging.getLogger("bench.models")
@@ -138,6 +139,22 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return int(diff[0, 0]) if diff.numel() else None
 
 
+def cache_bytes(path: Path, config) -> dict:
+    """What the servers cache per token and block (float32), and what expanded keys and values would
+    take: for multi-head latent attention every head's keys and values, made from the cached latent."""
+    cached = Span.load(path, 0, 1).cache_shape.bytes_per_token(4)
+    if getattr(config, "kv_lora_rank", None):
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        expanded = config.num_attention_heads * (qk_head_dim + config.v_head_dim) * 4
+    else:
+        expanded = cached
+    return {
+        "cache_bytes_per_token_per_block": cached,
+        "expanded_kv_bytes_per_token_per_block": expanded,
+        "cache_vs_expanded": round(cached / expanded, 4),
+    }
+
+
 def bench_family(family: str, root: Path, new_tokens: int, repeats: int) -> dict:
     path = save_tiny_model(family, root / f"tiny-{family}")
     config = tiny_config(family)
@@ -156,6 +173,7 @@ def bench_family(family: str, root: Path, new_tokens: int, repeats: int) -> dict
         "swarm_vs_local": round(swarm_rate / local_rate, 2),
         "swarm_vs_local_decode": round(swarm_decode / local_decode, 2),
         "tokens_equal": diff is None,
+        **cache_bytes(path, config),
     }
     if diff is not None:
         swarm_token = int(swarm_tokens[diff]) if diff < swarm_tokens.numel() else None

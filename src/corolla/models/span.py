@@ -93,6 +93,11 @@ class Span(nn.Module):
         return span.eval()
 
     @property
+    def cache_bytes_per_token(self) -> int:
+        """What one token's cache takes over the whole span, as the layers store it."""
+        return self.cache_shape.bytes_per_token(self.dtype.itemsize) * (self.end - self.start)
+
+    @property
     def precision(self) -> str:
         """What the weights are stored in: float32 | float16 | bfloat16 | int8 | int4."""
         return self.quantized or str(self.dtype).removeprefix("torch.")

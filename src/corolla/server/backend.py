@@ -78,7 +78,7 @@ class SpanLoader:
         for name, path in self.adapters:
             adapter = await asyncio.to_thread(lora.load_adapter, path, range(*blocks), name)
             lora.attach(span.blocks, span.start, adapter)
-        config = self.engine_config(blocks[1] - blocks[0])
+        config = self.engine_config(span)
         logger.info(
             "Engine: %d cache tokens in pages of %d, %d tokens and %d rows per pass",
             config.max_cache_tokens,
@@ -92,14 +92,13 @@ class SpanLoader:
         sessions = SessionRegistry(engine, self.session_timeout, self.max_sessions_per_peer)
         return SpanBackend(span, engine, sessions)
 
-    def engine_config(self, num_blocks: int) -> EngineConfig:
+    def engine_config(self, span: Span) -> EngineConfig:
         """The configured engine, with its cache size chosen when the configuration left it open."""
         if self.engine.max_cache_tokens is not None:
             return self.engine
         if self.budgeted:
             return replace(self.engine, max_cache_tokens=BUDGET_CACHE_TOKENS)
-        tokens = default_cache_tokens(self.model, num_blocks, self.dtype, self.device)
-        return replace(self.engine, max_cache_tokens=tokens)
+        return replace(self.engine, max_cache_tokens=default_cache_tokens(span, self.model.hidden_size))
 
 
 def compute_settings(config: ServerConfig, model: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -109,16 +108,16 @@ def compute_settings(config: ServerConfig, model: ModelConfig) -> tuple[torch.de
     return device, parse_dtype(config.dtype or default_dtype(device), model)
 
 
-def default_cache_tokens(
-    model: ModelConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
-) -> int:
-    """Tokens of cache in a share of the device's memory free now: a quarter of the host's (the pool is
-    allocated lazily there: pages are touched as they are first written, so a large default costs memory
-    only when sessions use it), 80% of a GPU's (where allocation is whole, and nothing else is kept).
-    The inputs kept per token stay in host memory. Capped at 2**18 tokens, and at least 1024."""
-    kv_per_token = model.kv_bytes_per_token_per_block(dtype.itemsize) * num_blocks
-    if device.type == "cpu":
-        tokens = int(free_memory(device) * 0.25) // (kv_per_token + model.hidden_size * 4)
+def default_cache_tokens(span: Span, hidden_size: int) -> int:
+    """Tokens of cache in a share of the span's device's memory free now: a quarter of the host's (the
+    pool is allocated lazily there: pages are touched as they are first written, so a large default costs
+    memory only when sessions use it), 80% of a GPU's (where allocation is whole, and nothing else is
+    kept). A token costs what the layers really cache (span.cache_bytes_per_token: a latent for
+    multi-head latent attention), plus on the host the inputs kept for recompute. Capped at 2**18 tokens,
+    and at least 1024."""
+    per_token = span.cache_bytes_per_token
+    if span.device.type == "cpu":
+        tokens = int(free_memory(span.device) * 0.25) // (per_token + hidden_size * 4)
     else:
-        tokens = int(free_memory(device) * 0.8) // kv_per_token
+        tokens = int(free_memory(span.device) * 0.8) // per_token
     return max(1024, min(tokens, 2**18))

@@ -68,6 +68,7 @@ class StatusBoard:
             max_sessions_per_peer=self.config.max_sessions_per_peer,
             max_passes_per_peer=self.config.max_passes_per_peer,
             cache_tokens_total=stats[0].total_cache_tokens,
+            cache_bytes_per_token=primary.span.cache_bytes_per_token,
             num_sessions=self.spans.num_sessions,
             queued_tokens=sum(s.queued_tokens for s in stats),
             engine_passes=sum(s.num_passes for s in stats),

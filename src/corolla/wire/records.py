@@ -56,6 +56,7 @@ class ServerStatus:
     max_sessions_per_peer: int | None = None  # what one peer may hold here at once
     max_passes_per_peer: int | None = None
     cache_tokens_total: int | None = None
+    cache_bytes_per_token: int | None = None  # what a token's cache takes over its blocks, as stored
     num_sessions: int = 0
     queued_tokens: int = 0  # live load: tokens waiting in the server's engines
     engine_passes: int = 0  # engine passes run so far
@@ -130,6 +131,7 @@ class ServerStatus:
             max_sessions_per_peer=fields.int("max_sessions_per_peer", low=1),
             max_passes_per_peer=fields.int("max_passes_per_peer", low=1),
             cache_tokens_total=fields.int("cache_tokens_total", low=0),
+            cache_bytes_per_token=fields.int("cache_bytes_per_token", low=0),
             num_sessions=fields.int("num_sessions", default=0, low=0) or 0,
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
             engine_passes=fields.int("engine_passes", default=0, low=0) or 0,

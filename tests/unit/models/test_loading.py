@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
+from corolla.models.attention import CacheShape
 from corolla.models.config import ModelConfig
 from corolla.models.head import ModelHead
 from corolla.models.source import dht_prefix_for, resolve_model
@@ -129,3 +130,13 @@ def test_spans_and_heads_load_in_the_dtype_asked_for(tiny_models):
     assert {p.dtype for p in [*span.parameters(), *head.parameters()]} == {torch.bfloat16}
     assert span.rotary.inv_freq.dtype == torch.float32  # as transformers keeps it
     assert span(head.embed(torch.tensor([[5, 6, 7]]))).dtype == torch.bfloat16
+
+
+def test_latent_attention_caches_its_latent_and_is_handed_its_history(tiny_models):
+    """DeepSeek-V3's attention caches a compressed latent (32) and a rotary key (8), one head each, and
+    expands them into 4 heads of keys (16 + 8) and values (16) after reading them back."""
+    span = Span.load(tiny_models["deepseek_v3"], 0, 2)
+    assert span.cache_shape == CacheShape(1, 32, 1, 8, gathers=True)
+    assert span.cache_bytes_per_token == 2 * (32 + 8) * 4  # 2 blocks, float32
+    expanded = 4 * ((16 + 8) + 16) * 4
+    assert span.config.kv_bytes_per_token_per_block(4) == (32 + 8) * 4 < expanded

@@ -63,6 +63,7 @@ async def test_every_report_reads_the_same_snapshot(board):
     status = board.snapshot()
     assert (status.start, status.end, status.num_sessions, status.steps_from_client) == (1, 5, 1, 1)
     assert (status.cache_tokens_total, status.cache_tokens_available) == (256, 256 - 2 * 3 * 4)
+    assert status.cache_bytes_per_token == 4 * (2 * 2 * 16) * 4  # 4 blocks: 2 kv heads of 16, k and v, fp32
     assert status.engine_passes >= 1 and status.engine_rows == 2 * status.engine_passes
     assert (status.throughput, status.adapters, status.version) == (42.5, ("lora-a",), "9.9.9")
     # where it computes: the device and its memory (here the CPU and the host's RAM)
