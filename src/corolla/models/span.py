@@ -45,8 +45,8 @@ class Span(nn.Module):
         self.rotary = decoder.rotary_emb
         self.layer_types = config.layer_types
         # the cache's shape per token: the config's, until loading measures what the layers store
-        heads, dim = config.num_key_value_heads, config.head_dim
-        self.cache_shape = CacheShape(heads, dim, heads, dim)
+        heads = config.num_key_value_heads
+        self.cache_shape = CacheShape(heads, config.head_dim, heads, config.head_dim)
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
         self.device = torch.device("cpu")  # of the weights, the cache and the computation (models/devices.py)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
