@@ -102,6 +102,16 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         hf = hf.get_text_config()  # a multimodal wrapper's language model; the config itself otherwise
         _check_supported(hf)
+        try:
+            return cls._read(hf)
+        except RuntimeError as e:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            raise UnsupportedModel(
+                f"{hf.model_type}: its attention shapes differ between layers, which corolla's cache does "
+                f"not support ({e})"
+            ) from None
+
+    @classmethod
+    def _read(cls, hf: Any) -> ModelConfig:
         heads = int(hf.num_attention_heads)
         eos = getattr(hf, "eos_token_id", None)
         dtype = getattr(hf, "dtype", None)
@@ -154,11 +164,27 @@ def _check_supported(hf: Any) -> None:
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         if not isinstance(getattr(hf, name, None), int):
             raise UnsupportedModel(f"config.json of a {model_type} model is missing or has an invalid {name}")
+    _check_layer_inputs(hf)
     unknown = set(getattr(hf, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
     if unknown:
         raise UnsupportedModel(
             f"{model_type}: layer types {sorted(unknown)} are not supported (corolla caches attention "
             f"layers only: {', '.join(SUPPORTED_LAYER_TYPES)})"
+        )
+
+
+def _check_layer_inputs(hf: Any) -> None:
+    """Refuse layers that need more than the previous layer's hidden states and their own cache (Gemma 3n,
+    Gemma 4): what a span would have to carry besides is named."""
+    needs = []
+    if getattr(hf, "hidden_size_per_layer_input", None):
+        needs.append("per-layer inputs made from the token ids (hidden_size_per_layer_input)")
+    shared = getattr(hf, "num_kv_shared_layers", None)
+    if shared:
+        needs.append(f"earlier layers' keys and values in its last {shared} layers (num_kv_shared_layers)")
+    if needs:
+        raise UnsupportedModel(
+            f"{hf.model_type}: its layers take {' and '.join(needs)}; a span carries neither"
         )
 
 

@@ -96,6 +96,28 @@ def test_unsupported_models_get_errors_naming_the_type():
         )
 
 
+@pytest.mark.parametrize(
+    ("model_type", "refusal"),
+    [
+        ("gemma3n", r"gemma3n_text: its layers take per-layer inputs .* and earlier layers' keys and values"),
+        ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
+        ("kimi_k25", None),  # a multimodal wrapper of DeepSeek-V3's text model: served
+        ("deepseek_v32", r"deepseek_v32: layer types \['indexed_attention'\] are not supported"),
+        ("lfm3", r"lfm3: layer types \['conv'\] are not supported"),
+    ],
+)
+def test_this_years_families_are_served_or_refused_in_one_line(model_type, refusal):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)  # transformers' own defaults: the real model's shapes
+    if refusal is None:
+        assert ModelConfig.from_hf(config).model_type == "deepseek_v3"
+        return
+    with pytest.raises(UnsupportedModel, match=refusal) as refused:
+        ModelConfig.from_hf(config)
+    assert "\n" not in str(refused.value)
+
+
 def test_span_range_is_checked(tiny_models):
     with pytest.raises(InvalidRequest, match="blocks 4:9"):
         Span.load(tiny_models["llama"], 4, 9)
