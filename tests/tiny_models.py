@@ -96,6 +96,22 @@ LAYOUTS = {
             topk_group=1,
         ),
     ),
+    "mistral4": (  # latent attention and MoE; a causal LM transformers registers only behind its wrapper
+        "Mistral4Config",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=24,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+        ),
+    ),
 }
 FAMILIES = tuple(LAYOUTS)
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
@@ -109,22 +125,26 @@ def tiny_config(family: str):
 
 
 def save_tiny_model(family: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    from transformers import AutoModelForCausalLM
+    from corolla.models.config import causal_lm_class
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    config = tiny_config(family)
+    model = causal_lm_class(config)._from_config(config, dtype=torch.float32)  # transformers' own class
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
 
 
 def load_reference(path: Path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from corolla.models.config import causal_lm_class
+
+    causal_lm = causal_lm_class(AutoConfig.from_pretrained(path))  # Mistral 4's is not in the auto mapping
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = causal_lm.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     except ValueError:  # families without an SDPA implementation (Gemma 2's soft-capping)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        model = causal_lm.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

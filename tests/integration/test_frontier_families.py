@@ -3,7 +3,8 @@
 reject part of their draft, and through a kill -9 of the server a session runs on.
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
-expanded by the layer after each read) and grouped MoE routing.
+expanded by the layer after each read) and grouped MoE routing. mistral4: latent attention and MoE, with
+a causal LM that transformers registers only behind its multimodal wrapper.
 """
 
 from __future__ import annotations
@@ -18,17 +19,21 @@ from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect, reference_generate
 from tiny_models import load_reference
 
-FRONTIER = ["deepseek_v3"]
+FRONTIER = ["deepseek_v3", "mistral4"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 NEW_TOKENS = 14
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+# a prompt that repeats itself: prompt lookup drafts its continuation, which random weights mostly reject
+REPEATING = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(9)).repeat(1, 3)
 
 
 @pytest.fixture(scope="module", params=FRONTIER)
 def served(request, tiny_models):
     path = tiny_models[request.param]
     reference = load_reference(path)
-    expected = [reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in PROMPTS]
+    expected = [
+        reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in [*PROMPTS, REPEATING]
+    ]
     with LocalSwarm(str(path), SPANS, server_args=["--announce-period", "2"]) as swarm:
         yield path, swarm, expected
 
@@ -54,9 +59,8 @@ def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(
     # prompt lookup drafts from the text so far: on random weights most drafts are rejected in part
     speculation = SpeculationConfig(draft="lookup", width=2, max_depth=4, adaptive=False)
     with connect(path, swarm, speculation=speculation) as model:
-        for index in (1, 4):
-            tokens = model.generate(PROMPTS[index], max_new_tokens=NEW_TOKENS)
-            assert torch.equal(tokens, expected[index])
+        for index, ids in ((1, PROMPTS[1]), (-1, REPEATING)):
+            assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS), expected[index])
         stats = model.speculator.stats
         assert stats.drafted > stats.accepted  # some of the drafts were rejected
 

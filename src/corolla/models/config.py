@@ -10,6 +10,7 @@ computation. Multimodal wrappers (a language model plus a vision tower) are serv
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,11 +153,35 @@ def _hf_config(raw: dict[str, Any]) -> Any:
         raise UnsupportedModel(f"config.json of a {model_type} model is invalid: {e}") from None
 
 
-def _check_supported(hf: Any) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def causal_lm_class(hf: Any) -> type | None:
+    """transformers' causal LM for a (text) config: the auto mapping's, else the `...ForCausalLM` that
+    the family's modeling module defines for exactly this config class (Mistral 4's text model, which
+    transformers registers only behind its multimodal wrapper); None if it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+    try:
+        module = importlib.import_module(type(hf).__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+    found = [
+        cls
+        for name, cls in vars(module).items()
+        if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(hf)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _check_supported(hf: Any) -> None:
     model_type = hf.model_type
-    if getattr(hf, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    unknown = set(getattr(hf, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
+    if unknown:
+        raise UnsupportedModel(
+            f"{model_type}: layer types {sorted(unknown)} are not supported (corolla caches attention "
+            f"layers only: {', '.join(SUPPORTED_LAYER_TYPES)})"
+        )
+    if getattr(hf, "is_encoder_decoder", False) or causal_lm_class(hf) is None:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not a decoder-only causal LM; corolla serves the decoder-only "
             f"causal LMs that transformers implements ({supported_summary()})"
@@ -165,12 +190,6 @@ def _check_supported(hf: Any) -> None:
         if not isinstance(getattr(hf, name, None), int):
             raise UnsupportedModel(f"config.json of a {model_type} model is missing or has an invalid {name}")
     _check_layer_inputs(hf)
-    unknown = set(getattr(hf, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
-    if unknown:
-        raise UnsupportedModel(
-            f"{model_type}: layer types {sorted(unknown)} are not supported (corolla caches attention "
-            f"layers only: {', '.join(SUPPORTED_LAYER_TYPES)})"
-        )
 
 
 def _check_layer_inputs(hf: Any) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from corolla.errors import UnsupportedModel
 from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ModelConfig
+from corolla.models.config import ModelConfig, causal_lm_class
 
 logger = logging.getLogger(__name__)
 # init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another
@@ -33,11 +33,9 @@ _MODEL_LOCK = threading.Lock()
 def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The family's causal LM with meta parameters in `dtype` (weights loaded into it are cast to it),
     its attention set to `attention`."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     hf = config.hf.__class__.from_dict(config.hf.to_dict())  # a copy: the attention choice is per model
     hf._attn_implementation = attention
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+    model_class = causal_lm_class(hf)
     try:
         with _MODEL_LOCK, init_empty_weights(include_buffers=False):
             model = model_class._from_config(hf, dtype=dtype)

@@ -101,21 +101,31 @@ def test_unsupported_models_get_errors_naming_the_type():
     [
         ("gemma3n", r"gemma3n_text: its layers take per-layer inputs .* and earlier layers' keys and values"),
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
-        ("kimi_k25", None),  # a multimodal wrapper of DeepSeek-V3's text model: served
+        ("mistral_large4", r"mistral_large4_text: layer types \['indexed_attention'\] are not supported"),
         ("deepseek_v32", r"deepseek_v32: layer types \['indexed_attention'\] are not supported"),
         ("lfm3", r"lfm3: layer types \['conv'\] are not supported"),
     ],
 )
-def test_this_years_families_are_served_or_refused_in_one_line(model_type, refusal):
+def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model_type, refusal):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)  # transformers' own defaults: the real model's shapes
-    if refusal is None:
-        assert ModelConfig.from_hf(config).model_type == "deepseek_v3"
-        return
     with pytest.raises(UnsupportedModel, match=refusal) as refused:
         ModelConfig.from_hf(config)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "served_as"),
+    [
+        ("kimi_k25", "deepseek_v3"),  # a multimodal wrapper of DeepSeek-V3's text model
+        ("mistral4", "mistral4"),  # its causal LM is not in transformers' auto mapping
+    ],
+)
+def test_this_years_latent_attention_families_are_accepted(model_type, served_as):
+    from transformers import AutoConfig
+
+    assert ModelConfig.from_hf(AutoConfig.for_model(model_type)).model_type == served_as
 
 
 def test_span_range_is_checked(tiny_models):
