@@ -71,12 +71,12 @@ class DraftModelSession:
         # the last draft: its start, tree and tokens, and how many of them ran (the last level never runs)
         self.tree: tuple[int, TokenTree, list[int], int] | None = None
 
-    @torch.inference_mode()
     def propose(self, context: list[int], depth: int, max_tokens: int) -> Draft:
         if depth < 1 or max_tokens < 1 or len(context) + max_tokens >= self.cache.max_length:
             return Draft()
-        root_logits = self._sync(context)
-        return self._expand(root_logits, depth, max_tokens)
+        with self.model.span.computing():
+            root_logits = self._sync(context)
+            return self._expand(root_logits, depth, max_tokens)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Bring the cache to `context` (keeping the path of the last tree the text followed); returns the

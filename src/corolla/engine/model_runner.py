@@ -161,9 +161,12 @@ class ModelRunner:
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, self.span.dtype)
 
-    @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """One pass over the chunks (all for the same block range); returns each chunk's outputs [B, T, H]."""
+        with self.span.computing():
+            return self._run(chunks)
+
+    def _run(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         first = chunks[0].session
         pieces = []
         positions = []
@@ -204,11 +207,10 @@ class ModelRunner:
             offset += size
         return results
 
-    @torch.inference_mode()
     def forward(self, work: ForwardWork) -> torch.Tensor:
         """A forward pass without cache (rpc_forward): [B, T, H] -> [B, T, H] in the input's dtype."""
         aligned = align_prompts(work.prompts, 0, work.hidden.shape[1])
-        with use_adapters(work.adapter):
+        with self.span.computing(), use_adapters(work.adapter):
             prompts = None if aligned is None else self._on_device(aligned)
             outputs = self.span(self._on_device(work.hidden), None, 0, prompts, work.blocks)
         return outputs.to(work.hidden.device, work.hidden.dtype)

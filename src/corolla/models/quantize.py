@@ -37,14 +37,15 @@ linear's input and output rounded to bfloat16 agree on 316 of 512: int4 sits at 
 bfloat16 kernels could at best tie it, by chance; only float32 compute beats it reliably.
 
 MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
-`...Experts` module: Mixtral, Qwen3-MoE) are not `nn.Linear`: they stay at full precision.
+`...Experts` module: Mixtral, Qwen3-MoE, DeepSeek) are not `nn.Linear`: they become torchao int8 tensors
+in both modes (`quantize_fused_experts`), dequantized per expert and call (memory, not speed).
 
 Autograd with respect to the input (frozen weights, as in a client's fine-tuning backward pass):
 int8 works as is, torchao's int8 linear being made of differentiable torch ops. The int4 kernels have
 no derivative ("derivative for aten::_weight_int4pack_mm_for_cpu is not implemented"), so each int4
 linear becomes an `Int4Linear`, whose backward computes `grad @ W`, W dequantized by the kernel itself
 (applied to an identity matrix), one layer at a time, only while the backward runs.
-Both modes run under `torch.inference_mode()` and survive `copy.deepcopy`.
+Both modes run under `torch.inference_mode()` (fused experts: `torch.no_grad()`) and survive `copy.deepcopy`.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def check_mode(mode: str) -> None:
         raise InvalidRequest(f"quantization mode {mode!r} is not supported; choose one of {QUANTIZE_MODES}")
 
 
-def quantize_blocks(module: nn.Module, mode: str) -> None:
-    """Weight-only quantizes every nn.Linear inside `module`, in place (see the module docstring)."""
+def quantize_blocks(module: nn.Module, mode: str) -> bool:
+    """Weight-only quantizes every nn.Linear and every fused 3-D expert weight inside `module`, in place
+    (see the module docstring); returns whether it quantized fused experts."""
     check_mode(mode)
     if mode == "int4" and any(_old_gpu(p.device) for p in module.parameters()):
         raise InvalidRequest("int4 needs a GPU of compute capability 8.0 or newer: use int8")
@@ -84,7 +86,36 @@ def quantize_blocks(module: nn.Module, mode: str) -> None:
             linear.__class__ = Int4Linear
         elif linear.weight.device.type == "cpu":
             Int8Linear.adopt(linear)
+    experts = quantize_fused_experts(module)
     _own_plain_tensors(module)
+    return experts
+
+
+def quantize_fused_experts(module: nn.Module) -> bool:
+    """MoE experts stored as fused 3-D parameters [experts, out, in] (Mixtral's, Qwen3-MoE's, DeepSeek's
+    `gate_up_proj` and `down_proj`) become torchao int8 tensors with per-row scales, in either mode:
+    torchao has no int4 path for 3-D parameters (pytorch/ao#3252). Their experts module then runs
+    transformers' "eager" experts implementation, which indexes one expert and calls `F.linear` on it
+    (torchao's tensor serves that; the grouped-matmul implementation needs ops it lacks). Experts stored
+    transposed ([experts, in, out], gpt-oss) stay at full precision. Returns whether any were quantized:
+    torchao's tensors cannot be indexed under `torch.inference_mode` (it cannot correct the alias's
+    version counter), so such a span computes under `torch.no_grad` (Span.computing)."""
+    owners = {}
+    for owner, sub in module.named_modules():
+        if getattr(sub, "is_transposed", False):
+            continue
+        for name, param in sub.named_parameters(recurse=False):
+            if param.dim() == 3 and type(param.data) is torch.Tensor and param.is_floating_point():
+                owners[f"{owner}.{name}" if owner else name] = sub
+    if not owners:
+        return False
+    ao = _torchao()
+    config = ao.Int8WeightOnlyConfig(set_inductor_config=False)
+    ao.quantize_(module, ao.FqnToConfig(dict.fromkeys(owners, config)), filter_fn=None)
+    for experts in owners.values():
+        if hasattr(getattr(experts, "config", None), "_experts_implementation"):
+            experts.config._experts_implementation = "eager"  # the span's own copy of the config
+    return True
 
 
 def _own_plain_tensors(module: nn.Module) -> None:

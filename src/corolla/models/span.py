@@ -11,6 +11,7 @@ routing) is the layers' own business.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 
@@ -50,6 +51,8 @@ class Span(nn.Module):
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
         self.device = torch.device("cpu")  # of the weights, the cache and the computation (models/devices.py)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
+        # torchao's quantized fused experts cannot be indexed under inference_mode (models/quantize.py)
+        self.views_need_autograd = False
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
 
@@ -81,8 +84,8 @@ class Span(nn.Module):
                 lacking = missing[:5]
                 raise UnsupportedModel(f"{folder}: the checkpoint lacks tensors of block {index}: {lacking}")
             block.to(device)
-            if quantize is not None:
-                quantize_blocks(block, quantize)
+            if quantize is not None and quantize_blocks(block, quantize):
+                span.views_need_autograd = True
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
         span.rotary.to(device)
         span.device = device
@@ -91,6 +94,11 @@ class Span(nn.Module):
         _measure_cache_shape(span)
         span.requires_grad_(False)
         return span.eval()
+
+    def computing(self) -> contextlib.AbstractContextManager:
+        """The grad mode of passes that need no gradients: inference_mode (the fastest), or no_grad for a
+        span whose quantized experts torchao cannot index under inference_mode."""
+        return torch.no_grad() if self.views_need_autograd else torch.inference_mode()
 
     @property
     def cache_bytes_per_token(self) -> int:
@@ -169,17 +177,17 @@ class _ShapeProbe:
         return q.new_zeros(*q.shape[:3], v.shape[-1])
 
 
-@torch.inference_mode()
 def _measure_cache_shape(span: Span) -> None:
     """What the layers store per token ([heads, 1, d] keys and values), and whether they attend with what
     they stored or with something made from it (multi-head latent attention expands a cached latent):
     then the cache hands them their history (CacheShape.gathers)."""
     probe = _ShapeProbe()
-    span(
-        torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device),
-        probe,
-        blocks=(span.start, span.start + 1),
-    )
+    with span.computing():
+        span(
+            torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device),
+            probe,
+            blocks=(span.start, span.start + 1),
+        )
     model_type = span.config.model_type
     if probe.stored is None or probe.attended is None:
         raise UnsupportedModel(
