@@ -4,8 +4,9 @@ Builds `--layers` layers of Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 
 heads of 128 with 4 key/value heads) with random bfloat16 weights, saved as a Hugging Face folder, and
 loads the span three ways: as stored (bfloat16), `--quantize int8` and `--quantize int4` (fused experts
 become torchao int8 tensors in both modes; the attention's linears int8 or int4). For each: the span's
-weight bytes (experts apart), the server process's RSS once loaded, and blocks per second for one
-decode step through the engine (corolla's own throughput measurement). One torch thread. JSON on stdout.
+weight bytes (experts apart), the process's RSS once loaded (and its peak while loading), and blocks
+per second for one decode step through the engine (corolla's own throughput measurement). One torch
+thread. JSON on stdout.
 
     python bench/moe_quantize.py [--layers 2]
 """
@@ -20,12 +21,13 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import psutil
 import torch
 
 from corolla.models.quantize import weight_bytes
 from corolla.models.span import Span
 from corolla.server.throughput import measure_throughput
-from corolla.utils import peak_rss_bytes
+from corolla.utils import peak_rss_bytes, release_freed_memory
 
 SHAPES = dict(
     hidden_size=2048,
@@ -50,12 +52,14 @@ def save_model(folder: str, layers: int) -> None:
 
 def measure(folder: str, layers: int, quantize: str | None) -> dict:
     span = Span.load(folder, 0, layers, torch.bfloat16, quantize)
+    release_freed_memory()
     experts = sum(weight_bytes(block.mlp.experts) for block in span.blocks)
     return {
         "weights_gb": round(weight_bytes(span) / 1e9, 3),
         "experts_gb": round(experts / 1e9, 3),
         "blocks_per_s_decode": round(measure_throughput(span, use_cache=False), 2),
-        "peak_rss_gb": round(peak_rss_bytes() / 1e9, 2),
+        "rss_gb": round(psutil.Process().memory_info().rss / 1e9, 2),  # loaded, freed memory returned
+        "peak_rss_gb": round(peak_rss_bytes() / 1e9, 2),  # while loading
     }
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from corolla.models.head import ModelHead
+from corolla.models.span import Span
 from corolla.swarm.overview import build_overview, format_table
 from corolla.swarm.ping import fetch_status
 from loopback import PREFIX, LoopbackSwarm
@@ -77,3 +79,24 @@ def test_an_exact_client_skips_quantized_servers(mixed_precision):
             session.step(model.head.embed(input_ids))
             assert not {hop.peer_id for hop in session.route} & quantized
     assert torch.equal(model.generate(input_ids, max_new_tokens=12), expected)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_moe_servers_with_quantized_experts_compute_what_their_quantized_spans_compute(tiny_models, mode):
+    """DeepSeek-V3's fused experts become int8 (either mode), its latent attention's linears int8 or
+    int4: servers of such spans give what the same quantized spans give run locally, and decode."""
+    path = tiny_models["deepseek_v3"]
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(6))
+    head = ModelHead.load(path)
+    hidden = head.embed(input_ids)
+    with torch.no_grad():
+        for blocks in [(0, 3), (3, 6)]:
+            hidden = Span.load(path, *blocks, quantize=mode)(hidden)
+        expected = head.logits(hidden)
+    with LoopbackSwarm(path, []) as swarm:
+        for blocks in [(0, 3), (3, 6)]:
+            swarm.add_server(blocks, quantize=mode)
+        model = swarm.model()
+        torch.testing.assert_close(model(input_ids).logits, expected, atol=1e-3, rtol=1e-3)
+        tokens = model.generate(input_ids, max_new_tokens=6)
+        assert tokens.shape == (2, 15) and all(s.record().info.precision == mode for s in swarm.servers)
