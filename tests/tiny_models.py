@@ -96,6 +96,10 @@ LAYOUTS = {
             topk_group=1,
         ),
     ),
+    "minimax_m2": (  # MiniMax-M2: q/k norms over all heads, sigmoid-routed fused experts with a score bias
+        "MiniMaxM2Config",
+        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+    ),
     "mistral4": (  # latent attention and MoE; a causal LM transformers registers only behind its wrapper
         "Mistral4Config",
         dict(

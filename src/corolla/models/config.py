@@ -212,7 +212,7 @@ def supported_summary() -> str:
 
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
-        "granite, deepseek_v3"
+        "granite, minimax_m2, deepseek_v3, mistral4"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 
