@@ -30,6 +30,19 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=64,
 )
 ALTERNATING = ["sliding_attention", "full_attention"] * 3
+# multi-head latent attention (a 32-wide latent, rotary keys of 8) and MoE after a first dense block
+LATENT_MOE = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
 # family -> (config class, what sets the family apart), each exercising what its modeling code adds
 LAYOUTS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
@@ -80,21 +93,7 @@ LAYOUTS = {
     ),
     "deepseek_v3": (  # multi-head latent attention (a cached latent, expanded per head), grouped MoE routing
         "DeepseekV3Config",
-        dict(
-            num_key_value_heads=4,
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-        ),
+        dict(**LATENT_MOE, n_shared_experts=1, n_group=2, topk_group=1),
     ),
     "minimax_m2": (  # MiniMax-M2: q/k norms over all heads, sigmoid-routed fused experts with a score bias
         "MiniMaxM2Config",
@@ -102,19 +101,7 @@ LAYOUTS = {
     ),
     "mistral4": (  # latent attention and MoE; a causal LM transformers registers only behind its wrapper
         "Mistral4Config",
-        dict(
-            num_key_value_heads=4,
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            head_dim=24,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-        ),
+        dict(**LATENT_MOE, head_dim=24),
     ),
 }
 FAMILIES = tuple(LAYOUTS)

@@ -24,18 +24,20 @@ BYTES_RATIO = {"int8": 0.3, "int4": 0.2}  # vs float32; measured 0.27 and 0.14
 MOE_LOGITS_BOUND = {"int8": 0.04, "int4": 0.2}
 
 
+SHAPES = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +160,7 @@ def moe():
     from transformers import MixtralConfig
 
     torch.manual_seed(2)
-    config = MixtralConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-    )
+    config = MixtralConfig(**SHAPES, num_local_experts=8, num_experts_per_tok=2)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
