@@ -3,8 +3,7 @@
 reject part of their draft, and through a kill -9 of the server a session runs on.
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
-expanded by the layer after each read) and grouped MoE routing. mistral4: latent attention and MoE, with
-a causal LM that transformers registers only behind its multimodal wrapper.
+expanded by the layer after each read) and grouped MoE routing.
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ from corolla.launch.local import LocalSwarm
 from swarm_helpers import connect, reference_generate
 from tiny_models import load_reference
 
-FRONTIER = ["deepseek_v3", "mistral4"]
+# Mistral 4 (latent attention too, the same cache path) is proven through loopback servers
+# (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
+FRONTIER = ["deepseek_v3"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 NEW_TOKENS = 14
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
