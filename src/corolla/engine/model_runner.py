@@ -64,9 +64,11 @@ class KVPool:
             positions = torch.tensor(positions, dtype=torch.long, device=self.device)
             return pages[positions // size] * size + positions % size
 
+        to = slots(destinations)
+        source = slots(sources)
         for data in (self.keys, self.values):
             flat = data.flatten(1, 2)  # [layers, pages * page_size, heads, d]
-            flat[:, slots(destinations)] = flat[:, slots(sources)]
+            flat[:, to] = flat[:, source]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +121,7 @@ class PagedAttention:
 
     def _history(self, cache: torch.Tensor) -> torch.Tensor:
         """Every row's positions [0, context) of one layer's cache, row after row: [1, heads, sum, d]."""
-        rows = [cache.index_select(0, row.table).flatten(0, 1)[: row.context] for row in self.rows]
-        return torch.cat(rows).transpose(0, 1)[None]
+        return torch.cat([_row_positions(cache, row) for row in self.rows]).transpose(0, 1)[None]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
@@ -141,12 +142,15 @@ class PagedAttention:
 
     def _row_cache(self, layer: int, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's keys and values of one layer, one copy each: [1, heads, context, d]."""
-        keys = self.pool.keys[self.first_layer + layer].index_select(0, row.table)
-        values = self.pool.values[self.first_layer + layer].index_select(0, row.table)
-        return (
-            keys.flatten(0, 1)[: row.context].transpose(0, 1)[None],
-            values.flatten(0, 1)[: row.context].transpose(0, 1)[None],
-        )
+        keys = _row_positions(self.pool.keys[self.first_layer + layer], row)
+        values = _row_positions(self.pool.values[self.first_layer + layer], row)
+        return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+
+
+def _row_positions(cache: torch.Tensor, row: Row) -> torch.Tensor:
+    """A row's positions [0, context) of one layer's pages [num_pages, page_size, heads, d], gathered in
+    one copy: [context, heads, d]."""
+    return cache.index_select(0, row.table).flatten(0, 1)[: row.context]
 
 
 class ModelRunner:

@@ -105,7 +105,9 @@ class ModelConfig:
         _check_supported(hf)
         try:
             return cls._read(hf)
-        except RuntimeError as e:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        except RuntimeError as e:
+            if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":  # transformers' own
+                raise
             raise UnsupportedModel(
                 f"{hf.model_type}: its attention shapes differ between layers, which corolla's cache does "
                 f"not support ({e})"
@@ -202,9 +204,7 @@ def _check_layer_inputs(hf: Any) -> None:
     if shared:
         needs.append(f"earlier layers' keys and values in its last {shared} layers (num_kv_shared_layers)")
     if needs:
-        raise UnsupportedModel(
-            f"{hf.model_type}: its layers take {' and '.join(needs)}; a span carries neither"
-        )
+        raise UnsupportedModel(f"{hf.model_type}: its layers take {' and '.join(needs)}, which a span lacks")
 
 
 def supported_summary() -> str:

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from corolla.errors import InvalidRequest
+from corolla.utils import cpu_name
 
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 
@@ -91,8 +92,6 @@ def device_info(device: torch.device) -> DeviceInfo:
         return DeviceInfo("cuda", properties.name, properties.total_memory)
     if device.type == "mps":
         return DeviceInfo("mps", "Apple MPS", torch.mps.recommended_max_memory())
-    from corolla.utils import cpu_name
-
     return DeviceInfo("cpu", cpu_name(), psutil.virtual_memory().total)
 
 

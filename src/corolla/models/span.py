@@ -52,7 +52,7 @@ class Span(nn.Module):
         self.device = torch.device("cpu")  # of the weights, the cache and the computation (models/devices.py)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         # torchao's quantized fused experts cannot be indexed under inference_mode (models/quantize.py)
-        self.views_need_autograd = False
+        self.needs_no_grad = False
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
 
@@ -85,7 +85,7 @@ class Span(nn.Module):
                 raise UnsupportedModel(f"{folder}: the checkpoint lacks tensors of block {index}: {lacking}")
             block.to(device)
             if quantize is not None and quantize_blocks(block, quantize):
-                span.views_need_autograd = True
+                span.needs_no_grad = True
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
         span.rotary.to(device)
         span.device = device
@@ -98,7 +98,7 @@ class Span(nn.Module):
     def computing(self) -> contextlib.AbstractContextManager:
         """The grad mode of passes that need no gradients: inference_mode (the fastest), or no_grad for a
         span whose quantized experts torchao cannot index under inference_mode."""
-        return torch.no_grad() if self.views_need_autograd else torch.inference_mode()
+        return torch.no_grad() if self.needs_no_grad else torch.inference_mode()
 
     @property
     def cache_bytes_per_token(self) -> int:

@@ -26,7 +26,7 @@ class Compute:
 
     dtype: str
     throughput: float | None
-    device: DeviceInfo | None = None
+    device: DeviceInfo
 
 
 class StatusBoard:
@@ -53,7 +53,6 @@ class StatusBoard:
         """What the server reports now (callable from any thread: it only reads finished snapshots)."""
         primary = self.spans.primary
         stats = self.spans.engine_stats()  # the primary's first
-        device = self.compute.device
         return ServerStatus(
             state=self.state,
             start=primary.blocks[0],
@@ -81,7 +80,7 @@ class StatusBoard:
             max_tree_tokens=self.config.max_tree_tokens,
             encodings=tuple(e for e in supported_encodings() if e != "lossless"),
             next_pings=tuple(self.links.pings.items()) if self.links is not None else (),
-            device=device.kind if device is not None else "",
-            device_name=device.name if device is not None else "",
-            device_memory=device.total_memory if device is not None else None,
+            device=self.compute.device.kind,
+            device_name=self.compute.device.name,
+            device_memory=self.compute.device.total_memory,
         )

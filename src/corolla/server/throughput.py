@@ -23,6 +23,7 @@ import torch
 from corolla.config import EngineConfig
 from corolla.engine.engine import Engine
 from corolla.engine.sequence import StepWork
+from corolla.models.devices import device_info
 from corolla.models.source import cache_dir
 from corolla.models.span import Span
 from corolla.utils import cpu_name
@@ -79,7 +80,7 @@ def _cache_key(span: Span) -> str:
         span.precision,
         torch.get_num_threads(),
         str(span.device),
-        torch.cuda.get_device_name(span.device) if span.device.type == "cuda" else "",
+        device_info(span.device).name,
         torch.__version__,
         cpu_name(),
     )

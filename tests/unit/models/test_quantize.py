@@ -188,7 +188,7 @@ def test_a_quantized_moe_span_serves_through_the_engine(tiny_models):
     from corolla.models.span import Span
 
     span = Span.load(tiny_models["qwen3_moe"], 0, 6, quantize="int8")
-    assert span.views_need_autograd
+    assert span.needs_no_grad
     engine = Engine(span, EngineConfig(max_cache_tokens=64, page_size=4, max_batch_wait_ms=0))
     session = engine.open_session("s", (0, 6), 1, 32)
     hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
