@@ -43,6 +43,16 @@ LATENT_MOE = dict(
     num_experts_per_tok=2,
     first_k_dense_replace=1,
 )
+# Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): a convolution and a recurrent state per layer
+LINEAR = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    head_dim=16,
+    layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+)
 # family -> (config class, what sets the family apart), each exercising what its modeling code adds
 LAYOUTS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
@@ -103,8 +113,51 @@ LAYOUTS = {
         "Mistral4Config",
         dict(**LATENT_MOE, head_dim=24),
     ),
+    "qwen3_5": ("Qwen3_5TextConfig", LINEAR),  # Qwen3.5's text model: linear attention 2:1 with full
+    "qwen3_next": (  # linear attention and MoE with a shared expert
+        "Qwen3NextConfig",
+        dict(
+            **LINEAR,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+    ),
+    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
+    "jamba": (  # Mamba layers (no position embeddings at all), attention every third layer, MoE
+        "JambaConfig",
+        dict(
+            attn_layer_period=3,
+            attn_layer_offset=2,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_dt_rank=8,
+        ),
+    ),
+    "nemotron_h": (  # Mamba-2 layers, attention, and layers that are an MLP or MoE alone
+        "NemotronHConfig",
+        dict(
+            layers_block_type=["mamba", "mlp", "attention", "mamba", "moe", "attention"],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=2,
+            head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+    ),
 }
 FAMILIES = tuple(LAYOUTS)
+# families with layers that keep a recurrent state instead of keys and values (models/recurrent.py)
+RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "jamba", "nemotron_h")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
 

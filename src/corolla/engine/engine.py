@@ -49,7 +49,7 @@ class Engine:
         num_pages = config.max_cache_tokens // config.page_size
         self.pages = PageAllocator(num_pages, config.page_size)
         self.pool = KVPool(
-            span.end - span.start,
+            span.kv_blocks,
             num_pages,
             config.page_size,
             span.cache_shape,
@@ -57,7 +57,11 @@ class Engine:
             span.device,
         )
         self.scheduler = Scheduler(
-            self.pages, config.max_batch_tokens, config.max_batch_rows, self.pool.move_positions
+            self.pages,
+            config.max_batch_tokens,
+            config.max_batch_rows,
+            self.pool.move_positions,
+            keeps_states=bool(span.state_blocks),
         )
         self.runner = ModelRunner(span, self.pool)
         self.num_passes = 0

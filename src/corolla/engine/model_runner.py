@@ -7,33 +7,35 @@ pool at each token's slot, then each row attends to its own cache pages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from corolla.engine.rows import Row, RowGroups
 from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
+from corolla.engine.states import states_after, states_before
 from corolla.models.attention import CacheShape, Scores, causal_attention
 from corolla.models.lora import use_adapters
 from corolla.models.span import Span, align_prompts
-from corolla.models.tree import TokenTree
 
 
 class KVPool:
-    """Keys and values of every cache page, for every layer of the span: keys
+    """Keys and values of every cache page, for every layer of the span that stores them (`layers`: their
+    span-local indices; layers that keep a recurrent state instead have none): keys
     [layers, num_pages, page_size, key_heads, key_dim] and values [..., value_heads, value_dim] (of
     different shapes for multi-head latent attention, models/attention.py's CacheShape)."""
 
     def __init__(
         self,
-        num_layers: int,
+        layers: int | tuple[int, ...],
         num_pages: int,
         page_size: int,
         shape: CacheShape,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
+        layers = tuple(range(layers)) if isinstance(layers, int) else layers
+        self.index = {layer: i for i, layer in enumerate(layers)}  # span-local layer -> pool layer
         # torch.empty: the OS backs memory (and counts it) only as pages are first written
-        pages = (num_layers, num_pages, page_size)
+        pages = (len(layers), num_pages, page_size)
         self.keys = torch.empty(*pages, shape.key_heads, shape.key_dim, dtype=dtype, device=device)
         self.values = torch.empty(*pages, shape.value_heads, shape.value_dim, dtype=dtype, device=device)
         self.shape = shape
@@ -71,21 +73,6 @@ class KVPool:
             flat[:, to] = flat[:, source]
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One sequence row of the packed batch: its tokens [offset, offset + length) at [position, ...)."""
-
-    offset: int
-    length: int
-    position: int
-    table: torch.Tensor  # int64 page ids
-    tree: TokenTree | None = None  # the row's tokens form this tree (a speculative step)
-
-    @property
-    def context(self) -> int:
-        return self.position + self.length
-
-
 class PagedAttention:
     """The attention context of one packed pass (see models/attention.py for the protocol).
 
@@ -96,10 +83,11 @@ class PagedAttention:
     it back expanded, row after row.
     """
 
-    def __init__(self, pool: KVPool, first_layer: int, rows: list[Row]):
+    def __init__(self, pool: KVPool, first_layer: int, rows: list[Row], number_of_states: int = 1):
         self.pool = pool
         self.first_layer = first_layer
         self.rows = rows
+        self.row_groups = RowGroups(rows, number_of_states)  # for layers that keep a recurrent state
         size = pool.page_size
         device = pool.device
         self.slots = torch.cat(
@@ -110,9 +98,13 @@ class PagedAttention:
             ]
         )
 
+    def linear_state(self, layer: int):
+        return self.row_groups.linear_state(self.first_layer + layer)
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.pool.keys[self.first_layer + layer]  # [num_pages, page_size, heads, d]
-        values = self.pool.values[self.first_layer + layer]
+        index = self.pool.index[self.first_layer + layer]
+        keys = self.pool.keys[index]  # [num_pages, page_size, heads, d]
+        values = self.pool.values[index]
         keys.flatten(0, 1)[self.slots] = k[0].transpose(0, 1)  # k: [1, heads, N, d]
         values.flatten(0, 1)[self.slots] = v[0].transpose(0, 1)
         if not self.pool.shape.gathers:
@@ -142,8 +134,9 @@ class PagedAttention:
 
     def _row_cache(self, layer: int, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's keys and values of one layer, one copy each: [1, heads, context, d]."""
-        keys = _row_positions(self.pool.keys[self.first_layer + layer], row)
-        values = _row_positions(self.pool.values[self.first_layer + layer], row)
+        index = self.pool.index[self.first_layer + layer]
+        keys = _row_positions(self.pool.keys[index], row)
+        values = _row_positions(self.pool.values[index], row)
         return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
 
 
@@ -177,12 +170,17 @@ class ModelRunner:
         rows = []
         prompts = []
         offset = 0
+        keeps_states = bool(self.span.state_blocks)
         for chunk in chunks:
             inputs = self._on_device(_chunk_inputs(chunk))  # [B, T, H]
             tree = chunk.work.tree if chunk.work is not None else None  # a tree runs in one chunk
+            if keeps_states:
+                states_before(chunk)
             for row in range(chunk.num_rows):
                 table = torch.tensor(chunk.session.page_tables[row], dtype=torch.long, device=self.device)
-                rows.append(Row(offset, chunk.num_tokens, chunk.position, table, tree))
+                states = chunk.session.states[row] if keeps_states else None
+                adapter = chunk.session.adapter
+                rows.append(Row(offset, chunk.num_tokens, chunk.position, table, tree, adapter, states))
                 pieces.append(inputs[row])
                 if tree is None:
                     end = chunk.position + chunk.num_tokens
@@ -193,7 +191,7 @@ class ModelRunner:
             aligned = align_prompts(chunk.session.prompts, chunk.position, chunk.num_tokens)
             prompts.append(None if aligned is None else self._on_device(aligned))
         hidden = torch.cat(pieces)[None]  # [1, N, H]
-        context = PagedAttention(self.pool, first.start - self.span.start, rows)
+        context = PagedAttention(self.pool, first.start - self.span.start, rows, self.span.number_of_states)
         packed_prompts = _pack_prompts(prompts, chunks, first.num_blocks, hidden)
         with use_adapters(_adapter_ranges(chunks)):
             outputs = self.span(
@@ -203,6 +201,9 @@ class ModelRunner:
                 blocks=(first.start, first.end),
                 positions=torch.cat(positions),
             )[0]  # [N, H]
+        if keeps_states:
+            for chunk in chunks:
+                states_after(chunk)
         results = []
         offset = 0
         for chunk in chunks:

@@ -31,6 +31,7 @@ import torch
 
 from corolla.engine.pages import PageAllocator
 from corolla.engine.sequence import Chunk, EngineSession, ForwardWork, SessionStatus, StepWork
+from corolla.engine.states import reorder_states, state_floor
 from corolla.errors import CacheExhausted, ServerUnavailable
 
 FORWARD_MAX_SKIPS = 4  # a forward request waits at most this many inference passes
@@ -52,8 +53,16 @@ MoveKV = Callable[[list[int], list[int], list[int]], None]  # (row's page table,
 
 
 class Scheduler:
-    def __init__(self, pages: PageAllocator, max_batch_tokens: int, max_batch_rows: int, move_kv: MoveKV):
+    def __init__(
+        self,
+        pages: PageAllocator,
+        max_batch_tokens: int,
+        max_batch_rows: int,
+        move_kv: MoveKV,
+        keeps_states: bool = False,
+    ):
         self.pages = pages
+        self.keeps_states = keeps_states  # the span has layers with recurrent states (engine/states.py)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_rows = max_batch_rows
         self.move_kv = move_kv  # copies cached keys and values within a row (keeping a tree's path)
@@ -149,13 +158,10 @@ class Scheduler:
         if not session.page_tables:
             session.page_tables = [[] for _ in range(session.batch_size)]
         self._keep_tree_path(session, work)
-        if work.position < session.position:
-            session.inputs = session.inputs[:, : work.position]
-            session.num_cached = min(session.num_cached, work.position)
-            for table in session.page_tables:
-                self.pages.truncate(table, session.num_cached)
+        self._roll_back(session, work.position)
         if work.hypo_ids is not None:
             session.page_tables = self.pages.fork(session.page_tables, work.hypo_ids.tolist())
+            reorder_states(session, work.hypo_ids)
             if session.inputs is not None:
                 session.inputs = session.inputs[work.hypo_ids]
         if work.prompts is not None:
@@ -163,6 +169,17 @@ class Scheduler:
         if work.tree is not None:
             session.tree = (work.position, work.tree)
         return None
+
+    def _roll_back(self, session: EngineSession, position: int) -> None:
+        """Drop the positions from `position` on; a span with recurrent states goes back further, to the
+        latest state it holds, and recomputes from there (engine/states.py)."""
+        if position < session.position:
+            session.inputs = session.inputs[:, :position]
+            session.num_cached = min(session.num_cached, position)
+        if self.keeps_states:
+            session.num_cached = state_floor(session, session.num_cached)
+        for table in session.page_tables:
+            self.pages.truncate(table, session.num_cached)
 
     def _keep_tree_path(self, session: EngineSession, work: StepWork) -> None:
         """The step after a tree step: keep the tree's accepted path (`work.accepted`, or its first tokens
@@ -246,6 +263,7 @@ class Scheduler:
         for table in victim.page_tables:
             self.pages.release_all(table)
         victim.num_cached = 0
+        victim.drop_states()
         victim.status = SessionStatus.PREEMPTED
         return True
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corolla.models.recurrent import RowStates
 from corolla.models.tree import TokenTree
 
 _ids = itertools.count()
@@ -49,6 +50,11 @@ class EngineSession:
     pending: deque[StepWork] = field(default_factory=deque)
     # the token tree its last step stored at [start, start + T), until the next step keeps one path of it
     tree: tuple[int, TokenTree] | None = None
+    # per row, the recurrent states of layers that keep one (engine/states.py), holding state_position;
+    # the snapshot holds its current step's start
+    states: list[RowStates] = field(default_factory=list)
+    state_position: int = 0
+    snapshot: tuple[int, list[RowStates]] | None = None
 
     @property
     def position(self) -> int:
@@ -58,6 +64,12 @@ class EngineSession:
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
+
+    def drop_states(self) -> None:
+        """Its cache was taken back: it recomputes its states from position 0 too."""
+        self.states = []
+        self.state_position = 0
+        self.snapshot = None
 
     @property
     def needs_recompute(self) -> bool:

@@ -23,9 +23,11 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
+from corolla.errors import UnsupportedModel
 from corolla.models.config import ATTENTION_NAME
+from corolla.models.recurrent import FreshStates
 from corolla.models.tree import TokenTree
 
 
@@ -104,10 +106,15 @@ def _current() -> _Pass:
 class ContextCache(Cache):
     """transformers' cache interface over the active pass: `update` stores the new keys and values and
     returns them unchanged (the attention function reads the rest from the context), or, for a gathering
-    layer, returns every position's."""
+    layer, returns every position's.
 
-    def __init__(self):
+    Linear-attention, Mamba and convolution layers (models/recurrent.py) get their state from the
+    context's `linear_state(layer)`: a transformers `LinearAttentionLayer` holding the states of the rows
+    being run, or None when the pass keeps no state (whole sequences from position 0: a fresh one)."""
+
+    def __init__(self, number_of_states: int = 1):
         super().__init__(layers=[])
+        self.fresh = FreshStates(number_of_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         current = _current()
@@ -115,6 +122,42 @@ class ContextCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    def _linear(self, layer_idx: int) -> LinearAttentionLayer:
+        current = _current()
+        states = getattr(current.context, "linear_state", None)
+        if states is None:
+            raise UnsupportedModel(
+                f"layer {layer_idx} keeps a recurrent state, which a {type(current.context).__name__} "
+                "does not hold"
+            )
+        layer = states(layer_idx - current.first_layer)
+        return self.fresh.linear_state(layer_idx) if layer is None else layer
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        layer = self._linear(layer_idx)
+        return layer.conv_states[state_idx] if layer.has_previous_state[state_idx] else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        layer = self._linear(layer_idx)
+        return layer.recurrent_states[state_idx] if layer.has_previous_state[state_idx] else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._linear(layer_idx).update_conv_state(conv_states, state_idx, **kwargs)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        return self._linear(layer_idx).update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is None:
+            raise ValueError("corolla's cache answers has_previous_state for a named layer only")
+        previous = self._linear(layer_idx).has_previous_state
+        return all(previous.values()) if state_idx is None else previous[state_idx]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False  # earlier states are kept by the engine (snapshots), not by growing conv states
 
 
 def attention(
@@ -214,6 +257,9 @@ def _by_hand(
 
 class NoCache:
     """A pass over whole sequences that start at position 0: nothing is stored."""
+
+    def linear_state(self, layer: int) -> None:
+        return None  # a fresh state per layer (ContextCache's)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # whole sequences: the new tokens are every position

@@ -22,7 +22,9 @@ from corolla.errors import InvalidRequest, UnsupportedModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# attention layers (paged keys and values), layers with a recurrent state (linear attention, Mamba,
+# short convolutions: models/recurrent.py), and layers with no token mixing at all (an MLP or MoE alone)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "mlp", "moe")
 # config keys that replicas of the same blocks may differ in (precision, token ids, the context limit,
 # bookkeeping), or that do not change what the blocks compute
 NOT_FINGERPRINTED = {
@@ -92,8 +94,11 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"{path} has no config.json: a model folder must be in Hugging Face layout"
             )
-        with open(config_path) as f:
-            return cls.from_dict(json.load(f))
+        from transformers import PretrainedConfig
+
+        # transformers' reader: it decodes what its writer encodes (Infinity as {"__float__": ...})
+        raw, _ = PretrainedConfig.get_config_dict(str(Path(path)))
+        return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -180,8 +185,8 @@ def _check_supported(hf: Any) -> None:
     unknown = set(getattr(hf, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
     if unknown:
         raise UnsupportedModel(
-            f"{model_type}: layer types {sorted(unknown)} are not supported (corolla caches attention "
-            f"layers only: {', '.join(SUPPORTED_LAYER_TYPES)})"
+            f"{model_type}: layer types {sorted(unknown)} are not supported (corolla serves "
+            f"{', '.join(SUPPORTED_LAYER_TYPES)})"
         )
     if getattr(hf, "is_encoder_decoder", False) or causal_lm_class(hf) is None:
         raise UnsupportedModel(

@@ -4,8 +4,11 @@ cache is tested against."""
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import LinearAttentionLayer
 
+from corolla.errors import UnsupportedModel
 from corolla.models.attention import CacheShape, Scores, causal_attention, masked_attention
+from corolla.models.recurrent import FreshStates
 from corolla.models.tree import TokenTree
 
 
@@ -38,6 +41,19 @@ class ContiguousCache:
         self.max_length = max_length
         self.position = 0
         self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
+        # recurrent states (models/recurrent.py) of a sequence that only moves forward
+        self.states = FreshStates()
+
+    def linear_state(self, layer: int) -> LinearAttentionLayer:
+        """A layer's recurrent state, updated in place by every pass: it follows the sequence forward only
+        (`keep` and `reorder` refuse a cache holding such states)."""
+        return self.states.linear_state(layer)
+
+    def _check_no_states(self, what: str) -> None:
+        if self.states.layers:
+            raise UnsupportedModel(
+                f"{what} needs earlier recurrent states, which a ContiguousCache does not keep"
+            )
 
     @property
     def batch_size(self) -> int:
@@ -68,6 +84,7 @@ class ContiguousCache:
     def keep(self, start: int, nodes: list[int]) -> None:
         """After a tree step stored at [start, start + T): keep the keys and values of `nodes` (a path, in
         order) at start, start + 1, ...; the cache then holds start + len(nodes) positions."""
+        self._check_no_states("keeping a tree's path")
         source = start + torch.tensor(nodes, dtype=torch.long, device=self.keys.device)
         for buffer in (self.keys, self.values):
             buffer[..., start : start + len(nodes), :] = buffer[..., source, :]
@@ -75,6 +92,8 @@ class ContiguousCache:
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Beam search: row i of the batch continues from row hypo_ids[i]."""
+        for layer in self.states.layers.values():
+            layer.reorder_cache(hypo_ids)
         rows = hypo_ids.to(self.keys.device)
         for buffer in (self.keys, self.values):
             stored = buffer[..., : self.position, :]

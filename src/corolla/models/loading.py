@@ -52,19 +52,17 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
     for name, module in model.named_modules():
         layers = getattr(module, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) == model.config.num_hidden_layers:
-            if not hasattr(module, "rotary_emb"):
-                break
             return (f"{name}." if name else ""), module
     raise UnsupportedModel(
-        f"{model.config.model_type}: corolla needs a decoder with `layers` and rotary position embeddings "
-        f"(`rotary_emb`), which {type(model).__name__} does not have"
+        f"{model.config.model_type}: corolla needs a decoder with `layers`, which {type(model).__name__} "
+        "does not have"
     )
 
 
 def final_norm(decoder: nn.Module) -> nn.Module:
     """The decoder's norm after its last layer: its one child besides the embeddings, the layers, the
     rotary embedding and dropouts (`norm`, `final_layernorm`, `final_layer_norm`, ... by family)."""
-    skip = (decoder.get_input_embeddings(), decoder.layers, decoder.rotary_emb)
+    skip = (decoder.get_input_embeddings(), decoder.layers, getattr(decoder, "rotary_emb", None))
     children = [m for m in decoder.children() if m not in skip and not isinstance(m, nn.Dropout)]
     if len(children) != 1:
         names = [name for name, m in decoder.named_children() if m in children]

@@ -23,7 +23,9 @@ from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import AttentionContext, CacheShape, ContextCache, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
+from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
+from corolla.models.lora import use_adapters
 from corolla.models.quantize import quantize_blocks
 
 
@@ -43,7 +45,7 @@ class Span(nn.Module):
         ]  # a list: not a submodule, not in state_dict
         _, decoder = decoder_of(self._model[0])
         self.blocks = nn.ModuleList(decoder.layers[start:end])
-        self.rotary = decoder.rotary_emb
+        self.rotary = getattr(decoder, "rotary_emb", None)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
         # the cache's shape per token: the config's, until loading measures what the layers store
         heads = config.num_key_value_heads
@@ -53,7 +55,18 @@ class Span(nn.Module):
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         # torchao's quantized fused experts cannot be indexed under inference_mode (models/quantize.py)
         self.needs_no_grad = False
-        self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        # span-local indices of the blocks that store keys and values, and of those that keep a recurrent
+        # state (linear attention, Mamba, convolutions: models/recurrent.py), as measured at load
+        self.kv_blocks: tuple[int, ...] = tuple(range(end - start))
+        self.state_blocks: tuple[int, ...] = ()
+        self.state_bytes_per_row = 0  # what one sequence's recurrent states take over the span
+        # state blocks whose multi-token form starts from a zero state (transformers' Mamba-1, Jamba): from
+        # a state they continue one token at a time
+        self.stepwise_blocks: tuple[int, ...] = ()
+        self.number_of_states = int(getattr(config.hf, "number_of_conv_states", None) or 1)
+        self._typed_rotary = (
+            self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
+        )
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
 
     @classmethod
@@ -87,11 +100,12 @@ class Span(nn.Module):
             if quantize is not None and quantize_blocks(block, quantize):
                 span.needs_no_grad = True
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
-        span.rotary.to(device)
+        if span.rotary is not None:
+            span.rotary.to(device)
         span.device = device
         span.dtype = dtype
         span.quantized = quantize
-        _measure_cache_shape(span)
+        measure_layers(span)
         span.requires_grad_(False)
         return span.eval()
 
@@ -103,7 +117,7 @@ class Span(nn.Module):
     @property
     def cache_bytes_per_token(self) -> int:
         """What one token's cache takes over the whole span, as the layers store it."""
-        return self.cache_shape.bytes_per_token(self.dtype.itemsize) * (self.end - self.start)
+        return self.cache_shape.bytes_per_token(self.dtype.itemsize) * len(self.kv_blocks)
 
     @property
     def precision(self) -> str:
@@ -131,76 +145,83 @@ class Span(nn.Module):
             positions = torch.arange(position, position + hidden.shape[1], device=hidden.device)
         position_ids = positions[None]
         rotary = self._rotary(hidden, position_ids, first, last)
-        cache = ContextCache()
-        with active_context(context or NoCache(), first):
+        cache = ContextCache(self.number_of_states)
+        context = context or NoCache()
+        groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
+        with active_context(context, first):
             for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
                 if prompts is not None:
                     hidden = hidden + prompts[layer].to(hidden.dtype)
-                hidden = block(
-                    hidden,
-                    attention_mask=None,
-                    position_ids=position_ids,
-                    **{self._cache_kwarg: cache},
-                    use_cache=True,
-                    position_embeddings=rotary[self.layer_types[first + layer]],
-                )
+                inputs = {
+                    "attention_mask": None,
+                    "position_ids": position_ids,
+                    self._cache_kwarg: cache,
+                    "use_cache": True,
+                    "position_embeddings": rotary[self.layer_types[first + layer]],
+                }
+                local = first + layer - self.start
+                if groups is not None and local in self.state_blocks:
+                    hidden = _by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks)
+                else:
+                    hidden = block(hidden, **inputs)
         return hidden
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> dict:
         """(cos, sin) per layer type of blocks [first, last), as the family's model computes them."""
         types = set(self.layer_types[first:last])
+        if self.rotary is None:
+            return dict.fromkeys(types)
         if self._typed_rotary:
             return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
         shared = self.rotary(hidden, position_ids)
         return dict.fromkeys(types, shared)
 
 
+def _by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwise: bool) -> torch.Tensor:
+    """A block that keeps a recurrent state, run on a packed pass [1, N, H] one group of rows at a time
+    ([rows, length, H] each, with the group's own states and adapter: engine/rows.py); a `stepwise`
+    block continues from a state one token at a time."""
+    out = torch.empty_like(hidden)
+    packed = hidden.shape[1]
+    for group in groups:
+        tokens = group.tokens.to(hidden.device)
+        shape = (len(group.rows), group.length)
+        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+        rows = _take(hidden, tokens, shape, packed)
+        with use_adapters(group.adapter):
+            if stepwise and group.length > 1 and group.rows[0].position > 0:
+                steps = [_at(rows, t) for t in range(group.length)]
+                result = torch.cat([block(x, **_at(taken, t)) for t, x in enumerate(steps)], dim=1)
+            else:
+                result = block(rows, **taken)
+        out[0, tokens] = result.flatten(0, 1)
+    return out
+
+
+def _at(value, t: int):
+    """Token t of a group's [rows, length, ...] inputs (dicts and tuples element-wise)."""
+    if isinstance(value, dict):
+        return {name: _at(v, t) for name, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_at(v, t) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        return value[:, t : t + 1]
+    return value
+
+
+def _take(value, tokens: torch.Tensor, shape: tuple[int, int], packed: int):
+    """A packed input's part for some tokens, [1, N, ...] -> [rows, length, ...] (tuples element-wise)."""
+    if isinstance(value, tuple):
+        return tuple(_take(v, tokens, shape, packed) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, packed):
+        return value[0, tokens].view(*shape, *value.shape[2:])
+    return value
+
+
 def _cache_kwarg(block: nn.Module) -> str:
     """The name a family's decoder layer takes its cache under (`cache` in most of transformers 5)."""
     parameters = inspect.signature(block.forward).parameters
     return next((n for n in ("cache", "past_key_values", "layer_past") if n in parameters), "cache")
-
-
-class _ShapeProbe:
-    """An attention context that records what a layer stores per token and what it attends with, and
-    attends to nothing."""
-
-    stored: tuple[torch.Size, torch.Size] | None = None
-    attended: tuple[torch.Size, torch.Size] | None = None
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.stored = self.stored or (k.shape[1:], v.shape[1:])
-        return k, v
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores) -> torch.Tensor:
-        self.attended = self.attended or (k.shape[1:], v.shape[1:])
-        return q.new_zeros(*q.shape[:3], v.shape[-1])
-
-
-def _measure_cache_shape(span: Span) -> None:
-    """What the layers store per token ([heads, 1, d] keys and values), and whether they attend with what
-    they stored or with something made from it (multi-head latent attention expands a cached latent):
-    then the cache hands them their history (CacheShape.gathers)."""
-    probe = _ShapeProbe()
-    with span.computing():
-        span(
-            torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device),
-            probe,
-            blocks=(span.start, span.start + 1),
-        )
-    model_type = span.config.model_type
-    if probe.stored is None or probe.attended is None:
-        raise UnsupportedModel(
-            f"{model_type}: its attention does not go through transformers' cache interface"
-        )
-    keys, values = probe.stored
-    if keys[1] != 1 or values[1] != 1:
-        raise UnsupportedModel(
-            f"{model_type}: its attention stores keys {list(keys)} and values {list(values)} per token; "
-            "corolla's cache holds [heads, 1, d] per token"
-        )
-    gathers = probe.attended != probe.stored
-    span.cache_shape = CacheShape(keys[0], keys[2], values[0], values[2], gathers)
 
 
 def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:

@@ -83,6 +83,12 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return [i for i, parent in enumerate(self.parents) if parent == node]
 
+    def leaf_paths(self) -> list[list[int]]:
+        """Every path from a root to a leaf (a node without children), root first."""
+        parents = set(self.parents)
+        leaves = [node for node in range(len(self.parents)) if node not in parents]
+        return [self.ancestors[leaf].nonzero().flatten().tolist() for leaf in leaves]
+
     def is_path(self, nodes: Sequence[int]) -> bool:
         """Whether `nodes` is a path from a root down the tree (empty: yes)."""
         previous = -1

@@ -86,14 +86,8 @@ def test_unsupported_models_get_errors_naming_the_type():
         ModelConfig.from_dict({**base, "model_type": "no-such"})
     with pytest.raises(UnsupportedModel, match="config.json of a llama model is invalid"):
         ModelConfig.from_dict({**base, "hidden_size": 9})
-    with pytest.raises(UnsupportedModel, match="layer types \\['linear_attention'\\] are not supported"):
-        ModelConfig.from_dict(
-            {
-                "model_type": "qwen3_next",
-                **{k: v for k, v in base.items() if k != "model_type"},
-                "layer_types": ["linear_attention", "full_attention"],
-            }
-        )
+    with pytest.raises(UnsupportedModel, match="layer types \\['chunked_attention'\\] are not supported"):
+        ModelConfig.from_dict({**base, "layer_types": ["chunked_attention", "full_attention"]})
 
 
 @pytest.mark.parametrize(
@@ -103,7 +97,8 @@ def test_unsupported_models_get_errors_naming_the_type():
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
         ("mistral_large4", r"mistral_large4_text: layer types \['indexed_attention'\] are not supported"),
         ("deepseek_v32", r"deepseek_v32: layer types \['indexed_attention'\] are not supported"),
-        ("lfm3", r"lfm3: layer types \['conv'\] are not supported"),
+        ("falcon_h1", r"falcon_h1: layer types \['hybrid'\] are not supported"),
+        ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
     ],
 )
 def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model_type, refusal):
@@ -120,9 +115,14 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
     [
         ("kimi_k25", "deepseek_v3"),  # a multimodal wrapper of DeepSeek-V3's text model
         ("mistral4", "mistral4"),  # its causal LM is not in transformers' auto mapping
+        ("qwen3_5", "qwen3_5_text"),  # Gated DeltaNet linear attention, 3:1 with full attention
+        ("qwen3_5_moe", "qwen3_5_moe_text"),
+        ("qwen3_next", "qwen3_next"),
+        ("kimi_linear", "kimi_linear"),
+        ("lfm3", "lfm3"),  # short convolutions, full and sliding attention
     ],
 )
-def test_this_years_latent_attention_families_are_accepted(model_type, served_as):
+def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
     from transformers import AutoConfig
 
     assert ModelConfig.from_hf(AutoConfig.for_model(model_type)).model_type == served_as

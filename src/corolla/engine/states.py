@@ -1,0 +1,71 @@
+"""A session's recurrent states (layers that keep one instead of keys and values: models/recurrent.py)
+at the positions the engine runs it from.
+
+The keys and values of a position stay in the cache until overwritten, so a rollback only lowers what
+counts as cached. A recurrent state holds one position: the engine keeps the state where the session's
+current step started (a snapshot: references, since states are never changed in place), and a rollback
+or a token tree's kept path goes back to the latest state it has at or before the position it needs,
+then recomputes the rest from the inputs the session kept (the same recompute as after a preemption), so
+the state is always exactly the one plain decoding would have.
+
+A token tree's step leaves the state at the tree's start (its paths run from there without writing it:
+engine/rows.py); the next step keeps a path, which is recomputed from there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corolla.engine.sequence import Chunk, EngineSession
+
+
+def states_before(chunk: Chunk) -> None:
+    """Before a pass: the session's states at the chunk's position (restored from the snapshot, or empty
+    at position 0), and a snapshot taken when the chunk starts a step."""
+    session = chunk.session
+    if len(session.states) != session.batch_size:
+        session.states = [{} for _ in range(session.batch_size)]
+        session.state_position = 0
+    if session.state_position != chunk.position:
+        snapshot = session.snapshot
+        if snapshot is not None and snapshot[0] == chunk.position:
+            session.states = [dict(row) for row in snapshot[1]]
+        elif chunk.position == 0:
+            session.states = [{} for _ in range(session.batch_size)]
+        else:
+            raise RuntimeError(
+                f"session {session.session_id}: no recurrent state at position {chunk.position} "
+                f"(it holds {session.state_position})"
+            )
+        session.state_position = chunk.position
+    if chunk.work is not None and chunk.work.done_tokens == 0:
+        session.snapshot = (chunk.position, [dict(row) for row in session.states])
+
+
+def states_after(chunk: Chunk) -> None:
+    """After a pass: the states now hold the chunk's last position (a tree's step leaves them)."""
+    if chunk.work is None or chunk.work.tree is None:
+        chunk.session.state_position = chunk.position + chunk.num_tokens
+
+
+def state_floor(session: EngineSession, position: int) -> int:
+    """The latest position at or before `position` whose states the engine holds (the current ones, the
+    snapshot's, or none at 0): a session rolled back to `position` recomputes from there."""
+    if not session.states:
+        return position  # no states yet: nothing to restore
+    held = [0]
+    if session.state_position <= position:
+        held.append(session.state_position)
+    if session.snapshot is not None and session.snapshot[0] <= position:
+        held.append(session.snapshot[0])
+    return max(held)
+
+
+def reorder_states(session: EngineSession, hypo_ids: torch.Tensor) -> None:
+    """Beam search: row i continues from row hypo_ids[i], states and snapshot alike."""
+    order = hypo_ids.tolist()
+    if session.states:
+        session.states = [dict(session.states[i]) for i in order]
+    if session.snapshot is not None:
+        position, rows = session.snapshot
+        session.snapshot = (position, [dict(rows[i]) for i in order])

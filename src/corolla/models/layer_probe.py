@@ -1,0 +1,132 @@
+"""What each block of a span caches, measured by running it: keys and values (their shape per token),
+a recurrent state (its bytes, and whether its multi-token form continues from a state), or nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from corolla.errors import UnsupportedModel
+from corolla.models.attention import CacheShape
+from corolla.models.recurrent import STATELESS_LAYER_TYPES, FreshStates, row_states
+
+if TYPE_CHECKING:
+    from corolla.models.span import Span
+
+
+class _ShapeProbe:
+    """An attention context that records what a layer stores per token, what it attends with, and whether
+    it keeps a recurrent state; it attends to nothing."""
+
+    def __init__(self):
+        self.stored: tuple[torch.Size, torch.Size] | None = None
+        self.attended: tuple[torch.Size, torch.Size] | None = None
+        self.states = FreshStates()
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stored = self.stored or (k.shape[1:], v.shape[1:])
+        return k, v
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores) -> torch.Tensor:
+        self.attended = self.attended or (k.shape[1:], v.shape[1:])
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+
+    def linear_state(self, layer: int):
+        return self.states.linear_state(layer)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(row_states(layer, 1)[0].nbytes for layer in self.states.layers.values())
+
+
+def measure_layers(span: Span) -> None:
+    """Run one token through each block alone: which blocks store keys and values (and their shape per
+    token: [heads, 1, d]), which keep a recurrent state instead (its bytes, and whether it continues
+    several tokens at once), and whether attention layers attend with what they stored or with something
+    made from it (multi-head latent attention expands a cached latent: then the cache hands them their
+    history, CacheShape.gathers). Sets the span's kv_blocks, state_blocks, stepwise_blocks,
+    state_bytes_per_row and cache_shape."""
+    shapes = set()
+    kv_blocks = []
+    state_blocks = []
+    stepwise = []  # state blocks that continue one token at a time
+    state_bytes = 0
+    for local in range(span.end - span.start):
+        index = span.start + local
+        probe = _probe_block(span, index)
+        if probe.states.layers:
+            state_blocks.append(local)
+            state_bytes += probe.state_bytes
+            if not _continues_from_state(span, index):
+                stepwise.append(local)
+        elif probe.stored is not None:
+            kv_blocks.append(local)
+            shapes.add((probe.stored, probe.attended != probe.stored))
+    span.kv_blocks = tuple(kv_blocks)
+    span.state_blocks = tuple(state_blocks)
+    span.stepwise_blocks = tuple(stepwise)
+    span.state_bytes_per_row = state_bytes
+    if len(shapes) > 1:
+        raise UnsupportedModel(
+            f"{span.config.model_type}: its layers store keys and values of different shapes"
+        )
+    if shapes:
+        span.cache_shape = _cache_shape(span.config.model_type, *shapes.pop())
+
+
+def _probe_block(span: Span, index: int) -> _ShapeProbe:
+    """One token through block `index`, recorded; a block that caches nothing it should is refused."""
+    model_type = span.config.model_type
+    probe = _ShapeProbe()
+    with span.computing():
+        x = torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device)
+        span(x, probe, blocks=(index, index + 1))
+    if probe.stored is not None and probe.states.layers:
+        raise UnsupportedModel(
+            f"{model_type}: block {index} keeps both an attention cache and a recurrent state "
+            "(a hybrid layer), which corolla does not support"
+        )
+    if probe.stored is not None and probe.attended is None:
+        raise UnsupportedModel(f"{model_type}: its attention does not go through transformers' cache")
+    kind = span.layer_types[index]
+    if probe.stored is None and not probe.states.layers and kind not in STATELESS_LAYER_TYPES:
+        raise UnsupportedModel(
+            f"{model_type}: block {index} ({kind}) neither caches keys and values nor keeps a state "
+            "through transformers' cache interface"
+        )
+    return probe
+
+
+def _cache_shape(model_type: str, stored: tuple[torch.Size, torch.Size], gathers: bool) -> CacheShape:
+    keys, values = stored
+    if keys[1] != 1 or values[1] != 1:
+        raise UnsupportedModel(
+            f"{model_type}: its attention stores keys {list(keys)} and values {list(values)} per token; "
+            "corolla's cache holds [heads, 1, d] per token"
+        )
+    return CacheShape(keys[0], keys[2], values[0], values[2], gathers)
+
+
+class _Continuing:
+    """A context whose recurrent states persist from one pass to the next (a sequence moving forward)."""
+
+    def __init__(self):
+        self.states = FreshStates()
+
+    def linear_state(self, layer: int):
+        return self.states.linear_state(layer)
+
+
+def _continues_from_state(span: Span, index: int) -> bool:
+    """Whether block `index` (which keeps a state) computes 2 tokens after a first one as it computes
+    them in one pass over all 3: some of transformers' multi-token forms ignore the state they are given."""
+    x = torch.randn(1, 3, span.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(span.device, span.dtype)
+    context = _Continuing()
+    with span.computing():
+        whole = span(x, blocks=(index, index + 1))
+        span(x[:, :1], context, blocks=(index, index + 1))
+        later = span(x[:, 1:], context, position=1, blocks=(index, index + 1))
+    scale = float(whole.abs().max())
+    return torch.allclose(later.float(), whole[:, 1:].float(), rtol=0, atol=0.02 * scale + 1e-6)
