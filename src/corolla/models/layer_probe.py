@@ -3,16 +3,27 @@ a recurrent state (its bytes, and whether its multi-token form continues from a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from corolla.errors import UnsupportedModel
 from corolla.models.attention import CacheShape
 from corolla.models.recurrent import STATELESS_LAYER_TYPES, FreshStates, row_states
 
-if TYPE_CHECKING:
-    from corolla.models.span import Span
+Span = nn.Module  # models/span.py's Span (which imports this module)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """What a span's blocks cache (span-local block indices)."""
+
+    kv_blocks: tuple[int, ...]  # store keys and values per token
+    state_blocks: tuple[int, ...]  # keep a recurrent state instead
+    stepwise_blocks: tuple[int, ...]  # state blocks that continue from a state one token at a time
+    state_bytes_per_row: int  # one sequence's states over the span
+    cache_shape: CacheShape | None  # of the attention blocks' keys and values (None: no such block)
 
 
 class _ShapeProbe:
@@ -40,13 +51,12 @@ class _ShapeProbe:
         return sum(row_states(layer, 1)[0].nbytes for layer in self.states.layers.values())
 
 
-def measure_layers(span: Span) -> None:
+def measure_layers(span: Span) -> LayerLayout:
     """Run one token through each block alone: which blocks store keys and values (and their shape per
     token: [heads, 1, d]), which keep a recurrent state instead (its bytes, and whether it continues
     several tokens at once), and whether attention layers attend with what they stored or with something
     made from it (multi-head latent attention expands a cached latent: then the cache hands them their
-    history, CacheShape.gathers). Sets the span's kv_blocks, state_blocks, stepwise_blocks,
-    state_bytes_per_row and cache_shape."""
+    history, CacheShape.gathers)."""
     shapes = set()
     kv_blocks = []
     state_blocks = []
@@ -63,16 +73,12 @@ def measure_layers(span: Span) -> None:
         elif probe.stored is not None:
             kv_blocks.append(local)
             shapes.add((probe.stored, probe.attended != probe.stored))
-    span.kv_blocks = tuple(kv_blocks)
-    span.state_blocks = tuple(state_blocks)
-    span.stepwise_blocks = tuple(stepwise)
-    span.state_bytes_per_row = state_bytes
     if len(shapes) > 1:
         raise UnsupportedModel(
             f"{span.config.model_type}: its layers store keys and values of different shapes"
         )
-    if shapes:
-        span.cache_shape = _cache_shape(span.config.model_type, *shapes.pop())
+    shape = _cache_shape(span.config.model_type, *shapes.pop()) if shapes else None
+    return LayerLayout(tuple(kv_blocks), tuple(state_blocks), tuple(stepwise), state_bytes, shape)
 
 
 def _probe_block(span: Span, index: int) -> _ShapeProbe:

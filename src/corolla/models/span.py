@@ -105,7 +105,12 @@ class Span(nn.Module):
         span.device = device
         span.dtype = dtype
         span.quantized = quantize
-        measure_layers(span)
+        layout = measure_layers(span)
+        span.kv_blocks = layout.kv_blocks
+        span.state_blocks = layout.state_blocks
+        span.stepwise_blocks = layout.stepwise_blocks
+        span.state_bytes_per_row = layout.state_bytes_per_row
+        span.cache_shape = layout.cache_shape or span.cache_shape
         span.requires_grad_(False)
         return span.eval()
 
