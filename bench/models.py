@@ -140,18 +140,22 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 
 def cache_bytes(path: Path, config) -> dict:
-    """What the servers cache per token and block (float32), and what expanded keys and values would
-    take: for multi-head latent attention every head's keys and values, made from the cached latent."""
-    cached = Span.load(path, 0, 1).cache_shape.bytes_per_token(4)
+    """What the servers cache per token, per block on average (float32), and what expanded keys and values
+    in every block would take: for multi-head latent attention every head's keys and values, made from
+    the cached latent; for layers with a recurrent state (which cache no tokens), attention's. Plus the
+    recurrent states of one sequence over all blocks (fixed, whatever its length)."""
+    span = Span.load(path, 0, config.num_hidden_layers)
+    cached = span.cache_bytes_per_token / config.num_hidden_layers
     if getattr(config, "kv_lora_rank", None):
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         expanded = config.num_attention_heads * (qk_head_dim + config.v_head_dim) * 4
     else:
-        expanded = cached
+        expanded = span.cache_shape.bytes_per_token(4)
     return {
-        "cache_bytes_per_token_per_block": cached,
+        "cache_bytes_per_token_per_block": round(cached, 1),
         "expanded_kv_bytes_per_token_per_block": expanded,
         "cache_vs_expanded": round(cached / expanded, 4),
+        "state_bytes_per_sequence": span.state_bytes_per_row,
     }
 
 

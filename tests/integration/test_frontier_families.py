@@ -4,6 +4,9 @@ reject part of their draft, and through a kill -9 of the server a session runs o
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
 expanded by the layer after each read) and grouped MoE routing.
+qwen3_5: Gated DeltaNet linear attention 2:1 with full attention (a recurrent and a convolution state
+per session row, restored from snapshots when a draft is rejected); the first span ends on its
+attention layer, the second starts on linear ones.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from tiny_models import load_reference
 
 # Mistral 4 (latent attention too, the same cache path) is proven through loopback servers
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
-FRONTIER = ["deepseek_v3"]
+# Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
+# proven through loopback servers too
+FRONTIER = ["deepseek_v3", "qwen3_5"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 NEW_TOKENS = 14
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from corolla.decoding.drafting import Draft
+from corolla.errors import UnsupportedModel
 from corolla.models.contiguous import ContiguousCache
 from corolla.models.head import ModelHead
 from corolla.models.span import Span
@@ -52,6 +53,12 @@ class DraftModel:
 
         config = ModelConfig.from_folder(folder)
         span = Span.load(folder, 0, config.num_hidden_layers, quantize=quantize, device=device)
+        if span.state_blocks:
+            raise UnsupportedModel(
+                f"draft model {folder}: its {config.model_type} layers keep recurrent states, which a draft "
+                "model's cache cannot roll back through its trees; draft with an attention-only model or "
+                "with prompt lookup"
+            )
         head = ModelHead.load(folder).to(device)
         return cls(span, head, width, name or Path(folder).name, vocab_size)
 

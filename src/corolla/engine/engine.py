@@ -25,6 +25,7 @@ from corolla.engine.sequence import (
     SessionStatus,
     StepWork,
 )
+from corolla.engine.states import state_pages
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.models.span import Span
 
@@ -61,7 +62,7 @@ class Engine:
             config.max_batch_tokens,
             config.max_batch_rows,
             self.pool.move_positions,
-            keeps_states=bool(span.state_blocks),
+            state_pages=state_pages(span, config.page_size),
         )
         self.runner = ModelRunner(span, self.pool)
         self.num_passes = 0
@@ -142,7 +143,7 @@ class Engine:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return []
-        for table in session.page_tables:
+        for table in [*session.page_tables, session.state_table]:
             self.pages.release_all(table)
         error = ServerUnavailable(f"session {session_id} was closed")
         return [Completion(work.request_id, error=error) for work in session.pending]
@@ -221,9 +222,7 @@ class Engine:
             if not session.needs_recompute:
                 session.status = SessionStatus.RUNNING
             return None
-        self.scheduler.append_inputs(
-            session, work.hidden[:, work.done_tokens : work.done_tokens + chunk.num_tokens]
-        )
+        session.append_inputs(work.hidden[:, work.done_tokens : work.done_tokens + chunk.num_tokens])
         work.done_tokens += chunk.num_tokens
         work.outputs.append(outputs.to(work.hidden.device, work.hidden.dtype))  # off the span's device
         if work.remaining:

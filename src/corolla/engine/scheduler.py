@@ -31,7 +31,7 @@ import torch
 
 from corolla.engine.pages import PageAllocator
 from corolla.engine.sequence import Chunk, EngineSession, ForwardWork, SessionStatus, StepWork
-from corolla.engine.states import reorder_states, state_floor
+from corolla.engine.states import charge_states, reorder_states, state_floor, uncharged_state_pages
 from corolla.errors import CacheExhausted, ServerUnavailable
 
 FORWARD_MAX_SKIPS = 4  # a forward request waits at most this many inference passes
@@ -59,10 +59,12 @@ class Scheduler:
         max_batch_tokens: int,
         max_batch_rows: int,
         move_kv: MoveKV,
-        keeps_states: bool = False,
+        state_pages: int = 0,
     ):
         self.pages = pages
-        self.keeps_states = keeps_states  # the span has layers with recurrent states (engine/states.py)
+        # > 0: the span has layers with recurrent states, and each row holding them is charged this many
+        # pages (engine/states.py)
+        self.state_pages = state_pages
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_rows = max_batch_rows
         self.move_kv = move_kv  # copies cached keys and values within a row (keeping a tree's path)
@@ -176,7 +178,7 @@ class Scheduler:
         if position < session.position:
             session.inputs = session.inputs[:, :position]
             session.num_cached = min(session.num_cached, position)
-        if self.keeps_states:
+        if self.state_pages:
             session.num_cached = state_floor(session, session.num_cached)
         for table in session.page_tables:
             self.pages.truncate(table, session.num_cached)
@@ -213,12 +215,13 @@ class Scheduler:
         sessions.
         """
         needed = sum(self.pages.pages_needed(table, start, end) for table in session.page_tables)
+        needed += uncharged_state_pages(session, self.state_pages)
         in_pass = {chunk.session for chunk in plan.chunks} | {session}
         if session.status == SessionStatus.WAITING:
             whole = sum(
                 self.pages.pages_needed(t, 0, start + session.pending[0].remaining)
                 for t in session.page_tables
-            )
+            ) + uncharged_state_pages(session, self.state_pages)
             while not self.pages.can_allocate(whole) and self._preempt_one(
                 in_pass, session, whole, fair_only=True
             ):
@@ -233,6 +236,7 @@ class Scheduler:
             return False
         for table in session.page_tables:
             plan.copies.extend(self.pages.prepare_write(table, start, end))
+        charge_states(self.pages, session, self.state_pages)
         return True
 
     def _preempt_one(
@@ -260,7 +264,7 @@ class Scheduler:
             if not victims:
                 return False
             victim = min(victims, key=lambda s: (bool(s.pending), -s.admitted_order))
-        for table in victim.page_tables:
+        for table in [*victim.page_tables, victim.state_table]:
             self.pages.release_all(table)
         victim.num_cached = 0
         victim.drop_states()
@@ -270,16 +274,19 @@ class Scheduler:
     def _pages_by_owner(self) -> Counter[str]:
         held: Counter[str] = Counter()
         for session in self.sessions.values():
-            held[session.owner] += sum(len(table) for table in session.page_tables)
+            held[session.owner] += sum(len(t) for t in session.page_tables) + len(session.state_table)
         return held
 
     def _never_fits(self, session: EngineSession, end: int) -> bool:
-        per_row = -(-end // self.pages.page_size)
+        per_row = -(-end // self.pages.page_size) + self.state_pages
         return per_row * session.batch_size > self.pages.num_pages
 
     def _exhausted(self, work: StepWork, ever: bool = False) -> CacheExhausted:
         session = work.session
-        need = session.batch_size * (session.position + work.remaining)
+        # a row's recurrent states count as the tokens of the pages they are charged
+        need = session.batch_size * (
+            session.position + work.remaining + self.state_pages * self.pages.page_size
+        )
         size = self.pages.num_pages * self.pages.page_size
         if ever:
             return CacheExhausted(
@@ -291,6 +298,3 @@ class Scheduler:
             f"session {session.session_id} could not get cache for {need} tokens within "
             f"alloc_timeout (free: {free} of {size} tokens)"
         )
-
-    def append_inputs(self, session: EngineSession, hidden: torch.Tensor) -> None:
-        session.inputs = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)

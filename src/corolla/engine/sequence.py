@@ -55,6 +55,7 @@ class EngineSession:
     states: list[RowStates] = field(default_factory=list)
     state_position: int = 0
     snapshot: tuple[int, list[RowStates]] | None = None
+    state_table: list[int] = field(default_factory=list)  # cache pages charged for its states
 
     @property
     def position(self) -> int:
@@ -64,6 +65,10 @@ class EngineSession:
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
+
+    def append_inputs(self, hidden: torch.Tensor) -> None:
+        """Keep a step's inputs [B, T, H] (what the cache is rebuilt from after a preemption)."""
+        self.inputs = hidden if self.inputs is None else torch.cat([self.inputs, hidden], dim=1)
 
     def drop_states(self) -> None:
         """Its cache was taken back: it recomputes its states from position 0 too."""

@@ -16,7 +16,31 @@ from __future__ import annotations
 
 import torch
 
+from corolla.engine.pages import PageAllocator
 from corolla.engine.sequence import Chunk, EngineSession
+from corolla.models.span import Span
+
+
+def state_pages(span: Span, page_size: int) -> int:
+    """Cache pages a row holding recurrent states is charged: twice its states (the current ones and a
+    step's snapshot), in pages of the span's tokens (a token costs its attention layers' keys and values,
+    or, in a span of recurrent layers alone, its hidden state: what the engine keeps of its inputs).
+    0 for a span without recurrent layers."""
+    if not span.state_blocks:
+        return 0
+    per_token = span.cache_bytes_per_token or span.config.hidden_size * span.dtype.itemsize
+    return max(1, -(-2 * span.state_bytes_per_row // (per_token * page_size)))
+
+
+def uncharged_state_pages(session: EngineSession, per_row: int) -> int:
+    """Pages a session must still be charged for its rows' states (0 once charged, or without states)."""
+    return 0 if session.state_table else per_row * session.batch_size
+
+
+def charge_states(pages: PageAllocator, session: EngineSession, per_row: int) -> None:
+    """Charge a session for its states, once (released with its pages, on preemption or close)."""
+    for _ in range(uncharged_state_pages(session, per_row)):
+        session.state_table.append(pages.allocate())
 
 
 def states_before(chunk: Chunk) -> None:

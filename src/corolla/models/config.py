@@ -81,11 +81,17 @@ class ModelConfig:
 
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
         """Attention cache size of one token in one block: keys and values of every kv head, or, for
-        multi-head latent attention, its compressed latent and rotary key (what transformers caches)."""
+        multi-head latent attention, its compressed latent and rotary key (what transformers caches); on
+        average over the blocks where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches)."""
         latent = getattr(self.hf, "kv_lora_rank", None)
         if isinstance(latent, int) and isinstance(getattr(self.hf, "qk_rope_head_dim", None), int):
             return (latent + self.hf.qk_rope_head_dim) * dtype_bytes
-        return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+        per_layer = 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+        # averaged over the blocks: those that keep a recurrent state or only an MLP cache no tokens
+        attention = sum(
+            kind.endswith("attention") and kind != "linear_attention" for kind in self.layer_types
+        )
+        return per_layer * attention // self.num_hidden_layers
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -217,7 +223,7 @@ def supported_summary() -> str:
 
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
-        "granite, minimax_m2, deepseek_v3, mistral4"
+        "granite, minimax_m2, deepseek_v3, mistral4, qwen3_5, qwen3_next, lfm2, jamba, nemotron_h"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

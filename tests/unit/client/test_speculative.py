@@ -119,3 +119,13 @@ def test_a_draft_model_identical_to_the_target_drafts_its_greedy_text_as_a_chain
                 followed += 1
             assert followed == 3
             position += 2  # as if the model had accepted one drafted token and chosen the next
+
+
+def test_a_draft_model_with_recurrent_layers_is_refused_when_loaded(tiny_models):
+    import pytest
+
+    from corolla.errors import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="qwen3_5_text layers keep recurrent states") as refused:
+        DraftModel.load(tiny_models["qwen3_5"])
+    assert "\n" not in str(refused.value)

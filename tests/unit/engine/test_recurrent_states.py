@@ -57,9 +57,24 @@ def test_spans_know_which_blocks_keep_states(tiny_models):
     assert nemotron.state_bytes_per_row > 0
 
 
+def test_a_rows_states_are_charged_cache_pages_until_it_closes(tiny_models):
+    engine = make_engine(tiny_models["qwen3_5"], max_cache_tokens=256, page_size=4)  # 64 pages
+    # 2 rows x 24 KiB of states, twice (current and snapshot), in pages of 4 tokens x 512 bytes
+    assert engine.scheduler.state_pages == 2 * 24576 // (4 * 512) == 24
+    session = engine.open_session("s", (0, 6), 2, 64)
+    run(engine, StepWork(session, torch.randn(2, 5, H), 0))
+    assert engine.pages.num_free == 64 - 2 * 24 - 2 * 2  # states, and 5 positions in 2 pages per row
+    engine.close_session("s")
+    assert engine.pages.num_free == 64
+    wide = engine.open_session("wide", (0, 6), 3, 64)  # 3 x 24 pages of states: more than the cache
+    engine.add_step(StepWork(wide, torch.randn(3, 1, H), 0))
+    (refused,) = engine.step()
+    assert "more than this server's whole cache" in str(refused.error)
+
+
 @pytest.mark.parametrize("family", RECURRENT)
 def test_batched_decoding_matches_whole_sequences(tiny_models, family):
-    engine = make_engine(tiny_models[family], max_batch_tokens=24)
+    engine = make_engine(tiny_models[family], max_batch_tokens=24, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(1)
     plans = {
         f"s{i}": [torch.randn(batch, prompt, H, generator=generator)]
@@ -78,7 +93,7 @@ def test_batched_decoding_matches_whole_sequences(tiny_models, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "jamba", "lfm2"])
 def test_rollbacks_and_beam_reordering_restore_exact_states(tiny_models, family):
-    engine = make_engine(tiny_models[family], page_size=4)
+    engine = make_engine(tiny_models[family], page_size=4, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(2)
     sizes = [7, 1, 3, 2, 1, 2, 1]
     plan = [torch.randn(3, n, H, generator=generator) for n in sizes]
@@ -93,7 +108,7 @@ def test_rollbacks_and_beam_reordering_restore_exact_states(tiny_models, family)
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_a_tree_runs_each_path_from_the_state_and_its_kept_path_goes_on(tiny_models, family):
-    engine = make_engine(tiny_models[family], page_size=4, max_batch_tokens=16)
+    engine = make_engine(tiny_models[family], page_size=4, max_batch_tokens=16, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(3)
     prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (6, 7, 3))
     session = engine.open_session("s", (0, 6), 1, 64)
@@ -109,7 +124,10 @@ def test_a_tree_runs_each_path_from_the_state_and_its_kept_path_goes_on(tiny_mod
 
 
 def test_preempted_sessions_recompute_their_states(tiny_models):
-    engine = make_engine(tiny_models["qwen3_5"], max_cache_tokens=48, page_size=4, max_batch_tokens=16)
+    # each row is charged 24 pages for its states: 84 pages admit three 9-token prompts (3 x (24 + 3)), and
+    # three rows growing to 25 positions (3 x (24 + 7)) do not fit: someone must yield
+    engine = make_engine(tiny_models["qwen3_5"], max_cache_tokens=336, page_size=4, max_batch_tokens=16)
+    assert engine.scheduler.state_pages == 24
     generator = torch.Generator().manual_seed(4)
     plans = {
         f"s{i}": [torch.randn(1, 9, H, generator=generator)]

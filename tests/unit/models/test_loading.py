@@ -128,6 +128,16 @@ def test_this_years_latent_and_linear_attention_families_are_accepted(model_type
     assert ModelConfig.from_hf(AutoConfig.for_model(model_type)).model_type == served_as
 
 
+def test_a_token_costs_only_the_attention_layers_cache(tiny_models):
+    from tiny_models import tiny_config
+
+    llama, qwen = ModelConfig.from_hf(tiny_config("llama")), ModelConfig.from_hf(tiny_config("qwen3_5"))
+    assert llama.kv_bytes_per_token_per_block(4) == 2 * 2 * 16 * 4  # 2 kv heads of 16, k and v
+    assert qwen.kv_bytes_per_token_per_block(4) == 2 * 2 * 16 * 4 * 2 // 6  # 2 attention layers of 6
+    span = Span.load(tiny_models["qwen3_5"], 0, 3)  # linear, linear, full attention
+    assert span.cache_bytes_per_token == 2 * 2 * 16 * 4 and span.state_bytes_per_row > 0
+
+
 def test_span_range_is_checked(tiny_models):
     with pytest.raises(InvalidRequest, match="blocks 4:9"):
         Span.load(tiny_models["llama"], 4, 9)
