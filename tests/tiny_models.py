@@ -113,6 +113,10 @@ LAYOUTS = {
         "Mistral4Config",
         dict(**LATENT_MOE, head_dim=24),
     ),
+    "deepseek_v32": (  # latent attention whose keys an indexer picks per query (DeepSeek sparse attention)
+        "DeepseekV32Config",
+        dict(**LATENT_MOE, n_shared_experts=1, n_group=2, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=16),
+    ),
     "qwen3_5": ("Qwen3_5TextConfig", LINEAR),  # Qwen3.5's text model: linear attention 2:1 with full
     "qwen3_next": (  # linear attention and MoE with a shared expert
         "Qwen3NextConfig",

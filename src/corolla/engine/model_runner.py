@@ -7,12 +7,14 @@ pool at each token's slot, then each row attends to its own cache pages.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from corolla.engine.rows import Row, RowGroups
 from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
 from corolla.engine.states import states_after, states_before
-from corolla.models.attention import CacheShape, Scores, causal_attention
+from corolla.models.attention import CacheShape, Scores, causal_attention, visible_keys
 from corolla.models.lora import use_adapters
 from corolla.models.span import Span, align_prompts
 
@@ -38,6 +40,8 @@ class KVPool:
         pages = (len(layers), num_pages, page_size)
         self.keys = torch.empty(*pages, shape.key_heads, shape.key_dim, dtype=dtype, device=device)
         self.values = torch.empty(*pages, shape.value_heads, shape.value_dim, dtype=dtype, device=device)
+        # DeepSeek sparse attention's indexer keys [..., 1, index_dim] (none without an indexer)
+        self.indexer = torch.empty(*pages, 1, shape.index_dim, dtype=dtype, device=device)
         self.shape = shape
         self.page_size = page_size
 
@@ -45,17 +49,21 @@ class KVPool:
     def device(self) -> torch.device:
         return self.keys.device
 
+    @property
+    def _data(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.values, self.indexer) if self.indexer.shape[-1] else (self.keys, self.values)
+
     def clear_pages(self, pages: list[int]) -> None:
         """Zero newly allocated pages: attention masks positions past a row's context, but a masked
         NaN left in memory would still poison the softmax."""
         if pages:
-            self.keys[:, pages] = 0
-            self.values[:, pages] = 0
+            for data in self._data:
+                data[:, pages] = 0
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         for source, destination in copies:
-            self.keys[:, destination] = self.keys[:, source]
-            self.values[:, destination] = self.values[:, source]
+            for data in self._data:
+                data[:, destination] = data[:, source]
 
     def move_positions(self, table: list[int], sources: list[int], destinations: list[int]) -> None:
         """Copy one row's keys and values from positions `sources` to `destinations` (every layer)."""
@@ -68,7 +76,7 @@ class KVPool:
 
         to = slots(destinations)
         source = slots(sources)
-        for data in (self.keys, self.values):
+        for data in self._data:
             flat = data.flatten(1, 2)  # [layers, pages * page_size, heads, d]
             flat[:, to] = flat[:, source]
 
@@ -87,6 +95,7 @@ class PagedAttention:
         self.pool = pool
         self.first_layer = first_layer
         self.rows = rows
+        self.number_of_states = number_of_states
         self.row_groups = RowGroups(rows, number_of_states)  # for layers that keep a recurrent state
         size = pool.page_size
         device = pool.device
@@ -100,6 +109,25 @@ class PagedAttention:
 
     def linear_state(self, layer: int):
         return self.row_groups.linear_state(self.first_layer + layer)
+
+    def single_rows(self):
+        """Each row with a context of its own (token indices in the packed pass, context): for layers whose
+        own code compares a query with every key it is given (DeepSeek sparse attention's indexer)."""
+        for row in self.rows:
+            alone = PagedAttention(self.pool, self.first_layer, [replace(row, offset=0)], self.number_of_states)
+            yield torch.arange(row.offset, row.offset + row.length), alone
+
+    def visibility(self, num_queries: int) -> torch.Tensor:
+        """A single row's visible keys, as a layer's attention_mask [1, 1, T, context]."""
+        (row,) = self.rows
+        return visible_keys(row.position, row.length, row.context, Scores(), row.tree)[None, None]
+
+    def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """A single row's indexer keys [1, T, D]: stored; its whole history returned [1, context, D]."""
+        (row,) = self.rows
+        cache = self.pool.indexer[self.pool.index[self.first_layer + layer]]  # [pages, page_size, 1, D]
+        cache.flatten(0, 1)[self.slots] = keys[0, :, None]
+        return _row_positions(cache, row)[:, 0][None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         index = self.pool.index[self.first_layer + layer]

@@ -39,6 +39,8 @@ class Scores:
     window: int | None = None  # keys at positions > q - window are seen (transformers' convention)
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [heads] logits of a sink every query also attends to (gpt-oss)
+    # [B, T, top-k] the keys each query may see besides (DeepSeek sparse attention's indexer)
+    indices: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +60,10 @@ class CacheShape:
     value_heads: int
     value_dim: int
     gathers: bool = False
+    index_dim: int = 0  # DeepSeek sparse attention's indexer key per token (0: no indexer)
 
     def bytes_per_token(self, itemsize: int) -> int:
-        return (self.key_heads * self.key_dim + self.value_heads * self.value_dim) * itemsize
+        return (self.key_heads * self.key_dim + self.value_heads * self.value_dim + self.index_dim) * itemsize
 
 
 class AttentionContext(Protocol):
@@ -159,6 +162,14 @@ class ContextCache(Cache):
     def is_recording_past(self, layer_idx: int) -> bool:
         return False  # earlier states are kept by the engine (snapshots), not by growing conv states
 
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """DeepSeek sparse attention's indexer keys [B, T, D]: stored, and every position's returned."""
+        current = _current()
+        store = getattr(current.context, "store_indexer", None)
+        if store is None:
+            raise UnsupportedModel(f"a {type(current.context).__name__} holds no indexer keys")
+        return store(layer_idx - current.first_layer, indexer_key_states)
+
 
 def attention(
     module: torch.nn.Module,
@@ -174,7 +185,7 @@ def attention(
     """The attention function transformers calls as "corolla": [B, T, heads, d] out, no weights.
     Dropout (in kwargs) never applies: spans run in eval mode."""
     current = _current()
-    scores = Scores(scaling, sliding_window, softcap, kwargs.get("s_aux"))
+    scores = Scores(scaling, sliding_window, softcap, kwargs.get("s_aux"), kwargs.get("indices"))
     out = current.context.attend(module.layer_idx - current.first_layer, query, key, value, scores)
     return out.transpose(1, 2).contiguous(), None
 
@@ -193,9 +204,10 @@ def causal_attention(
     """Attention of queries at positions [q_start, q_start + T) over keys at positions [0, len(k)).
 
     With `tree`, the T queries are a token tree starting at q_start (models/tree.py): each attends to the
-    keys before q_start and to its own ancestors among the last T keys."""
-    if tree is not None:
-        return masked_attention(q, k, v, tree.mask(q_start, scores.window), scores)
+    keys before q_start and to its own ancestors among the last T keys. With `scores.indices`, each query
+    sees only its selected keys among those."""
+    if tree is not None or scores.indices is not None:
+        return masked_attention(q, k, v, visible_keys(q_start, q.shape[2], k.shape[2], scores, tree), scores)
     if scores.softcap is not None or scores.sinks is not None:
         return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window, q.device), scores)
     num_queries = q.shape[2]
@@ -210,6 +222,22 @@ def causal_attention(
     if q_start == 0 and num_keys == num_queries and (window is None or num_keys <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa)
     return masked_attention(q, k, v, _mask(q_start, num_queries, num_keys, window, q.device), scores)
+
+
+def visible_keys(
+    q_start: int, num_queries: int, num_keys: int, scores: Scores, tree: TokenTree | None = None
+) -> torch.Tensor:
+    """[T, K] (or [B, 1, T, K] with indices) which keys each query sees: causal or the tree's, within the
+    window, and among the indexer's selection."""
+    if tree is not None:
+        mask = tree.mask(q_start, scores.window)
+    else:
+        mask = _mask(q_start, num_queries, num_keys, scores.window, torch.device("cpu"))
+    if scores.indices is None:
+        return mask
+    indices = scores.indices.long().cpu()  # [B, T, top-k]
+    selected = torch.zeros(*indices.shape[:2], num_keys, dtype=torch.bool).scatter_(-1, indices, True)
+    return (mask & selected)[:, None]
 
 
 def masked_attention(
@@ -260,6 +288,13 @@ class NoCache:
 
     def linear_state(self, layer: int) -> None:
         return None  # a fresh state per layer (ContextCache's)
+
+    def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        return keys
+
+    def visibility(self, num_queries: int) -> torch.Tensor:
+        """What each query sees, as a layer's attention_mask [1, 1, T, K] (True: visible)."""
+        return _mask(0, num_queries, num_queries, None, torch.device("cpu"))[None, None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # whole sequences: the new tokens are every position

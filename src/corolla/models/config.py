@@ -24,7 +24,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
 # attention layers (paged keys and values), layers with a recurrent state (linear attention, Mamba,
 # short convolutions: models/recurrent.py), and layers with no token mixing at all (an MLP or MoE alone)
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "mlp", "moe")
+SUPPORTED_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "indexed_attention",  # DeepSeek sparse attention: an indexer picks each query's keys
+    "linear_attention",
+    "conv",
+    "mlp",
+    "moe",
+)
 # config keys that replicas of the same blocks may differ in (precision, token ids, the context limit,
 # bookkeeping), or that do not change what the blocks compute
 NOT_FINGERPRINTED = {

@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from corolla.errors import UnsupportedModel
-from corolla.models.attention import CacheShape, Scores, causal_attention, masked_attention
+from corolla.models.attention import CacheShape, Scores, causal_attention, masked_attention, visible_keys
 from corolla.models.recurrent import FreshStates
 from corolla.models.tree import TokenTree
 
@@ -37,6 +37,8 @@ class ContiguousCache:
         self.values = torch.empty(
             num_layers, batch_size, shape.value_heads, max_length, shape.value_dim, dtype=dtype, device=device
         )
+        # DeepSeek sparse attention's indexer keys [layers, B, max_length, index_dim]
+        self.indexer = torch.empty(num_layers, batch_size, max_length, shape.index_dim, dtype=dtype, device=device)
         self.gathers = shape.gathers
         self.max_length = max_length
         self.position = 0
@@ -67,6 +69,19 @@ class ContiguousCache:
         if self.gathers:
             return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
         return k, v
+
+    def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        end = self.position + keys.shape[1]
+        self.indexer[layer, :, self.position : end] = keys
+        return self.indexer[layer, :, :end]
+
+    def visibility(self, num_queries: int) -> torch.Tensor:
+        """What each query of the pass sees, as a layer's attention_mask [1, 1, T, position + T]."""
+        end = self.position + num_queries
+        if self.tree is not None:
+            size = len(self.tree)
+            return self.tree.mask(end - size)[size - num_queries :][None, None]
+        return visible_keys(self.position, num_queries, end, Scores())[None, None]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores

@@ -33,6 +33,7 @@ class _ShapeProbe:
     def __init__(self):
         self.stored: tuple[torch.Size, torch.Size] | None = None
         self.attended: tuple[torch.Size, torch.Size] | None = None
+        self.index_dim = 0
         self.states = FreshStates()
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +46,13 @@ class _ShapeProbe:
 
     def linear_state(self, layer: int):
         return self.states.linear_state(layer)
+
+    def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        self.index_dim = keys.shape[-1]
+        return keys
+
+    def visibility(self, num_queries: int) -> torch.Tensor:
+        return torch.ones(1, 1, num_queries, num_queries, dtype=torch.bool).tril()
 
     @property
     def state_bytes(self) -> int:
@@ -72,7 +80,7 @@ def measure_layers(span: Span) -> LayerLayout:
                 stepwise.append(local)
         elif probe.stored is not None:
             kv_blocks.append(local)
-            shapes.add((probe.stored, probe.attended != probe.stored))
+            shapes.add((probe.stored, probe.attended != probe.stored, probe.index_dim))
     if len(shapes) > 1:
         raise UnsupportedModel(
             f"{span.config.model_type}: its layers store keys and values of different shapes"
@@ -104,14 +112,16 @@ def _probe_block(span: Span, index: int) -> _ShapeProbe:
     return probe
 
 
-def _cache_shape(model_type: str, stored: tuple[torch.Size, torch.Size], gathers: bool) -> CacheShape:
+def _cache_shape(
+    model_type: str, stored: tuple[torch.Size, torch.Size], gathers: bool, index_dim: int
+) -> CacheShape:
     keys, values = stored
     if keys[1] != 1 or values[1] != 1:
         raise UnsupportedModel(
             f"{model_type}: its attention stores keys {list(keys)} and values {list(values)} per token; "
             "corolla's cache holds [heads, 1, d] per token"
         )
-    return CacheShape(keys[0], keys[2], values[0], values[2], gathers)
+    return CacheShape(keys[0], keys[2], values[0], values[2], gathers, index_dim)
 
 
 class _Continuing:

@@ -64,6 +64,10 @@ class Span(nn.Module):
         # a state they continue one token at a time
         self.stepwise_blocks: tuple[int, ...] = ()
         self.number_of_states = int(getattr(config.hf, "number_of_conv_states", None) or 1)
+        # blocks of DeepSeek sparse attention: an indexer picks the keys each query sees (run row by row)
+        self.indexed_blocks = tuple(
+            i for i, kind in enumerate(config.layer_types[start:end]) if kind == "indexed_attention"
+        )
         self._typed_rotary = (
             self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         )
@@ -165,7 +169,9 @@ class Span(nn.Module):
                     "position_embeddings": rotary[self.layer_types[first + layer]],
                 }
                 local = first + layer - self.start
-                if groups is not None and local in self.state_blocks:
+                if local in self.indexed_blocks:
+                    hidden = _indexed(block, hidden, context, first, inputs)
+                elif groups is not None and local in self.state_blocks:
                     hidden = _by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks)
                 else:
                     hidden = block(hidden, **inputs)
@@ -200,6 +206,27 @@ def _by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepw
             else:
                 result = block(rows, **taken)
         out[0, tokens] = result.flatten(0, 1)
+    return out
+
+
+def _indexed(block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict) -> torch.Tensor:
+    """A block of DeepSeek sparse attention: its indexer scores each query against the keys of its own
+    sequence, under the layer's attention mask, so a packed pass runs it one row at a time, each row with
+    a context of its own (PagedAttention.single_rows) and its visibility as the mask."""
+    single_rows = getattr(context, "single_rows", None)
+    if single_rows is None:
+        mask = context.visibility(hidden.shape[1]).to(hidden.device)
+        return block(hidden, **{**inputs, "attention_mask": mask})
+    out = torch.empty_like(hidden)
+    packed = hidden.shape[1]
+    for tokens, row_context in single_rows():
+        tokens = tokens.to(hidden.device)
+        shape = (1, len(tokens))
+        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+        taken["attention_mask"] = row_context.visibility(len(tokens)).to(hidden.device)
+        with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
+            result = block(_take(hidden, tokens, shape, packed), **taken)
+        out[0, tokens] = result[0]
     return out
 
 

@@ -28,7 +28,7 @@ def test_growth_across_block_boundaries_matches_a_contiguous_cache(tiny_models):
     assert len(engine.sessions["a"].page_tables[0]) == 3  # 10 positions in pages of 4
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "deepseek_v3", "deepseek_v32"])
 def test_batched_sessions_match_each_session_alone(tiny_models, family):
     engine = make_engine(tiny_models[family], max_batch_tokens=24)
     plans = {

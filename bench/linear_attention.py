@@ -1,0 +1,133 @@
+"""Gated DeltaNet linear attention at Qwen3.5's real shapes: what a server keeps per session, and what
+it costs.
+
+Builds a Qwen3.5 text config with the real model's shapes (transformers' defaults for `qwen3_5`: hidden
+4096, MLPs of 12288, full attention of 16 heads / 4 kv heads of 256 every 4th layer, linear attention of
+16 key / 32 value heads of 128 with a 4-wide convolution) but `--layers` layers and a small vocabulary,
+with random weights in bfloat16, saved as a Hugging Face folder. Serves it on 2 servers of half the
+layers each (each ends on a full-attention layer: 3 linear, 1 full), then reports: decode tokens/s of
+one greedy session (a 16-token prompt, `--new-tokens` new tokens) against transformers running the same
+folder in this process, each server's RSS, the cache bytes per token the servers announce against what
+the same model with full attention in every layer would cache, one sequence's recurrent states, and how
+many sessions of `--context` tokens a 4 GiB cache holds (tokens plus the states twice, as the engine
+charges them), for these layers and for the real model's 32. One torch thread per process. JSON on
+stdout.
+
+    python bench/linear_attention.py [--layers 8] [--new-tokens 16] [--context 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import psutil
+import torch
+
+from corolla.client.model import DistributedModelForCausalLM
+from corolla.launch.local import LocalSwarm
+from corolla.models.span import Span
+from mla import CACHE_BUDGET, decode_rate, local_rate
+
+REAL_LAYERS = 32
+
+
+def save_model(folder: str, layers: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_5").get_text_config()
+    config.num_hidden_layers = layers
+    config.layer_types = config.layer_types[:layers]
+    config.vocab_size = 1024
+    config.eos_token_id = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    return config
+
+
+def sessions_in(budget: int, per_token: float, states: int, context: int) -> float:
+    return round(budget / (per_token * context + 2 * states), 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--context", type=int, default=4096)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ids = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    half = args.layers // 2
+    with tempfile.TemporaryDirectory(prefix="corolla-bench-linear-") as folder:
+        config = save_model(folder, args.layers)
+        linear = Span.load(folder, 0, 1, dtype=torch.bfloat16)  # one linear-attention layer
+        attention = Span.load(folder, 3, 4, dtype=torch.bfloat16)  # one full-attention layer
+        state_per_layer = linear.state_bytes_per_row
+        kv_per_layer = attention.cache_bytes_per_token
+        del linear, attention
+        server_args = ["--dtype", "bfloat16", "--max-cache-tokens", "4096"]
+        with LocalSwarm(folder, [(0, half), (half, args.layers)], server_args=server_args) as swarm:
+            rss = [psutil.Process(server.pid).memory_info().rss for server in swarm.servers]
+            client = swarm.client_config(dtype="bfloat16")
+            with DistributedModelForCausalLM.from_pretrained(folder, config=client) as model:
+
+                def generate(ids, count, stamp):
+                    model.generate(ids, max_new_tokens=count, ignore_eos=True, streamer=stamp)
+
+                generate(ids, 2, lambda *_: None)  # warm-up
+                swarm_rate = decode_rate(generate, ids, args.new_tokens)
+                announced = model.runtime.run(model.client.swarm.view.refresh())
+        local = local_rate(folder, ids, args.new_tokens)
+    print(
+        json.dumps(
+            report(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss), indent=2
+        )
+    )
+
+
+def report(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss) -> dict:
+    cached = sum(s.info.cache_bytes_per_token for s in announced)
+    linear_layers = sum(kind == "linear_attention" for kind in config.layer_types)
+    real_linear = REAL_LAYERS * linear_layers // args.layers
+    states = linear_layers * state_per_layer
+    real = {"per_token": (REAL_LAYERS - real_linear) * kv_per_layer, "states": real_linear * state_per_layer}
+    context = args.context
+    return {
+        "model": f"Qwen3.5 shapes, {args.layers} layers ({linear_layers} linear), random bfloat16 weights",
+        "servers": [f"{s.start}:{s.end}" for s in announced],
+        "decode_tokens_per_s": {"swarm": round(swarm_rate, 3), "local_transformers": round(local, 3)},
+        "swarm_vs_local": round(swarm_rate / local, 3),
+        "server_rss_gb": [round(r / 1e9, 2) for r in rss],
+        "cache_bytes_per_token_announced": cached,
+        "cache_bytes_per_token_if_every_layer_attended": args.layers * kv_per_layer,
+        "state_bytes_per_linear_layer": state_per_layer,
+        "state_bytes_per_sequence": states,
+        f"sessions_of_{context}_tokens_in_4GiB": {
+            f"these_{args.layers}_layers": sessions_in(CACHE_BUDGET, cached, states, context),
+            f"these_{args.layers}_layers_all_attention": sessions_in(
+                CACHE_BUDGET, args.layers * kv_per_layer, 0, context
+            ),
+            f"real_{REAL_LAYERS}_layers": sessions_in(
+                CACHE_BUDGET, real["per_token"], real["states"], context
+            ),
+            f"real_{REAL_LAYERS}_layers_all_attention": sessions_in(
+                CACHE_BUDGET, REAL_LAYERS * kv_per_layer, 0, context
+            ),
+        },
+        "torch_threads_per_process": 1,
+    }
+
+
+if __name__ == "__main__":
+    main()
