@@ -43,6 +43,9 @@ LATENT_MOE = dict(
     num_experts_per_tok=2,
     first_k_dense_replace=1,
 )
+# DeepSeek sparse attention: an indexer keeps 4 keys per query; 16 indexer heads, so that no two keys tie
+# at a score of 0 (every head's ReLU'd score 0), which random weights with few heads often give
+SPARSE = dict(index_topk=4, index_head_dim=16, index_n_heads=16)
 # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): a convolution and a recurrent state per layer
 LINEAR = dict(
     linear_num_value_heads=4,
@@ -115,7 +118,11 @@ LAYOUTS = {
     ),
     "deepseek_v32": (  # latent attention whose keys an indexer picks per query (DeepSeek sparse attention)
         "DeepseekV32Config",
-        dict(**LATENT_MOE, n_shared_experts=1, n_group=2, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=16),
+        dict(**LATENT_MOE, **SPARSE, n_shared_experts=1, n_group=2, topk_group=1),
+    ),
+    "glm_moe_dsa": (  # GLM-5: the same sparse attention, its MoE router and layer layout
+        "GlmMoeDsaConfig",
+        dict(**LATENT_MOE, **SPARSE, n_shared_experts=1),
     ),
     "qwen3_5": ("Qwen3_5TextConfig", LINEAR),  # Qwen3.5's text model: linear attention 2:1 with full
     "qwen3_next": (  # linear attention and MoE with a shared expert

@@ -4,6 +4,8 @@ reject part of their draft, and through a kill -9 of the server a session runs o
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
 expanded by the layer after each read) and grouped MoE routing.
+deepseek_v32: the same latent attention, whose keys an indexer picks per query (its keys cached beside
+the latent; each row ranked alone).
 qwen3_5: Gated DeltaNet linear attention 2:1 with full attention (a recurrent and a convolution state
 per session row, restored from snapshots when a draft is rejected); the first span ends on its
 attention layer, the second starts on linear ones.
@@ -25,11 +27,11 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
-FRONTIER = ["deepseek_v3", "qwen3_5"]
+FRONTIER = ["deepseek_v3", "deepseek_v32", "qwen3_5"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 NEW_TOKENS = 14
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
-# a prompt that repeats itself: prompt lookup drafts its continuation, which random weights mostly reject
+# a prompt that repeats itself
 REPEATING = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(9)).repeat(1, 3)
 
 
@@ -60,10 +62,11 @@ def test_alone_and_eight_at_once_the_tokens_are_transformers(served):
             assert torch.equal(tokens, expected[index]), f"prompt {index} differs when batched"
 
 
-def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(served):
+def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(served, tiny_models):
     path, swarm, expected = served
-    # prompt lookup drafts from the text so far: on random weights most drafts are rejected in part
-    speculation = SpeculationConfig(draft="lookup", width=2, max_depth=4, adaptive=False)
+    # another random model of the same vocabulary drafts trees of width 2: most of its tokens are rejected
+    draft = str(tiny_models["llama"])
+    speculation = SpeculationConfig(draft=draft, width=2, max_depth=3, adaptive=False)
     with connect(path, swarm, speculation=speculation) as model:
         for index, ids in ((1, PROMPTS[1]), (-1, REPEATING)):
             assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS), expected[index])

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from corolla.config import EngineConfig
-from corolla.engine.model_runner import KVPool, ModelRunner
+from corolla.engine.kv_pool import KVPool
+from corolla.engine.model_runner import ModelRunner
 from corolla.engine.pages import PageAllocator
 from corolla.engine.scheduler import Scheduler
 from corolla.engine.sequence import (

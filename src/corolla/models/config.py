@@ -93,7 +93,8 @@ class ModelConfig:
         average over the blocks where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches)."""
         latent = getattr(self.hf, "kv_lora_rank", None)
         if isinstance(latent, int) and isinstance(getattr(self.hf, "qk_rope_head_dim", None), int):
-            return (latent + self.hf.qk_rope_head_dim) * dtype_bytes
+            indexer = getattr(self.hf, "index_head_dim", 0) if "indexed_attention" in self.layer_types else 0
+            return (latent + self.hf.qk_rope_head_dim + indexer) * dtype_bytes
         per_layer = 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
         # averaged over the blocks: those that keep a recurrent state or only an MLP cache no tokens
         attention = sum(
@@ -204,8 +205,9 @@ def _check_supported(hf: Any) -> None:
         )
     if getattr(hf, "is_encoder_decoder", False) or causal_lm_class(hf) is None:
         raise UnsupportedModel(
-            f"model_type {model_type!r} is not a decoder-only causal LM; corolla serves the decoder-only "
-            f"causal LMs that transformers implements ({supported_summary()})"
+            f"model_type {model_type!r} is not a decoder-only causal LM (transformers defines no "
+            f"...ForCausalLM for it); corolla serves the decoder-only causal LMs that transformers "
+            f"implements ({supported_summary()})"
         )
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         if not isinstance(getattr(hf, name, None), int):
@@ -222,6 +224,10 @@ def _check_layer_inputs(hf: Any) -> None:
     shared = getattr(hf, "num_kv_shared_layers", None)
     if shared:
         needs.append(f"earlier layers' keys and values in its last {shared} layers (num_kv_shared_layers)")
+    if "shared" in (getattr(hf, "indexer_types", None) or ()):
+        needs.append(
+            "an earlier layer's sparse-attention selection in its shared-indexer layers (indexer_types)"
+        )
     if needs:
         raise UnsupportedModel(f"{hf.model_type}: its layers take {' and '.join(needs)}, which a span lacks")
 
@@ -231,7 +237,8 @@ def supported_summary() -> str:
 
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
-        "granite, minimax_m2, deepseek_v3, mistral4, qwen3_5, qwen3_next, lfm2, jamba, nemotron_h"
+        "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, qwen3_5, qwen3_next, lfm2, "
+        "jamba, nemotron_h"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

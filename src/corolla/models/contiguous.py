@@ -38,7 +38,9 @@ class ContiguousCache:
             num_layers, batch_size, shape.value_heads, max_length, shape.value_dim, dtype=dtype, device=device
         )
         # DeepSeek sparse attention's indexer keys [layers, B, max_length, index_dim]
-        self.indexer = torch.empty(num_layers, batch_size, max_length, shape.index_dim, dtype=dtype, device=device)
+        self.indexer = torch.empty(
+            num_layers, batch_size, max_length, shape.index_dim, dtype=dtype, device=device
+        )
         self.gathers = shape.gathers
         self.max_length = max_length
         self.position = 0

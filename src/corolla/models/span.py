@@ -20,9 +20,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from corolla.errors import InvalidRequest, UnsupportedModel
-from corolla.models.attention import AttentionContext, CacheShape, ContextCache, NoCache, active_context
+from corolla.models.attention import AttentionContext, CacheShape, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
+from corolla.models.context_cache import ContextCache
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
 from corolla.models.lora import use_adapters
@@ -174,7 +175,7 @@ class Span(nn.Module):
                 elif groups is not None and local in self.state_blocks:
                     hidden = _by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks)
                 else:
-                    hidden = block(hidden, **inputs)
+                    hidden = _run(block, hidden, inputs)
         return hidden
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> dict:
@@ -202,9 +203,9 @@ def _by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepw
         with use_adapters(group.adapter):
             if stepwise and group.length > 1 and group.rows[0].position > 0:
                 steps = [_at(rows, t) for t in range(group.length)]
-                result = torch.cat([block(x, **_at(taken, t)) for t, x in enumerate(steps)], dim=1)
+                result = torch.cat([_run(block, x, _at(taken, t)) for t, x in enumerate(steps)], dim=1)
             else:
-                result = block(rows, **taken)
+                result = _run(block, rows, taken)
         out[0, tokens] = result.flatten(0, 1)
     return out
 
@@ -216,7 +217,7 @@ def _indexed(block: nn.Module, hidden: torch.Tensor, context, first: int, inputs
     single_rows = getattr(context, "single_rows", None)
     if single_rows is None:
         mask = context.visibility(hidden.shape[1]).to(hidden.device)
-        return block(hidden, **{**inputs, "attention_mask": mask})
+        return _run(block, hidden, {**inputs, "attention_mask": mask})
     out = torch.empty_like(hidden)
     packed = hidden.shape[1]
     for tokens, row_context in single_rows():
@@ -225,9 +226,16 @@ def _indexed(block: nn.Module, hidden: torch.Tensor, context, first: int, inputs
         taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
         taken["attention_mask"] = row_context.visibility(len(tokens)).to(hidden.device)
         with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
-            result = block(_take(hidden, tokens, shape, packed), **taken)
+            result = _run(block, _take(hidden, tokens, shape, packed), taken)
         out[0, tokens] = result[0]
     return out
+
+
+def _run(block: nn.Module, hidden: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """A decoder layer's output hidden states (GLM-5's layers also return their sparse-attention
+    selection, for a next layer that shares it: refused by models/config.py)."""
+    out = block(hidden, **inputs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _at(value, t: int):

@@ -86,6 +86,13 @@ def test_unsupported_models_get_errors_naming_the_type():
         ModelConfig.from_dict({**base, "model_type": "no-such"})
     with pytest.raises(UnsupportedModel, match="config.json of a llama model is invalid"):
         ModelConfig.from_dict({**base, "hidden_size": 9})
+    from transformers import AutoConfig
+
+    shared = AutoConfig.for_model("glm_moe_dsa", indexer_types=["full", "shared"] * 39)
+    with pytest.raises(
+        UnsupportedModel, match="glm_moe_dsa: its layers take an earlier layer's sparse-atten"
+    ):
+        ModelConfig.from_hf(shared)
     with pytest.raises(UnsupportedModel, match="layer types \\['chunked_attention'\\] are not supported"):
         ModelConfig.from_dict({**base, "layer_types": ["chunked_attention", "full_attention"]})
 
@@ -95,8 +102,10 @@ def test_unsupported_models_get_errors_naming_the_type():
     [
         ("gemma3n", r"gemma3n_text: its layers take per-layer inputs .* and earlier layers' keys and values"),
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
-        ("mistral_large4", r"mistral_large4_text: layer types \['indexed_attention'\] are not supported"),
-        ("deepseek_v32", r"deepseek_v32: layer types \['indexed_attention'\] are not supported"),
+        (
+            "mistral_large4",
+            r"'mistral_large4_text' is not a decoder-only causal LM \(transformers defines no",
+        ),
         ("falcon_h1", r"falcon_h1: layer types \['hybrid'\] are not supported"),
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
     ],
@@ -120,6 +129,8 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("qwen3_next", "qwen3_next"),
         ("kimi_linear", "kimi_linear"),
         ("lfm3", "lfm3"),  # short convolutions, full and sliding attention
+        ("deepseek_v32", "deepseek_v32"),  # latent attention whose keys an indexer picks (sparse)
+        ("glm_moe_dsa", "glm_moe_dsa"),  # GLM-5: the same, each layer with its own indexer
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
