@@ -97,7 +97,7 @@ def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
 
     t5 = folder("t5", {"model_type": "t5", "d_model": 64, "num_layers": 2})
     vit = folder("vit", {"model_type": "vit", "hidden_size": 64})
-    hybrid = folder("qwen3-next", {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2})
+    hybrid = folder("falcon-h1", {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2})
     results = run_corolla(
         ["server", t5, "--blocks", "0:1", *LOOPBACK],
         ["server", vit, "--blocks", "0:1", *LOOPBACK],
@@ -107,7 +107,7 @@ def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
         assert_one_line(result, f"corolla server: model_type '{model_type}' is not a decoder-only causal LM")
         assert "tested: llama, mistral" in result.stderr
     assert_one_line(
-        results[2], "corolla server: qwen3_next: layer types ['linear_attention'] are not supported"
+        results[2], "corolla server: falcon_h1: layer types ['hybrid'] are not supported"
     )
 
 

@@ -102,8 +102,8 @@ def quantize_fused_experts(module: nn.Module) -> bool:
     version counter), so such a span computes under `torch.no_grad` (Span.computing)."""
     owners = {}
     for owner, sub in module.named_modules():
-        if getattr(sub, "is_transposed", False):
-            continue
+        if getattr(sub, "is_transposed", False) or isinstance(sub, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            continue  # gpt-oss's transposed experts; the 3-D weights of convolutions (Mamba, Gated DeltaNet)
         for name, param in sub.named_parameters(recurse=False):
             if param.dim() == 3 and type(param.data) is torch.Tensor and param.is_floating_point():
                 owners[f"{owner}.{name}" if owner else name] = sub
