@@ -106,9 +106,7 @@ def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
     for result, model_type in zip(results, ("t5", "vit"), strict=False):
         assert_one_line(result, f"corolla server: model_type '{model_type}' is not a decoder-only causal LM")
         assert "tested: llama, mistral" in result.stderr
-    assert_one_line(
-        results[2], "corolla server: falcon_h1: layer types ['hybrid'] are not supported"
-    )
+    assert_one_line(results[2], "corolla server: falcon_h1: layer types ['hybrid'] are not supported")
 
 
 def test_identities_and_allowed_peer_lists_on_the_command_line(tmp_path):
