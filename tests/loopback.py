@@ -230,7 +230,8 @@ class LoopbackNetwork:
     def __init__(self, folder: Path, engine: EngineConfig | None = None):
         self.folder = Path(folder)
         self.model = ModelConfig.from_folder(self.folder)
-        self.engine = engine or EngineConfig(max_cache_tokens=1024, page_size=4, max_batch_wait_ms=0)
+        # 4096 tokens: 8 sessions of a recurrent family, each charged its states (engine/states.py), fit
+        self.engine = engine or EngineConfig(max_cache_tokens=4096, page_size=4, max_batch_wait_ms=0)
         self.servers: dict[str, LoopbackServer] = {}
         self.reports: dict[str, dict[str, str]] = {}  # client -> the faulty servers it reported
         # with `recording` on, every stream message: (rpc, "request" or "reply", the server, a copy)

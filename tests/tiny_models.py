@@ -135,6 +135,27 @@ LAYOUTS = {
             shared_expert_intermediate_size=32,
         ),
     ),
+    "kimi_linear": (  # Kimi Linear: KDA linear attention 2:1 with latent attention, MoE after a dense block
+        "KimiLinearConfig",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=16,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_token=2,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense"] + ["sparse"] * 5,
+        ),
+    ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
     "jamba": (  # Mamba layers (no position embeddings at all), attention every third layer, MoE
         "JambaConfig",
@@ -168,7 +189,7 @@ LAYOUTS = {
 }
 FAMILIES = tuple(LAYOUTS)
 # families with layers that keep a recurrent state instead of keys and values (models/recurrent.py)
-RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "jamba", "nemotron_h")
+RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2", "jamba", "nemotron_h")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
 

@@ -237,8 +237,8 @@ def supported_summary() -> str:
 
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
-        "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, qwen3_5, qwen3_next, lfm2, "
-        "jamba, nemotron_h"
+        "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, qwen3_5, qwen3_next, "
+        "kimi_linear, lfm2, jamba, nemotron_h"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 
