@@ -58,7 +58,7 @@ test-integration: $(STAMP) browser ## run the integration tests only (local swar
 check-clients: $(STAMP) ## openai (Python, Node), litellm and LangChain against `corolla api` on a local swarm (clients/; ~1 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, grammar libraries, training, abuse, models, quantize, latent attention, MoE quantization; ~55 min)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, grammar libraries, training, abuse, models, quantize, latent attention, MoE quantization, linear attention; ~60 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
@@ -73,6 +73,7 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/quantize.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/mla.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/moe_quantize.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/linear_attention.py
 
 bench-wan: $(STAMP) ## across an emulated 50 ms internet (../shared/tools/wan; root + iptables): push, speculation and wire encodings, many sessions (~80 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py
