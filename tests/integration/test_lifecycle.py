@@ -131,7 +131,7 @@ def test_identity_check_honours_nat_port_map_and_refuses_a_taken_identity(half_s
                 assert time.monotonic() < deadline, "the running peer never became findable"
                 time.sleep(0.5)
             with pytest.raises(StartFailed, match=f"the identity in {path} is in use by another peer"):
-                start_dht(config)
+                start_dht(config).shutdown()  # shut down only if the check missed the peer: nothing leaks
         finally:
             dht.shutdown()
     finally:

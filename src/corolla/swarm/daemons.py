@@ -40,6 +40,9 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="corolla-parent-watch", daemon=True).start()
 
 
+CHECK_ATTEMPTS = 3  # lookups of an identity's peer before it counts as absent
+
+
 def identity_taken(
     identity_path: Path, initial_peers: Sequence[str], host_maddrs: Sequence[str], nat_port_map: bool
 ) -> bool:
@@ -56,9 +59,13 @@ def identity_taken(
             nat_port_map=nat_port_map,
         )
         try:
-            await probe._client.connect(peer_id, [])
-            return True
-        except ControlFailure:
+            for attempt in range(CHECK_ATTEMPTS):  # a loaded machine's first lookup can miss a present peer
+                try:
+                    await probe._client.connect(peer_id, [])
+                    return True
+                except ControlFailure:
+                    if attempt + 1 < CHECK_ATTEMPTS:
+                        await asyncio.sleep(0.5)
             return False
         finally:
             await probe.shutdown()
