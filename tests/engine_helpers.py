@@ -69,6 +69,32 @@ def run_sessions(engine: Engine, plans: dict[str, list[torch.Tensor]], **step_kw
     return results
 
 
+def run_step(engine: Engine, work: StepWork) -> torch.Tensor:
+    """Submit one step and pass until it completes; its outputs (its error raised)."""
+    engine.add_step(work)
+    for _ in range(100):
+        for completion in engine.step():
+            if completion.request_id == work.request_id:
+                if completion.error is not None:
+                    raise completion.error
+                return completion.outputs
+    raise AssertionError("the step did not complete within 100 passes")
+
+
+def observe_statuses(engine: Engine) -> list:
+    """Every session's status after each of the engine's passes from now on (the list fills as it runs)."""
+    statuses = []
+    original_step = engine.step
+
+    def observing_step():
+        completions = original_step()
+        statuses.extend(s.status for s in engine.sessions.values())
+        return completions
+
+    engine.step = observing_step
+    return statuses
+
+
 def assert_close(actual, expected):
     """Equal up to float32 rounding: batching picks other matmul kernels, and a prefill split into chunks
     attends to its keys in other pieces. The tiny random models have activations near 100, and the

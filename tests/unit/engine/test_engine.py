@@ -7,7 +7,7 @@ import torch
 
 from corolla.engine.sequence import SessionStatus, StepWork
 from corolla.errors import CacheExhausted
-from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions
+from engine_helpers import assert_close, make_engine, observe_statuses, reference_outputs, run_sessions
 
 H = 64
 
@@ -88,15 +88,7 @@ def test_preempted_sessions_recompute_and_stay_correct(tiny_models):
     # 12 pages of 4 = 48 positions for three sessions that grow to 25 positions each: someone must yield
     engine = make_engine(tiny_models["llama"], max_cache_tokens=48, page_size=4, max_batch_tokens=16)
     plans = {f"s{i}": steps(1, 9, 16, seed=10 + i) for i in range(3)}
-    statuses = []
-    original_step = engine.step
-
-    def observing_step():
-        completions = original_step()
-        statuses.extend(s.status for s in engine.sessions.values())
-        return completions
-
-    engine.step = observing_step
+    statuses = observe_statuses(engine)
     results = run_sessions(engine, plans)
     assert SessionStatus.PREEMPTED in statuses
     for name, plan in plans.items():

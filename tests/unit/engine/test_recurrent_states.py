@@ -8,7 +8,7 @@ import torch
 
 from corolla.engine.sequence import SessionStatus, StepWork
 from corolla.models.tree import TokenTree
-from engine_helpers import make_engine, run_sessions
+from engine_helpers import make_engine, observe_statuses, run_sessions, run_step
 from tiny_models import RECURRENT
 
 H = 64
@@ -37,17 +37,6 @@ def assert_close(actual, expected):
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-3 * scale)
 
 
-def run(engine, work):
-    engine.add_step(work)
-    for _ in range(100):
-        for completion in engine.step():
-            if completion.request_id == work.request_id:
-                if completion.error is not None:
-                    raise completion.error
-                return completion.outputs
-    raise AssertionError("the step did not complete within 100 passes")
-
-
 def test_spans_know_which_blocks_keep_states(tiny_models):
     engine = make_engine(tiny_models["qwen3_5"])
     assert engine.span.state_blocks == (0, 1, 3, 4) and engine.span.kv_blocks == (2, 5)
@@ -62,7 +51,7 @@ def test_a_rows_states_are_charged_cache_pages_until_it_closes(tiny_models):
     # 2 rows x 24 KiB of states, twice (current and snapshot), in pages of 4 tokens x 512 bytes
     assert engine.scheduler.state_pages == 2 * 24576 // (4 * 512) == 24
     session = engine.open_session("s", (0, 6), 2, 64)
-    run(engine, StepWork(session, torch.randn(2, 5, H), 0))
+    run_step(engine, StepWork(session, torch.randn(2, 5, H), 0))
     assert engine.pages.num_free == 64 - 2 * 24 - 2 * 2  # states, and 5 positions in 2 pages per row
     engine.close_session("s")
     assert engine.pages.num_free == 64
@@ -112,13 +101,13 @@ def test_a_tree_runs_each_path_from_the_state_and_its_kept_path_goes_on(tiny_mod
     generator = torch.Generator().manual_seed(3)
     prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (6, 7, 3))
     session = engine.open_session("s", (0, 6), 1, 64)
-    run(engine, StepWork(session, prefix, 0))
-    tree_outputs = run(engine, StepWork(session, nodes, 6, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
+    run_step(engine, StepWork(session, prefix, 0))
+    tree_outputs = run_step(engine, StepWork(session, nodes, 6, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
     for path in ([0, 1, 3, 5], [0, 2, 4], [6]):  # every path's outputs: as if it were the sequence
         (expected,) = whole_sequences(engine.span, [torch.cat([prefix, nodes[:, path]], 1)])
         assert_close(tree_outputs[:, path], expected[:, 6:])
     path = [0, 2, 4]
-    outputs = run(engine, StepWork(session, later, 9, accepted=tuple(path)))
+    outputs = run_step(engine, StepWork(session, later, 9, accepted=tuple(path)))
     (expected,) = whole_sequences(engine.span, [torch.cat([prefix, nodes[:, path], later], 1)])
     assert_close(outputs, expected[:, -3:])
 
@@ -134,15 +123,7 @@ def test_preempted_sessions_recompute_their_states(tiny_models):
         + [torch.randn(1, 1, H, generator=generator) for _ in range(16)]
         for i in range(3)
     }
-    statuses = []
-    original = engine.step
-
-    def observing_step():
-        completions = original()
-        statuses.extend(s.status for s in engine.sessions.values())
-        return completions
-
-    engine.step = observing_step
+    statuses = observe_statuses(engine)
     results = run_sessions(engine, plans)
     assert SessionStatus.PREEMPTED in statuses
     for name, plan in plans.items():

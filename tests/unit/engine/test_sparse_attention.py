@@ -7,7 +7,7 @@ import torch
 
 from corolla.engine.sequence import StepWork
 from corolla.models.tree import TokenTree
-from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions
+from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions, run_step
 
 H = 64
 
@@ -40,19 +40,10 @@ def test_a_tree_step_and_its_kept_path(tiny_models):
     generator = torch.Generator().manual_seed(2)
     prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (9, 7, 2))
     session = engine.open_session("s", (0, 6), 1, 64)
-    results = run_sessions(engine, {})
-    for work in (
-        StepWork(session, prefix, 0),
-        StepWork(session, nodes, 9, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])),
-    ):
-        engine.add_step(work)
-        while session.pending:
-            results = engine.step() or results
-    tree_outputs = results[0].outputs
+    run_step(engine, StepWork(session, prefix, 0))
+    tree_outputs = run_step(engine, StepWork(session, nodes, 9, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
     path = [0, 2, 4]
-    engine.add_step(StepWork(session, later, 12, accepted=tuple(path)))
-    while session.pending:
-        (done,) = engine.step() or (None,)
+    outputs = run_step(engine, StepWork(session, later, 12, accepted=tuple(path)))
     expected = reference_outputs(engine.span, [prefix, nodes[:, path], later])
     assert_close(tree_outputs[:, path], expected[1])
-    assert_close(done.outputs, expected[2])
+    assert_close(outputs, expected[2])
