@@ -60,7 +60,7 @@ def engine_passes(span: Span, rows: int, passes: int) -> tuple[list[float], list
 
 def contiguous_passes(span: Span, rows: int, passes: int) -> list[float]:
     config = span.config
-    cache = ContiguousCache(span.end - span.start, rows, PROMPT + passes + 8, span.cache_shape, span.dtype)
+    cache = ContiguousCache.for_span(span, rows, PROMPT + passes + 8)
     times = []
     with torch.inference_mode():
         span(torch.randn(rows, PROMPT, config.hidden_size), cache)

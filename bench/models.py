@@ -150,7 +150,8 @@ def cache_bytes(path: Path, config) -> dict:
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         expanded = config.num_attention_heads * (qk_head_dim + config.v_head_dim) * 4
     else:
-        expanded = span.cache_shape.bytes_per_token(4)
+        shapes = [span.cache_shapes[block] for block in span.kv_blocks]
+        expanded = sum(shape.bytes_per_token(4) for shape in shapes) / len(shapes)
     return {
         "cache_bytes_per_token_per_block": round(cached, 1),
         "expanded_kv_bytes_per_token_per_block": expanded,

@@ -22,7 +22,7 @@ def reference_outputs(
 ) -> list[torch.Tensor]:
     """What each step returns with a plain contiguous cache (hypo_ids / rollbacks: per step, or None)."""
     batch = steps[0].shape[0]
-    cache = ContiguousCache(span.end - span.start, batch, 256, span.cache_shape, torch.float32)
+    cache = ContiguousCache.for_span(span, batch, 256)
     outputs = []
     for i, hidden in enumerate(steps):
         if rollbacks and rollbacks[i] is not None:

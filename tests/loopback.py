@@ -24,7 +24,7 @@ import torch
 from google.protobuf.message import Message
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 
-from corolla.client.client import Client
+from corolla.client.client import Client, ServedModel
 from corolla.client.runtime import LoopThread
 from corolla.config import ClientConfig, EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest
@@ -299,14 +299,13 @@ class LoopbackNetwork:
         """A client of this network (not started: no background refresh); `config`: ClientConfig fields.
         What it would report to the DHT (servers caught lying) lands in `reports[name]`."""
         settings = ClientConfig(**{"routing_timeout": 5.0, "ban_time": 60.0, **config})
-        blocks, fingerprint = self.model.num_hidden_layers, self.model.fingerprint()
 
         async def report(faulty: dict[str, str]) -> bool:
             self.reports[name] = faulty
             return True
 
         transport = self.transport(name)
-        return Client(settings, PREFIX, blocks, fingerprint, transport, self.read_spans, report)
+        return Client(settings, PREFIX, ServedModel.of(self.model), transport, self.read_spans, report)
 
     async def close(self) -> None:
         await asyncio.gather(*(server.stop() for server in self.servers.values()))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from corolla.client.client import Client
+from corolla.client.client import Client, ServedModel
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.config import ClientConfig
 from corolla.launch.forked import fork_peer
@@ -50,7 +50,7 @@ def connect(
 
 async def fresh_spans(swarm: LocalSwarm, prefix: str = "tiny-llama", num_blocks: int = 6) -> list[RemoteSpan]:
     """The servers in the swarm's DHT as a new client reads them (announced records, each server pinged)."""
-    client = await Client.connect(client_config(swarm), prefix, num_blocks, model_fingerprint="")
+    client = await Client.connect(client_config(swarm), prefix, ServedModel(num_blocks))
     try:
         return await client.swarm.view.refresh()
     finally:

@@ -156,6 +156,25 @@ LAYOUTS = {
             mlp_layer_types=["dense"] + ["sparse"] * 5,
         ),
     ),
+    "gemma4": (  # Gemma 4's text model: global layers with wider heads and keys as values, MoE beside the
+        # MLP, and a last layer that attends with an earlier layer's keys and values (per-layer inputs off)
+        "Gemma4TextConfig",
+        dict(
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+            + ["sliding_attention", "full_attention", "full_attention"],
+            num_kv_shared_layers=1,  # layer 5 reads layer 4's: blocks 4-5 are never split
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
     "jamba": (  # Mamba layers (no position embeddings at all), attention every third layer, MoE
         "JambaConfig",
@@ -221,6 +240,11 @@ def load_reference(path: Path):
         model = causal_lm.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     except ValueError:  # families without an SDPA implementation (Gemma 2's soft-capping)
         model = causal_lm.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    if getattr(model.config, "num_kv_shared_layers", 0) and not model.config.hidden_size_per_layer_input:
+        # transformers' shortcut through Gemma's reusing layers (only the kept logits' tokens) indexes
+        # per-layer inputs, which this tiny layout has none of; recording hidden states turns it off,
+        # leaving the plain computation of every token
+        model.config.output_hidden_states = True
     return model.eval()
 
 

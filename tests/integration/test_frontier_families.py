@@ -9,6 +9,9 @@ the latent; each row ranked alone).
 qwen3_5: Gated DeltaNet linear attention 2:1 with full attention (a recurrent and a convolution state
 per session row, restored from snapshots when a draft is rejected); the first span ends on its
 attention layer, the second starts on linear ones.
+gemma4: sliding and global layers of different head sizes (a pool tensor per shape), MoE beside the MLP,
+and a last layer that attends with the one before's keys and values: the second span starts on that
+source, the only cut before it that keeps them together.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
-FRONTIER = ["deepseek_v3", "deepseek_v32", "qwen3_5"]
+FRONTIER = ["deepseek_v3", "deepseek_v32", "qwen3_5", "gemma4"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
+SPANS_OF = {"gemma4": [(0, 4), (4, 6), (4, 6)]}  # block 5 reads block 4's keys and values
 NEW_TOKENS = 14
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
 # a prompt that repeats itself
@@ -42,7 +46,8 @@ def served(request, tiny_models):
     expected = [
         reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in [*PROMPTS, REPEATING]
     ]
-    with LocalSwarm(str(path), SPANS, server_args=["--announce-period", "2"]) as swarm:
+    spans = SPANS_OF.get(request.param, SPANS)
+    with LocalSwarm(str(path), spans, server_args=["--announce-period", "2"]) as swarm:
         yield path, swarm, expected
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
@@ -22,10 +23,24 @@ from corolla.client.swarm import Swarm
 from corolla.client.swarm_view import SpanReader, SwarmView
 from corolla.client.training import ChainPasses
 from corolla.config import ClientConfig
+from corolla.models.config import ModelConfig
 from corolla.swarm.dht import PeerDHT, RemoteSpan, find_spans, start_dht
 from corolla.swarm.overview import SwarmOverview, read_overview
 from corolla.swarm.reports import report_faulty
 from corolla.swarm.transport import P2PTransport, Transport
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a client knows of the model it asks servers for."""
+
+    num_blocks: int
+    fingerprint: str = ""  # ModelConfig.fingerprint (empty: any server's blocks)
+    forbidden_cuts: frozenset[int] = frozenset()  # blocks no hop starts or ends at (models/kv_sharing.py)
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ServedModel:
+        return cls(config.num_hidden_layers, config.fingerprint(), config.kv_sharing.forbidden_cuts)
 
 
 class Client:
@@ -33,8 +48,7 @@ class Client:
         self,
         config: ClientConfig,
         dht_prefix: str,
-        num_blocks: int,
-        model_fingerprint: str,
+        model: ServedModel,
         transport: Transport,
         read_spans: SpanReader,
         report: Report | None = None,
@@ -45,22 +59,20 @@ class Client:
         (its `p2p` handle is the transport's)."""
         self.config = config
         self.dht_prefix = dht_prefix
-        self.model_fingerprint = model_fingerprint
+        self.model_fingerprint = model.fingerprint
         self.dht = dht
         estimates = ServerEstimates()
         bans = Bans(config, report)
         peers = Peers(transport, dht_prefix, config)
-        view = SwarmView(config, model_fingerprint, read_spans, peers, estimates, bans)
-        router = Router(config, num_blocks, view, bans, estimates)
-        self.swarm = Swarm(config, num_blocks, peers, view, bans, estimates, router)
+        view = SwarmView(config, model.fingerprint, read_spans, peers, estimates, bans)
+        router = Router(config, model.num_blocks, view, bans, estimates, forbidden_cuts=model.forbidden_cuts)
+        self.swarm = Swarm(config, model.num_blocks, peers, view, bans, estimates, router)
         self.checker = SpotChecker(self.swarm, config.spot_checks) if config.spot_checks > 0 else None
         self.passes = ChainPasses(self.swarm, self.checker)
         self._transport = transport
 
     @classmethod
-    async def connect(
-        cls, config: ClientConfig, dht_prefix: str, num_blocks: int, model_fingerprint: str
-    ) -> Client:
+    async def connect(cls, config: ClientConfig, dht_prefix: str, model: ServedModel) -> Client:
         """A client of the swarm `config.swarm` names: its DHT peer started, its view refreshed in the
         background."""
         dht = await asyncio.to_thread(start_dht, config.swarm)
@@ -71,14 +83,12 @@ class Client:
             raise
 
         async def read_spans(tally: Counter) -> list[RemoteSpan]:
-            return await find_spans(dht, dht_prefix, num_blocks, tally=tally)
+            return await find_spans(dht, dht_prefix, model.num_blocks, tally=tally)
 
         async def report(faulty: dict[str, str]) -> bool:
             return await report_faulty(dht, dht_prefix, faulty)
 
-        client = cls(
-            config, dht_prefix, num_blocks, model_fingerprint, P2PTransport(p2p), read_spans, report, dht
-        )
+        client = cls(config, dht_prefix, model, P2PTransport(p2p), read_spans, report, dht)
         client.start()
         return client
 

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from corolla.client import hf_generate
-from corolla.client.client import Client
+from corolla.client.client import Client, ServedModel
 from corolla.client.embeddings import Pooling, embed_sequences
 from corolla.client.generation import Withdrawals, first_step, generate_steps
 from corolla.client.head_batcher import HeadBatcher
@@ -89,10 +89,8 @@ class DistributedModelForCausalLM(TransformersModel):
         speculation = config.speculation
         speculator = speculation and Speculator.create(speculation, model_config, source.path)
         runtime = LoopThread()
-        blocks = model_config.num_hidden_layers
-        fingerprint = model_config.fingerprint()
         try:
-            client = runtime.run(Client.connect(config, prefix, blocks, fingerprint))
+            client = runtime.run(Client.connect(config, prefix, ServedModel.of(model_config)))
         except BaseException:
             runtime.stop()
             raise

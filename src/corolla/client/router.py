@@ -41,9 +41,11 @@ class Router:
         bans: Bans,
         estimates: ServerEstimates,
         rng: random.Random | None = None,
+        forbidden_cuts: frozenset[int] = frozenset(),
     ):
         self.config = config
         self.num_blocks = num_blocks
+        self.forbidden_cuts = forbidden_cuts  # where no hop may start or end (models/kv_sharing.py)
         self._view = view
         self._bans = bans
         self._estimates = estimates
@@ -134,6 +136,7 @@ class Router:
             push=self.config.use_push,
             needed_cache=needed_cache,
             rng=self._rng,
+            forbidden_cuts=self.forbidden_cuts,
         )
 
     def _raise_missing(self, error: MissingBlocks, start: int, end: int) -> None:

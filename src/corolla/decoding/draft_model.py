@@ -71,9 +71,7 @@ class DraftModelSession:
         self.model = model
         span = model.span
         # room for the text and one tree beyond it
-        self.cache = ContiguousCache(
-            span.end - span.start, 1, max_length + 1024, span.cache_shape, span.dtype, span.device
-        )
+        self.cache = ContiguousCache.for_span(span, 1, max_length + 1024)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
         # the last draft: its start, tree and tokens, and how many of them ran (the last level never runs)
         self.tree: tuple[int, TokenTree, list[int], int] | None = None

@@ -51,12 +51,12 @@ class Engine:
         num_pages = config.max_cache_tokens // config.page_size
         self.pages = PageAllocator(num_pages, config.page_size)
         self.pool = KVPool(
-            span.kv_blocks,
+            {block: span.cache_shapes[block] for block in span.kv_blocks},
             num_pages,
             config.page_size,
-            span.cache_shape,
             span.dtype,
             span.device,
+            aliases=span.kv_sources,
         )
         self.scheduler = Scheduler(
             self.pages,
@@ -131,6 +131,7 @@ class Engine:
     ) -> EngineSession:
         if session_id in self.sessions:
             raise InvalidRequest(f"session_id {session_id!r} is already open on this engine")
+        self.span.config.kv_sharing.check_span(*blocks, self.span.config.model_type)
         if len(self.sessions) >= self.config.max_sessions:
             raise ServerUnavailable(
                 f"this server already holds max_sessions={self.config.max_sessions} sessions"

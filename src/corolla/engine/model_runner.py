@@ -67,19 +67,17 @@ class PagedAttention:
     def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """A single row's indexer keys [1, T, D]: stored; its whole history returned [1, context, D]."""
         (row,) = self.rows
-        cache = self.pool.indexer[self.pool.index[self.first_layer + layer]]  # [pages, page_size, 1, D]
+        cache = self.pool.layer(self.first_layer + layer).indexer  # [pages, page_size, 1, D]
         cache.flatten(0, 1)[self.slots] = keys[0, :, None]
         return _row_positions(cache, row)[:, 0][None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.pool.index[self.first_layer + layer]
-        keys = self.pool.keys[index]  # [num_pages, page_size, heads, d]
-        values = self.pool.values[index]
-        keys.flatten(0, 1)[self.slots] = k[0].transpose(0, 1)  # k: [1, heads, N, d]
-        values.flatten(0, 1)[self.slots] = v[0].transpose(0, 1)
-        if not self.pool.shape.gathers:
+        pages = self.pool.layer(self.first_layer + layer)
+        pages.keys.flatten(0, 1)[self.slots] = k[0].transpose(0, 1)  # k: [1, heads, N, d]
+        pages.values.flatten(0, 1)[self.slots] = v[0].transpose(0, 1)
+        if not pages.shape.gathers:
             return k, v
-        return self._history(keys), self._history(values)
+        return self._history(pages.keys), self._history(pages.values)
 
     def _history(self, cache: torch.Tensor) -> torch.Tensor:
         """Every row's positions [0, context) of one layer's cache, row after row: [1, heads, sum, d]."""
@@ -89,7 +87,7 @@ class PagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
         out = q.new_empty(*q.shape[:3], v.shape[-1])  # [1, heads, N, d of v]
-        gathered = self.pool.shape.gathers
+        gathered = self.pool.layer(self.first_layer + layer).shape.gathers
         start = 0  # where the row's history begins in a gathering layer's k and v
         for row in self.rows:
             if gathered:
@@ -104,9 +102,9 @@ class PagedAttention:
 
     def _row_cache(self, layer: int, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's keys and values of one layer, one copy each: [1, heads, context, d]."""
-        index = self.pool.index[self.first_layer + layer]
-        keys = _row_positions(self.pool.keys[index], row)
-        values = _row_positions(self.pool.values[index], row)
+        pages = self.pool.layer(self.first_layer + layer)
+        keys = _row_positions(pages.keys, row)
+        values = _row_positions(pages.values, row)
         return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
 
 

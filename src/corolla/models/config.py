@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
+from corolla.models.kv_sharing import KVSharing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
@@ -74,6 +75,15 @@ class ModelConfig:
         types = getattr(self.hf, "layer_types", None)
         return tuple(types) if types else ("full_attention",) * self.num_hidden_layers
 
+    @property
+    def kv_sharing(self) -> KVSharing:
+        """Which layers attend with an earlier layer's keys and values (Gemma 3n, Gemma 4)."""
+        return KVSharing.of(self.hf, self.layer_types)
+
+    def layer_attribute(self, layer: int, name: str) -> Any:
+        """A config value of one layer: Gemma 4's attention shapes differ by layer (`per_layer_config`)."""
+        return _layer_attribute(self.hf, layer, name)
+
     def fingerprint(self) -> str:
         """A short hash of what makes two servers' blocks interchangeable: the configuration's fields that
         set the blocks' shapes and computation. Floats count to 6 significant digits, so a GGUF conversion
@@ -90,17 +100,20 @@ class ModelConfig:
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
         """Attention cache size of one token in one block: keys and values of every kv head, or, for
         multi-head latent attention, its compressed latent and rotary key (what transformers caches); on
-        average over the blocks where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches)."""
+        average over the blocks, where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches), reuse
+        another layer's (Gemma 3n and 4), or differ in shape (Gemma 4's global layers)."""
         latent = getattr(self.hf, "kv_lora_rank", None)
         if isinstance(latent, int) and isinstance(getattr(self.hf, "qk_rope_head_dim", None), int):
             indexer = getattr(self.hf, "index_head_dim", 0) if "indexed_attention" in self.layer_types else 0
             return (latent + self.hf.qk_rope_head_dim + indexer) * dtype_bytes
-        per_layer = 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
-        # averaged over the blocks: those that keep a recurrent state or only an MLP cache no tokens
-        attention = sum(
-            kind.endswith("attention") and kind != "linear_attention" for kind in self.layer_types
-        )
-        return per_layer * attention // self.num_hidden_layers
+        reusing = self.kv_sharing.sources
+        total = 0
+        for layer, kind in enumerate(self.layer_types):
+            if kind.endswith("attention") and kind != "linear_attention" and layer not in reusing:
+                heads = self.layer_attribute(layer, "num_key_value_heads") or self.num_attention_heads
+                dim = self.layer_attribute(layer, "head_dim") or self.hidden_size // self.num_attention_heads
+                total += 2 * heads * dim * dtype_bytes
+        return total // self.num_hidden_layers
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -123,15 +136,7 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         hf = hf.get_text_config()  # a multimodal wrapper's language model; the config itself otherwise
         _check_supported(hf)
-        try:
-            return cls._read(hf)
-        except RuntimeError as e:
-            if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":  # transformers' own
-                raise
-            raise UnsupportedModel(
-                f"{hf.model_type}: its attention shapes differ between layers, which corolla's cache does "
-                f"not support ({e})"
-            ) from None
+        return cls._read(hf)
 
     @classmethod
     def _read(cls, hf: Any) -> ModelConfig:
@@ -145,8 +150,9 @@ class ModelConfig:
             hidden_size=int(hf.hidden_size),
             num_hidden_layers=int(hf.num_hidden_layers),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
+            # of the first layer (Gemma 4's differ by layer: layer_attribute)
+            num_key_value_heads=int(_layer_attribute(hf, 0, "num_key_value_heads") or heads),
+            head_dim=int(_layer_attribute(hf, 0, "head_dim") or hf.hidden_size // heads),
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 2048),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             bos_token_id=getattr(hf, "bos_token_id", None),
@@ -158,6 +164,13 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """The same model with changed config.json fields (tests and benchmarks)."""
         return ModelConfig.from_dict({**self.hf.to_dict(), **changes})
+
+
+def _layer_attribute(hf: Any, layer: int, name: str) -> Any:
+    per_layer = getattr(hf, "per_layer_config", None)  # transformers' view of heterogeneous configs
+    if per_layer is not None:
+        return getattr(per_layer[layer], name, None)
+    return getattr(hf, name, None)
 
 
 def _hf_config(raw: dict[str, Any]) -> Any:
@@ -216,14 +229,11 @@ def _check_supported(hf: Any) -> None:
 
 
 def _check_layer_inputs(hf: Any) -> None:
-    """Refuse layers that need more than the previous layer's hidden states and their own cache (Gemma 3n,
-    Gemma 4): what a span would have to carry besides is named."""
+    """Refuse layers that need more than the previous layer's hidden states and the span's cache (Gemma 3n,
+    Gemma 4's smaller models): what a span would have to carry besides is named."""
     needs = []
     if getattr(hf, "hidden_size_per_layer_input", None):
         needs.append("per-layer inputs made from the token ids (hidden_size_per_layer_input)")
-    shared = getattr(hf, "num_kv_shared_layers", None)
-    if shared:
-        needs.append(f"earlier layers' keys and values in its last {shared} layers (num_kv_shared_layers)")
     if "shared" in (getattr(hf, "indexer_types", None) or ()):
         needs.append(
             "an earlier layer's sparse-attention selection in its shared-indexer layers (indexer_types)"
@@ -238,7 +248,7 @@ def supported_summary() -> str:
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
         "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, qwen3_5, qwen3_next, "
-        "kimi_linear, lfm2, jamba, nemotron_h"
+        "kimi_linear, lfm2, jamba, nemotron_h, gemma4_text"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

@@ -3,6 +3,8 @@ cache is tested against."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
@@ -23,30 +25,40 @@ class ContiguousCache:
 
     def __init__(
         self,
-        num_layers: int,
+        shapes: Mapping[int, CacheShape],
         batch_size: int,
         max_length: int,
-        shape: CacheShape,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        aliases: Mapping[int, int] | None = None,
     ):
-        # [layers, B, heads, max_length, d]; torch.empty leaves pages untouched until used
-        self.keys = torch.empty(
-            num_layers, batch_size, shape.key_heads, max_length, shape.key_dim, dtype=dtype, device=device
-        )
-        self.values = torch.empty(
-            num_layers, batch_size, shape.value_heads, max_length, shape.value_dim, dtype=dtype, device=device
-        )
-        # DeepSeek sparse attention's indexer keys [layers, B, max_length, index_dim]
-        self.indexer = torch.empty(
-            num_layers, batch_size, max_length, shape.index_dim, dtype=dtype, device=device
-        )
-        self.gathers = shape.gathers
+        """shapes: what each caching layer (counted from the pass's first block) stores per token; an
+        aliased layer (models/kv_sharing.py) attends with its source's buffers."""
+        # per layer [B, heads, max_length, d]; torch.empty leaves pages untouched until used
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.indexer: dict[int, torch.Tensor] = {}  # DeepSeek sparse attention's [B, max_length, index_dim]
+        self.gathers: dict[int, bool] = {}
+        for layer, shape in shapes.items():
+            where = dict(dtype=dtype, device=device)
+            heads, dim = (shape.key_heads, shape.value_heads), (shape.key_dim, shape.value_dim)
+            self.keys[layer] = torch.empty(batch_size, heads[0], max_length, dim[0], **where)
+            self.values[layer] = torch.empty(batch_size, heads[1], max_length, dim[1], **where)
+            self.indexer[layer] = torch.empty(batch_size, max_length, shape.index_dim, **where)
+            self.gathers[layer] = shape.gathers
+        self.aliases = dict(aliases or {})
+        self.batch_size = batch_size
         self.max_length = max_length
         self.position = 0
         self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
         # recurrent states (models/recurrent.py) of a sequence that only moves forward
         self.states = FreshStates()
+
+    @classmethod
+    def for_span(cls, span, batch_size: int, max_length: int) -> ContiguousCache:
+        """A cache for passes over the whole of a loaded span (models/span.py), in its dtype and device."""
+        shapes = {block: span.cache_shapes[block] for block in span.kv_blocks}
+        return cls(shapes, batch_size, max_length, span.dtype, span.device, span.kv_sources)
 
     def linear_state(self, layer: int) -> LinearAttentionLayer:
         """A layer's recurrent state, updated in place by every pass: it follows the sequence forward only
@@ -59,23 +71,19 @@ class ContiguousCache:
                 f"{what} needs earlier recurrent states, which a ContiguousCache does not keep"
             )
 
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[1]
-
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.position
         end = self.position + k.shape[2]
-        self.keys[layer, :, :, start:end] = k
-        self.values[layer, :, :, start:end] = v
-        if self.gathers:
-            return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        if self.gathers[layer]:
+            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         return k, v
 
     def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         end = self.position + keys.shape[1]
-        self.indexer[layer, :, self.position : end] = keys
-        return self.indexer[layer, :, :end]
+        self.indexer[layer][:, self.position : end] = keys
+        return self.indexer[layer][:, :end]
 
     def visibility(self, num_queries: int) -> torch.Tensor:
         """What each query of the pass sees, as a layer's attention_mask [1, 1, T, position + T]."""
@@ -89,9 +97,10 @@ class ContiguousCache:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
         end = self.position + q.shape[2]
-        if not self.gathers:  # k and v are the new tokens': the rest is in the buffers
-            k = self.keys[layer, :, :, :end]
-            v = self.values[layer, :, :, :end]
+        layer = self.aliases.get(layer, layer)
+        if not self.gathers[layer]:  # k and v are the new tokens': the rest is in the buffers
+            k = self.keys[layer][:, :, :end]
+            v = self.values[layer][:, :, :end]
         if self.tree is not None:  # the tree ends with the pass's tokens; earlier ones are stored already
             size = len(self.tree)
             mask = self.tree.mask(end - size, scores.window)[size - q.shape[2] :]
@@ -102,8 +111,8 @@ class ContiguousCache:
         """After a tree step stored at [start, start + T): keep the keys and values of `nodes` (a path, in
         order) at start, start + 1, ...; the cache then holds start + len(nodes) positions."""
         self._check_no_states("keeping a tree's path")
-        source = start + torch.tensor(nodes, dtype=torch.long, device=self.keys.device)
-        for buffer in (self.keys, self.values):
+        for buffer in self._buffers():
+            source = start + torch.tensor(nodes, dtype=torch.long, device=buffer.device)
             buffer[..., start : start + len(nodes), :] = buffer[..., source, :]
         self.position = start + len(nodes)
 
@@ -111,7 +120,10 @@ class ContiguousCache:
         """Beam search: row i of the batch continues from row hypo_ids[i]."""
         for layer in self.states.layers.values():
             layer.reorder_cache(hypo_ids)
-        rows = hypo_ids.to(self.keys.device)
-        for buffer in (self.keys, self.values):
+        for buffer in self._buffers():
             stored = buffer[..., : self.position, :]
-            stored.copy_(stored[:, rows])
+            stored.copy_(stored[hypo_ids.to(buffer.device)])
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """Every layer's keys and values [B, heads, max_length, d] and indexer keys [B, max_length, d]."""
+        return [*self.keys.values(), *self.values.values(), *self.indexer.values()]

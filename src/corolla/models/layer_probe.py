@@ -1,5 +1,6 @@
 """What each block of a span caches, measured by running it: keys and values (their shape per token),
-a recurrent state (its bytes, and whether its multi-token form continues from a state), or nothing."""
+a recurrent state (its bytes, and whether its multi-token form continues from a state), or nothing (an
+MLP alone, or attention with an earlier layer's keys and values: models/kv_sharing.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ class LayerLayout:
     """What a span's blocks cache (span-local block indices)."""
 
     kv_blocks: tuple[int, ...]  # store keys and values per token
+    cache_shapes: tuple[CacheShape, ...]  # what each of kv_blocks stores (Gemma 4's differ by layer type)
     state_blocks: tuple[int, ...]  # keep a recurrent state instead
     stepwise_blocks: tuple[int, ...]  # state blocks that continue from a state one token at a time
     state_bytes_per_row: int  # one sequence's states over the span
-    cache_shape: CacheShape | None  # of the attention blocks' keys and values (None: no such block)
 
 
 class _ShapeProbe:
@@ -64,13 +65,16 @@ def measure_layers(span: Span) -> LayerLayout:
     token: [heads, 1, d]), which keep a recurrent state instead (its bytes, and whether it continues
     several tokens at once), and whether attention layers attend with what they stored or with something
     made from it (multi-head latent attention expands a cached latent: then the cache hands them their
-    history, CacheShape.gathers)."""
-    shapes = set()
+    history, CacheShape.gathers). Blocks that reuse an earlier layer's keys and values (span.kv_sources)
+    are not run: they store nothing."""
     kv_blocks = []
+    shapes = []
     state_blocks = []
     stepwise = []  # state blocks that continue one token at a time
     state_bytes = 0
     for local in range(span.end - span.start):
+        if local in span.kv_sources:
+            continue
         index = span.start + local
         probe = _probe_block(span, index)
         if probe.states.layers:
@@ -80,13 +84,9 @@ def measure_layers(span: Span) -> LayerLayout:
                 stepwise.append(local)
         elif probe.stored is not None:
             kv_blocks.append(local)
-            shapes.add((probe.stored, probe.attended != probe.stored, probe.index_dim))
-    if len(shapes) > 1:
-        raise UnsupportedModel(
-            f"{span.config.model_type}: its layers store keys and values of different shapes"
-        )
-    shape = _cache_shape(span.config.model_type, *shapes.pop()) if shapes else None
-    return LayerLayout(tuple(kv_blocks), tuple(state_blocks), tuple(stepwise), state_bytes, shape)
+            gathers = probe.attended != probe.stored
+            shapes.append(_cache_shape(span.config.model_type, probe.stored, gathers, probe.index_dim))
+    return LayerLayout(tuple(kv_blocks), tuple(shapes), tuple(state_blocks), tuple(stepwise), state_bytes)
 
 
 def _probe_block(span: Span, index: int) -> _ShapeProbe:

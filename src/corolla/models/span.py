@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.cache_utils import KVSharingDict
 
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import AttentionContext, CacheShape, NoCache, active_context
@@ -38,6 +39,7 @@ class Span(nn.Module):
                 f"blocks {start}:{end} are not a non-empty range inside the model's "
                 f"{config.num_hidden_layers} blocks"
             )
+        config.kv_sharing.check_span(start, end, config.model_type)
         self.config = config
         self.start = start
         self.end = end
@@ -48,9 +50,11 @@ class Span(nn.Module):
         self.blocks = nn.ModuleList(decoder.layers[start:end])
         self.rotary = getattr(decoder, "rotary_emb", None)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
-        # the cache's shape per token: the config's, until loading measures what the layers store
-        heads = config.num_key_value_heads
-        self.cache_shape = CacheShape(heads, config.head_dim, heads, config.head_dim)
+        # what each caching block stores per token (span-local index -> shape): the config's, until loading
+        # measures what the layers store
+        self.cache_shapes = {local: _configured_shape(config, start + local) for local in range(end - start)}
+        # blocks that attend with an earlier block's keys and values (span-local: Gemma 3n and 4)
+        self.kv_sources = config.kv_sharing.local_sources(start, end)
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
         self.device = torch.device("cpu")  # of the weights, the cache and the computation (models/devices.py)
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
@@ -73,6 +77,8 @@ class Span(nn.Module):
             self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         )
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
+        # Gemma 3n and 4 hand keys and values between their layers within a pass
+        self._shares_kv = "shared_kv_states" in inspect.signature(self.blocks[0].forward).parameters
 
     @classmethod
     def load(
@@ -112,10 +118,10 @@ class Span(nn.Module):
         span.quantized = quantize
         layout = measure_layers(span)
         span.kv_blocks = layout.kv_blocks
+        span.cache_shapes = dict(zip(layout.kv_blocks, layout.cache_shapes, strict=True))
         span.state_blocks = layout.state_blocks
         span.stepwise_blocks = layout.stepwise_blocks
         span.state_bytes_per_row = layout.state_bytes_per_row
-        span.cache_shape = layout.cache_shape or span.cache_shape
         span.requires_grad_(False)
         return span.eval()
 
@@ -127,7 +133,7 @@ class Span(nn.Module):
     @property
     def cache_bytes_per_token(self) -> int:
         """What one token's cache takes over the whole span, as the layers store it."""
-        return self.cache_shape.bytes_per_token(self.dtype.itemsize) * len(self.kv_blocks)
+        return sum(self.cache_shapes[b].bytes_per_token(self.dtype.itemsize) for b in self.kv_blocks)
 
     @property
     def precision(self) -> str:
@@ -157,6 +163,7 @@ class Span(nn.Module):
         rotary = self._rotary(hidden, position_ids, first, last)
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()
+        shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         with active_context(context, first):
             for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
@@ -168,6 +175,7 @@ class Span(nn.Module):
                     self._cache_kwarg: cache,
                     "use_cache": True,
                     "position_embeddings": rotary[self.layer_types[first + layer]],
+                    **shared,
                 }
                 local = first + layer - self.start
                 if local in self.indexed_blocks:
@@ -187,6 +195,12 @@ class Span(nn.Module):
             return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
         shared = self.rotary(hidden, position_ids)
         return dict.fromkeys(types, shared)
+
+
+def _configured_shape(config: ModelConfig, layer: int) -> CacheShape:
+    heads = config.layer_attribute(layer, "num_key_value_heads") or config.num_key_value_heads
+    dim = config.layer_attribute(layer, "head_dim") or config.head_dim
+    return CacheShape(heads, dim, heads, dim)
 
 
 def _by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwise: bool) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
 
 Placed = tuple[int, int, float]  # (start, end, throughput) of a server
@@ -26,38 +27,67 @@ def coverage(spans: Iterable[Placed], total: int) -> list[float]:
     return counts
 
 
-def _with(base: list[float], start: int, num_blocks: int, weight: float) -> list[float]:
-    return [c + weight if start <= i < start + num_blocks else c for i, c in enumerate(base)]
+def _with(base: list[float], start: int, end: int, weight: float) -> list[float]:
+    return [c + weight if start <= i < end else c for i, c in enumerate(base)]
+
+
+def windows(
+    num_blocks: int, total: int, forbidden_cuts: frozenset[int] = frozenset()
+) -> list[tuple[int, int]]:
+    """The spans a server of `num_blocks` blocks may take: every start, ending as late as it may without
+    cutting a group of layers that share keys and values (models/kv_sharing.py: then it holds fewer)."""
+    found = []
+    for start in range(total - num_blocks + 1):
+        if start in forbidden_cuts:
+            continue
+        ends = [end for end in range(start + num_blocks, start, -1) if end not in forbidden_cuts]
+        if ends:
+            found.append((start, ends[0]))
+    if not found:
+        raise InvalidRequest(
+            f"no span of {num_blocks} blocks or fewer keeps the model's layers that share keys and values "
+            f"together (it may not start or end at blocks {sorted(forbidden_cuts)}); give it more memory"
+        )
+    return found
 
 
 def choose_blocks(
-    others: Iterable[Placed], num_blocks: int, total: int, weight: float = 1.0
+    others: Iterable[Placed],
+    num_blocks: int,
+    total: int,
+    weight: float = 1.0,
+    forbidden_cuts: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
-    """The window of `num_blocks` blocks that leaves the swarm's coverage best (weakest blocks first)."""
+    """The window of at most `num_blocks` blocks that leaves the swarm's coverage best (weakest blocks
+    first)."""
     base = coverage(others, total)
-    best = max(
-        range(total - num_blocks + 1),
-        key=lambda start: (sorted(_with(base, start, num_blocks, weight)), -start),
+    return max(
+        windows(num_blocks, total, forbidden_cuts),
+        key=lambda window: (sorted(_with(base, *window, weight)), -window[0]),
     )
-    return best, best + num_blocks
 
 
 def better_blocks(
-    others: Iterable[Placed], current: tuple[int, int], total: int, weight: float
+    others: Iterable[Placed],
+    current: tuple[int, int],
+    total: int,
+    weight: float,
+    forbidden_cuts: frozenset[int] = frozenset(),
 ) -> tuple[int, int] | None:
     """Where this server should move, if moving raises the weakest coverage by a clear margin."""
     others = list(others)
-    num_blocks = current[1] - current[0]
     base = coverage(others, total)
-    now = min(_with(base, current[0], num_blocks, weight))
-    target = choose_blocks(others, num_blocks, total, weight)
-    after = min(_with(base, target[0], num_blocks, weight))
+    now = min(_with(base, *current, weight))
+    target = choose_blocks(others, current[1] - current[0], total, weight, forbidden_cuts)
+    after = min(_with(base, *target, weight))
     if target != current and (after > now * (1 + MOVE_MARGIN) or (now == 0 < after)):
         return target
     return None
 
 
-def my_move(servers: dict[str, Placed], me: str, total: int) -> tuple[int, int] | None:
+def my_move(
+    servers: dict[str, Placed], me: str, total: int, forbidden_cuts: frozenset[int] = frozenset()
+) -> tuple[int, int] | None:
     """Where I should move, if a move helps and I am the one to make it.
 
     Every server evaluates every server's best move from the same view of the swarm and only the one whose
@@ -66,9 +96,9 @@ def my_move(servers: dict[str, Placed], me: str, total: int) -> tuple[int, int] 
     candidates = []
     for peer_id, (start, end, weight) in servers.items():
         others = [placed for other, placed in servers.items() if other != peer_id]
-        target = better_blocks(others, (start, end), total, weight)
+        target = better_blocks(others, (start, end), total, weight, forbidden_cuts)
         if target is not None:
-            after = sorted(_with(coverage(others, total), target[0], end - start, weight))
+            after = sorted(_with(coverage(others, total), *target, weight))
             candidates.append((after, peer_id, target))
     if not candidates:
         return None

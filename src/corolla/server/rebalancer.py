@@ -55,7 +55,9 @@ class Rebalancer:
             return None
         servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
         servers[self.peer_id] = (*self.spans.primary.blocks, self.throughput)
-        target = my_move(servers, self.peer_id, self.num_blocks)
+        # where no span may start or end: inside Gemma's layers that share keys and values
+        forbidden = self.spans.primary.span.config.kv_sharing.forbidden_cuts
+        target = my_move(servers, self.peer_id, self.num_blocks, forbidden)
         if target is None:
             return None
         old = await self.spans.move_to(target)

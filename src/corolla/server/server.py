@@ -146,14 +146,17 @@ class Server:
 
     async def _choose_blocks(self) -> tuple[int, int]:
         total = self.model.num_hidden_layers
+        sharing = self.model.kv_sharing  # Gemma's layers that reuse an earlier layer's keys and values
         if self.config.blocks is not None:
+            sharing.check_span(*self.config.blocks, self.model.model_type)
             return self.config.blocks
         num_blocks = self.config.num_blocks or self._blocks_in_budget()
         if num_blocks < 1:
             raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
         others = await placed_servers(self.dht, self.dht_prefix, total)
         others.pop(self.peer_id, None)
-        return choose_blocks(others.values(), min(num_blocks, total), total, self.throughput or 1.0)
+        weight = self.throughput or 1.0
+        return choose_blocks(others.values(), min(num_blocks, total), total, weight, sharing.forbidden_cuts)
 
     def _blocks_in_budget(self) -> int:
         budget = self.config.memory_budget or int(free_memory(self.device) * 0.5)

@@ -69,6 +69,9 @@ class HostedSpans:
         for backend in sorted(self._backends, key=lambda b: not b.accepting):
             try:
                 blocks = validation.parse_uid(uid, self.dht_prefix, *backend.blocks)
+                # Gemma's layers that reuse an earlier layer's keys and values: never without it
+                config = backend.span.config
+                config.kv_sharing.check_span(*blocks, config.model_type)
             except InvalidRequest as e:
                 error = error or e
                 continue

@@ -61,7 +61,7 @@ def format_blocks(blocks: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-def choose_chain(
+def choose_chain(  # noqa: PLR0913 (keywords: everything a chain's cost weighs)
     spans: Sequence[RemoteSpan],
     start: int,
     end: int,
@@ -71,6 +71,7 @@ def choose_chain(
     push: bool = False,
     needed_cache: int = 0,
     rng: random.Random | None = None,
+    forbidden_cuts: frozenset[int] = frozenset(),
 ) -> list[Hop]:
     """The cheapest chain over blocks [start, end); raises MissingBlocks if some block is not served.
 
@@ -78,7 +79,9 @@ def choose_chain(
     each step along) a step costs half a round trip to the first server, the compute and half a ping
     between each pair of consecutive servers (`links[a][b]`, measured by the servers, or estimated from
     the client's round trips), and half a round trip back from the last one. A server with less free
-    cache than `needed_cache` tokens counts double: it can take the session, but may have to wait.
+    cache than `needed_cache` tokens counts double: it can take the session, but may have to wait. No hop
+    starts or ends at a `forbidden_cuts` block (inside a group of layers sharing keys and values,
+    models/kv_sharing.py), whatever the servers' spans.
     """
     rng = rng or random.Random()
     estimates = estimates or {}
@@ -93,7 +96,7 @@ def choose_chain(
     noise = {s.peer_id: 1 + JITTER * rng.random() for s in usable}
     estimate = {s.peer_id: estimates.get(s.peer_id, Estimate()) for s in usable}
     costs = _LinkCosts(estimate, links or {}, push)
-    return _cheapest(usable, start, end, estimate, noise, costs, needed_cache)
+    return _cheapest(usable, start, end, estimate, noise, costs, needed_cache, forbidden_cuts)
 
 
 @dataclass(frozen=True)
@@ -127,10 +130,12 @@ def _cheapest(
     noise: Mapping[str, float],
     links: _LinkCosts,
     needed_cache: int,
+    forbidden_cuts: frozenset[int],
 ) -> list[Hop]:
     """The cheapest chain from `start` to `end`, by dynamic programming over block boundaries."""
     # a hop ends at its server's last block or where another server's span starts or ends
-    boundaries = sorted({end} | {b for s in usable for b in (s.start, s.end) if start < b < end})
+    ends = {b for s in usable for b in (s.start, s.end) if start < b < end} - forbidden_cuts
+    boundaries = sorted(ends | {end})
 
     @functools.cache
     def best(position: int, previous: str | None) -> tuple[float, tuple[Hop, ...]]:
@@ -147,9 +152,19 @@ def _cheapest(
                 cost = (links.to(previous, span.peer_id) + compute) * load * noise[span.peer_id]
                 rest_cost, rest = best(stop, span.peer_id)
                 options.append((cost + rest_cost, (Hop(span.peer_id, position, stop), *rest)))
+        if not options:  # every way on would cut a group of layers that share keys and values
+            return float("inf"), ()
         return min(options, key=lambda option: option[0])
 
-    return list(best(start, None)[1])
+    cost, chain = best(start, None)
+    if cost == float("inf"):
+        inside = tuple(sorted(c for c in forbidden_cuts if start < c < end))
+        raise MissingBlocks(
+            f"no chain of servers covers blocks {start}:{end} without splitting layers that share keys "
+            f"and values (blocks {format_blocks(inside)} must run on the server of the block before them)",
+            inside,
+        )
+    return list(chain)
 
 
 def _slowdown(estimate: Estimate, needed_cache: int) -> float:

@@ -40,7 +40,7 @@ def assert_close(actual, expected):
 def test_spans_know_which_blocks_keep_states(tiny_models):
     engine = make_engine(tiny_models["qwen3_5"])
     assert engine.span.state_blocks == (0, 1, 3, 4) and engine.span.kv_blocks == (2, 5)
-    assert engine.pool.keys.shape[0] == 2  # keys and values only for the attention layers
+    assert engine.pool.layers == (2, 5)  # keys and values only for the attention layers
     nemotron = make_engine(tiny_models["nemotron_h"]).span  # Mamba, MLP alone, attention
     assert nemotron.state_blocks == (0, 3) and nemotron.kv_blocks == (2, 5)
     assert nemotron.state_bytes_per_row > 0

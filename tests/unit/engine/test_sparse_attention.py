@@ -14,9 +14,9 @@ H = 64
 
 def test_the_cache_holds_indexer_keys_beside_the_latent(tiny_models):
     engine = make_engine(tiny_models["deepseek_v32"])
-    shape = engine.span.cache_shape
+    shape = engine.span.cache_shapes[0]
     assert (shape.key_dim, shape.value_dim, shape.index_dim, shape.gathers) == (32, 8, 16, True)
-    assert engine.pool.indexer.shape[1:] == (64, 4, 1, 16)  # pages, page size, one head of 16
+    assert engine.pool.layer(5).indexer.shape == (64, 4, 1, 16)  # pages, page size, one head of 16
     assert engine.span.cache_bytes_per_token == 6 * (32 + 8 + 16) * 4
 
 

@@ -85,6 +85,7 @@ def test_a_span_on_a_device_holds_every_weight_buffer_and_cache_page_there(tiny_
     placed = {t.device.type for t in [*span.parameters(), *span.buffers()]}
     assert placed == {"meta"}
     engine = Engine(span, EngineConfig(max_cache_tokens=64, page_size=4))
-    assert engine.pool.keys.device.type == engine.pool.values.device.type == "meta"
+    pages = engine.pool.layer(0)
+    assert pages.keys.device.type == pages.values.device.type == "meta"
     heads, dim = span.config.num_key_value_heads, span.config.head_dim
-    assert span.cache_shape == CacheShape(heads, dim, heads, dim, gathers=False)
+    assert set(span.cache_shapes.values()) == {CacheShape(heads, dim, heads, dim, gathers=False)}

@@ -189,10 +189,12 @@ def test_fused_experts_are_int8_in_both_modes_and_stay_close(moe, mode):
         ("qwen3_next", "int4"),
         ("jamba", "int4"),
         ("deepseek_v32", "int8"),
+        ("gemma4", "int4"),
     ],
 )
 def test_a_quantized_moe_span_serves_through_the_engine(tiny_models, family, mode):
-    """MoE families of every cache kind: attention, linear attention, Mamba, sparse attention."""
+    """MoE families of every cache kind: attention, linear attention, Mamba, sparse attention, Gemma 4's
+    layers of different shapes."""
     from corolla.config import EngineConfig
     from corolla.engine.engine import Engine
     from corolla.engine.sequence import StepWork

@@ -41,7 +41,7 @@ def test_cached_steps_match_transformers_cache(tiny_models, references, family):
     input_ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2))
     head = ModelHead.load(path)
     spans = [Span.load(path, 0, 2), Span.load(path, 2, 6)]
-    caches = [ContiguousCache(s.end - s.start, 2, 32, s.cache_shape, torch.float32) for s in spans]
+    caches = [ContiguousCache.for_span(s, 2, 32) for s in spans]
     reference_cache = DynamicCache(config=reference.config)
     for start, end in [(0, 7), (7, 8), (8, 9), (9, 15), (15, 16), (16, 20)]:
         with torch.no_grad():
@@ -59,7 +59,7 @@ def test_sub_range_of_a_span_and_rollback(tiny_models):
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(1, 5, 64, generator=generator)
     torch.testing.assert_close(span(hidden, blocks=(2, 4)), half(hidden), atol=0, rtol=0)
-    cache = ContiguousCache(6, 1, 16, span.cache_shape, torch.float32)
+    cache = ContiguousCache.for_span(span, 1, 16)
     first = span(hidden, cache, position=0)
     cache.position = 5
     span(torch.randn(1, 3, 64, generator=generator), cache, position=5)  # a step we then roll back
@@ -73,7 +73,7 @@ def test_reorder_for_beam_search(tiny_models):
     span = Span.load(path, 0, 6)
     generator = torch.Generator().manual_seed(4)
     prefix, step = torch.randn(3, 4, 64, generator=generator), torch.randn(3, 1, 64, generator=generator)
-    cache = ContiguousCache(6, 3, 8, span.cache_shape, torch.float32)
+    cache = ContiguousCache.for_span(span, 3, 8)
     span(prefix, cache)
     cache.position = 4
     hypo_ids = torch.tensor([2, 2, 0])

@@ -57,7 +57,7 @@ def _paths(tree: TokenTree) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "qwen3", "deepseek_v3"]
+    "family", ["llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "qwen3", "deepseek_v3", "gemma4"]
 )
 def test_a_tree_step_equals_each_of_its_paths_run_alone(tiny_models, family):
     """Rotary positions by depth, ancestors-only masks, sliding windows, soft-capping and sinks: every
@@ -71,7 +71,7 @@ def test_a_tree_step_equals_each_of_its_paths_run_alone(tiny_models, family):
     tree = TokenTree(PARENTS)
 
     def cache():
-        return ContiguousCache(6, 1, 32, span.cache_shape, torch.float32)
+        return ContiguousCache.for_span(span, 1, 32)
 
     with torch.no_grad():
         treed = cache()

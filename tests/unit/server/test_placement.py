@@ -1,5 +1,8 @@
 """Placement: which blocks a new server takes, and which one server moves when that helps (pure logic)."""
 
+import pytest
+
+from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
 from corolla.server.placement import (
     better_blocks,
@@ -8,6 +11,7 @@ from corolla.server.placement import (
     choose_blocks,
     coverage,
     my_move,
+    windows,
 )
 
 
@@ -83,3 +87,19 @@ def test_a_move_that_helps_too_little_is_not_made():
         "c": None,
         "d": None,
     }
+
+
+def test_placement_never_cuts_layers_that_share_keys_and_values():
+    # a 35-block model whose blocks 13-34 read blocks 13 and 14's keys and values (Gemma 3n's layout)
+    forbidden = frozenset(range(14, 35))
+    found = windows(10, 35, forbidden)
+    assert found[:4] == [(0, 10), (1, 11), (2, 12), (3, 13)]  # full windows, then shorter ones up to 13
+    assert found[4:] == [(start, 13) for start in range(4, 13)] and (13, 35) not in found
+    # a server of 10 blocks takes a window that ends at 13 at the latest; one that holds 22 takes the group
+    assert choose_blocks([], 10, 35, forbidden_cuts=forbidden) == (0, 10)
+    assert choose_blocks([(0, 10, 1.0)], 10, 35, forbidden_cuts=forbidden) == (3, 13)
+    assert choose_blocks([(0, 13, 1.0)], 22, 35, forbidden_cuts=forbidden) == (13, 35)
+    others = [(0, 13, 1.0)]  # the group has no server: one holding 25 blocks moves onto it whole
+    assert better_blocks(others, (0, 25), 35, 1.0, forbidden) == (10, 35)
+    with pytest.raises(InvalidRequest, match="no span of 5 blocks or fewer keeps the model's layers"):
+        windows(5, 35, frozenset(range(1, 35)))

@@ -91,3 +91,19 @@ def test_a_server_short_of_cache_is_avoided_when_another_has_room():
         for seed in range(20)
     }
     assert picks == {"roomy"}
+
+
+def test_no_hop_starts_or_ends_inside_layers_that_share_keys_and_values():
+    # blocks 4-5 of Gemma: 5 attends with 4's keys and values, so no hop may start or end at 5
+    spans = [span("a", 0, 5), span("b", 0, 4), span("c", 4, 6), span("d", 5, 6)]
+    cuts = frozenset({5})
+    for seed in range(10):
+        chain = choose_chain(spans, 0, 6, rng=random.Random(seed), forbidden_cuts=cuts)
+        assert [(hop.start, hop.end) for hop in chain] == [(0, 4), (4, 6)] and chain[1].peer_id == "c"
+    # without the rule, the cheapest chains of two hops cut there too
+    cutting = {tuple(choose_chain(spans, 0, 6, rng=random.Random(seed))) for seed in range(10)}
+    assert (Hop("a", 0, 5), Hop("d", 5, 6)) in cutting
+    # served only by spans that cut the group: no chain, and the error says why
+    with pytest.raises(MissingBlocks, match="without splitting layers that share keys and values") as e:
+        choose_chain([span("a", 0, 5), span("d", 5, 6)], 0, 6, forbidden_cuts=cuts)
+    assert e.value.blocks == (5,)
