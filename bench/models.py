@@ -162,7 +162,7 @@ def cache_bytes(path: Path, config) -> dict:
 
 def bench_family(family: str, root: Path, new_tokens: int, repeats: int) -> dict:
     path = save_tiny_model(family, root / f"tiny-{family}")
-    config = tiny_config(family)
+    config = tiny_config(family).get_text_config()  # a multimodal wrapper: its language model
     ids = prompt_ids(config)
     logger.info("%s: local transformers", family)
     local_tokens, local_s, local_decode = run_local(path, ids, new_tokens, repeats)

@@ -116,6 +116,22 @@ LAYOUTS = {
         "Mistral4Config",
         dict(**LATENT_MOE, head_dim=24),
     ),
+    "mistral_large4": (  # latent attention with an indexer (sparse), NoPE every 4th layer, learned rotary
+        # scaling, soft-capped logits; its causal LM exists only in the multimodal wrapper (a tiny Pixtral)
+        "MistralLarge4Config",
+        dict(
+            text_config=dict(**LATENT_MOE, **SPARSE, head_dim=8),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                head_dim=16,
+                image_size=32,
+                patch_size=16,
+            ),
+        ),
+    ),
     "deepseek_v32": (  # latent attention whose keys an indexer picks per query (DeepSeek sparse attention)
         "DeepseekV32Config",
         dict(**LATENT_MOE, **SPARSE, n_shared_experts=1, n_group=2, topk_group=1),
@@ -216,15 +232,19 @@ def tiny_config(family: str):
     import transformers
 
     class_name, extra = LAYOUTS[family]
+    if "text_config" in extra:  # a multimodal wrapper: the common shapes are its language model's
+        text = {**COMMON, **extra["text_config"]}
+        return getattr(transformers, class_name)(**{**extra, "text_config": text})
     return getattr(transformers, class_name)(**{**COMMON, **extra})
 
 
 def save_tiny_model(family: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    from corolla.models.config import causal_lm_class
+    from corolla.models.lm_class import lm_class
 
     torch.manual_seed(seed)
     config = tiny_config(family)
-    model = causal_lm_class(config)._from_config(config, dtype=torch.float32)  # transformers' own class
+    model_class = lm_class(config.get_text_config(), config)  # transformers' own class
+    model = model_class._from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
@@ -233,9 +253,10 @@ def save_tiny_model(family: str, path: Path, *, seed: int = 0, max_shard_size: s
 def load_reference(path: Path):
     from transformers import AutoConfig
 
-    from corolla.models.config import causal_lm_class
+    from corolla.models.lm_class import lm_class
 
-    causal_lm = causal_lm_class(AutoConfig.from_pretrained(path))  # Mistral 4's is not in the auto mapping
+    config = AutoConfig.from_pretrained(path)
+    causal_lm = lm_class(config.get_text_config(), config)  # Mistral 4's is not in the auto mapping
     try:
         model = causal_lm.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     except ValueError:  # families without an SDPA implementation (Gemma 2's soft-capping)

@@ -4,8 +4,10 @@ reject part of their draft, and through a kill -9 of the server a session runs o
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
 expanded by the layer after each read) and grouped MoE routing.
-deepseek_v32: the same latent attention, whose keys an indexer picks per query (its keys cached beside
-the latent; each row ranked alone).
+mistral_large4: the same latent attention, whose keys an indexer picks per query (its keys cached beside
+the latent; each row ranked alone), NoPE layers and a learned rotary scaling; its causal LM exists only in
+transformers' multimodal wrapper, built with its vision tower left unloaded (DeepSeek-V3.2 and GLM-5
+share this sparse attention: proven through loopback servers).
 qwen3_5: Gated DeltaNet linear attention 2:1 with full attention (a recurrent and a convolution state
 per session row, restored from snapshots when a draft is rejected); the first span ends on its
 attention layer, the second starts on linear ones.
@@ -30,7 +32,7 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
-FRONTIER = ["deepseek_v3", "deepseek_v32", "qwen3_5", "gemma4"]
+FRONTIER = ["deepseek_v3", "mistral_large4", "qwen3_5", "gemma4"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SPANS_OF = {"gemma4": [(0, 4), (4, 6), (4, 6)]}  # block 5 reads block 4's keys and values
 NEW_TOKENS = 14

@@ -9,8 +9,8 @@ computation. Multimodal wrappers (a language model plus a vision tower) are serv
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.kv_sharing import KVSharing
+from corolla.models.lm_class import causal_lm_class, lm_class, wrapper_lm_class
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
@@ -69,6 +70,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     torch_dtype: str | None = None
+    # the multimodal config whose generation class corolla builds, when the language model has no causal
+    # LM of its own (Mistral Large 4); None otherwise (models/lm_class.py)
+    wrapper: Any = field(default=None, repr=False, compare=False)
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -134,9 +138,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
-        hf = hf.get_text_config()  # a multimodal wrapper's language model; the config itself otherwise
-        _check_supported(hf)
-        return cls._read(hf)
+        text = hf.get_text_config()  # a multimodal wrapper's language model; the config itself otherwise
+        wrapper = hf if causal_lm_class(text) is None and wrapper_lm_class(hf) is not None else None
+        _check_supported(text, wrapper)
+        return dataclasses.replace(cls._read(text), wrapper=wrapper)
 
     @classmethod
     def _read(cls, hf: Any) -> ModelConfig:
@@ -162,8 +167,11 @@ class ModelConfig:
         )
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """The same model with changed config.json fields (tests and benchmarks)."""
-        return ModelConfig.from_dict({**self.hf.to_dict(), **changes})
+        """The same model with changed config.json fields of its language model (tests and benchmarks)."""
+        if self.wrapper is None:
+            return ModelConfig.from_dict({**self.hf.to_dict(), **changes})
+        raw = self.wrapper.to_dict()
+        return ModelConfig.from_dict({**raw, "text_config": {**raw["text_config"], **changes}})
 
 
 def _layer_attribute(hf: Any, layer: int, name: str) -> Any:
@@ -188,27 +196,7 @@ def _hf_config(raw: dict[str, Any]) -> Any:
         raise UnsupportedModel(f"config.json of a {model_type} model is invalid: {e}") from None
 
 
-def causal_lm_class(hf: Any) -> type | None:
-    """transformers' causal LM for a (text) config: the auto mapping's, else the `...ForCausalLM` that
-    the family's modeling module defines for exactly this config class (Mistral 4's text model, which
-    transformers registers only behind its multimodal wrapper); None if it has none."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
-    try:
-        module = importlib.import_module(type(hf).__module__.replace(".configuration_", ".modeling_"))
-    except ImportError:
-        return None
-    found = [
-        cls
-        for name, cls in vars(module).items()
-        if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(hf)
-    ]
-    return found[0] if len(found) == 1 else None
-
-
-def _check_supported(hf: Any) -> None:
+def _check_supported(hf: Any, wrapper: Any = None) -> None:
     model_type = hf.model_type
     unknown = set(getattr(hf, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
     if unknown:
@@ -216,7 +204,7 @@ def _check_supported(hf: Any) -> None:
             f"{model_type}: layer types {sorted(unknown)} are not supported (corolla serves "
             f"{', '.join(SUPPORTED_LAYER_TYPES)})"
         )
-    if getattr(hf, "is_encoder_decoder", False) or causal_lm_class(hf) is None:
+    if getattr(hf, "is_encoder_decoder", False) or lm_class(hf, wrapper) is None:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not a decoder-only causal LM (transformers defines no "
             f"...ForCausalLM for it); corolla serves the decoder-only causal LMs that transformers "
@@ -226,6 +214,7 @@ def _check_supported(hf: Any) -> None:
         if not isinstance(getattr(hf, name, None), int):
             raise UnsupportedModel(f"config.json of a {model_type} model is missing or has an invalid {name}")
     _check_layer_inputs(hf)
+    KVSharing.of(hf, tuple(getattr(hf, "layer_types", None) or ()))  # refuses sharing it cannot serve
 
 
 def _check_layer_inputs(hf: Any) -> None:
@@ -247,8 +236,8 @@ def supported_summary() -> str:
 
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
-        "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, qwen3_5, qwen3_next, "
-        "kimi_linear, lfm2, jamba, nemotron_h, gemma4_text"
+        "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, mistral_large4, qwen3_5, "
+        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, gemma4_text"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

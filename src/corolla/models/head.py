@@ -22,7 +22,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
-from corolla.models.loading import decoder_of, empty_model, final_norm, load_weights, missing_on_meta
+from corolla.models.loading import (
+    decoder_of,
+    empty_model,
+    final_norm,
+    load_weights,
+    missing_on_meta,
+    target_name,
+)
 
 
 class _Embedded(Exception):
@@ -64,8 +71,6 @@ class ModelHead(nn.Module):
         self.embed_tokens = decoder.get_input_embeddings()
         self.norm = final_norm(decoder)
         self.lm_head = model.get_output_embeddings()
-        if prefix.count(".") != 1:
-            raise UnsupportedModel(f"{type(model).__name__} keeps its decoder at {prefix!r}, not at the top")
         decoder.layers[0].register_forward_pre_hook(_stop_at_first_layer, with_kwargs=True)
         # lists: not submodules (only the embeddings, norm and head above are the head's own modules)
         self._model = [model]
@@ -84,6 +89,11 @@ class ModelHead(nn.Module):
             if n.startswith(checkpoint.prefix) or not (other_towers and n.startswith(other_towers))
         ]
         model = head._model[0]
+        if head.config.wrapper is not None:  # a wrapper's generation class: its language model's part only
+            target = target_name(model)
+            lm_head = next(n for n, m in model.named_modules() if m is head.lm_head)
+            wanted = (head._decoder_name + ".", lm_head + ".")
+            names = [n for n in names if (target(n) or head._decoder_name + ".").startswith(wanted)]
         load_weights(model, checkpoint, names, dtype)
         if head.config.tie_word_embeddings:
             head.lm_head.weight = head.embed_tokens.weight
@@ -91,7 +101,8 @@ class ModelHead(nn.Module):
         if missing:
             raise UnsupportedModel(f"{folder}: the checkpoint lacks the head's tensors {missing[:5]}")
         # logits() runs the LM's forward from the final hidden states, the decoder swapped for its norm
-        setattr(model, head._decoder_name, _FinalNorm(head.norm))
+        parent, _, name = head._decoder_name.rpartition(".")
+        setattr(model.get_submodule(parent), name, _FinalNorm(head.norm))
         head.requires_grad_(False)
         return head.eval()
 

@@ -1,4 +1,5 @@
-"""Layers that attend with an earlier layer's keys and values instead of their own (Gemma 3n, Gemma 4).
+"""Layers that attend with an earlier layer's keys and values instead of their own (Gemma 3n, Gemma 4,
+Mistral Large 4's `kv_source_layers`).
 
 In those models the last `num_kv_shared_layers` layers have no key and value projections: each attends
 with the keys and values of the last earlier layer of its own type (the "store" layer of
@@ -26,6 +27,14 @@ class KVSharing:
     @classmethod
     def of(cls, hf: Any, layer_types: tuple[str, ...]) -> KVSharing:
         """The sharing a transformers config declares (none for families without `kv_sharing_modes`)."""
+        named = getattr(hf, "kv_source_layers", None)
+        if named is not None:  # Mistral Large 4: each layer names the layer whose latent it attends with
+            if "reuse_but_indexer" in hf.kv_sharing_modes:
+                raise UnsupportedModel(
+                    f"{hf.model_type}: some layers attend with an earlier layer's latent but rank keys with "
+                    "an indexer of their own (kv_source_layers), which corolla's cache does not hold"
+                )
+            return cls({layer: source for layer, source in enumerate(named) if source != layer}, layer_types)
         if not getattr(hf, "num_kv_shared_layers", 0):
             return cls()
         modes = list(hf.kv_sharing_modes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from torch import nn
 from corolla.errors import UnsupportedModel
 from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ModelConfig, causal_lm_class
+from corolla.models.config import ModelConfig
+from corolla.models.lm_class import lm_class
 
 logger = logging.getLogger(__name__)
 # init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another
@@ -31,11 +33,12 @@ _MODEL_LOCK = threading.Lock()
 
 
 def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The family's causal LM with meta parameters in `dtype` (weights loaded into it are cast to it),
-    its attention set to `attention`."""
-    hf = config.hf.__class__.from_dict(config.hf.to_dict())  # a copy: the attention choice is per model
+    """The family's causal LM (or its multimodal wrapper's generation class, models/lm_class.py) with meta
+    parameters in `dtype` (weights loaded into it are cast to it), its attention set to `attention`."""
+    source = config.wrapper or config.hf  # a multimodal model without a text causal LM: the wrapper
+    hf = source.__class__.from_dict(source.to_dict())  # a copy: the attention choice is per model
     hf._attn_implementation = attention
-    model_class = causal_lm_class(hf)
+    model_class = lm_class(hf.get_text_config(), hf if config.wrapper is not None else None)
     try:
         with _MODEL_LOCK, init_empty_weights(include_buffers=False):
             model = model_class._from_config(hf, dtype=dtype)
@@ -49,9 +52,11 @@ def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.
 
 def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
     """The module holding the decoder layers, with its name inside the causal LM ("model." usually)."""
+    text = model.config.get_text_config()  # a multimodal model's vision tower has layers too
     for name, module in model.named_modules():
         layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) == model.config.num_hidden_layers:
+        ours = getattr(module, "config", text) is text
+        if isinstance(layers, nn.ModuleList) and ours and len(layers) == text.num_hidden_layers:
             return (f"{name}." if name else ""), module
     raise UnsupportedModel(
         f"{model.config.model_type}: corolla needs a decoder with `layers`, which {type(model).__name__} "
@@ -73,18 +78,21 @@ def final_norm(decoder: nn.Module) -> nn.Module:
 def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dtype: torch.dtype) -> None:
     """Load the named checkpoint tensors (full names) into the meta model, converted as transformers does.
 
-    Checkpoint names are renamed to the model's own prefix first (a bare `LlamaModel` checkpoint keeps its
-    layers under `layers.`, a multimodal one under `model.language_model.`)."""
+    A name that the model's conversion mapping places in the model is kept (Mistral's own format, whose
+    root names the mapping sends into the language model); any other is renamed to the model's own prefix
+    first (a bare `LlamaModel` checkpoint keeps its layers under `layers.`, a multimodal one under
+    `model.language_model.`)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
     prefix, _ = decoder_of(model)
+    mapping = get_model_conversion_mapping(model)
+    lands = _landing(model, mapping)
     state_dict = {}
     for name, tensor in checkpoint.read(names).items():
         local = name[len(checkpoint.prefix) :] if name.startswith(checkpoint.prefix) else None
-        state_dict[prefix + local if local is not None else name] = tensor
-    mapping = get_model_conversion_mapping(model)
+        state_dict[prefix + local if local is not None and not lands(name) else name] = tensor
     load_config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
     with _MODEL_LOCK:
         info, _ = convert_and_load_state_dict_in_model(model, state_dict, load_config)
@@ -93,6 +101,30 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dty
         raise UnsupportedModel(
             f"{checkpoint.folder}: the checkpoint does not fit {type(model).__name__}: {problems}"
         )
+
+
+def _landing(model: nn.Module, mapping: list) -> Callable[[str], bool]:
+    """Whether a checkpoint name, as is, becomes one of the model's tensors through the mapping."""
+    target = target_name(model, mapping)
+    return lambda name: target(name) is not None
+
+
+def target_name(model: nn.Module, mapping: list | None = None) -> Callable[[str], str | None]:
+    """The model tensor a checkpoint name becomes, as is, through the model's conversion mapping (None:
+    none of the model's)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    mapping = get_model_conversion_mapping(model) if mapping is None else mapping
+    own = dict(model.state_dict())  # meta tensors: no memory
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
+
+    def target(name: str) -> str | None:
+        renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, own)
+        return renamed if renamed in own else None
+
+    return target
 
 
 def _problems(info: Any) -> str:

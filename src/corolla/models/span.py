@@ -110,6 +110,10 @@ class Span(nn.Module):
             block.to(device)
             if quantize is not None and quantize_blocks(block, quantize):
                 span.needs_no_grad = True
+        if span.rotary is not None and missing_on_meta(span.rotary):
+            # a learned rotary embedding (Mistral Large 4's LeRoPE) keeps its weights outside the blocks
+            rotary = [name for name in checkpoint.head_names() if "rope" in name or "rotary" in name]
+            load_weights(span._model[0], checkpoint, rotary, dtype)
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
         if span.rotary is not None:
             span.rotary.to(device)

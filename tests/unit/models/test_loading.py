@@ -93,6 +93,9 @@ def test_unsupported_models_get_errors_naming_the_type():
         UnsupportedModel, match="glm_moe_dsa: its layers take an earlier layer's sparse-atten"
     ):
         ModelConfig.from_hf(shared)
+    sharing = dict(num_hidden_layers=4, kv_source_layers=[0, 0, 2, 2])  # layers 1 and 3 rank keys themselves
+    with pytest.raises(UnsupportedModel, match="mistral_large4_text: some layers attend with an earlier"):
+        ModelConfig.from_hf(AutoConfig.for_model("mistral_large4", text_config=sharing))
     with pytest.raises(UnsupportedModel, match="layer types \\['chunked_attention'\\] are not supported"):
         ModelConfig.from_dict({**base, "layer_types": ["chunked_attention", "full_attention"]})
 
@@ -102,10 +105,6 @@ def test_unsupported_models_get_errors_naming_the_type():
     [
         ("gemma3n", r"gemma3n_text: its layers take per-layer inputs made from the token ids"),
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
-        (
-            "mistral_large4",
-            r"'mistral_large4_text' is not a decoder-only causal LM \(transformers defines no",
-        ),
         ("falcon_h1", r"falcon_h1: layer types \['hybrid'\] are not supported"),
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
     ],
@@ -131,6 +130,7 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("lfm3", "lfm3"),  # short convolutions, full and sliding attention
         ("deepseek_v32", "deepseek_v32"),  # latent attention whose keys an indexer picks (sparse)
         ("glm_moe_dsa", "glm_moe_dsa"),  # GLM-5: the same, each layer with its own indexer
+        ("mistral_large4", "mistral_large4_text"),  # its causal LM only in the multimodal wrapper
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
