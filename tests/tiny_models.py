@@ -228,21 +228,25 @@ RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2", "jamba", "nemotron_
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, **changes):
+    """The family's tiny config; `changes`: config fields to set besides (a variant of the layout)."""
     import transformers
 
     class_name, extra = LAYOUTS[family]
+    extra = {**extra, **changes}
     if "text_config" in extra:  # a multimodal wrapper: the common shapes are its language model's
         text = {**COMMON, **extra["text_config"]}
         return getattr(transformers, class_name)(**{**extra, "text_config": text})
     return getattr(transformers, class_name)(**{**COMMON, **extra})
 
 
-def save_tiny_model(family: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def save_tiny_model(
+    family: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None, **changes
+) -> Path:
     from corolla.models.lm_class import lm_class
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
+    config = tiny_config(family, **changes)
     model_class = lm_class(config.get_text_config(), config)  # transformers' own class
     model = model_class._from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

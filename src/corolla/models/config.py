@@ -218,17 +218,13 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
 
 
 def _check_layer_inputs(hf: Any) -> None:
-    """Refuse layers that need more than the previous layer's hidden states and the span's cache (Gemma 3n,
-    Gemma 4's smaller models): what a span would have to carry besides is named."""
-    needs = []
+    """Refuse layers that need more than the previous layer's hidden states and the span's cache: Gemma 3n
+    and Gemma 4's smaller models take per-layer inputs made from the token ids."""
     if getattr(hf, "hidden_size_per_layer_input", None):
-        needs.append("per-layer inputs made from the token ids (hidden_size_per_layer_input)")
-    if "shared" in (getattr(hf, "indexer_types", None) or ()):
-        needs.append(
-            "an earlier layer's sparse-attention selection in its shared-indexer layers (indexer_types)"
+        raise UnsupportedModel(
+            f"{hf.model_type}: its layers take per-layer inputs made from the token ids "
+            "(hidden_size_per_layer_input), which a span lacks"
         )
-    if needs:
-        raise UnsupportedModel(f"{hf.model_type}: its layers take {' and '.join(needs)}, which a span lacks")
 
 
 def supported_summary() -> str:

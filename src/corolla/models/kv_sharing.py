@@ -1,13 +1,15 @@
-"""Layers that attend with an earlier layer's keys and values instead of their own (Gemma 3n, Gemma 4,
-Mistral Large 4's `kv_source_layers`).
+"""Layers that take an earlier layer's work within the same forward pass: its keys and values (Gemma 3n
+and Gemma 4's last layers, Mistral Large 4's `kv_source_layers`), or its sparse-attention selection
+(GLM-5 and Mistral Large 4 layers whose `indexer_types` entry is "shared").
 
-In those models the last `num_kv_shared_layers` layers have no key and value projections: each attends
-with the keys and values of the last earlier layer of its own type (the "store" layer of
-transformers' `kv_sharing_modes`), which hands them over during the same forward pass. So a span that
-holds a reusing layer must hold its source too, with that source's cache: a cut between them (a span
-that starts after the source but at or before the last layer reading it) is refused by `--blocks`, never
-chosen by placement, and never used by routing. Inside a span, the cache pages of a reusing layer are its
-source's (engine/kv_pool.py's aliases): it stores nothing.
+Gemma's reusing layers have no key and value projections: each attends with the keys and values of the
+last earlier layer of its type (the "store" layer of transformers' `kv_sharing_modes`), handed over in
+`shared_kv_states`. A shared-selection layer has no indexer: it attends to the keys that the last earlier
+"full" layer picked (`prev_topk_indices`, threaded from layer to layer). Either way a span that holds such
+a layer must hold its source too, with that source's cache: a cut between them (a span that starts after
+the source but at or before the last layer reading it) is refused by `--blocks`, never chosen by
+placement, and never used by routing. Inside a span, a reusing layer's cache pages are its source's
+(engine/kv_pool.py's aliases): it stores nothing.
 """
 
 from __future__ import annotations
@@ -22,39 +24,19 @@ from corolla.errors import InvalidRequest, UnsupportedModel
 @dataclass(frozen=True)
 class KVSharing:
     sources: Mapping[int, int] = field(default_factory=dict)  # reusing layer -> the layer it reads
-    layer_types: tuple[str, ...] = ()
+    # layer that reuses an earlier layer's sparse-attention selection -> that layer
+    selections: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, hf: Any, layer_types: tuple[str, ...]) -> KVSharing:
-        """The sharing a transformers config declares (none for families without `kv_sharing_modes`)."""
-        named = getattr(hf, "kv_source_layers", None)
-        if named is not None:  # Mistral Large 4: each layer names the layer whose latent it attends with
-            if "reuse_but_indexer" in hf.kv_sharing_modes:
-                raise UnsupportedModel(
-                    f"{hf.model_type}: some layers attend with an earlier layer's latent but rank keys with "
-                    "an indexer of their own (kv_source_layers), which corolla's cache does not hold"
-                )
-            return cls({layer: source for layer, source in enumerate(named) if source != layer}, layer_types)
-        if not getattr(hf, "num_kv_shared_layers", 0):
-            return cls()
-        modes = list(hf.kv_sharing_modes)
-        sources = {}
-        for layer, mode in enumerate(modes):
-            if mode != "reuse":
-                continue
-            stores = [j for j in range(layer) if modes[j] == "store" and layer_types[j] == layer_types[layer]]
-            if not stores:
-                raise UnsupportedModel(
-                    f"{hf.model_type}: layer {layer} reuses keys and values that no earlier layer stores"
-                )
-            sources[layer] = stores[-1]
-        return cls(sources, layer_types)
+        """The sharing a transformers config declares (none for families without it)."""
+        return cls(_kv_sources(hf, layer_types), _selection_sources(hf))
 
     @property
     def groups(self) -> list[tuple[int, int]]:
         """(source, last layer reading it) per source: the runs of layers a span may not be cut inside."""
         last: dict[int, int] = {}
-        for layer, source in self.sources.items():
+        for layer, source in [*self.sources.items(), *self.selections.items()]:
             last[source] = max(last.get(source, source), layer)
         return sorted(last.items())
 
@@ -77,13 +59,61 @@ class KVSharing:
             group = self.group_cut_by(cut)
             if group is not None:
                 first, last = group
-                readers = f"layers {first + 1}-{last} attend" if last > first + 1 else f"layer {last} attends"
+                readers = f"layers {first + 1}-{last} use" if last > first + 1 else f"layer {last} uses"
+                shares_kv = first in self.sources.values()
+                what = "keys and values" if shares_kv else "sparse-attention selection"
                 raise InvalidRequest(
-                    f"blocks {start}:{end} cut {model_type}'s layers {first}-{last}: {readers} with layer "
-                    f"{first}'s keys and values, so a span holds all of {first}-{last} or none of them"
+                    f"blocks {start}:{end} cut {model_type}'s layers {first}-{last}: {readers} layer "
+                    f"{first}'s {what} in the same pass, so a span holds all of {first}-{last} or none"
                 )
 
     def local_sources(self, start: int, end: int) -> dict[int, int]:
         """Span-local indices of the reusing layers of blocks [start, end) -> their sources'."""
-        inside = {layer: source for layer, source in self.sources.items() if start <= layer < end}
-        return {layer - start: source - start for layer, source in inside.items()}
+        return _local(self.sources, start, end)
+
+    def local_selections(self, start: int, end: int) -> dict[int, int]:
+        """Span-local indices of the shared-selection layers of blocks [start, end) -> their sources'."""
+        return _local(self.selections, start, end)
+
+
+def _local(sources: Mapping[int, int], start: int, end: int) -> dict[int, int]:
+    inside = {layer: source for layer, source in sources.items() if start <= layer < end}
+    return {layer - start: source - start for layer, source in inside.items()}
+
+
+def _kv_sources(hf: Any, layer_types: tuple[str, ...]) -> dict[int, int]:
+    named = getattr(hf, "kv_source_layers", None)
+    if named is not None:  # Mistral Large 4: each layer names the layer whose latent it attends with
+        if "reuse_but_indexer" in hf.kv_sharing_modes:
+            raise UnsupportedModel(
+                f"{hf.model_type}: some layers attend with an earlier layer's latent but rank keys with "
+                "an indexer of their own (kv_source_layers), which corolla's cache does not hold"
+            )
+        return {layer: source for layer, source in enumerate(named) if source != layer}
+    if not getattr(hf, "num_kv_shared_layers", 0):
+        return {}
+    modes = list(hf.kv_sharing_modes)  # Gemma: the last layer of each type before the reusing ones stores
+    sources = {}
+    for layer, mode in enumerate(modes):
+        if mode != "reuse":
+            continue
+        stores = [j for j in range(layer) if modes[j] == "store" and layer_types[j] == layer_types[layer]]
+        if not stores:
+            raise UnsupportedModel(f"{hf.model_type}: layer {layer} reuses keys and values no layer stores")
+        sources[layer] = stores[-1]
+    return sources
+
+
+def _selection_sources(hf: Any) -> dict[int, int]:
+    kinds = list(getattr(hf, "indexer_types", None) or ())
+    sources = {}
+    for layer, kind in enumerate(kinds):
+        if kind != "shared":
+            continue
+        full = [j for j in range(layer) if kinds[j] == "full"]
+        if not full:
+            raise UnsupportedModel(
+                f"{hf.model_type}: layer {layer} reuses a sparse-attention selection no earlier layer makes"
+            )
+        sources[layer] = full[-1]
+    return sources

@@ -28,36 +28,45 @@ class LayerLayout:
 
 
 class _ShapeProbe:
-    """An attention context that records what a layer stores per token, what it attends with, and whether
-    it keeps a recurrent state; it attends to nothing."""
+    """An attention context that records what one layer of its pass (`layer`, counted from the pass's first
+    block: earlier ones only feed it) stores per token, what it attends with, and whether it keeps a
+    recurrent state; it attends to nothing."""
 
-    def __init__(self):
+    def __init__(self, layer: int = 0):
+        self.layer = layer
         self.stored: tuple[torch.Size, torch.Size] | None = None
         self.attended: tuple[torch.Size, torch.Size] | None = None
         self.index_dim = 0
         self.states = FreshStates()
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.stored = self.stored or (k.shape[1:], v.shape[1:])
+        if layer == self.layer:
+            self.stored = self.stored or (k.shape[1:], v.shape[1:])
         return k, v
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores) -> torch.Tensor:
-        self.attended = self.attended or (k.shape[1:], v.shape[1:])
+        if layer == self.layer:
+            self.attended = self.attended or (k.shape[1:], v.shape[1:])
         return q.new_zeros(*q.shape[:3], v.shape[-1])
 
     def linear_state(self, layer: int):
         return self.states.linear_state(layer)
 
     def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        self.index_dim = keys.shape[-1]
+        if layer == self.layer:
+            self.index_dim = keys.shape[-1]
         return keys
 
     def visibility(self, num_queries: int) -> torch.Tensor:
         return torch.ones(1, 1, num_queries, num_queries, dtype=torch.bool).tril()
 
     @property
+    def keeps_state(self) -> bool:
+        return self.layer in self.states.layers
+
+    @property
     def state_bytes(self) -> int:
-        return sum(row_states(layer, 1)[0].nbytes for layer in self.states.layers.values())
+        return row_states(self.states.layers[self.layer], 1)[0].nbytes if self.keeps_state else 0
 
 
 def measure_layers(span: Span) -> LayerLayout:
@@ -77,7 +86,7 @@ def measure_layers(span: Span) -> LayerLayout:
             continue
         index = span.start + local
         probe = _probe_block(span, index)
-        if probe.states.layers:
+        if probe.keeps_state:
             state_blocks.append(local)
             state_bytes += probe.state_bytes
             if not _continues_from_state(span, index):
@@ -92,11 +101,13 @@ def measure_layers(span: Span) -> LayerLayout:
 def _probe_block(span: Span, index: int) -> _ShapeProbe:
     """One token through block `index`, recorded; a block that caches nothing it should is refused."""
     model_type = span.config.model_type
-    probe = _ShapeProbe()
+    # a layer that reuses an earlier layer's sparse-attention selection runs after that layer
+    first = span.start + span.selection_sources.get(index - span.start, index - span.start)
+    probe = _ShapeProbe(index - first)
     with span.computing():
         x = torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device)
-        span(x, probe, blocks=(index, index + 1))
-    if probe.stored is not None and probe.states.layers:
+        span(x, probe, blocks=(first, index + 1))
+    if probe.stored is not None and probe.keeps_state:
         raise UnsupportedModel(
             f"{model_type}: block {index} keeps both an attention cache and a recurrent state "
             "(a hybrid layer), which corolla does not support"
@@ -104,7 +115,7 @@ def _probe_block(span: Span, index: int) -> _ShapeProbe:
     if probe.stored is not None and probe.attended is None:
         raise UnsupportedModel(f"{model_type}: its attention does not go through transformers' cache")
     kind = span.layer_types[index]
-    if probe.stored is None and not probe.states.layers and kind not in STATELESS_LAYER_TYPES:
+    if probe.stored is None and not probe.keeps_state and kind not in STATELESS_LAYER_TYPES:
         raise UnsupportedModel(
             f"{model_type}: block {index} ({kind}) neither caches keys and values nor keeps a state "
             "through transformers' cache interface"

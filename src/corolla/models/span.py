@@ -27,8 +27,8 @@ from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.context_cache import ContextCache
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
-from corolla.models.lora import use_adapters
 from corolla.models.quantize import quantize_blocks
+from corolla.models.row_passes import by_rows, indexed_pass, run_block
 
 
 class Span(nn.Module):
@@ -77,8 +77,12 @@ class Span(nn.Module):
             self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         )
         self._cache_kwarg = _cache_kwarg(self.blocks[0])
-        # Gemma 3n and 4 hand keys and values between their layers within a pass
-        self._shares_kv = "shared_kv_states" in inspect.signature(self.blocks[0].forward).parameters
+        # Gemma 3n and 4 hand keys and values between their layers within a pass, GLM-5 and Mistral Large 4
+        # their sparse-attention selection
+        parameters = inspect.signature(self.blocks[0].forward).parameters
+        self._shares_kv = "shared_kv_states" in parameters
+        self._threads_selection = "prev_topk_indices" in parameters
+        self.selection_sources = config.kv_sharing.local_selections(start, end)
 
     @classmethod
     def load(
@@ -168,6 +172,8 @@ class Span(nn.Module):
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()
         shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
+        # each row's sparse-attention selection, for a next layer that shares it (GLM-5, Mistral Large 4)
+        selections = {} if self._threads_selection else None
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         with active_context(context, first):
             for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
@@ -183,11 +189,11 @@ class Span(nn.Module):
                 }
                 local = first + layer - self.start
                 if local in self.indexed_blocks:
-                    hidden = _indexed(block, hidden, context, first, inputs)
+                    hidden = indexed_pass(block, hidden, context, first, inputs, selections)
                 elif groups is not None and local in self.state_blocks:
-                    hidden = _by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks)
+                    hidden = by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks)
                 else:
-                    hidden = _run(block, hidden, inputs)
+                    hidden = run_block(block, hidden, inputs)
         return hidden
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> dict:
@@ -205,75 +211,6 @@ def _configured_shape(config: ModelConfig, layer: int) -> CacheShape:
     heads = config.layer_attribute(layer, "num_key_value_heads") or config.num_key_value_heads
     dim = config.layer_attribute(layer, "head_dim") or config.head_dim
     return CacheShape(heads, dim, heads, dim)
-
-
-def _by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwise: bool) -> torch.Tensor:
-    """A block that keeps a recurrent state, run on a packed pass [1, N, H] one group of rows at a time
-    ([rows, length, H] each, with the group's own states and adapter: engine/rows.py); a `stepwise`
-    block continues from a state one token at a time."""
-    out = torch.empty_like(hidden)
-    packed = hidden.shape[1]
-    for group in groups:
-        tokens = group.tokens.to(hidden.device)
-        shape = (len(group.rows), group.length)
-        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
-        rows = _take(hidden, tokens, shape, packed)
-        with use_adapters(group.adapter):
-            if stepwise and group.length > 1 and group.rows[0].position > 0:
-                steps = [_at(rows, t) for t in range(group.length)]
-                result = torch.cat([_run(block, x, _at(taken, t)) for t, x in enumerate(steps)], dim=1)
-            else:
-                result = _run(block, rows, taken)
-        out[0, tokens] = result.flatten(0, 1)
-    return out
-
-
-def _indexed(block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict) -> torch.Tensor:
-    """A block of DeepSeek sparse attention: its indexer scores each query against the keys of its own
-    sequence, under the layer's attention mask, so a packed pass runs it one row at a time, each row with
-    a context of its own (PagedAttention.single_rows) and its visibility as the mask."""
-    single_rows = getattr(context, "single_rows", None)
-    if single_rows is None:
-        mask = context.visibility(hidden.shape[1]).to(hidden.device)
-        return _run(block, hidden, {**inputs, "attention_mask": mask})
-    out = torch.empty_like(hidden)
-    packed = hidden.shape[1]
-    for tokens, row_context in single_rows():
-        tokens = tokens.to(hidden.device)
-        shape = (1, len(tokens))
-        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
-        taken["attention_mask"] = row_context.visibility(len(tokens)).to(hidden.device)
-        with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
-            result = _run(block, _take(hidden, tokens, shape, packed), taken)
-        out[0, tokens] = result[0]
-    return out
-
-
-def _run(block: nn.Module, hidden: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """A decoder layer's output hidden states (GLM-5's layers also return their sparse-attention
-    selection, for a next layer that shares it: refused by models/config.py)."""
-    out = block(hidden, **inputs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _at(value, t: int):
-    """Token t of a group's [rows, length, ...] inputs (dicts and tuples element-wise)."""
-    if isinstance(value, dict):
-        return {name: _at(v, t) for name, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_at(v, t) for v in value)
-    if isinstance(value, torch.Tensor) and value.dim() >= 2:
-        return value[:, t : t + 1]
-    return value
-
-
-def _take(value, tokens: torch.Tensor, shape: tuple[int, int], packed: int):
-    """A packed input's part for some tokens, [1, N, ...] -> [rows, length, ...] (tuples element-wise)."""
-    if isinstance(value, tuple):
-        return tuple(_take(v, tokens, shape, packed) for v in value)
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, packed):
-        return value[0, tokens].view(*shape, *value.shape[2:])
-    return value
 
 
 def _cache_kwarg(block: nn.Module) -> str:

@@ -66,7 +66,7 @@ def test_no_span_or_session_separates_a_layer_from_the_keys_it_reads(tiny_models
     path = tiny_models["gemma4"]
     for start, end in [(0, 5), (5, 6)]:
         with pytest.raises(
-            InvalidRequest, match=r"cut gemma4_text's layers 4-5: layer 5 attends with layer 4"
+            InvalidRequest, match=r"cut gemma4_text's layers 4-5: layer 5 uses layer 4's keys and values"
         ):
             Span.load(path, start, end)
     assert Span.load(path, 4, 6).kv_sources == {1: 0}
@@ -85,6 +85,6 @@ def test_gemma_3n_s_sharing_groups_as_transformers_declares_them():
     assert sharing.forbidden_cuts == frozenset(range(19, 35))
     assert sharing.allows(19 - 1) and sharing.allows(0) and sharing.allows(35)
     assert sharing.local_sources(10, 35)[24] == 9 and len(sharing.local_sources(10, 35)) == 15
-    with pytest.raises(InvalidRequest, match="layers 18-33: layers 19-33 attend with layer 18's"):
+    with pytest.raises(InvalidRequest, match="layers 18-33: layers 19-33 use layer 18's keys and values"):
         sharing.check_span(0, 25, "gemma3n_text")
     assert ModelConfig.from_hf(AutoConfig.for_model("llama")).kv_sharing.forbidden_cuts == frozenset()

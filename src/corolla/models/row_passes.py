@@ -1,0 +1,95 @@
+"""Running a block of a packed pass row by row, where its own code mixes a row's tokens in ways a packed
+[1, N, H] pass cannot: layers that keep a recurrent state (batched by group of rows, engine/rows.py) and
+DeepSeek sparse attention (its indexer ranks each query against every key of its row), whose selection a
+next layer may reuse (GLM-5 and Mistral Large 4's "shared" indexer layers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from corolla.models.attention import active_context
+from corolla.models.lora import use_adapters
+
+
+def by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwise: bool) -> torch.Tensor:
+    """A block that keeps a recurrent state, run on a packed pass [1, N, H] one group of rows at a time
+    ([rows, length, H] each, with the group's own states and adapter: engine/rows.py); a `stepwise`
+    block continues from a state one token at a time."""
+    out = torch.empty_like(hidden)
+    packed = hidden.shape[1]
+    for group in groups:
+        tokens = group.tokens.to(hidden.device)
+        shape = (len(group.rows), group.length)
+        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+        rows = _take(hidden, tokens, shape, packed)
+        with use_adapters(group.adapter):
+            if stepwise and group.length > 1 and group.rows[0].position > 0:
+                steps = [_at(rows, t) for t in range(group.length)]
+                result = torch.cat([run_block(block, x, _at(taken, t)) for t, x in enumerate(steps)], dim=1)
+            else:
+                result = run_block(block, rows, taken)
+        out[0, tokens] = result.flatten(0, 1)
+    return out
+
+
+def indexed_pass(
+    block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict, selections: dict | None
+) -> torch.Tensor:
+    """A block of DeepSeek sparse attention: its indexer scores each query against the keys of its own
+    sequence, under the layer's attention mask, so a packed pass runs it one row at a time, each row with
+    a context of its own (PagedAttention.single_rows) and its visibility as the mask. `selections` (None:
+    the family shares none) carries each row's selection to the next layer (key: the row's index in the
+    pass, or None for a pass over whole sequences)."""
+    single_rows = getattr(context, "single_rows", None)
+    if single_rows is None:
+        mask = context.visibility(hidden.shape[1]).to(hidden.device)
+        return _selecting(block, hidden, {**inputs, "attention_mask": mask}, selections, None)
+    out = torch.empty_like(hidden)
+    packed = hidden.shape[1]
+    for row, (tokens, row_context) in enumerate(single_rows()):
+        tokens = tokens.to(hidden.device)
+        shape = (1, len(tokens))
+        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+        taken["attention_mask"] = row_context.visibility(len(tokens)).to(hidden.device)
+        with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
+            result = _selecting(block, _take(hidden, tokens, shape, packed), taken, selections, row)
+        out[0, tokens] = result[0]
+    return out
+
+
+def _selecting(block: nn.Module, hidden: torch.Tensor, inputs: dict, selections: dict | None, key):
+    """A sparse-attention block given the previous layer's selection for these rows; the one it used kept
+    for the next layer (a "shared" layer's is the one it was given)."""
+    if selections is None:
+        return run_block(block, hidden, inputs)
+    out = block(hidden, **inputs, prev_topk_indices=selections.get(key))
+    selections[key] = out[1]
+    return out[0]
+
+
+def run_block(block: nn.Module, hidden: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """A decoder layer's output hidden states (GLM-5's and Mistral Large 4's layers also return their
+    sparse-attention selection: `_selecting` keeps it)."""
+    out = block(hidden, **inputs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _at(value, t: int):
+    """Token t of a group's [rows, length, ...] inputs (dicts and tuples element-wise)."""
+    if isinstance(value, dict):
+        return {name: _at(v, t) for name, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_at(v, t) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        return value[:, t : t + 1]
+    return value
+
+
+def _take(value, tokens: torch.Tensor, shape: tuple[int, int], packed: int):
+    """A packed input's part for some tokens, [1, N, ...] -> [rows, length, ...] (tuples element-wise)."""
+    if isinstance(value, tuple):
+        return tuple(_take(v, tokens, shape, packed) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, packed):
+        return value[0, tokens].view(*shape, *value.shape[2:])
+    return value

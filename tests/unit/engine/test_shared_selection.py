@@ -1,0 +1,83 @@
+"""Sparse-attention layers that reuse an earlier layer's selection of keys (GLM-5 and Mistral Large 4
+layers whose `indexer_types` entry is "shared": no indexer of their own). The selection is handed from
+layer to layer within a pass, row by row in the engine's packed passes, so no span may separate a shared
+layer from the layer that selects for it (models/kv_sharing.py)."""
+
+import pytest
+import torch
+
+from corolla.engine.sequence import StepWork
+from corolla.errors import InvalidRequest
+from corolla.models.head import ModelHead
+from corolla.models.span import Span
+from corolla.models.tree import TokenTree
+from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions, run_step
+from loopback import LoopbackSwarm, generate_together
+from swarm_helpers import reference_generate
+from tiny_models import load_reference, save_tiny_model
+
+H = 64
+# layers 1, 3 and 4 reuse the selection of layers 0, 2 and 2: blocks 0-1 and 2-4 are never split
+INDEXERS = ["full", "shared", "full", "shared", "shared", "full"]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-glm-shared-indexers"
+    return save_tiny_model("glm_moe_dsa", path, indexer_types=INDEXERS)
+
+
+def test_spans_at_the_allowed_cuts_give_transformers_logits_and_others_are_refused(shared):
+    reference = load_reference(shared)
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    head = ModelHead.load(shared)
+    for split in [[(0, 6)], [(0, 2), (2, 6)], [(0, 2), (2, 5), (5, 6)]]:
+        hidden = head.embed(ids)
+        for start, end in split:
+            hidden = Span.load(shared, start, end)(hidden)
+        torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)
+    assert Span.load(shared, 2, 6).selection_sources == {1: 0, 2: 0}
+    refusal = r"blocks 0:4 cut glm_moe_dsa's layers 2-4: layers 3-4 use layer 2's sparse-attention selection"
+    with pytest.raises(InvalidRequest, match=refusal):
+        Span.load(shared, 0, 4)
+    with pytest.raises(InvalidRequest, match=r"cut glm_moe_dsa's layers 0-1: layer 1 uses layer 0's"):
+        Span.load(shared, 1, 6)
+
+
+def test_batched_rows_trees_and_kept_paths_match_each_session_alone(shared):
+    engine = make_engine(shared, max_batch_tokens=64)
+    generator = torch.Generator().manual_seed(2)
+    plans = {
+        f"s{i}": [torch.randn(batch, prompt, H, generator=generator)]
+        + [torch.randn(batch, 1, H, generator=generator) for _ in range(4)]
+        for i, (batch, prompt) in enumerate([(1, 13), (2, 5), (3, 9)])
+    }
+    results = run_sessions(engine, plans)
+    assert engine.num_passes < sum(len(p) for p in plans.values())  # batched
+    for name, plan in plans.items():
+        for actual, expected in zip(results[name], reference_outputs(engine.span, plan), strict=True):
+            assert_close(actual, expected)
+    prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (9, 7, 2))
+    session = engine.open_session("tree", (0, 6), 1, 64)
+    run_step(engine, StepWork(session, prefix, 0))
+    tree_outputs = run_step(engine, StepWork(session, nodes, 9, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
+    path = [0, 2, 4]
+    outputs = run_step(engine, StepWork(session, later, 12, accepted=tuple(path)))
+    expected = reference_outputs(engine.span, [prefix, nodes[:, path], later])
+    assert_close(tree_outputs[:, path], expected[1])
+    assert_close(outputs, expected[2])
+
+
+def test_greedy_tokens_through_two_servers_are_transformers(shared):
+    reference = load_reference(shared)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (1, 4 + i), generator=generator) for i in range(4)]
+    expected = [reference_generate(reference, ids, max_new_tokens=10) for ids in prompts]
+    with LoopbackSwarm(shared, [(0, 2), (2, 6)]) as swarm:
+        model = swarm.model()
+        together, held = model.runtime.run(generate_together(model, swarm.servers, prompts, 10))
+    assert held == [len(prompts)] * 2
+    for index, (want, got) in enumerate(zip(expected, together, strict=True)):
+        assert torch.equal(got, want), f"prompt {index} differs from transformers"
