@@ -206,6 +206,21 @@ LAYOUTS = {
             mamba_dt_rank=8,
         ),
     ),
+    "falcon_h1": (  # every layer a hybrid: attention and a Mamba-2 mixer side by side, muP multipliers
+        "FalconH1Config",
+        dict(
+            head_dim=16,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            attention_in_multiplier=0.8,
+            ssm_out_multiplier=1.2,
+            embedding_multiplier=2.0,
+        ),
+    ),
     "nemotron_h": (  # Mamba-2 layers, attention, and layers that are an MLP or MoE alone
         "NemotronHConfig",
         dict(
@@ -224,7 +239,7 @@ LAYOUTS = {
 }
 FAMILIES = tuple(LAYOUTS)
 # families with layers that keep a recurrent state instead of keys and values (models/recurrent.py)
-RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2", "jamba", "nemotron_h")
+RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2", "jamba", "nemotron_h", "falcon_h1")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
 

@@ -97,16 +97,17 @@ def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
 
     t5 = folder("t5", {"model_type": "t5", "d_model": 64, "num_layers": 2})
     vit = folder("vit", {"model_type": "vit", "hidden_size": 64})
-    hybrid = folder("falcon-h1", {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2})
+    compressed = folder("ds-v4", {"model_type": "deepseek_v4", "hidden_size": 64, "num_hidden_layers": 2})
     results = run_corolla(
         ["server", t5, "--blocks", "0:1", *LOOPBACK],
         ["server", vit, "--blocks", "0:1", *LOOPBACK],
-        ["server", hybrid, "--blocks", "0:1", *LOOPBACK],
+        ["server", compressed, "--blocks", "0:1", *LOOPBACK],
     )
     for result, model_type in zip(results, ("t5", "vit"), strict=False):
         assert_one_line(result, f"corolla server: model_type '{model_type}' is not a decoder-only causal LM")
         assert "tested: llama, mistral" in result.stderr
-    assert_one_line(results[2], "corolla server: falcon_h1: layer types ['hybrid'] are not supported")
+    refusal = "corolla server: deepseek_v4: layer types ['heavily_compressed_attention'] are not supported"
+    assert_one_line(results[2], refusal)
 
 
 def test_identities_and_allowed_peer_lists_on_the_command_line(tmp_path):

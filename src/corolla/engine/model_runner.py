@@ -12,8 +12,9 @@ from dataclasses import replace
 
 import torch
 
+from corolla.engine.group_attention import group_attention
 from corolla.engine.kv_pool import KVPool
-from corolla.engine.rows import Row, RowGroups
+from corolla.engine.rows import Row, RowGroup, RowGroups, row_positions
 from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
 from corolla.engine.states import states_after, states_before
 from corolla.models.attention import Scores, causal_attention, visible_keys
@@ -50,6 +51,10 @@ class PagedAttention:
     def linear_state(self, layer: int):
         return self.row_groups.linear_state(self.first_layer + layer)
 
+    def group_context(self, group: RowGroup):
+        """The attention context of a hybrid layer run on one group of this pass's rows."""
+        return group_attention(self, group)
+
     def single_rows(self):
         """Each row with a context of its own (token indices in the packed pass, context): for layers whose
         own code compares a query with every key it is given (DeepSeek sparse attention's indexer)."""
@@ -69,7 +74,7 @@ class PagedAttention:
         (row,) = self.rows
         cache = self.pool.layer(self.first_layer + layer).indexer  # [pages, page_size, 1, D]
         cache.flatten(0, 1)[self.slots] = keys[0, :, None]
-        return _row_positions(cache, row)[:, 0][None]
+        return row_positions(cache, row)[:, 0][None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = self.pool.layer(self.first_layer + layer)
@@ -81,7 +86,7 @@ class PagedAttention:
 
     def _history(self, cache: torch.Tensor) -> torch.Tensor:
         """Every row's positions [0, context) of one layer's cache, row after row: [1, heads, sum, d]."""
-        return torch.cat([_row_positions(cache, row) for row in self.rows]).transpose(0, 1)[None]
+        return torch.cat([row_positions(cache, row) for row in self.rows]).transpose(0, 1)[None]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
@@ -103,15 +108,9 @@ class PagedAttention:
     def _row_cache(self, layer: int, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's keys and values of one layer, one copy each: [1, heads, context, d]."""
         pages = self.pool.layer(self.first_layer + layer)
-        keys = _row_positions(pages.keys, row)
-        values = _row_positions(pages.values, row)
+        keys = row_positions(pages.keys, row)
+        values = row_positions(pages.values, row)
         return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-
-
-def _row_positions(cache: torch.Tensor, row: Row) -> torch.Tensor:
-    """A row's positions [0, context) of one layer's pages [num_pages, page_size, heads, d], gathered in
-    one copy: [context, heads, d]."""
-    return cache.index_select(0, row.table).flatten(0, 1)[: row.context]
 
 
 class ModelRunner:

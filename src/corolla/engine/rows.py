@@ -112,3 +112,9 @@ class RowGroups:
                 yield RowGroup([row], tokens, row.length, write=row.tree is None)
         for rows in decoding.values():
             yield RowGroup(rows, torch.tensor([row.offset for row in rows], dtype=torch.long), 1)
+
+
+def row_positions(cache: torch.Tensor, row: Row) -> torch.Tensor:
+    """A row's positions [0, context) of one layer's pages [num_pages, page_size, heads, d], gathered in
+    one copy: [context, heads, d]."""
+    return cache.index_select(0, row.table).flatten(0, 1)[: row.context]

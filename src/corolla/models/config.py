@@ -32,6 +32,7 @@ SUPPORTED_LAYER_TYPES = (
     "indexed_attention",  # DeepSeek sparse attention: an indexer picks each query's keys
     "linear_attention",
     "conv",
+    "hybrid",  # attention and a Mamba mixer side by side in one layer (Falcon-H1)
     "mlp",
     "moe",
 )

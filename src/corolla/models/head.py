@@ -52,11 +52,22 @@ class _Outputs(BaseModelOutputWithPast):
 
 
 class _FinalNorm(nn.Module):
-    """Stands in for the decoder inside the causal LM: its `inputs_embeds` are final hidden states."""
+    """Stands in for the decoder inside the causal LM: its `inputs_embeds` are final hidden states. Plain
+    attributes the causal LM reads from its decoder (Falcon-H1's `lm_head_multiplier`) are the decoder's."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, decoder: nn.Module):
         super().__init__()
         self.norm = norm
+        self._decoder = [decoder]  # a list: not a submodule
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = getattr(self.__dict__["_decoder"][0], name)
+            if isinstance(value, (nn.Module, torch.Tensor)):
+                raise
+            return value
 
     def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs) -> BaseModelOutputWithPast:
         return _Outputs(last_hidden_state=self.norm(inputs_embeds))
@@ -102,7 +113,7 @@ class ModelHead(nn.Module):
             raise UnsupportedModel(f"{folder}: the checkpoint lacks the head's tensors {missing[:5]}")
         # logits() runs the LM's forward from the final hidden states, the decoder swapped for its norm
         parent, _, name = head._decoder_name.rpartition(".")
-        setattr(model.get_submodule(parent), name, _FinalNorm(head.norm))
+        setattr(model.get_submodule(parent), name, _FinalNorm(head.norm, head._decoder[0]))
         head.requires_grad_(False)
         return head.eval()
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from corolla.errors import UnsupportedModel
 from corolla.models.attention import CacheShape
+from corolla.models.contiguous import ContiguousCache
 from corolla.models.recurrent import STATELESS_LAYER_TYPES, FreshStates, row_states
 
 Span = nn.Module  # models/span.py's Span (which imports this module)
@@ -86,15 +87,22 @@ def measure_layers(span: Span) -> LayerLayout:
             continue
         index = span.start + local
         probe = _probe_block(span, index)
+        shape = None
+        if probe.stored is not None:  # a hybrid layer (Falcon-H1) also keeps a state
+            kv_blocks.append(local)
+            gathers = probe.attended != probe.stored
+            shape = _cache_shape(span.config.model_type, probe.stored, gathers, probe.index_dim)
+            shapes.append(shape)
         if probe.keeps_state:
             state_blocks.append(local)
             state_bytes += probe.state_bytes
-            if not _continues_from_state(span, index):
+            if not _continues_from_state(span, index, shape):
+                if shape is not None:
+                    raise UnsupportedModel(
+                        f"{span.config.model_type}: block {index} attends beside a state whose multi-token "
+                        "form ignores the state it is given, which corolla cannot run token by token"
+                    )
                 stepwise.append(local)
-        elif probe.stored is not None:
-            kv_blocks.append(local)
-            gathers = probe.attended != probe.stored
-            shapes.append(_cache_shape(span.config.model_type, probe.stored, gathers, probe.index_dim))
     return LayerLayout(tuple(kv_blocks), tuple(shapes), tuple(state_blocks), tuple(stepwise), state_bytes)
 
 
@@ -107,11 +115,6 @@ def _probe_block(span: Span, index: int) -> _ShapeProbe:
     with span.computing():
         x = torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device)
         span(x, probe, blocks=(first, index + 1))
-    if probe.stored is not None and probe.keeps_state:
-        raise UnsupportedModel(
-            f"{model_type}: block {index} keeps both an attention cache and a recurrent state "
-            "(a hybrid layer), which corolla does not support"
-        )
     if probe.stored is not None and probe.attended is None:
         raise UnsupportedModel(f"{model_type}: its attention does not go through transformers' cache")
     kind = span.layer_types[index]
@@ -135,25 +138,17 @@ def _cache_shape(
     return CacheShape(keys[0], keys[2], values[0], values[2], gathers, index_dim)
 
 
-class _Continuing:
-    """A context whose recurrent states persist from one pass to the next (a sequence moving forward)."""
-
-    def __init__(self):
-        self.states = FreshStates()
-
-    def linear_state(self, layer: int):
-        return self.states.linear_state(layer)
-
-
-def _continues_from_state(span: Span, index: int) -> bool:
-    """Whether block `index` (which keeps a state) computes 2 tokens after a first one as it computes
-    them in one pass over all 3: some of transformers' multi-token forms ignore the state they are given."""
+def _continues_from_state(span: Span, index: int, shape: CacheShape | None) -> bool:
+    """Whether block `index` (which keeps a state, and caches keys and values of `shape` if a hybrid)
+    computes 2 tokens after a first one as it computes them in one pass over all 3: some of transformers'
+    multi-token forms ignore the state they are given."""
     x = torch.randn(1, 3, span.config.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x.to(span.device, span.dtype)
-    context = _Continuing()
+    cache = ContiguousCache({0: shape} if shape else {}, 1, 3, span.dtype, span.device)
     with span.computing():
         whole = span(x, blocks=(index, index + 1))
-        span(x[:, :1], context, blocks=(index, index + 1))
-        later = span(x[:, 1:], context, position=1, blocks=(index, index + 1))
+        span(x[:, :1], cache, blocks=(index, index + 1))
+        cache.position = 1
+        later = span(x[:, 1:], cache, position=1, blocks=(index, index + 1))
     scale = float(whole.abs().max())
     return torch.allclose(later.float(), whole[:, 1:].float(), rtol=0, atol=0.02 * scale + 1e-6)

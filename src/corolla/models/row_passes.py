@@ -5,6 +5,8 @@ next layer may reuse (GLM-5 and Mistral Large 4's "shared" indexer layers)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -12,10 +14,13 @@ from corolla.models.attention import active_context
 from corolla.models.lora import use_adapters
 
 
-def by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwise: bool) -> torch.Tensor:
+def by_rows(
+    block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwise: bool, attention=None
+) -> torch.Tensor:
     """A block that keeps a recurrent state, run on a packed pass [1, N, H] one group of rows at a time
     ([rows, length, H] each, with the group's own states and adapter: engine/rows.py); a `stepwise`
-    block continues from a state one token at a time."""
+    block continues from a state one token at a time. A hybrid block (attention beside its state: Falcon-H1)
+    attends through `attention(group)`, the context of (first block, group) the pass gives it."""
     out = torch.empty_like(hidden)
     packed = hidden.shape[1]
     for group in groups:
@@ -23,7 +28,8 @@ def by_rows(block: nn.Module, hidden: torch.Tensor, groups, inputs: dict, stepwi
         shape = (len(group.rows), group.length)
         taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
         rows = _take(hidden, tokens, shape, packed)
-        with use_adapters(group.adapter):
+        narrowed = contextlib.nullcontext() if attention is None else active_context(*attention(group))
+        with use_adapters(group.adapter), narrowed:
             if stepwise and group.length > 1 and group.rows[0].position > 0:
                 steps = [_at(rows, t) for t in range(group.length)]
                 result = torch.cat([run_block(block, x, _at(taken, t)) for t, x in enumerate(steps)], dim=1)

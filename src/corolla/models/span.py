@@ -191,7 +191,10 @@ class Span(nn.Module):
                 if local in self.indexed_blocks:
                     hidden = indexed_pass(block, hidden, context, first, inputs, selections)
                 elif groups is not None and local in self.state_blocks:
-                    hidden = by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks)
+                    hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
+                    attention = (lambda g: (context.group_context(g), first)) if hybrid else None
+                    stepwise = local in self.stepwise_blocks
+                    hidden = by_rows(block, hidden, groups, inputs, stepwise, attention)
                 else:
                     hidden = run_block(block, hidden, inputs)
         return hidden

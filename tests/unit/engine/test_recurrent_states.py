@@ -80,7 +80,7 @@ def test_batched_decoding_matches_whole_sequences(tiny_models, family):
             assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "jamba", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "jamba", "lfm2", "falcon_h1"])
 def test_rollbacks_and_beam_reordering_restore_exact_states(tiny_models, family):
     engine = make_engine(tiny_models[family], page_size=4, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(2)
@@ -95,7 +95,7 @@ def test_rollbacks_and_beam_reordering_restore_exact_states(tiny_models, family)
         assert_close(actual, reference)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "falcon_h1"])
 def test_a_tree_runs_each_path_from_the_state_and_its_kept_path_goes_on(tiny_models, family):
     engine = make_engine(tiny_models[family], page_size=4, max_batch_tokens=16, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(3)

@@ -103,7 +103,6 @@ def test_unsupported_models_get_errors_naming_the_type():
     [
         ("gemma3n", r"gemma3n_text: its layers take per-layer inputs made from the token ids"),
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
-        ("falcon_h1", r"falcon_h1: layer types \['hybrid'\] are not supported"),
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
     ],
 )
@@ -129,6 +128,7 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("deepseek_v32", "deepseek_v32"),  # latent attention whose keys an indexer picks (sparse)
         ("glm_moe_dsa", "glm_moe_dsa"),  # GLM-5: the same, each layer with its own indexer
         ("mistral_large4", "mistral_large4_text"),  # its causal LM only in the multimodal wrapper
+        ("falcon_h1", "falcon_h1"),  # attention and Mamba side by side in every layer
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
