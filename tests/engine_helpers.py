@@ -103,3 +103,38 @@ def assert_close(actual, expected):
     mask or cache entry changes outputs by whole units."""
     scale = float(expected.abs().max())
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+def check_batched_sessions_match_each_alone(engine: Engine, shapes, steps: int = 5, seed: int = 1) -> None:
+    """Sessions of (rows, prompt length) `shapes`, each a prompt then `steps` decode steps, run together:
+    every output is the one a plain contiguous cache gives the session alone, and passes were shared."""
+    hidden_size = engine.span.config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    plans = {
+        f"s{i}": [torch.randn(batch, prompt, hidden_size, generator=generator)]
+        + [torch.randn(batch, 1, hidden_size, generator=generator) for _ in range(steps)]
+        for i, (batch, prompt) in enumerate(shapes)
+    }
+    results = run_sessions(engine, plans)
+    assert engine.num_passes < sum(len(p) for p in plans.values())  # batched
+    for name, plan in plans.items():
+        for actual, expected in zip(results[name], reference_outputs(engine.span, plan), strict=True):
+            assert_close(actual, expected)
+
+
+def check_tree_step_and_kept_path(engine: Engine, seed: int = 2) -> None:
+    """A 9-token prefix, a 7-node tree of two roots, then 2 tokens after keeping the path 0-2-4: the tree's
+    path and the tokens after it get what the plain sequence gets."""
+    from corolla.models.tree import TokenTree
+
+    hidden_size = engine.span.config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    prefix, nodes, later = (torch.randn(1, n, hidden_size, generator=generator) for n in (9, 7, 2))
+    session = engine.open_session("tree", (0, 6), 1, 64)
+    run_step(engine, StepWork(session, prefix, 0))
+    tree_outputs = run_step(engine, StepWork(session, nodes, 9, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
+    path = [0, 2, 4]
+    outputs = run_step(engine, StepWork(session, later, 12, accepted=tuple(path)))
+    expected = reference_outputs(engine.span, [prefix, nodes[:, path], later])
+    assert_close(tree_outputs[:, path], expected[1])
+    assert_close(outputs, expected[2])

@@ -4,19 +4,15 @@ before's keys and values (models/kv_sharing.py): it has no pages of its own, and
 separates it from its source."""
 
 import pytest
-import torch
 from transformers import AutoConfig
 
-from corolla.engine.sequence import StepWork
 from corolla.errors import InvalidRequest
 from corolla.models.attention import CacheShape
 from corolla.models.config import ModelConfig
 from corolla.models.kv_sharing import KVSharing
 from corolla.models.span import Span
-from corolla.models.tree import TokenTree
-from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions, run_step
+from engine_helpers import check_batched_sessions_match_each_alone, check_tree_step_and_kept_path, make_engine
 
-H = 64
 SLIDING, GLOBAL = CacheShape(2, 16, 2, 16), CacheShape(1, 32, 1, 32)
 
 
@@ -35,31 +31,11 @@ def test_each_layer_caches_its_own_shape_and_the_reusing_layer_none(tiny_models)
 
 def test_sessions_of_several_rows_match_each_session_alone(tiny_models):
     engine = make_engine(tiny_models["gemma4"], max_batch_tokens=64)
-    generator = torch.Generator().manual_seed(1)
-    plans = {
-        f"s{i}": [torch.randn(batch, prompt, H, generator=generator)]
-        + [torch.randn(batch, 1, H, generator=generator) for _ in range(5)]
-        for i, (batch, prompt) in enumerate([(1, 13), (2, 5), (1, 1), (3, 9)])
-    }
-    results = run_sessions(engine, plans)
-    assert engine.num_passes < sum(len(p) for p in plans.values())  # batched
-    for name, plan in plans.items():
-        for actual, expected in zip(results[name], reference_outputs(engine.span, plan), strict=True):
-            assert_close(actual, expected)
+    check_batched_sessions_match_each_alone(engine, [(1, 13), (2, 5), (1, 1), (3, 9)])
 
 
 def test_a_tree_step_and_its_kept_path(tiny_models):
-    engine = make_engine(tiny_models["gemma4"], page_size=4)
-    generator = torch.Generator().manual_seed(2)
-    prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (9, 7, 2))
-    session = engine.open_session("s", (0, 6), 1, 64)
-    run_step(engine, StepWork(session, prefix, 0))
-    tree_outputs = run_step(engine, StepWork(session, nodes, 9, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
-    path = [0, 2, 4]
-    outputs = run_step(engine, StepWork(session, later, 12, accepted=tuple(path)))
-    expected = reference_outputs(engine.span, [prefix, nodes[:, path], later])
-    assert_close(tree_outputs[:, path], expected[1])
-    assert_close(outputs, expected[2])
+    check_tree_step_and_kept_path(make_engine(tiny_models["gemma4"], page_size=4))
 
 
 def test_no_span_or_session_separates_a_layer_from_the_keys_it_reads(tiny_models):

@@ -6,17 +6,14 @@ layer from the layer that selects for it (models/kv_sharing.py)."""
 import pytest
 import torch
 
-from corolla.engine.sequence import StepWork
 from corolla.errors import InvalidRequest
 from corolla.models.head import ModelHead
 from corolla.models.span import Span
-from corolla.models.tree import TokenTree
-from engine_helpers import assert_close, make_engine, reference_outputs, run_sessions, run_step
+from engine_helpers import check_batched_sessions_match_each_alone, check_tree_step_and_kept_path, make_engine
 from loopback import LoopbackSwarm, generate_together
 from swarm_helpers import reference_generate
 from tiny_models import load_reference, save_tiny_model
 
-H = 64
 # layers 1, 3 and 4 reuse the selection of layers 0, 2 and 2: blocks 0-1 and 2-4 are never split
 INDEXERS = ["full", "shared", "full", "shared", "shared", "full"]
 
@@ -48,26 +45,8 @@ def test_spans_at_the_allowed_cuts_give_transformers_logits_and_others_are_refus
 
 def test_batched_rows_trees_and_kept_paths_match_each_session_alone(shared):
     engine = make_engine(shared, max_batch_tokens=64)
-    generator = torch.Generator().manual_seed(2)
-    plans = {
-        f"s{i}": [torch.randn(batch, prompt, H, generator=generator)]
-        + [torch.randn(batch, 1, H, generator=generator) for _ in range(4)]
-        for i, (batch, prompt) in enumerate([(1, 13), (2, 5), (3, 9)])
-    }
-    results = run_sessions(engine, plans)
-    assert engine.num_passes < sum(len(p) for p in plans.values())  # batched
-    for name, plan in plans.items():
-        for actual, expected in zip(results[name], reference_outputs(engine.span, plan), strict=True):
-            assert_close(actual, expected)
-    prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (9, 7, 2))
-    session = engine.open_session("tree", (0, 6), 1, 64)
-    run_step(engine, StepWork(session, prefix, 0))
-    tree_outputs = run_step(engine, StepWork(session, nodes, 9, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))
-    path = [0, 2, 4]
-    outputs = run_step(engine, StepWork(session, later, 12, accepted=tuple(path)))
-    expected = reference_outputs(engine.span, [prefix, nodes[:, path], later])
-    assert_close(tree_outputs[:, path], expected[1])
-    assert_close(outputs, expected[2])
+    check_batched_sessions_match_each_alone(engine, [(1, 13), (2, 5), (3, 9)], steps=4, seed=2)
+    check_tree_step_and_kept_path(engine, seed=3)
 
 
 def test_greedy_tokens_through_two_servers_are_transformers(shared):
