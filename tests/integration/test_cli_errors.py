@@ -60,14 +60,17 @@ def test_the_api_refuses_a_taken_http_port_before_it_joins_the_swarm(tiny_models
     assert "Serving" not in api.stderr
 
 
-def test_malformed_peers_are_refused_before_anything_starts(tiny_models):
-    llama = str(tiny_models["llama"])
+def test_malformed_peers_and_spans_are_refused_before_anything_starts(tiny_models):
+    llama, gemma4 = str(tiny_models["llama"]), str(tiny_models["gemma4"])
     results = run_corolla(
         ["status", "--initial-peers", "127.0.0.1:31337"],
         ["server", llama, "--initial-peers", "/ip4/127.0.0.1/tcp/31337"],
         ["status", "--initial-peers", UNREACHABLE, "--host", "localhost"],
+        ["server", gemma4, "--blocks", "0:5", *LOOPBACK],  # block 5 attends with block 4's keys
     )
-    no_maddr, no_peer_id, bad_host = results
+    no_maddr, no_peer_id, bad_host, cut = results
+    assert_one_line(cut, "corolla server: blocks 0:5 cut gemma4_text's layers 4-5: layer 5 uses layer 4's")
+    assert "Measured" not in cut.stderr  # refused before measuring (or starting) anything
     assert_one_line(no_maddr, "argument --initial-peers: '127.0.0.1:31337' is not a multiaddress")
     assert_one_line(
         no_peer_id, "argument --initial-peers: '/ip4/127.0.0.1/tcp/31337' has no /p2p/PEER_ID part"

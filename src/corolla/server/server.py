@@ -71,9 +71,13 @@ class Server:
         self.device, self.dtype = compute_settings(config, self.model)
         self.dht_prefix = config.dht_prefix or dht_prefix_for(source.name)
         total = self.model.num_hidden_layers
-        if config.blocks is not None and not config.blocks[1] <= total:  # before anything starts
+        sharing = self.model.kv_sharing  # layers that use an earlier layer's work in the same pass
+        if config.blocks is not None:  # checked before anything starts
             start, end = config.blocks
-            raise InvalidRequest(f"--blocks {start}:{end} is not a range inside the model's {total} blocks")
+            if not end <= total:
+                inside = f"is not a range inside the model's {total} blocks"
+                raise InvalidRequest(f"--blocks {start}:{end} {inside}")
+            sharing.check_span(start, end, self.model.model_type)
         self.dht = start_dht(config.swarm)
         self.peer_id = str(self.dht.peer_id)
         loader = SpanLoader(
@@ -91,8 +95,10 @@ class Server:
             fault=fault,
             device=self.device,
         )
-        # measured on one block before choosing blocks: placement weighs the swarm by throughput
-        probe = await asyncio.to_thread(loader.load_span, (0, 1))
+        # measured on the first blocks a span may hold alone, before choosing blocks: placement weighs the
+        # swarm by throughput
+        first = min(cut for cut in range(1, total + 1) if sharing.allows(cut))
+        probe = await asyncio.to_thread(loader.load_span, (0, first))
         self.throughput = await asyncio.to_thread(measure_throughput, probe)
         del probe
         blocks = await self._choose_blocks()
@@ -146,9 +152,8 @@ class Server:
 
     async def _choose_blocks(self) -> tuple[int, int]:
         total = self.model.num_hidden_layers
-        sharing = self.model.kv_sharing  # Gemma's layers that reuse an earlier layer's keys and values
+        sharing = self.model.kv_sharing
         if self.config.blocks is not None:
-            sharing.check_span(*self.config.blocks, self.model.model_type)
             return self.config.blocks
         num_blocks = self.config.num_blocks or self._blocks_in_budget()
         if num_blocks < 1:
