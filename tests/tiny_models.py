@@ -248,6 +248,8 @@ def tiny_config(family: str, **changes):
     import transformers
 
     class_name, extra = LAYOUTS[family]
+    if "text_config" in changes:  # a multimodal wrapper's language model: changed field by field
+        changes = {**changes, "text_config": {**extra["text_config"], **changes["text_config"]}}
     extra = {**extra, **changes}
     if "text_config" in extra:  # a multimodal wrapper: the common shapes are its language model's
         text = {**COMMON, **extra["text_config"]}

@@ -1,7 +1,8 @@
 """Running a block of a packed pass row by row, where its own code mixes a row's tokens in ways a packed
-[1, N, H] pass cannot: layers that keep a recurrent state (batched by group of rows, engine/rows.py) and
-DeepSeek sparse attention (its indexer ranks each query against every key of its row), whose selection a
-next layer may reuse (GLM-5 and Mistral Large 4's "shared" indexer layers)."""
+[1, N, H] pass cannot: layers that keep a recurrent state (batched by group of rows, engine/rows.py; a
+hybrid's attention narrowed to the group) and DeepSeek sparse attention (its indexer ranks each query
+against every key of its row), whose selection and latent a next layer may reuse (GLM-5 and Mistral
+Large 4's "shared" indexer layers and `kv_source_layers`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 
 import torch
 from torch import nn
+from transformers.cache_utils import KVSharingDict
 
 from corolla.models.attention import active_context
 from corolla.models.lora import use_adapters
@@ -40,17 +42,18 @@ def by_rows(
 
 
 def indexed_pass(
-    block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict, selections: dict | None
+    block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict, carried: dict | None
 ) -> torch.Tensor:
     """A block of DeepSeek sparse attention: its indexer scores each query against the keys of its own
     sequence, under the layer's attention mask, so a packed pass runs it one row at a time, each row with
-    a context of its own (PagedAttention.single_rows) and its visibility as the mask. `selections` (None:
-    the family shares none) carries each row's selection to the next layer (key: the row's index in the
-    pass, or None for a pass over whole sequences)."""
+    a context of its own (PagedAttention.single_rows) and its visibility as the mask. What a row's layer
+    hands the next (the selection a "shared" layer reuses, the keys and values a reusing layer reads:
+    Mistral Large 4, GLM-5) is `carried` per row from layer to layer (None: the family hands nothing
+    on; key: the row's index in the pass, or None for a pass over whole sequences)."""
     single_rows = getattr(context, "single_rows", None)
     if single_rows is None:
         mask = context.visibility(hidden.shape[1]).to(hidden.device)
-        return _selecting(block, hidden, {**inputs, "attention_mask": mask}, selections, None)
+        return _carrying(block, hidden, {**inputs, "attention_mask": mask}, carried, None)
     out = torch.empty_like(hidden)
     packed = hidden.shape[1]
     for row, (tokens, row_context) in enumerate(single_rows()):
@@ -59,18 +62,22 @@ def indexed_pass(
         taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
         taken["attention_mask"] = row_context.visibility(len(tokens)).to(hidden.device)
         with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
-            result = _selecting(block, _take(hidden, tokens, shape, packed), taken, selections, row)
+            result = _carrying(block, _take(hidden, tokens, shape, packed), taken, carried, row)
         out[0, tokens] = result[0]
     return out
 
 
-def _selecting(block: nn.Module, hidden: torch.Tensor, inputs: dict, selections: dict | None, key):
-    """A sparse-attention block given the previous layer's selection for these rows; the one it used kept
-    for the next layer (a "shared" layer's is the one it was given)."""
-    if selections is None:
+def _carrying(block: nn.Module, hidden: torch.Tensor, inputs: dict, carried: dict | None, key):
+    """A sparse-attention block given what the previous layer handed these rows (its selection, and the
+    keys and values a reusing layer reads); the selection it used kept for the next layer (a "shared"
+    layer's is the one it was given)."""
+    if carried is None:
         return run_block(block, hidden, inputs)
-    out = block(hidden, **inputs, prev_topk_indices=selections.get(key))
-    selections[key] = out[1]
+    row = carried.setdefault(key, {})
+    if "shared_kv_states" in inputs:  # the row's own: the pass's would mix rows' histories
+        inputs = {**inputs, "shared_kv_states": row.setdefault("kv", KVSharingDict())}
+    out = block(hidden, **inputs, prev_topk_indices=row.get("selection"))
+    row["selection"] = out[1]
     return out[0]
 
 

@@ -172,8 +172,8 @@ class Span(nn.Module):
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()
         shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
-        # each row's sparse-attention selection, for a next layer that shares it (GLM-5, Mistral Large 4)
-        selections = {} if self._threads_selection else None
+        # what each row's sparse-attention layer hands the next (GLM-5, Mistral Large 4: row_passes.py)
+        carried = {} if self._threads_selection else None
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         with active_context(context, first):
             for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
@@ -189,7 +189,7 @@ class Span(nn.Module):
                 }
                 local = first + layer - self.start
                 if local in self.indexed_blocks:
-                    hidden = indexed_pass(block, hidden, context, first, inputs, selections)
+                    hidden = indexed_pass(block, hidden, context, first, inputs, carried)
                 elif groups is not None and local in self.state_blocks:
                     hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
                     attention = (lambda g: (context.group_context(g), first)) if hybrid else None

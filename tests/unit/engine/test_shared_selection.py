@@ -1,7 +1,8 @@
 """Sparse-attention layers that reuse an earlier layer's selection of keys (GLM-5 and Mistral Large 4
-layers whose `indexer_types` entry is "shared": no indexer of their own). The selection is handed from
-layer to layer within a pass, row by row in the engine's packed passes, so no span may separate a shared
-layer from the layer that selects for it (models/kv_sharing.py)."""
+layers whose `indexer_types` entry is "shared": no indexer of their own), and Mistral Large 4's layers
+that also read an earlier layer's latent (`kv_source_layers`). What a layer hands the next is carried
+row by row in the engine's packed passes, so no span may separate such a layer from its source
+(models/kv_sharing.py)."""
 
 import pytest
 import torch
@@ -60,3 +61,28 @@ def test_greedy_tokens_through_two_servers_are_transformers(shared):
     assert held == [len(prompts)] * 2
     for index, (want, got) in enumerate(zip(expected, together, strict=True)):
         assert torch.equal(got, want), f"prompt {index} differs from transformers"
+
+
+def test_mistral_large_4_layers_reading_an_earlier_latent_and_selection(tmp_path):
+    """Layers 1, 3 and 5 read the latent and the selection of the layer before them (the last pair NoPE):
+    transformers' logits at every allowed cut, and the engine's batched rows and trees, each row with its
+    own handed-over latent."""
+    text = dict(kv_source_layers=[0, 0, 2, 2, 4, 4], indexer_types=["full", "shared"] * 3)
+    text["no_rope_layers"] = [1, 1, 1, 1, 0, 0]
+    path = save_tiny_model("mistral_large4", tmp_path / "tiny-ml4-shared", text_config=text)
+    reference = load_reference(path)
+    ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    head = ModelHead.load(path)
+    hidden = head.embed(ids)
+    for start, end in [(0, 2), (2, 4), (4, 6)]:
+        hidden = Span.load(path, start, end)(hidden)
+    torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)
+    span = Span.load(path, 2, 6)
+    assert span.kv_sources == span.selection_sources == {1: 0, 3: 2} and span.kv_blocks == (0, 2)
+    with pytest.raises(InvalidRequest, match=r"layers 0-1: layer 1 uses layer 0's keys and values"):
+        Span.load(path, 1, 6)
+    engine = make_engine(path, max_batch_tokens=64)
+    check_batched_sessions_match_each_alone(engine, [(1, 13), (2, 5), (3, 9)], steps=3, seed=5)
+    check_tree_step_and_kept_path(engine, seed=6)
