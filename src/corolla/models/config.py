@@ -220,11 +220,18 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
 
 def _check_layer_inputs(hf: Any) -> None:
     """Refuse layers that need more than the previous layer's hidden states and the span's cache: Gemma 3n
-    and Gemma 4's smaller models take per-layer inputs made from the token ids."""
+    and Gemma 4's smaller models take per-layer inputs made from the token ids; GLM-5-Next's layers pass
+    several streams of hidden states between them (hyper-connections)."""
     if getattr(hf, "hidden_size_per_layer_input", None):
         raise UnsupportedModel(
             f"{hf.model_type}: its layers take per-layer inputs made from the token ids "
             "(hidden_size_per_layer_input), which a span lacks"
+        )
+    streams = getattr(hf, "hc_mult", None)
+    if isinstance(streams, int) and streams > 1:
+        raise UnsupportedModel(
+            f"{hf.model_type}: its layers pass {streams} streams of hidden states between them "
+            "(hyper-connections, hc_mult), where a span passes one"
         )
 
 

@@ -104,6 +104,7 @@ def test_unsupported_models_get_errors_naming_the_type():
         ("gemma3n", r"gemma3n_text: its layers take per-layer inputs made from the token ids"),
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
+        ("glm5_next", r"glm5_next_text: its layers pass 4 streams of hidden states between them"),
     ],
 )
 def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model_type, refusal):
@@ -129,6 +130,8 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("glm_moe_dsa", "glm_moe_dsa"),  # GLM-5: the same, each layer with its own indexer
         ("mistral_large4", "mistral_large4_text"),  # its causal LM only in the multimodal wrapper
         ("falcon_h1", "falcon_h1"),  # attention and Mamba side by side in every layer
+        ("qwen3_vl", "qwen3_vl_text"),  # causal LMs only in their multimodal wrappers (text, M-RoPE)
+        ("qwen2_5_vl", "qwen2_5_vl_text"),
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):

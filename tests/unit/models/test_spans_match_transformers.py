@@ -97,3 +97,31 @@ def test_deep_prompts_are_added_at_their_positions(tiny_models):
     step = align_prompts(prompts, 1, 2)
     assert torch.equal(step[:, :, 0], prompts[:, :, 1]) and not step[:, :, 1].any()
     assert align_prompts(prompts, 2, 3) is None
+
+
+@pytest.mark.parametrize("family", ["Qwen2_5_VLConfig", "Qwen3VLConfig"])
+def test_text_of_a_model_whose_causal_lm_is_only_its_multimodal_wrapper(tmp_path, family):
+    """Qwen2.5-VL and Qwen3-VL: their text models have no causal LM of their own in transformers; spans of
+    the wrapper's language model (multimodal rotary over text positions) give the wrapper's logits."""
+    import transformers
+
+    from corolla.models.lm_class import lm_class
+    from tiny_models import COMMON
+
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    if family == "Qwen3VLConfig":
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[])
+    text = {**COMMON, "head_dim": 16, "rope_parameters": rope}
+    config = getattr(transformers, family)(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = lm_class(config.get_text_config(), config)._from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    head = ModelHead.load(tmp_path)
+    hidden = head.embed(ids)
+    for start, end in [(0, 2), (2, 6)]:
+        hidden = Span.load(tmp_path, start, end)(hidden)
+    torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)
