@@ -20,7 +20,7 @@ import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.kv_sharing import KVSharing
-from corolla.models.lm_class import causal_lm_class, lm_class, wrapper_lm_class
+from corolla.models.lm_class import CHECKED_WRAPPERS, causal_lm_class, lm_class
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
@@ -140,7 +140,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         text = hf.get_text_config()  # a multimodal wrapper's language model; the config itself otherwise
-        wrapper = hf if causal_lm_class(text) is None and wrapper_lm_class(hf) is not None else None
+        wrapper = hf if text is not hf and causal_lm_class(text) is None else None
         _check_supported(text, wrapper)
         return dataclasses.replace(cls._read(text), wrapper=wrapper)
 
@@ -205,16 +205,19 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
             f"{model_type}: layer types {sorted(unknown)} are not supported (corolla serves "
             f"{', '.join(SUPPORTED_LAYER_TYPES)})"
         )
+    _check_layer_inputs(hf)
     if getattr(hf, "is_encoder_decoder", False) or lm_class(hf, wrapper) is None:
+        checked = (
+            f"; of such multimodal models corolla serves {', '.join(CHECKED_WRAPPERS)}" if wrapper else ""
+        )
         raise UnsupportedModel(
             f"model_type {model_type!r} is not a decoder-only causal LM (transformers defines no "
-            f"...ForCausalLM for it); corolla serves the decoder-only causal LMs that transformers "
+            f"...ForCausalLM for it{checked}); corolla serves the decoder-only causal LMs that transformers "
             f"implements ({supported_summary()})"
         )
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         if not isinstance(getattr(hf, name, None), int):
             raise UnsupportedModel(f"config.json of a {model_type} model is missing or has an invalid {name}")
-    _check_layer_inputs(hf)
     KVSharing.of(hf, tuple(getattr(hf, "layer_types", None) or ()))  # refuses sharing it cannot serve
 
 

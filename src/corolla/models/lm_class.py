@@ -7,6 +7,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# multimodal models whose text model has no causal LM of its own, served through their wrapper: each
+# checked against the wrapper's own logits (tests/unit/models/test_spans_match_transformers.py,
+# tests/unit/client/test_families.py); other wrappers' text models may be encoders, diffusion models or
+# decoders with cross-attention, so they stay refused until checked
+CHECKED_WRAPPERS = ("mistral_large4", "qwen2_5_vl", "qwen3_vl")
+
 
 def causal_lm_class(hf: Any) -> type | None:
     """transformers' causal LM for a (text) config: the auto mapping's, else the `...ForCausalLM` that
@@ -29,11 +35,11 @@ def causal_lm_class(hf: Any) -> type | None:
 
 
 def wrapper_lm_class(wrapper: Any) -> type | None:
-    """A multimodal config's image-text-to-text class (its language model with the LM head), for a
-    wrapper whose text model has no causal LM of its own; None if transformers has none."""
+    """A checked multimodal config's image-text-to-text class (its language model with the LM head), for a
+    wrapper whose text model has no causal LM of its own; None otherwise."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    if wrapper is None or wrapper.get_text_config() is wrapper:
+    if wrapper is None or wrapper.get_text_config() is wrapper or wrapper.model_type not in CHECKED_WRAPPERS:
         return None
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(wrapper), None)
 

@@ -105,6 +105,11 @@ def test_unsupported_models_get_errors_naming_the_type():
         ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
         ("glm5_next", r"glm5_next_text: its layers pass 4 streams of hidden states between them"),
+        (  # a wrapper-only text model corolla has not checked against its wrapper
+            "glm4v",
+            r"'glm4v_text' is not a decoder-only causal LM \(transformers defines no \.\.\.ForCausalLM for "
+            r"it; of such multimodal models corolla serves mistral_large4, qwen2_5_vl, qwen3_vl\)",
+        ),
     ],
 )
 def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model_type, refusal):
