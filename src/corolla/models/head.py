@@ -23,6 +23,7 @@ from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.loading import (
+    check_layer_inputs,
     decoder_of,
     empty_model,
     final_norm,
@@ -79,6 +80,7 @@ class ModelHead(nn.Module):
         self.config = config
         model = empty_model(config, ATTENTION_NAME, dtype)  # attention never runs here
         prefix, decoder = decoder_of(model)
+        check_layer_inputs(config.model_type, decoder.layers)  # what servers would refuse, said at once
         self.embed_tokens = decoder.get_input_embeddings()
         self.norm = final_norm(decoder)
         self.lm_head = model.get_output_embeddings()

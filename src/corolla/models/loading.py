@@ -10,6 +10,7 @@ modules' (per-expert MoE weights into fused experts, renamed keys) exactly as `f
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -62,6 +63,31 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
         f"{model.config.model_type}: corolla needs a decoder with `layers`, which {type(model).__name__} "
         "does not have"
     )
+
+
+# what some families' decoder layers take besides the previous layer's hidden states and the pass's cache,
+# which a span that receives only hidden states cannot give them: the token ids (Qwen4-exp's per-layer
+# n-gram embeddings), the embeddings' output (Zamba), another block's output (Zamba's shared attention),
+# the previous layer's router state (ZAYA)
+OUTSIDE_INPUTS = (
+    "input_ids",
+    "ple_input_ids",
+    "original_hidden_states",
+    "transformer_hidden_states",
+    "prev_router_hidden_states",
+)
+
+
+def check_layer_inputs(model_type: str, layers: nn.ModuleList) -> None:
+    """Refuse decoder layers that take inputs from outside the previous layer's hidden states."""
+    for layer_class in dict.fromkeys(type(layer) for layer in layers):  # in the order of the layers
+        parameters = inspect.signature(layer_class.forward).parameters
+        outside = [name for name in OUTSIDE_INPUTS if name in parameters]
+        if outside:
+            raise UnsupportedModel(
+                f"{model_type}: its layers ({layer_class.__name__}) take {', '.join(outside)} besides the "
+                "previous layer's hidden states, which a span lacks"
+            )
 
 
 def final_norm(decoder: nn.Module) -> nn.Module:

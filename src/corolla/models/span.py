@@ -26,7 +26,13 @@ from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.context_cache import ContextCache
 from corolla.models.layer_probe import measure_layers
-from corolla.models.loading import decoder_of, empty_model, load_weights, missing_on_meta
+from corolla.models.loading import (
+    check_layer_inputs,
+    decoder_of,
+    empty_model,
+    load_weights,
+    missing_on_meta,
+)
 from corolla.models.quantize import quantize_blocks
 from corolla.models.row_passes import by_rows, indexed_pass, run_block
 
@@ -47,6 +53,7 @@ class Span(nn.Module):
             empty_model(config, ATTENTION_NAME, dtype)
         ]  # a list: not a submodule, not in state_dict
         _, decoder = decoder_of(self._model[0])
+        check_layer_inputs(config.model_type, decoder.layers)
         self.blocks = nn.ModuleList(decoder.layers[start:end])
         self.rotary = getattr(decoder, "rotary_emb", None)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types

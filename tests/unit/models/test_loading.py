@@ -137,6 +137,7 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("falcon_h1", "falcon_h1"),  # attention and Mamba side by side in every layer
         ("qwen3_vl", "qwen3_vl_text"),  # causal LMs only in their multimodal wrappers (text, M-RoPE)
         ("qwen2_5_vl", "qwen2_5_vl_text"),
+        ("gemma4_unified", "gemma4_unified_text"),  # Gemma 4's shapes per layer type
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
@@ -199,3 +200,20 @@ def test_latent_attention_caches_its_latent_and_is_handed_its_history(tiny_model
     assert span.cache_bytes_per_token == 2 * (32 + 8) * 4  # 2 blocks, float32
     expanded = 4 * ((16 + 8) + 16) * 4
     assert span.config.kv_bytes_per_token_per_block(4) == (32 + 8) * 4 < expanded
+
+
+@pytest.mark.parametrize(
+    ("model_type", "refusal"),
+    [
+        ("zamba2", r"zamba2: its layers \(Zamba2\w+Layer\) take original_hidden_states"),
+        ("zaya", r"zaya: its layers \(ZayaDecoderLayer\) take prev_router_hidden_states besides"),
+    ],
+)
+def test_layers_that_take_inputs_a_span_lacks_are_refused(model_type, refusal):
+    """Their configs' layer types look servable (hybrid), but their layers also take the embeddings'
+    output (Zamba) or the previous layer's router state (ZAYA): refused when the span is built."""
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.for_model(model_type))
+    with pytest.raises(UnsupportedModel, match=refusal):
+        Span(config, 0, 1)
