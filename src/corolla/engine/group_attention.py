@@ -80,5 +80,6 @@ class _PathAttention:
         before = replace(self.row, length=0)  # the cache before the tree
         keys = torch.cat([row_positions(pages.keys, before), k[0].transpose(0, 1)])
         values = torch.cat([row_positions(pages.values, before), v[0].transpose(0, 1)])
-        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        keys = keys.transpose(0, 1)[None]  # [1, heads, position + path, d]
+        values = values.transpose(0, 1)[None]
         return causal_attention(q, keys, values, self.row.position, scores)

@@ -41,9 +41,10 @@ class ContiguousCache:
         self.gathers: dict[int, bool] = {}
         for layer, shape in shapes.items():
             where = dict(dtype=dtype, device=device)
-            heads, dim = (shape.key_heads, shape.value_heads), (shape.key_dim, shape.value_dim)
-            self.keys[layer] = torch.empty(batch_size, heads[0], max_length, dim[0], **where)
-            self.values[layer] = torch.empty(batch_size, heads[1], max_length, dim[1], **where)
+            keys = (batch_size, shape.key_heads, max_length, shape.key_dim)
+            values = (batch_size, shape.value_heads, max_length, shape.value_dim)
+            self.keys[layer] = torch.empty(*keys, **where)
+            self.values[layer] = torch.empty(*values, **where)
             self.indexer[layer] = torch.empty(batch_size, max_length, shape.index_dim, **where)
             self.gathers[layer] = shape.gathers
         self.aliases = dict(aliases or {})

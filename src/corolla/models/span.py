@@ -40,12 +40,7 @@ from corolla.models.row_passes import by_rows, indexed_pass, run_block
 class Span(nn.Module):
     def __init__(self, config: ModelConfig, start: int, end: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        if not 0 <= start < end <= config.num_hidden_layers:
-            raise InvalidRequest(
-                f"blocks {start}:{end} are not a non-empty range inside the model's "
-                f"{config.num_hidden_layers} blocks"
-            )
-        config.kv_sharing.check_span(start, end, config.model_type)
+        _check_blocks(config, start, end)
         self.config = config
         self.start = start
         self.end = end
@@ -215,6 +210,17 @@ class Span(nn.Module):
             return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
         shared = self.rotary(hidden, position_ids)
         return dict.fromkeys(types, shared)
+
+
+def _check_blocks(config: ModelConfig, start: int, end: int) -> None:
+    """Blocks [start, end) must be a range of the model's that cuts no group of layers sharing their work
+    within a pass (models/kv_sharing.py)."""
+    if not 0 <= start < end <= config.num_hidden_layers:
+        raise InvalidRequest(
+            f"blocks {start}:{end} are not a non-empty range inside the model's "
+            f"{config.num_hidden_layers} blocks"
+        )
+    config.kv_sharing.check_span(start, end, config.model_type)
 
 
 def _configured_shape(config: ModelConfig, layer: int) -> CacheShape:
