@@ -29,13 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil
 import torch
 
-from corolla.client.model import DistributedModelForCausalLM
-from corolla.launch.local import LocalSwarm
 from corolla.models.span import Span
-from mla import CACHE_BUDGET, decode_rate, local_rate
+from mla import CACHE_BUDGET, serve_and_measure
 
 REAL_LAYERS = 32
 
@@ -68,7 +65,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ids = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    half = args.layers // 2
     with tempfile.TemporaryDirectory(prefix="corolla-bench-linear-") as folder:
         config = save_model(folder, args.layers)
         linear = Span.load(folder, 0, 1, dtype=torch.bfloat16)  # one linear-attention layer
@@ -76,19 +72,7 @@ def main() -> None:
         state_per_layer = linear.state_bytes_per_row
         kv_per_layer = attention.cache_bytes_per_token
         del linear, attention
-        server_args = ["--dtype", "bfloat16", "--max-cache-tokens", "4096"]
-        with LocalSwarm(folder, [(0, half), (half, args.layers)], server_args=server_args) as swarm:
-            rss = [psutil.Process(server.pid).memory_info().rss for server in swarm.servers]
-            client = swarm.client_config(dtype="bfloat16")
-            with DistributedModelForCausalLM.from_pretrained(folder, config=client) as model:
-
-                def generate(ids, count, stamp):
-                    model.generate(ids, max_new_tokens=count, ignore_eos=True, streamer=stamp)
-
-                generate(ids, 2, lambda *_: None)  # warm-up
-                swarm_rate = decode_rate(generate, ids, args.new_tokens)
-                announced = model.runtime.run(model.client.swarm.view.refresh())
-        local = local_rate(folder, ids, args.new_tokens)
+        rss, swarm_rate, announced, local = serve_and_measure(folder, args.layers, ids, args.new_tokens)
     print(
         json.dumps(
             report(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss), indent=2

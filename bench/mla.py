@@ -93,6 +93,26 @@ def local_rate(folder: str, ids: torch.Tensor, new_tokens: int) -> float:
     return decode_rate(generate, ids, new_tokens)
 
 
+def serve_and_measure(folder: str, layers: int, ids: torch.Tensor, new_tokens: int):
+    """The saved model on 2 servers of half its layers each (bfloat16, 4096 cache tokens): each server's
+    RSS, the swarm's decode tokens/s, the servers' announced records; then transformers' decode tokens/s
+    on the same folder in this process."""
+    half = layers // 2
+    server_args = ["--dtype", "bfloat16", "--max-cache-tokens", "4096"]
+    with LocalSwarm(folder, [(0, half), (half, layers)], server_args=server_args) as swarm:
+        rss = [psutil.Process(server.pid).memory_info().rss for server in swarm.servers]
+        config = swarm.client_config(dtype="bfloat16")
+        with DistributedModelForCausalLM.from_pretrained(folder, config=config) as model:
+
+            def generate(ids, count, stamp):
+                model.generate(ids, max_new_tokens=count, ignore_eos=True, streamer=stamp)
+
+            generate(ids, 2, lambda *_: None)  # warm-up
+            swarm_rate = decode_rate(generate, ids, new_tokens)
+            announced = model.runtime.run(model.client.swarm.view.refresh())
+    return rss, swarm_rate, announced, local_rate(folder, ids, new_tokens)
+
+
 def sessions_in(budget: int, bytes_per_token_per_layer: int, layers: int, context: int) -> float:
     return round(budget / (bytes_per_token_per_layer * layers * context), 2)
 
@@ -107,22 +127,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ids = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    half = args.layers // 2
     with tempfile.TemporaryDirectory(prefix="corolla-bench-mla-") as folder:
         save_model(folder, args.layers)
-        server_args = ["--dtype", "bfloat16", "--max-cache-tokens", "4096"]
-        with LocalSwarm(folder, [(0, half), (half, args.layers)], server_args=server_args) as swarm:
-            rss = [psutil.Process(server.pid).memory_info().rss for server in swarm.servers]
-            config = swarm.client_config(dtype="bfloat16")
-            with DistributedModelForCausalLM.from_pretrained(folder, config=config) as model:
-
-                def generate(ids, count, stamp):
-                    model.generate(ids, max_new_tokens=count, ignore_eos=True, streamer=stamp)
-
-                generate(ids, 2, lambda *_: None)  # warm-up
-                swarm_rate = decode_rate(generate, ids, args.new_tokens)
-                announced = model.runtime.run(model.client.swarm.view.refresh())
-        local = local_rate(folder, ids, args.new_tokens)
+        rss, swarm_rate, announced, local = serve_and_measure(folder, args.layers, ids, args.new_tokens)
     per_layer = announced[0].info.cache_bytes_per_token // (announced[0].end - announced[0].start)
     qk_head = REAL["qk_nope_head_dim"] + REAL["qk_rope_head_dim"]
     expanded = REAL["num_attention_heads"] * (qk_head + REAL["v_head_dim"]) * 2  # bfloat16

@@ -10,6 +10,7 @@ computation. Multimodal wrappers (a language model plus a vision tower) are serv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -80,9 +81,10 @@ class ModelConfig:
         types = getattr(self.hf, "layer_types", None)
         return tuple(types) if types else ("full_attention",) * self.num_hidden_layers
 
-    @property
+    @functools.cached_property
     def kv_sharing(self) -> KVSharing:
-        """Which layers attend with an earlier layer's keys and values (Gemma 3n, Gemma 4)."""
+        """Which layers use an earlier layer's keys and values or sparse-attention selection within a pass
+        (Gemma 3n and 4, GLM-5, Mistral Large 4), read once (every session a server opens checks it)."""
         return KVSharing.of(self.hf, self.layer_types)
 
     def layer_attribute(self, layer: int, name: str) -> Any:
