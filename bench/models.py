@@ -143,7 +143,8 @@ def cache_bytes(path: Path, config) -> dict:
     """What the servers cache per token, per block on average (float32), and what expanded keys and values
     in every block would take: for multi-head latent attention every head's keys and values, made from
     the cached latent; for layers with a recurrent state (which cache no tokens), attention's. Plus the
-    recurrent states of one sequence over all blocks (fixed, whatever its length)."""
+    recurrent states of one sequence over all blocks (fixed, whatever its length), and the width of what
+    one server hands the next."""
     span = Span.load(path, 0, config.num_hidden_layers)
     cached = span.cache_bytes_per_token / config.num_hidden_layers
     if getattr(config, "kv_lora_rank", None):
@@ -157,6 +158,9 @@ def cache_bytes(path: Path, config) -> dict:
         "expanded_kv_bytes_per_token_per_block": expanded,
         "cache_vs_expanded": round(cached / expanded, 4),
         "state_bytes_per_sequence": span.state_bytes_per_row,
+        # what travels between servers per token (models/wire.py: Gemma's per-layer inputs and streams)
+        "wire_floats_per_token": span.config.wire.width,
+        "wire_vs_hidden": round(span.config.wire.width / span.config.hidden_size, 2),
     }
 
 

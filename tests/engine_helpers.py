@@ -108,7 +108,7 @@ def assert_close(actual, expected):
 def check_batched_sessions_match_each_alone(engine: Engine, shapes, steps: int = 5, seed: int = 1) -> None:
     """Sessions of (rows, prompt length) `shapes`, each a prompt then `steps` decode steps, run together:
     every output is the one a plain contiguous cache gives the session alone, and passes were shared."""
-    hidden_size = engine.span.config.hidden_size
+    hidden_size = engine.span.config.wire.width
     generator = torch.Generator().manual_seed(seed)
     plans = {
         f"s{i}": [torch.randn(batch, prompt, hidden_size, generator=generator)]
@@ -127,7 +127,7 @@ def check_tree_step_and_kept_path(engine: Engine, seed: int = 2) -> None:
     path and the tokens after it get what the plain sequence gets."""
     from corolla.models.tree import TokenTree
 
-    hidden_size = engine.span.config.hidden_size
+    hidden_size = engine.span.config.wire.width
     generator = torch.Generator().manual_seed(seed)
     prefix, nodes, later = (torch.randn(1, n, hidden_size, generator=generator) for n in (9, 7, 2))
     session = engine.open_session("tree", (0, 6), 1, 64)

@@ -264,9 +264,10 @@ class LoopbackNetwork:
         spans = HostedSpans(PREFIX, loader.load, frozenset(name for name, _ in adapters))
         await spans.start(blocks)
         server = LoopbackServer(self, peer_id, config, spans, Pusher(self.transport(peer_id), PREFIX))
-        hidden, num_blocks = self.model.hidden_size, self.model.num_hidden_layers
-        server.inference = InferenceService(spans, config, hidden, server.pusher, num_blocks)
-        passes = PassService(spans, config, hidden)
+        wire, num_blocks = self.model.wire, self.model.num_hidden_layers
+        sizes = (wire.width, wire.hidden_size)
+        server.inference = InferenceService(spans, config, sizes[0], server.pusher, num_blocks, sizes[1])
+        passes = PassService(spans, config, *sizes)
         fingerprint = self.model.fingerprint()
         compute = Compute("float32", 1e3, device_info(device))
         server.status = StatusBoard(spans, server.inference, config, "test", compute, None, fingerprint)

@@ -191,6 +191,22 @@ LAYOUTS = {
             moe_intermediate_size=32,
         ),
     ),
+    "gemma3n": (  # Gemma 3n's text model: per-layer inputs, 4 parallel residual streams (AltUp), LAuReL,
+        # sparse activations in the first MLPs, and a last layer that attends with an earlier layer's keys
+        # and values
+        "Gemma3nTextConfig",
+        dict(
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+            + ["sliding_attention", "full_attention", "full_attention"],
+            num_kv_shared_layers=1,  # layer 5 reads layer 4's: blocks 4-5 are never split
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=320,
+            laurel_rank=8,
+            activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+        ),
+    ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
     "jamba": (  # Mamba layers (no position embeddings at all), attention every third layer, MoE
         "JambaConfig",

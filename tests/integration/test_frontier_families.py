@@ -14,6 +14,8 @@ attention layer, the second starts on linear ones.
 gemma4: sliding and global layers of different head sizes (a pool tensor per shape), MoE beside the MLP,
 and a last layer that attends with the one before's keys and values: the second span starts on that
 source, the only cut before it that keeps them together.
+gemma3n: the same sharing, with per-layer inputs and 4 parallel residual streams (AltUp) beside the
+hidden states (models/wire.py): what travels between the servers is 4.75 times the hidden size wide.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
-FRONTIER = ["deepseek_v3", "mistral_large4", "qwen3_5", "gemma4"]
+FRONTIER = ["deepseek_v3", "mistral_large4", "qwen3_5", "gemma4", "gemma3n"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
-SPANS_OF = {"gemma4": [(0, 4), (4, 6), (4, 6)]}  # block 5 reads block 4's keys and values
+SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values
+SPANS_OF = {"gemma4": SHARING, "gemma3n": SHARING}
 NEW_TOKENS = 14
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
 # a prompt that repeats itself

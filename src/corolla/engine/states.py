@@ -28,7 +28,7 @@ def state_pages(span: Span, page_size: int) -> int:
     0 for a span without recurrent layers."""
     if not span.state_blocks:
         return 0
-    per_token = span.cache_bytes_per_token or span.config.hidden_size * span.dtype.itemsize
+    per_token = span.cache_bytes_per_token or span.config.wire.width * span.dtype.itemsize
     return max(1, -(-2 * span.state_bytes_per_row // (per_token * page_size)))
 
 

@@ -22,6 +22,7 @@ import torch
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.kv_sharing import KVSharing
 from corolla.models.lm_class import CHECKED_WRAPPERS, causal_lm_class, lm_class
+from corolla.models.wire import WireLayout
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
@@ -86,6 +87,12 @@ class ModelConfig:
         """Which layers use an earlier layer's keys and values or sparse-attention selection within a pass
         (Gemma 3n and 4, GLM-5, Mistral Large 4), read once (every session a server opens checks it)."""
         return KVSharing.of(self.hf, self.layer_types)
+
+    @functools.cached_property
+    def wire(self) -> WireLayout:
+        """What one layer hands the next: hidden states, and with them per-layer inputs and parallel
+        streams where the family has them (Gemma 3n, Gemma 4 E2B/E4B: models/wire.py)."""
+        return WireLayout.of(self.hf)
 
     def layer_attribute(self, layer: int, name: str) -> Any:
         """A config value of one layer: Gemma 4's attention shapes differ by layer (`per_layer_config`)."""
@@ -224,14 +231,8 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
 
 
 def _check_layer_inputs(hf: Any) -> None:
-    """Refuse layers that need more than the previous layer's hidden states and the span's cache: Gemma 3n
-    and Gemma 4's smaller models take per-layer inputs made from the token ids; GLM-5-Next's layers pass
-    several streams of hidden states between them (hyper-connections)."""
-    if getattr(hf, "hidden_size_per_layer_input", None):
-        raise UnsupportedModel(
-            f"{hf.model_type}: its layers take per-layer inputs made from the token ids "
-            "(hidden_size_per_layer_input), which a span lacks"
-        )
+    """Refuse layers that need more than what travels between spans (models/wire.py) and the span's
+    cache: GLM-5-Next's layers mix several streams of hidden states between them (hyper-connections)."""
     streams = getattr(hf, "hc_mult", None)
     if isinstance(streams, int) and streams > 1:
         raise UnsupportedModel(
@@ -246,7 +247,7 @@ def supported_summary() -> str:
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
         "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, mistral_large4, qwen3_5, "
-        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, gemma4_text"
+        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, falcon_h1, gemma4_text, gemma3n_text"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

@@ -31,6 +31,7 @@ from corolla.models.loading import (
     missing_on_meta,
     target_name,
 )
+from corolla.models.wire import WIRE_MODULES, WireLayout, merge_streams
 
 
 class _Embedded(Exception):
@@ -53,13 +54,16 @@ class _Outputs(BaseModelOutputWithPast):
 
 
 class _FinalNorm(nn.Module):
-    """Stands in for the decoder inside the causal LM: its `inputs_embeds` are final hidden states. Plain
-    attributes the causal LM reads from its decoder (Falcon-H1's `lm_head_multiplier`) are the decoder's."""
+    """Stands in for the decoder inside the causal LM: its `inputs_embeds` are what the last block hands
+    on (models/wire.py), to which it applies what the decoder does after its layers: merging parallel
+    streams (Gemma 3n), then the final norm. Plain attributes the causal LM reads from its decoder
+    (Falcon-H1's `lm_head_multiplier`) are the decoder's."""
 
-    def __init__(self, norm: nn.Module, decoder: nn.Module):
+    def __init__(self, norm: nn.Module, decoder: nn.Module, wire: WireLayout):
         super().__init__()
         self.norm = norm
         self._decoder = [decoder]  # a list: not a submodule
+        self._wire = wire
 
     def __getattr__(self, name: str):
         try:
@@ -71,7 +75,10 @@ class _FinalNorm(nn.Module):
             return value
 
     def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs) -> BaseModelOutputWithPast:
-        return _Outputs(last_hidden_state=self.norm(inputs_embeds))
+        hidden, _ = self._wire.unpack(inputs_embeds)
+        if self._wire.streams > 1:
+            hidden = merge_streams(hidden, self._decoder[0].altup_unembed_projections)
+        return _Outputs(last_hidden_state=self.norm(hidden))
 
 
 class ModelHead(nn.Module):
@@ -84,6 +91,9 @@ class ModelHead(nn.Module):
         self.embed_tokens = decoder.get_input_embeddings()
         self.norm = final_norm(decoder)
         self.lm_head = model.get_output_embeddings()
+        self.wire = config.wire
+        wire_modules = {name: getattr(decoder, name) for name in WIRE_MODULES if hasattr(decoder, name)}
+        self.wire_modules = nn.ModuleDict(wire_modules)  # the head's own, loaded and moved with it
         decoder.layers[0].register_forward_pre_hook(_stop_at_first_layer, with_kwargs=True)
         # lists: not submodules (only the embeddings, norm and head above are the head's own modules)
         self._model = [model]
@@ -115,7 +125,8 @@ class ModelHead(nn.Module):
             raise UnsupportedModel(f"{folder}: the checkpoint lacks the head's tensors {missing[:5]}")
         # logits() runs the LM's forward from the final hidden states, the decoder swapped for its norm
         parent, _, name = head._decoder_name.rpartition(".")
-        setattr(model.get_submodule(parent), name, _FinalNorm(head.norm, head._decoder[0]))
+        final = _FinalNorm(head.norm, head._decoder[0], head.wire)
+        setattr(model.get_submodule(parent), name, final)
         head.requires_grad_(False)
         return head.eval()
 
@@ -124,17 +135,26 @@ class ModelHead(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] token ids -> [B, T, hidden], what the first block receives."""
+        """[B, T] token ids -> [B, T, width], what the first block receives: its hidden states (or parallel
+        streams), and every layer's per-layer input where the family has them (models/wire.py)."""
         if input_ids.dim() != 2:
             return self.embed(input_ids.reshape(1, -1)).view(*input_ids.shape, -1)
+        input_ids = input_ids.to(self.embed_tokens.weight.device)
+        decoder = self._decoder[0]
         try:
-            self._decoder[0](input_ids=input_ids.to(self.embed_tokens.weight.device), use_cache=False)
+            decoder(input_ids=input_ids, use_cache=False)
         except _Embedded as embedded:
-            return embedded.hidden
-        raise RuntimeError("the decoder returned without reaching its first layer")
+            hidden = embedded.hidden
+        else:
+            raise RuntimeError("the decoder returned without reaching its first layer")
+        per_layer_inputs = None
+        if self.wire.per_layer:  # the decoder's own steps, which its forward hands layer by layer
+            token_part = decoder.get_per_layer_inputs(input_ids)
+            per_layer_inputs = decoder.project_per_layer_inputs(self.embed_tokens(input_ids), token_part)
+        return self.wire.pack(hidden, per_layer_inputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] outputs of the last block -> [..., vocab]."""
+        """[..., width] outputs of the last block -> [..., vocab]."""
         weight = self.embed_tokens.weight  # the servers' outputs, where and as the head computes
         packed = hidden.reshape(1, -1, hidden.shape[-1]).to(weight.device, weight.dtype)
         logits = self._model[0](inputs_embeds=packed, use_cache=False).logits

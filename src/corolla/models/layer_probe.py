@@ -113,7 +113,7 @@ def _probe_block(span: Span, index: int) -> _ShapeProbe:
     first = span.start + span.selection_sources.get(index - span.start, index - span.start)
     probe = _ShapeProbe(index - first)
     with span.computing():
-        x = torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device)
+        x = torch.zeros(1, 1, span.config.wire.width, dtype=span.dtype, device=span.device)
         span(x, probe, blocks=(first, index + 1))
     if probe.stored is not None and probe.attended is None:
         raise UnsupportedModel(f"{model_type}: its attention does not go through transformers' cache")
@@ -142,7 +142,7 @@ def _continues_from_state(span: Span, index: int, shape: CacheShape | None) -> b
     """Whether block `index` (which keeps a state, and caches keys and values of `shape` if a hybrid)
     computes 2 tokens after a first one as it computes them in one pass over all 3: some of transformers'
     multi-token forms ignore the state they are given."""
-    x = torch.randn(1, 3, span.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 3, span.config.wire.width, generator=torch.Generator().manual_seed(0))
     x = x.to(span.device, span.dtype)
     cache = ContiguousCache({0: shape} if shape else {}, 1, 3, span.dtype, span.device)
     with span.computing():

@@ -161,8 +161,9 @@ class Span(nn.Module):
     ) -> torch.Tensor:
         """Run blocks [a, b) of the model (absolute indices, default: the whole span).
 
-        hidden: [B, T, hidden] for tokens at positions [position, position + T), or at `positions` [T]
-        when given (packed batches of several sequences).
+        hidden: [B, T, width] for tokens at positions [position, position + T), or at `positions` [T]
+        when given (packed batches of several sequences); width is the model's wire width, the hidden
+        size for most families (models/wire.py).
         prompts: optional deep-prompt additions aligned with hidden, [b - a, B or 1, T, hidden] (see
         `align_prompts`), added to each block's input. The context's cache layer i belongs to block a + i.
         """
@@ -171,14 +172,15 @@ class Span(nn.Module):
             positions = torch.arange(position, position + hidden.shape[1], device=hidden.device)
         position_ids = positions[None]
         rotary = self._rotary(hidden, position_ids, first, last)
+        # the hidden states (or parallel streams) and each layer's per-layer input (models/wire.py)
+        hidden, per_layer_inputs = self.config.wire.unpack(hidden)
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()
         shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
         # what each row's sparse-attention layer hands the next (GLM-5, Mistral Large 4: row_passes.py)
         carried = {} if self._threads_selection else None
-        groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         with active_context(context, first):
-            for layer, block in enumerate(self.blocks[first - self.start : last - self.start]):
+            for layer in range(last - first):
                 if prompts is not None:
                     hidden = hidden + prompts[layer].to(hidden.dtype)
                 inputs = {
@@ -189,17 +191,26 @@ class Span(nn.Module):
                     "position_embeddings": rotary[self.layer_types[first + layer]],
                     **shared,
                 }
+                if per_layer_inputs is not None:
+                    inputs["per_layer_input"] = per_layer_inputs[:, :, first + layer]
                 local = first + layer - self.start
-                if local in self.indexed_blocks:
-                    hidden = indexed_pass(block, hidden, context, first, inputs, carried)
-                elif groups is not None and local in self.state_blocks:
-                    hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
-                    attention = (lambda g: (context.group_context(g), first)) if hybrid else None
-                    stepwise = local in self.stepwise_blocks
-                    hidden = by_rows(block, hidden, groups, inputs, stepwise, attention)
-                else:
-                    hidden = run_block(block, hidden, inputs)
-        return hidden
+                hidden = self._run(local, hidden, inputs, context, first, carried)
+        return self.config.wire.pack(hidden, per_layer_inputs)
+
+    def _run(
+        self, local: int, hidden: torch.Tensor, inputs: dict, context, first: int, carried: dict | None
+    ) -> torch.Tensor:
+        """Block `local` of a pass whose first block is `first`: whole, or row by row where its own code
+        mixes a packed pass's rows (row_passes.py)."""
+        block = self.blocks[local]
+        groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
+        if local in self.indexed_blocks:
+            return indexed_pass(block, hidden, context, first, inputs, carried)
+        if groups is not None and local in self.state_blocks:
+            hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
+            attention = (lambda g: (context.group_context(g), first)) if hybrid else None
+            return by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks, attention)
+        return run_block(block, hidden, inputs)
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> dict:
         """(cos, sin) per layer type of blocks [first, last), as the family's model computes them."""

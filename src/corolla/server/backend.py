@@ -98,7 +98,7 @@ class SpanLoader:
             return self.engine
         if self.budgeted:
             return replace(self.engine, max_cache_tokens=BUDGET_CACHE_TOKENS)
-        return replace(self.engine, max_cache_tokens=default_cache_tokens(span, self.model.hidden_size))
+        return replace(self.engine, max_cache_tokens=default_cache_tokens(span, self.model.wire.width))
 
 
 def compute_settings(config: ServerConfig, model: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -108,7 +108,7 @@ def compute_settings(config: ServerConfig, model: ModelConfig) -> tuple[torch.de
     return device, parse_dtype(config.dtype or default_dtype(device), model)
 
 
-def default_cache_tokens(span: Span, hidden_size: int) -> int:
+def default_cache_tokens(span: Span, width: int) -> int:
     """Tokens of cache in a share of the span's device's memory free now: a quarter of the host's (the
     pool is allocated lazily there: pages are touched as they are first written, so a large default costs
     memory only when sessions use it), 80% of a GPU's (where allocation is whole, and nothing else is
@@ -117,7 +117,7 @@ def default_cache_tokens(span: Span, hidden_size: int) -> int:
     and at least 1024."""
     per_token = span.cache_bytes_per_token
     if span.device.type == "cpu":
-        tokens = int(free_memory(span.device) * 0.25) // (per_token + hidden_size * 4)
+        tokens = int(free_memory(span.device) * 0.25) // (per_token + width * 4)
     else:
         tokens = int(free_memory(span.device) * 0.8) // per_token
     return max(1024, min(tokens, 2**18))

@@ -51,7 +51,7 @@ class TransformerConnectionHandler:
         self.passes = passes
         self.status = status
         self.config = inference.config
-        self.hidden_size = inference.hidden_size
+        self.width = inference.sizes[0]
         self.step_timeout = inference.config.step_timeout
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:
@@ -62,7 +62,7 @@ class TransformerConnectionHandler:
         test's in-process network)."""
         longest_step = self._step_bytes(self.config.max_batch_size, self.config.inference_max_length)
         pushed_step = validation.max_step_bytes(
-            self.hidden_size, self.config.max_batch_size, self.config.inference_max_length, num_blocks=0
+            self.width, self.config.max_batch_size, self.config.inference_max_length, num_blocks=0
         )
         streams = {
             messages.RPC_INFERENCE: (self.rpc_inference, longest_step),
@@ -84,7 +84,7 @@ class TransformerConnectionHandler:
     def _step_bytes(self, batch: int, length: int) -> int:
         """The longest step message of a session of `batch` rows and `length` tokens on this server."""
         num_blocks = max(end - start for start, end in (b.blocks for b in self.inference.spans.backends))
-        return validation.max_step_bytes(self.hidden_size, batch, length, num_blocks)
+        return validation.max_step_bytes(self.width, batch, length, num_blocks)
 
     # --- a private swarm's admission ----------------------------------------------------------------------
 
@@ -166,7 +166,7 @@ class TransformerConnectionHandler:
         if not request.tensors:
             return 0
         batch_limit = self.config.max_batch_size
-        shape = validation.check_hidden(request.tensors[0], self.hidden_size, batch_limit, max_length, limit)
+        shape = validation.check_hidden(request.tensors[0], self.width, batch_limit, max_length, limit)
         return shape[0]
 
     # --- forward and backward passes ------------------------------------------------------------------------

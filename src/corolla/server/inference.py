@@ -14,10 +14,9 @@ position moves past it, all in one turn of the event loop. No other copy or step
 two steps can never be run at the same position, and every later step is checked against the position
 the earlier ones left. A step that fails in the engine ends the session (the client fails over).
 
-A session belongs to the peer that opened it: only its stream steps the session, and a push is taken
-only from the peer its owner named as the previous hop, on behalf of that same owner (server/push.py).
-A session takes at most PIPELINE_DEPTH steps ahead of their replies: a client cannot queue unbounded
-work, it has to read its replies.
+A session belongs to the peer that opened it: only its stream steps it, and a push is taken only from
+the peer its owner named as the previous hop, on behalf of that same owner (server/push.py). A session
+takes at most PIPELINE_DEPTH steps ahead of their replies: a client has to read its replies.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from corolla.server import validation
 from corolla.server.push import Pusher
 from corolla.server.sessions import Completed, ServerSession
 from corolla.server.spans import HostedSpans
-from corolla.server.steps import StepInputs, StepMessage, next_within, read_inputs
+from corolla.server.steps import StepInputs, StepMessage, next_position, next_within, read_inputs
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.digest import step_digest
 from corolla.wire.messages import InferenceStep
@@ -51,13 +50,15 @@ class InferenceService:
         self,
         spans: HostedSpans,
         config: ServerConfig,
-        hidden_size: int,
+        width: int,
         pusher: Pusher | None,
         num_blocks: int = 2**31,
+        prompt_size: int | None = None,
     ):
         self.spans = spans
         self.config = config
-        self.hidden_size = hidden_size
+        # widths of hidden states on the wire (models/wire.py) and of deep prompts (the hidden size)
+        self.sizes = (width, prompt_size or width)
         self.pusher = pusher
         self.num_blocks = num_blocks  # the model's: every block range a step names lies within it
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
@@ -79,7 +80,7 @@ class InferenceService:
                 f"max_length={meta.max_length} exceeds this server's inference_max_length="
                 f"{self.config.inference_max_length}"
             )
-        hidden = validation.read_hidden(first.tensors, self.hidden_size, self.config.max_batch_size)
+        hidden = validation.read_hidden(first.tensors, self.sizes[0], self.config.max_batch_size)
         batch = hidden.shape[0]
         self._check_hops(meta)
         encoding = meta.output_encoding or "lossless"
@@ -169,7 +170,7 @@ class InferenceService:
         if (
             session is None
             or session.push_from != sender
-            or meta.start_from_position != _next_position(session, meta)
+            or meta.start_from_position != next_position(session, meta)
         ):
             return
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
@@ -237,7 +238,7 @@ class InferenceService:
         inputs_digest: bytes,
         hidden: torch.Tensor | None = None,
     ) -> StepInputs:
-        return read_inputs(session, step, inputs_digest, self.hidden_size, self.config, hidden)
+        return read_inputs(session, step, inputs_digest, self.sizes, self.config, hidden)
 
     def _run(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
         """Take a step: ledger, engine and position in one go, synchronous on purpose (see above)."""
@@ -290,11 +291,3 @@ class InferenceService:
         except Exception as e:  # the step did not run: the session's cache no longer follows its steps
             error = e if isinstance(e, CorollaError) else ServerUnavailable(f"{type(e).__name__}: {e}")
             session.completed.put_nowait(Completed(meta.step_id, run, error=error))
-
-
-def _next_position(session: ServerSession, meta: InferenceStep) -> int:
-    """Where the session's next step goes: its position, or after a token tree, the tree's start + the
-    path the step keeps."""
-    if session.tree is not None and meta.accepted is not None:
-        return session.tree[0] + len(meta.accepted)
-    return session.position

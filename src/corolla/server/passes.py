@@ -26,10 +26,11 @@ from corolla.wire.messages import ForwardRequest
 
 
 class PassService:
-    def __init__(self, spans: HostedSpans, config: ServerConfig, hidden_size: int):
+    def __init__(self, spans: HostedSpans, config: ServerConfig, width: int, prompt_size: int | None = None):
         self.spans = spans
         self.config = config
-        self.hidden_size = hidden_size
+        self.width = width  # of hidden states on the wire (models/wire.py)
+        self.prompt_size = prompt_size or width  # of deep prompts: the model's hidden size
         self._running: Counter[str] = Counter()  # passes running or queued, by peer
 
     @contextlib.contextmanager
@@ -67,7 +68,7 @@ class PassService:
                 metadata = request.metadata
                 # the inputs' first chunk declares their whole shape: refuse an oversized pass at once
                 limits = (self.config.max_batch_size, self.config.max_forward_tokens)
-                validation.check_pass_hidden(request.tensors[0], self.hidden_size, *limits)
+                validation.check_pass_hidden(request.tensors[0], self.width, *limits)
             parts.extend(request.tensors)
             received += sum(len(part.buffer) for part in request.tensors)
             if received > limit:
@@ -104,7 +105,7 @@ class PassService:
         self.spans.check_adapter(meta.active_adapter)
         hidden = self._read_inputs(protos)
         batch, length = hidden.shape[:2]
-        prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.hidden_size, length)
+        prompts = validation.read_prompts(protos, blocks[1] - blocks[0], batch, self.prompt_size, length)
         return await backend.engine.run(ForwardWork(hidden, blocks, prompts, adapter=meta.active_adapter))
 
     async def _backward(self, uid: str, meta: ForwardRequest, protos: list[runtime_pb2.Tensor]) -> Gradients:
@@ -115,7 +116,7 @@ class PassService:
         batch, length = inputs.shape[:2]
         num_blocks = blocks[1] - blocks[0]
         prompts = validation.read_prompts(
-            protos, num_blocks, batch, self.hidden_size, length, index=2, expand=False
+            protos, num_blocks, batch, self.prompt_size, length, index=2, expand=False
         )
         adapter = meta.active_adapter
         work = BackwardWork(
@@ -126,14 +127,14 @@ class PassService:
     def stream_limit(self) -> int:
         """The most bytes a forward or backward stream may carry: inputs, gradients and prompts."""
         longest = max(b.blocks[1] - b.blocks[0] for b in self.spans.backends)
-        return (2 + longest) * self.config.max_forward_tokens * self.hidden_size * 4
+        return (2 + longest) * self.config.max_forward_tokens * self.width * 4
 
     def _read_inputs(self, protos: list[runtime_pb2.Tensor]) -> torch.Tensor:
         """The inputs, checked against max_forward_tokens from their declared shape before decoding."""
         if protos:
             limits = (self.config.max_batch_size, self.config.max_forward_tokens)
-            validation.check_pass_hidden(protos[0], self.hidden_size, *limits)
-        return validation.read_hidden(protos, self.hidden_size, self.config.max_batch_size)
+            validation.check_pass_hidden(protos[0], self.width, *limits)
+        return validation.read_hidden(protos, self.width, self.config.max_batch_size)
 
 
 def output_compression(meta: ForwardRequest) -> int:

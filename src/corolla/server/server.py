@@ -115,12 +115,13 @@ class Server:
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""
         config = self.config
-        hidden_size = self.model.hidden_size
+        wire = self.model.wire  # what travels between spans (models/wire.py)
         num_blocks = self.model.num_hidden_layers
         self.p2p = await self.dht.replicate_p2p()
         self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
-        self.inference = InferenceService(self.spans, config, hidden_size, self.pusher, num_blocks)
-        passes = PassService(self.spans, config, hidden_size)
+        sizes = (wire.width, wire.hidden_size)
+        self.inference = InferenceService(self.spans, config, sizes[0], self.pusher, num_blocks, sizes[1])
+        passes = PassService(self.spans, config, *sizes)
         period = config.announce_period
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)
         dtype = str(self.dtype).replace("torch.", "")

@@ -67,14 +67,16 @@ def read_inputs(
     session: ServerSession,
     step: StepMessage,
     inputs_digest: bytes,
-    hidden_size: int,
+    sizes: tuple[int, int],
     config: ServerConfig,
     hidden: torch.Tensor | None = None,
 ) -> StepInputs:
-    """Check a step's tensors, position and tree against its session (nothing here changes the session)."""
+    """Check a step's tensors, position and tree against its session (nothing here changes the session);
+    `sizes`: the widths of hidden states on the wire and of deep prompts."""
     tensors = step.tensors
+    width, prompt_size = sizes
     if hidden is None:
-        hidden = validation.read_hidden(tensors, hidden_size, config.max_batch_size)
+        hidden = validation.read_hidden(tensors, width, config.max_batch_size)
     batch, length = hidden.shape[:2]
     if batch != session.batch_size:
         raise InvalidRequest(
@@ -92,7 +94,7 @@ def read_inputs(
             f"max_length={session.max_length}"
         )
     num_blocks = session.end - session.start
-    prompts = validation.read_prompts(tensors, num_blocks, batch, hidden_size, session.max_length)
+    prompts = validation.read_prompts(tensors, num_blocks, batch, prompt_size, session.max_length)
     hypo_ids = validation.read_hypo_ids(tensors, batch)
     tree = _read_tree(step.meta, batch, length, hypo_ids, config.max_tree_tokens)
     accepted = _kept_path(session, step.meta, position)
@@ -155,3 +157,11 @@ def _kept_path(session: ServerSession, meta: InferenceStep, position: int) -> tu
             f"(parents {list(tree.parents)[:32]})"
         )
     return kept
+
+
+def next_position(session: ServerSession, meta: InferenceStep) -> int:
+    """Where the session's next step goes: its position, or after a token tree, the tree's start + the
+    path the step keeps."""
+    if session.tree is not None and meta.accepted is not None:
+        return session.tree[0] + len(meta.accepted)
+    return session.position

@@ -61,7 +61,7 @@ def _measure(span: Span) -> float:
     times = []
     for step in range(STEPS + 1):
         length = CONTEXT if step == 0 else 1
-        hidden = torch.randn(1, length, span.config.hidden_size, dtype=span.dtype)
+        hidden = torch.randn(1, length, span.config.wire.width, dtype=span.dtype)
         engine.add_step(StepWork(session, hidden, session.position))
         started = time.perf_counter()
         while engine.has_work():

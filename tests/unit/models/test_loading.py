@@ -101,8 +101,6 @@ def test_unsupported_models_get_errors_naming_the_type():
 @pytest.mark.parametrize(
     ("model_type", "refusal"),
     [
-        ("gemma3n", r"gemma3n_text: its layers take per-layer inputs made from the token ids"),
-        ("gemma4", r"gemma4_text: its layers take per-layer inputs made from the token ids"),
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
         ("glm5_next", r"glm5_next_text: its layers pass 4 streams of hidden states between them"),
         (  # a wrapper-only text model corolla has not checked against its wrapper
@@ -138,12 +136,27 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("qwen3_vl", "qwen3_vl_text"),  # causal LMs only in their multimodal wrappers (text, M-RoPE)
         ("qwen2_5_vl", "qwen2_5_vl_text"),
         ("gemma4_unified", "gemma4_unified_text"),  # Gemma 4's shapes per layer type
+        ("gemma4", "gemma4_text"),  # E2B/E4B's layout: per-layer inputs beside the hidden states
+        ("gemma3n", "gemma3n_text"),  # per-layer inputs and 4 parallel streams (AltUp)
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
     from transformers import AutoConfig
 
     assert ModelConfig.from_hf(AutoConfig.for_model(model_type)).model_type == served_as
+
+
+def test_what_travels_between_spans_of_gemma_3n_and_gemma_4_e2b():
+    """Their layers take per-layer inputs beside the hidden states, Gemma 3n's 4 streams of them (AltUp):
+    the width on the wire per token, for transformers' own shapes of the real models."""
+    from transformers import AutoConfig
+
+    gemma3n = ModelConfig.from_hf(AutoConfig.for_model("gemma3n")).wire
+    assert (gemma3n.streams, gemma3n.per_layer, gemma3n.num_layers) == (4, 256, 35)
+    assert gemma3n.width == 4 * 2048 + 35 * 256
+    gemma4 = ModelConfig.from_hf(AutoConfig.for_model("gemma4")).wire
+    assert gemma4.streams == 1 and gemma4.width == gemma4.hidden_size + gemma4.num_layers * gemma4.per_layer
+    assert ModelConfig.from_hf(AutoConfig.for_model("llama")).wire.plain
 
 
 def test_a_token_costs_only_the_attention_layers_cache(tiny_models):

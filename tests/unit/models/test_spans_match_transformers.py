@@ -28,9 +28,11 @@ def test_forward_matches_hidden_states_at_every_boundary(tiny_models, references
     hidden = head.embed(input_ids)
     for start, end in split:
         hidden = Span.load(path, start, end)(hidden)
-        if end < 6:
-            torch.testing.assert_close(hidden, expected.hidden_states[end], atol=1e-5, rtol=0)
-    torch.testing.assert_close(head.norm(hidden), expected.hidden_states[6], atol=1e-5, rtol=0)
+        if end < 6:  # the hidden states (Gemma 3n: its 4 streams) beside any per-layer inputs
+            boundary, _ = head.wire.unpack(hidden)
+            torch.testing.assert_close(boundary, expected.hidden_states[end], atol=1e-5, rtol=0)
+    if head.wire.streams == 1:  # transformers records Gemma 3n's last streams before it merges them
+        torch.testing.assert_close(head.norm(hidden), expected.hidden_states[6], atol=1e-5, rtol=0)
     torch.testing.assert_close(head.logits(hidden), expected.logits, atol=1e-4, rtol=0)
 
 

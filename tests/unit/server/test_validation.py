@@ -121,7 +121,7 @@ class FakePasses(PassService):
     """The pass service's stream reading (`collect`, the real one) over a fake engine."""
 
     def __init__(self, error: Exception | None = None):
-        super().__init__(spans=None, config=CONFIG, hidden_size=H)
+        super().__init__(spans=None, config=CONFIG, width=H)
         self.error, self.calls = error, 0
 
     def stream_limit(self) -> int:
@@ -135,7 +135,7 @@ class FakePasses(PassService):
 
 
 def handler(passes: FakePasses) -> TransformerConnectionHandler:
-    inference = SimpleNamespace(config=CONFIG, hidden_size=H)
+    inference = SimpleNamespace(config=CONFIG, sizes=(H, H))
     return TransformerConnectionHandler(inference, passes, status=None)
 
 

@@ -1,0 +1,61 @@
+"""Layers that take more than the previous layer's hidden states (models/wire.py): Gemma 3n's 4 parallel
+streams and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs. What travels between spans is one
+[B, T, width] tensor; the engine batches, pages and rolls it back like any hidden states."""
+
+import torch
+
+from corolla.models.head import ModelHead
+from corolla.models.span import Span
+from corolla.models.wire import WireLayout
+from engine_helpers import check_batched_sessions_match_each_alone, check_tree_step_and_kept_path, make_engine
+from tiny_models import load_reference, save_tiny_model
+
+
+def test_pack_and_unpack_are_inverse():
+    wire = WireLayout(hidden_size=4, streams=3, per_layer=2, num_layers=5)
+    assert wire.width == 3 * 4 + 5 * 2
+    streams, per_layer = torch.randn(3, 2, 7, 4), torch.randn(2, 7, 5, 2)
+    packed = wire.pack(streams, per_layer)
+    assert packed.shape == (2, 7, wire.width)
+    unpacked_streams, unpacked_per_layer = wire.unpack(packed)
+    assert torch.equal(unpacked_streams, streams) and torch.equal(unpacked_per_layer, per_layer)
+    plain = WireLayout(hidden_size=4)
+    hidden = torch.randn(2, 7, 4)
+    assert plain.pack(hidden, None) is hidden and plain.unpack(hidden) == (hidden, None)
+
+
+def test_a_span_passes_per_layer_inputs_on_unchanged(tiny_models):
+    path = tiny_models["gemma3n"]
+    head, span = ModelHead.load(path), Span.load(path, 0, 4)
+    assert head.wire == span.config.wire == WireLayout(64, streams=4, per_layer=8, num_layers=6)
+    wire = head.embed(torch.randint(3, 300, (2, 5), generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        out = span(wire)
+    assert out.shape == wire.shape == (2, 5, 4 * 64 + 6 * 8)
+    assert torch.equal(head.wire.unpack(out)[1], head.wire.unpack(wire)[1])
+    assert not torch.allclose(head.wire.unpack(out)[0], head.wire.unpack(wire)[0])
+
+
+def test_gemma_3n_sessions_of_several_rows_match_each_session_alone(tiny_models):
+    engine = make_engine(tiny_models["gemma3n"], max_batch_tokens=64)
+    check_batched_sessions_match_each_alone(engine, [(1, 13), (2, 5), (1, 1), (3, 9)])
+
+
+def test_gemma_3n_tree_step_and_its_kept_path(tiny_models):
+    check_tree_step_and_kept_path(make_engine(tiny_models["gemma3n"], page_size=4))
+
+
+def test_gemma_4_with_per_layer_inputs_split_in_spans_is_transformers(tmp_path):
+    """Gemma 4 E2B/E4B's layout: per-layer inputs, one stream, the last layer reading an earlier one's keys
+    and values."""
+    path = save_tiny_model("gemma4", tmp_path / "gemma4", hidden_size_per_layer_input=8)
+    reference = load_reference(path)
+    head = ModelHead.load(path)
+    assert head.wire == WireLayout(64, streams=1, per_layer=8, num_layers=6)
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    wire = head.embed(input_ids)
+    with torch.no_grad():
+        for start, end in [(0, 2), (2, 6)]:
+            wire = Span.load(path, start, end)(wire)
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(head.logits(wire), expected, atol=1e-4, rtol=0)
