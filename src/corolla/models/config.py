@@ -232,12 +232,13 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
 
 def _check_layer_inputs(hf: Any) -> None:
     """Refuse layers that need more than what travels between spans (models/wire.py) and the span's
-    cache: GLM-5-Next's layers mix several streams of hidden states between them (hyper-connections)."""
+    cache: GLM-5-Next's layers mix several streams of hidden states between them (hyper-connections), and
+    its indexer reads the cache layer's tensors themselves."""
     streams = getattr(hf, "hc_mult", None)
     if isinstance(streams, int) and streams > 1:
         raise UnsupportedModel(
             f"{hf.model_type}: its layers pass {streams} streams of hidden states between them "
-            "(hyper-connections, hc_mult), where a span passes one"
+            "(hyper-connections, hc_mult), which corolla does not carry between spans"
         )
 
 

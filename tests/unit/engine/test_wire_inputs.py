@@ -2,6 +2,7 @@
 streams and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs. What travels between spans is one
 [B, T, width] tensor; the engine batches, pages and rolls it back like any hidden states."""
 
+import pytest
 import torch
 
 from corolla.models.head import ModelHead
@@ -59,3 +60,21 @@ def test_gemma_4_with_per_layer_inputs_split_in_spans_is_transformers(tmp_path):
             wire = Span.load(path, start, end)(wire)
         expected = reference(input_ids).logits
     torch.testing.assert_close(head.logits(wire), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma3n", "gemma4"])
+def test_every_cut_placement_allows_gives_transformers_logits(tiny_models, family):
+    """Two spans cut wherever the layers' sharing allows (not between layer 5 and the layer 4 it reads)."""
+    path = tiny_models[family]
+    reference, head = load_reference(path), ModelHead.load(path)
+    config = head.config
+    cuts = [cut for cut in range(1, 6) if cut not in config.kv_sharing.forbidden_cuts]
+    assert cuts == [1, 2, 3, 4]
+    input_ids = torch.randint(3, 300, (1, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        for cut in cuts:
+            wire = head.embed(input_ids)
+            for start, end in [(0, cut), (cut, 6)]:
+                wire = Span.load(path, start, end)(wire)
+            torch.testing.assert_close(head.logits(wire), expected, atol=1e-4, rtol=0)
