@@ -132,6 +132,18 @@ LAYOUTS = {
             ),
         ),
     ),
+    "hy_v4": (  # HY-V4: 4 hyper-connection streams between layers, sparse latent attention with learned
+        # sinks, a last layer reusing the one before's selection
+        "HYV4Config",
+        dict(
+            **{k: v for k, v in LATENT_MOE.items() if k != "first_k_dense_replace"},
+            **SPARSE,
+            n_shared_experts=1,
+            hc_mult=4,
+            mlp_layer_types=["dense"] + ["sparse"] * 5,
+            indexer_types=["full"] * 5 + ["shared"],
+        ),
+    ),
     "deepseek_v32": (  # latent attention whose keys an indexer picks per query (DeepSeek sparse attention)
         "DeepseekV32Config",
         dict(**LATENT_MOE, **SPARSE, n_shared_experts=1, n_group=2, topk_group=1),

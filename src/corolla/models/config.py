@@ -232,14 +232,15 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
 
 def _check_layer_inputs(hf: Any) -> None:
     """Refuse layers that need more than what travels between spans (models/wire.py) and the span's
-    cache: GLM-5-Next's layers mix several streams of hidden states between them (hyper-connections), and
-    its indexer reads the cache layer's tensors themselves."""
-    streams = getattr(hf, "hc_mult", None)
-    if isinstance(streams, int) and streams > 1:
+    cache: GLM-5-Next's indexer pools keys and reads transformers' own cache layers; parallel streams of
+    two kinds at once."""
+    if getattr(hf, "index_kpool", None):
         raise UnsupportedModel(
-            f"{hf.model_type}: its layers pass {streams} streams of hidden states between them "
-            "(hyper-connections, hc_mult), which corolla does not carry between spans"
+            f"{hf.model_type}: its sparse-attention indexer ranks pools of keys (index_kpool) and reads "
+            "transformers' own cache layers, which corolla's paged cache does not keep"
         )
+    if (getattr(hf, "hc_mult", None) or 1) > 1 and (getattr(hf, "altup_num_inputs", None) or 1) > 1:
+        raise UnsupportedModel(f"{hf.model_type}: its layers pass two kinds of parallel streams at once")
 
 
 def supported_summary() -> str:
@@ -248,7 +249,7 @@ def supported_summary() -> str:
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
         "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, mistral_large4, qwen3_5, "
-        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, falcon_h1, gemma4_text, gemma3n_text"
+        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, falcon_h1, gemma4_text, gemma3n_text, hy_v4"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

@@ -56,7 +56,7 @@ class _Outputs(BaseModelOutputWithPast):
 class _FinalNorm(nn.Module):
     """Stands in for the decoder inside the causal LM: its `inputs_embeds` are what the last block hands
     on (models/wire.py), to which it applies what the decoder does after its layers: merging parallel
-    streams (Gemma 3n), then the final norm. Plain attributes the causal LM reads from its decoder
+    streams (Gemma 3n, HY-V4), then the final norm. Plain attributes the causal LM reads from its decoder
     (Falcon-H1's `lm_head_multiplier`) are the decoder's."""
 
     def __init__(self, norm: nn.Module, decoder: nn.Module, wire: WireLayout):
@@ -76,8 +76,11 @@ class _FinalNorm(nn.Module):
 
     def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs) -> BaseModelOutputWithPast:
         hidden, _ = self._wire.unpack(inputs_embeds)
-        if self._wire.streams > 1:
-            hidden = merge_streams(hidden, self._decoder[0].altup_unembed_projections)
+        decoder = self._decoder[0]
+        if self._wire.streams > 1 and self._wire.streams_first:  # Gemma 3n's AltUp
+            hidden = merge_streams(hidden, decoder.altup_unembed_projections)
+        elif self._wire.streams > 1:  # hyper-connections: the decoder's own head
+            hidden = decoder.hc_head(hidden)
         return _Outputs(last_hidden_state=self.norm(hidden))
 
 

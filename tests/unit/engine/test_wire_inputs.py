@@ -1,6 +1,7 @@
 """Layers that take more than the previous layer's hidden states (models/wire.py): Gemma 3n's 4 parallel
-streams and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs. What travels between spans is one
-[B, T, width] tensor; the engine batches, pages and rolls it back like any hidden states."""
+streams (AltUp) and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs, HY-V4's 4 hyper-connection
+streams. What travels between spans is one [B, T, width] tensor; the engine batches, pages and rolls it
+back like any hidden states."""
 
 import pytest
 import torch
@@ -37,13 +38,16 @@ def test_a_span_passes_per_layer_inputs_on_unchanged(tiny_models):
     assert not torch.allclose(head.wire.unpack(out)[0], head.wire.unpack(wire)[0])
 
 
-def test_gemma_3n_sessions_of_several_rows_match_each_session_alone(tiny_models):
-    engine = make_engine(tiny_models["gemma3n"], max_batch_tokens=64)
+@pytest.mark.parametrize("family", ["gemma3n", "hy_v4"])
+def test_sessions_of_several_rows_match_each_session_alone(tiny_models, family):
+    """HY-V4's sparse attention runs one row at a time: its streams are taken per row like hidden states."""
+    engine = make_engine(tiny_models[family], max_batch_tokens=64)
     check_batched_sessions_match_each_alone(engine, [(1, 13), (2, 5), (1, 1), (3, 9)])
 
 
-def test_gemma_3n_tree_step_and_its_kept_path(tiny_models):
-    check_tree_step_and_kept_path(make_engine(tiny_models["gemma3n"], page_size=4))
+@pytest.mark.parametrize("family", ["gemma3n", "hy_v4"])
+def test_a_tree_step_and_its_kept_path(tiny_models, family):
+    check_tree_step_and_kept_path(make_engine(tiny_models[family], page_size=4))
 
 
 def test_gemma_4_with_per_layer_inputs_split_in_spans_is_transformers(tmp_path):

@@ -102,7 +102,7 @@ def test_unsupported_models_get_errors_naming_the_type():
     ("model_type", "refusal"),
     [
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
-        ("glm5_next", r"glm5_next_text: its layers pass 4 streams of hidden states between them"),
+        ("glm5_next", r"glm5_next_text: its sparse-attention indexer ranks pools of keys \(index_kpool\)"),
         (  # a wrapper-only text model corolla has not checked against its wrapper
             "glm4v",
             r"'glm4v_text' is not a decoder-only causal LM \(transformers defines no \.\.\.ForCausalLM for "
@@ -138,6 +138,7 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("gemma4_unified", "gemma4_unified_text"),  # Gemma 4's shapes per layer type
         ("gemma4", "gemma4_text"),  # E2B/E4B's layout: per-layer inputs beside the hidden states
         ("gemma3n", "gemma3n_text"),  # per-layer inputs and 4 parallel streams (AltUp)
+        ("hy_v4", "hy_v4"),  # 4 hyper-connection streams, sparse latent attention
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
@@ -146,9 +147,9 @@ def test_this_years_latent_and_linear_attention_families_are_accepted(model_type
     assert ModelConfig.from_hf(AutoConfig.for_model(model_type)).model_type == served_as
 
 
-def test_what_travels_between_spans_of_gemma_3n_and_gemma_4_e2b():
-    """Their layers take per-layer inputs beside the hidden states, Gemma 3n's 4 streams of them (AltUp):
-    the width on the wire per token, for transformers' own shapes of the real models."""
+def test_what_travels_between_spans_of_gemma_3n_gemma_4_e2b_and_hy_v4():
+    """Gemma's layers take per-layer inputs beside the hidden states, Gemma 3n's and HY-V4's 4 streams of
+    them (AltUp, hyper-connections): the width on the wire per token, for the real models' shapes."""
     from transformers import AutoConfig
 
     gemma3n = ModelConfig.from_hf(AutoConfig.for_model("gemma3n")).wire
@@ -156,6 +157,8 @@ def test_what_travels_between_spans_of_gemma_3n_and_gemma_4_e2b():
     assert gemma3n.width == 4 * 2048 + 35 * 256
     gemma4 = ModelConfig.from_hf(AutoConfig.for_model("gemma4")).wire
     assert gemma4.streams == 1 and gemma4.width == gemma4.hidden_size + gemma4.num_layers * gemma4.per_layer
+    hyper = ModelConfig.from_hf(AutoConfig.for_model("hy_v4")).wire
+    assert (hyper.streams, hyper.streams_first, hyper.width) == (4, False, 4 * 2816)
     assert ModelConfig.from_hf(AutoConfig.for_model("llama")).wire.plain
 
 
