@@ -190,11 +190,12 @@ def test_fused_experts_are_int8_in_both_modes_and_stay_close(moe, mode):
         ("jamba", "int4"),
         ("deepseek_v32", "int8"),
         ("gemma4", "int4"),
+        ("hy_v4", "int4"),  # int8 noise flips a tiny router too (4 experts): 1 of 4 tokens at block 1
     ],
 )
 def test_a_quantized_moe_span_serves_through_the_engine(tiny_models, family, mode):
     """MoE families of every cache kind: attention, linear attention, Mamba, sparse attention, Gemma 4's
-    layers of different shapes."""
+    layers of different shapes, HY-V4's hyper-connection streams."""
     from corolla.config import EngineConfig
     from corolla.engine.engine import Engine
     from corolla.engine.sequence import StepWork
@@ -205,7 +206,8 @@ def test_a_quantized_moe_span_serves_through_the_engine(tiny_models, family, mod
     engine = Engine(span, EngineConfig(max_cache_tokens=512, page_size=4, max_batch_wait_ms=0))
     session = engine.open_session("s", (0, 6), 1, 32)
     generator = torch.Generator().manual_seed(3)
-    steps = [torch.randn(1, n, 64, generator=generator) for n in (4, 1, 1)]
+    width = span.config.wire.width  # HY-V4: 4 streams of 64 (models/wire.py)
+    steps = [torch.randn(1, n, width, generator=generator) for n in (4, 1, 1)]
     outputs = []
     for position, hidden in zip((0, 4, 5), steps, strict=True):  # a prefill, then decode steps
         engine.add_step(StepWork(session, hidden, position))
