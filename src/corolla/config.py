@@ -16,6 +16,8 @@ from corolla.errors import InvalidRequest
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
 WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
+# how other peers reach this one: libp2p's AutoNAT decides, or the owner says (swarm/reachability.py)
+REACHABILITY = ("auto", "public", "behind-nat")
 
 
 def _check(
@@ -46,10 +48,17 @@ class SwarmConfig:
     client_mode: bool = False
     # a private swarm: only these peer ids may use this peer, and only their DHT records count (None: open)
     allowed_peers: frozenset[str] | None = None
+    # "public": dialable as it is, and a relay for peers behind NAT; "behind-nat": reachable only through
+    # relays (reservations on the initial peers), a DHT client; "auto": libp2p's AutoNAT decides
+    reachability: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidRequest(f"port (--port) must lie in 0..65535, got {self.port}")
+        if self.reachability not in REACHABILITY:
+            raise InvalidRequest(
+                f"reachability must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}"
+            )
 
     @property
     def host_maddrs(self) -> list[str]:

@@ -61,7 +61,29 @@ def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen
         help="ask the LAN gateway (UPnP / NAT-PMP) to forward our port; default: on unless "
         "--host is a loopback address. Turn it off in tests and private networks",
     )
+    _add_reachability_args(group)
     _add_identity_args(group)
+
+
+def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
+    reachability = group.add_mutually_exclusive_group()
+    reachability.add_argument(
+        "--public",
+        dest="reachability",
+        action="store_const",
+        const="public",
+        default="auto",
+        help="this machine is reachable at its address (a public IP, or a forwarded port): say so instead "
+        "of letting libp2p find out, and relay for peers behind NAT",
+    )
+    reachability.add_argument(
+        "--behind-nat",
+        dest="reachability",
+        action="store_const",
+        const="behind-nat",
+        help="this machine cannot be dialed (a home router, no forwarded port): be reachable through "
+        'relays on the --initial-peers instead (see the README, "Running a server at home")',
+    )
 
 
 def _add_identity_args(group: argparse._ArgumentGroup) -> None:
@@ -198,6 +220,7 @@ def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> Swar
         identity_path=args.identity,
         client_mode=client_mode,
         allowed_peers=_allowed_peers(args.allowed_peers),
+        reachability=args.reachability,
     )
 
 

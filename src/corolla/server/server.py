@@ -37,12 +37,14 @@ from corolla.server.rebalancer import Rebalancer
 from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_throughput
+from corolla.swarm import reachability
 from corolla.swarm.dht import placed_servers, start_dht
 from corolla.swarm.transport import P2PTransport
 from corolla.version import __version__
 from corolla.wire.records import ServerState
 
 logger = logging.getLogger(__name__)
+RELAY_WAIT = 30.0  # seconds a server behind NAT waits for a relay before it says none took it
 DHT_EXIT_GRACE = 0.25  # on a signal, how long to wait for the DHT process to exit (when the group got it)
 
 
@@ -110,7 +112,14 @@ class Server:
         self.spans = HostedSpans(self.dht_prefix, loader.load, adapters, config.drain_timeout)
         await self.spans.start(blocks)
         await self._serve()
+        await self._report_serving(blocks)
+
+    async def _report_serving(self, blocks: tuple[int, int]) -> None:
+        """The line scripts wait for, then how other peers reach this server (behind NAT: through which
+        relay, or that none took it)."""
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
+        reachable, how = await reachability.describe(self.p2p, self.config.swarm, RELAY_WAIT)
+        (logger.info if reachable else logger.warning)(how)
 
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""

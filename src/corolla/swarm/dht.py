@@ -32,6 +32,7 @@ from corolla.swarm import p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
 from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
+from corolla.swarm.reachability import p2p_options
 from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
 from corolla.wire.records import ServerState, ServerStatus, block_key
 
@@ -56,13 +57,15 @@ def start_dht(config: SwarmConfig) -> PeerDHT:
                 validators,
                 initial_peers=list(config.initial_peers) or None,
                 start=True,
-                client_mode=config.client_mode,
+                # a peer behind NAT must not hold records others need (swarm/reachability.py)
+                client_mode=config.client_mode or config.reachability == "behind-nat",
                 host_maddrs=config.host_maddrs,
                 announce_maddrs=config.announce_maddrs,
                 identity_path=str(path),
                 check_if_identity_free=False,  # checked above
                 nat_port_map=config.use_nat_port_map,
                 num_workers=4,
+                **p2p_options(config),
             )
         except P2PDaemonError as e:
             raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None

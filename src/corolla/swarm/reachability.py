@@ -1,0 +1,66 @@
+"""How other peers reach this one: directly, or through a relay when it sits behind NAT.
+
+A peer behind a home router cannot be dialed. With `--behind-nat` its libp2p daemon takes reservations
+on relays (its `--initial-peers`, which must run with `--public`: libp2p starts a relay service only on
+peers it believes public) and announces a relayed address (`.../p2p/RELAY/p2p-circuit/p2p/ME`) that
+other peers' daemons find through libp2p's own DHT and dial; RPC streams then run through the relay.
+Such a peer keeps its hivemind DHT node in client mode: it must not hold records others need to fetch.
+libp2p looks for at least 4 relay candidates before it takes a reservation, or waits 3 minutes (its boot
+delay): a server given fewer public initial peers is reachable only after that.
+
+`--public` says the machine can be dialed at its address (a public IP or a forwarded port), which also
+makes it a relay for others. Without either, libp2p's AutoNAT decides, which needs several peers to dial
+back and may never call a small swarm's peers public.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind.p2p import P2P
+
+from corolla.config import SwarmConfig
+
+RELAYED = "/p2p-circuit"
+
+
+def p2p_options(config: SwarmConfig) -> dict:
+    """The libp2p daemon's options for the peer's reachability (hivemind's P2P.create arguments)."""
+    if config.reachability == "public":
+        return {"force_reachability": "public"}
+    if config.reachability == "behind-nat":
+        relays = list(config.initial_peers)
+        return {"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays}
+    return {}
+
+
+async def relayed_addresses(p2p: P2P) -> list[str]:
+    """The relayed addresses this peer announces now (none: no relay holds a reservation for it)."""
+    return [str(maddr) for maddr in await p2p.get_visible_maddrs() if RELAYED in str(maddr)]
+
+
+async def describe(p2p: P2P, config: SwarmConfig, timeout: float) -> tuple[bool, str]:
+    """(whether other peers can reach this one, a line saying how) — behind NAT, after waiting up to
+    `timeout` seconds for a relay to take a reservation."""
+    if config.reachability != "behind-nat":
+        addresses = ", ".join(str(m) for m in await p2p.get_visible_maddrs())
+        how = "public (--public)" if config.reachability == "public" else "as libp2p finds (AutoNAT)"
+        return True, f"Reachable directly, {how}, at {addresses}"
+    deadline = time.monotonic() + timeout
+    relayed = await relayed_addresses(p2p)
+    while not relayed and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        relayed = await relayed_addresses(p2p)
+    if relayed:
+        relays = sorted({address.split(RELAYED)[0].rsplit("/p2p/", 1)[-1] for address in relayed})
+        return (
+            True,
+            f"Behind NAT, reachable through {len(relays)} relay(s) ({', '.join(relays)}): {relayed[0]}",
+        )
+    return False, (
+        f"Behind NAT and no relay took a reservation within {timeout:.0f}s: no client can reach this "
+        "server. Give --initial-peers that run with --public (libp2p waits up to 3 minutes when it knows "
+        "fewer than 4), or forward a TCP port to this machine and run with --port PORT --announce-host "
+        "YOUR_PUBLIC_IP --public"
+    )

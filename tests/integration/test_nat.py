@@ -1,0 +1,87 @@
+"""Servers behind emulated home routers (tests/nat_harness.py): reachable through relays, their tokens
+those of transformers on the same checkpoint.
+
+Four `corolla dht --public` peers on the public side are the relays (libp2p takes a reservation at once
+only when it knows four; with fewer it waits 3 minutes). A server behind a symmetric NAT (a new port per
+flow: no hole punching, no dialing in) runs with `--behind-nat`; a public server hands it the first
+span's outputs (push) and the client, also public, reaches it only through a relay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from corolla.launch.local import READY_SERVER, PeerProcess
+from corolla.swarm.addresses import peer_args
+from nat_harness import PUBLIC_IP, NatHarness
+from swarm_helpers import reference_generate
+from tiny_models import load_reference
+
+pytestmark = pytest.mark.skipif(NatHarness.available() is not None, reason=str(NatHarness.available()))
+
+CLIENT = Path(__file__).resolve().parents[1] / "nat_client.py"
+READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")
+RELAYED = re.compile(r"Behind NAT, reachable through (\d+) relay\(s\)")
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+NEW_TOKENS = 12
+
+
+def start_relays(net: NatHarness, logs: Path, env: dict, peers: list) -> list[str]:
+    relays: list[str] = []
+    for index in range(4):
+        args = ["dht", "--host", PUBLIC_IP, "--port", str(31330 + index), "--no-nat-port-map", "--public"]
+        log = logs / f"relay{index}.log"
+        relay = PeerProcess(f"relay {index}", [*args, *peer_args(relays[:1])], log, env, net.exec(net.PUBLIC))
+        peers.append(relay)
+        relays.append(relay.wait_for(READY_RELAY, 60).group(1))
+    return relays
+
+
+def test_a_server_behind_a_symmetric_nat_serves_through_a_relay(tiny_models, tmp_path):
+    path = tiny_models["llama"]
+    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(5))
+    expected = reference_generate(load_reference(path), prompt, max_new_tokens=NEW_TOKENS)
+    env = {**os.environ, **ENV}
+    peers: list[PeerProcess] = []
+    with NatHarness() as net:
+        home = net.home(1, symmetric=True)
+        try:
+            relays = start_relays(net, tmp_path, env, peers)
+            common = ["--no-nat-port-map", "--num-threads", "1", *peer_args(relays)]
+            public = ["server", str(path), "--blocks", "0:3", "--host", PUBLIC_IP, "--public", *common]
+            behind = ["server", str(path), "--blocks", "3:6", "--host", "0.0.0.0", "--behind-nat", *common]
+            peers.append(PeerProcess("public", public, tmp_path / "public.log", env, net.exec(net.PUBLIC)))
+            peers.append(PeerProcess("behind NAT", behind, tmp_path / "behind.log", env, net.exec(home)))
+            for server in peers[-2:]:
+                server.wait_for(READY_SERVER, 180)
+            assert int(peers[-1].wait_for(RELAYED, 10).group(1)) >= 1  # said at start, before ready
+            ids = json.dumps(prompt[0].tolist())
+            client = [
+                *net.exec(net.PUBLIC),
+                sys.executable,
+                str(CLIENT),
+                str(path),
+                PUBLIC_IP,
+                ids,
+                str(NEW_TOKENS),
+            ]
+            out = subprocess.run([*client, *relays], capture_output=True, text=True, env=env, timeout=180)
+            assert out.returncode == 0, out.stderr[-3000:]
+            tokens = json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
+            assert tokens == expected[0].tolist()
+        finally:
+            for peer in reversed(peers):
+                peer.stop(timeout=10)

@@ -1,0 +1,126 @@
+"""Home routers on one machine: network namespaces joined by a bridge (the "internet"), and homes behind
+routers that masquerade (NAT), as ../shared/docs/nat-harness.md describes. Needs root and iptables.
+
+    with NatHarness() as net:
+        net.exec(net.PUBLIC)          # ["ip", "netns", "exec", "cnt-pub"]: a public host, at PUBLIC_IP
+        home = net.home(1, symmetric=True)   # a host behind its own router
+
+Public hosts get addresses libp2p takes for public ones (it relays only through those), from a range no
+namespace here has a route out of: nothing leaves the bridge. A symmetric router (`--random-fully`)
+maps each flow to a new port, so nothing but a relay reaches the home; a cone router keeps ports.
+Everything created is removed on exit, by name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+PREFIX = "cnt"
+PUBLIC_NET = "11.79.0"  # the bridge: public-looking, routed nowhere
+PUBLIC_IP = f"{PUBLIC_NET}.10"
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+class NatHarness:
+    PUBLIC = f"{PREFIX}-pub"
+
+    def __init__(self) -> None:
+        self.namespaces: list[str] = []
+
+    @staticmethod
+    def available() -> str | None:
+        """None when this machine can build the harness, else why not."""
+        import os
+
+        if os.geteuid() != 0:
+            return "the NAT harness needs root (network namespaces, iptables)"
+        if shutil.which("iptables") is None:
+            return "the NAT harness needs iptables (apt-get install iptables)"
+        return None
+
+    def exec(self, namespace: str) -> list[str]:
+        return ["ip", "netns", "exec", namespace]
+
+    def __enter__(self) -> NatHarness:
+        switch = self._namespace("sw")
+        _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        _run(
+            "ip", "-n", switch, "link", "set", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0"
+        )
+        _run("ip", "-n", switch, "link", "set", "br0", "up")
+        self._namespace("pub")
+        self._plug(self.PUBLIC, "eth0", "vpub", f"{PUBLIC_IP}/24")
+        return self
+
+    def home(self, index: int, symmetric: bool) -> str:
+        """A host at 10.89.INDEX.2 behind router INDEX (11.79.0.(100 + INDEX) on the bridge)."""
+        router, home = self._namespace(f"r{index}"), self._namespace(f"h{index}")
+        self._plug(router, "wan0", f"vr{index}", f"{PUBLIC_NET}.{100 + index}/24")
+        lan = f"10.89.{index}"
+        _run("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", home)
+        _run("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        _run("ip", "-n", router, "link", "set", "lan0", "up")
+        _run("ip", "-n", home, "addr", "add", f"{lan}.2/24", "dev", "eth0")
+        _run("ip", "-n", home, "link", "set", "eth0", "up")
+        _run("ip", "-n", home, "route", "add", "default", "via", f"{lan}.1")
+        in_router = self.exec(router)
+        _run(*in_router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        masquerade = ["-j", "MASQUERADE", *(["--random-fully"] if symmetric else [])]
+        _run(
+            *in_router,
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-s",
+            f"{lan}.0/24",
+            "-o",
+            "wan0",
+            *masquerade,
+        )
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
+        established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", *established)
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-j", "DROP")
+        return home
+
+    def _namespace(self, name: str) -> str:
+        namespace = f"{PREFIX}-{name}"
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)  # a leftover of a killed run
+        _run("ip", "netns", "add", namespace)
+        self.namespaces.append(namespace)
+        _run("ip", "-n", namespace, "link", "set", "lo", "up")
+        return namespace
+
+    def _plug(self, namespace: str, device: str, port: str, address: str) -> None:
+        """A leg of `namespace` on the bridge."""
+        switch = f"{PREFIX}-sw"
+        _run(
+            "ip",
+            "-n",
+            switch,
+            "link",
+            "add",
+            port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            device,
+            "netns",
+            namespace,
+        )
+        _run("ip", "-n", switch, "link", "set", port, "master", "br0")
+        _run("ip", "-n", switch, "link", "set", port, "up")
+        _run("ip", "-n", namespace, "addr", "add", address, "dev", device)
+        _run("ip", "-n", namespace, "link", "set", device, "up")
+
+    def __exit__(self, *exc: object) -> None:
+        for namespace in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        self.namespaces = []
