@@ -4,7 +4,8 @@ those of transformers on the same checkpoint.
 Four `corolla dht --public` peers on the public side are the relays (libp2p takes a reservation at once
 only when it knows four; with fewer it waits 3 minutes). A server behind a symmetric NAT (a new port per
 flow: no hole punching, no dialing in) runs with `--behind-nat`; a public server hands it the first
-span's outputs (push) and the client, also public, reaches it only through a relay.
+span's outputs (push) and the client reaches it only through a relay: a public client, then one behind a
+router of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def start_relays(net: NatHarness, logs: Path, env: dict, peers: list) -> list[st
     return relays
 
 
+def generate(namespace: list[str], host: str, args: list[str], env: dict) -> list[int]:
+    """Greedy tokens from tests/nat_client.py run in `namespace`, listening on `host`."""
+    model, prompt, new_tokens, *peers = args
+    command = [*namespace, sys.executable, str(CLIENT), model, host, prompt, new_tokens, *peers]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
+
+
 def test_a_server_behind_a_symmetric_nat_serves_through_a_relay(tiny_models, tmp_path):
     path = tiny_models["llama"]
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(5))
@@ -68,20 +78,11 @@ def test_a_server_behind_a_symmetric_nat_serves_through_a_relay(tiny_models, tmp
             for server in peers[-2:]:
                 server.wait_for(READY_SERVER, 180)
             assert int(peers[-1].wait_for(RELAYED, 10).group(1)) >= 1  # said at start, before ready
-            ids = json.dumps(prompt[0].tolist())
-            client = [
-                *net.exec(net.PUBLIC),
-                sys.executable,
-                str(CLIENT),
-                str(path),
-                PUBLIC_IP,
-                ids,
-                str(NEW_TOKENS),
-            ]
-            out = subprocess.run([*client, *relays], capture_output=True, text=True, env=env, timeout=180)
-            assert out.returncode == 0, out.stderr[-3000:]
-            tokens = json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
-            assert tokens == expected[0].tolist()
+            args = [str(path), json.dumps(prompt[0].tolist()), str(NEW_TOKENS), *relays]
+            assert generate(net.exec(net.PUBLIC), PUBLIC_IP, args, env) == expected[0].tolist()
+            # a client behind a router of its own (cone NAT) needs nothing: it dials out
+            client_home = net.home(2, symmetric=False)
+            assert generate(net.exec(client_home), "0.0.0.0", args, env) == expected[0].tolist()
         finally:
             for peer in reversed(peers):
                 peer.stop(timeout=10)
