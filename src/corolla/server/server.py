@@ -118,8 +118,9 @@ class Server:
         """The line scripts wait for, then how other peers reach this server (behind NAT: through which
         relay, or that none took it)."""
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
-        reachable, how = await reachability.describe(self.p2p, self.config.swarm, RELAY_WAIT)
-        (logger.info if reachable else logger.warning)(how)
+        kind, how = await reachability.describe(self.p2p, self.config.swarm, RELAY_WAIT)
+        self.status.reachability = kind  # shown by `corolla status` and the dashboard
+        (logger.warning if kind == "unreachable" else logger.info)(how)
 
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""

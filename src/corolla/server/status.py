@@ -47,6 +47,9 @@ class StatusBoard:
         self.model_fingerprint = model_fingerprint
         self.version = version
         self.compute = compute
+        self.reachability = (
+            ""  # direct | relayed | unreachable, once the server knows (swarm/reachability.py)
+        )
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
     def snapshot(self) -> ServerStatus:
@@ -83,4 +86,5 @@ class StatusBoard:
             device=self.compute.device.kind,
             device_name=self.compute.device.name,
             device_memory=self.compute.device.total_memory,
+            reachability=self.reachability,
         )

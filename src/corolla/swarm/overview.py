@@ -93,6 +93,7 @@ def _row(span: RemoteSpan, state: str) -> dict:
         "dtype": info.dtype,
         "precision": info.precision or info.dtype,  # of the weights: int8 | int4 when quantized
         "device": device_label(info),
+        "reachability": info.reachability,  # direct | relayed | unreachable, as the server says
         "version": info.version,
     }
 
@@ -203,7 +204,7 @@ def format_table(overview: SwarmOverview) -> str:
         by = counted(len(reasons), "client")
         lines.append(f"reported faulty by the spot checks of {by}: ...{peer_id[-8:]} ({reasons[0]})")
     header = ("server", "blocks", "state", "throughput", "sessions", "queued", "free cache", "weights")
-    header += ("device",)
+    header += ("device", "reached")
     rows = [
         (
             f"...{span.peer_id[-8:]}",
@@ -215,6 +216,7 @@ def format_table(overview: SwarmOverview) -> str:
             str(span.info.cache_tokens_available),
             span.info.precision or span.info.dtype,
             device_label(span.info),
+            span.info.reachability or "-",
         )
         for span in overview.servers
     ]

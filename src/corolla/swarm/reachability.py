@@ -40,13 +40,13 @@ async def relayed_addresses(p2p: P2P) -> list[str]:
     return [str(maddr) for maddr in await p2p.get_visible_maddrs() if RELAYED in str(maddr)]
 
 
-async def describe(p2p: P2P, config: SwarmConfig, timeout: float) -> tuple[bool, str]:
-    """(whether other peers can reach this one, a line saying how) — behind NAT, after waiting up to
-    `timeout` seconds for a relay to take a reservation."""
+async def describe(p2p: P2P, config: SwarmConfig, timeout: float) -> tuple[str, str]:
+    """(how other peers reach this one: direct | relayed | unreachable, a line saying so) — behind NAT,
+    after waiting up to `timeout` seconds for a relay to take a reservation."""
     if config.reachability != "behind-nat":
         addresses = ", ".join(str(m) for m in await p2p.get_visible_maddrs())
         how = "public (--public)" if config.reachability == "public" else "as libp2p finds (AutoNAT)"
-        return True, f"Reachable directly, {how}, at {addresses}"
+        return "direct", f"Reachable directly, {how}, at {addresses}"
     deadline = time.monotonic() + timeout
     relayed = await relayed_addresses(p2p)
     while not relayed and time.monotonic() < deadline:
@@ -55,10 +55,10 @@ async def describe(p2p: P2P, config: SwarmConfig, timeout: float) -> tuple[bool,
     if relayed:
         relays = sorted({address.split(RELAYED)[0].rsplit("/p2p/", 1)[-1] for address in relayed})
         return (
-            True,
+            "relayed",
             f"Behind NAT, reachable through {len(relays)} relay(s) ({', '.join(relays)}): {relayed[0]}",
         )
-    return False, (
+    return "unreachable", (
         f"Behind NAT and no relay took a reservation within {timeout:.0f}s: no client can reach this "
         "server. Give --initial-peers that run with --public (libp2p waits up to 3 minutes when it knows "
         "fewer than 4), or forward a TCP port to this machine and run with --port PORT --announce-host "

@@ -72,6 +72,7 @@ class ServerStatus:
     device: str = ""  # where it computes: cpu | cuda | mps ("" from peers too old to say)
     device_name: str = ""  # "NVIDIA H200", a CPU's model name
     device_memory: int | None = None  # bytes of that device's memory (the host's RAM for a CPU)
+    reachability: str = ""  # how other peers reach it: direct | relayed | unreachable ("": not said)
 
     @property
     def quantized(self) -> bool:
@@ -147,6 +148,7 @@ class ServerStatus:
             device=fields.str("device", max_chars=16) or "",
             device_name=fields.str("device_name", max_chars=128) or "",
             device_memory=fields.int("device_memory", low=0),
+            reachability=fields.str("reachability", max_chars=16) or "",
         )
 
 

@@ -90,7 +90,8 @@ async def test_every_report_reads_the_same_snapshot(board):
     assert overview.coverage == (0, 1, 1, 1, 1, 0)
     line = format_table(overview).splitlines()[-1].split()
     assert line[:3] == ["...23456789", "1:5", "online"] and line[4] == "1" and line[6] == "232"
-    assert row["device"] == f"cpu ({status.device_memory / 1e9:.0f} GB)" and line[-3] == "cpu"
+    assert row["device"] == f"cpu ({status.device_memory / 1e9:.0f} GB)" and line[-4] == "cpu"
+    assert row["reachability"] == "" and line[-1] == "-"  # a server that has not said how it is reached
 
     await steps.put(None)
     assert [r async for r in replies] == []
