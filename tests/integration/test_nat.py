@@ -60,6 +60,16 @@ def generate(namespace: list[str], host: str, args: list[str], env: dict) -> lis
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
 
 
+def reached(net: NatHarness, relays: list[str], env: dict) -> set[tuple[int, str]]:
+    """(first block, how it is reached) of every server, as `corolla status --json` shows them."""
+    status = [*net.exec(net.PUBLIC), sys.executable, "-m", "corolla", "status", "--json"]
+    status += ["--host", PUBLIC_IP, "--no-nat-port-map", *peer_args(relays)]
+    out = subprocess.run(status, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (swarm,) = json.loads(out.stdout)  # one model
+    return {(server["start"], server["reachability"]) for server in swarm["servers"]}
+
+
 def test_a_server_behind_a_symmetric_nat_serves_through_a_relay(tiny_models, tmp_path):
     path = tiny_models["llama"]
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(5))
@@ -80,12 +90,7 @@ def test_a_server_behind_a_symmetric_nat_serves_through_a_relay(tiny_models, tmp
             assert int(peers[-1].wait_for(RELAYED, 10).group(1)) >= 1  # said at start, before ready
             args = [str(path), json.dumps(prompt[0].tolist()), str(NEW_TOKENS), *relays]
             assert generate(net.exec(net.PUBLIC), PUBLIC_IP, args, env) == expected[0].tolist()
-            status = [*net.exec(net.PUBLIC), sys.executable, "-m", "corolla", "status", "--json"]
-            status += ["--host", PUBLIC_IP, "--no-nat-port-map", *peer_args(relays)]
-            out = subprocess.run(status, capture_output=True, text=True, env=env, timeout=120)
-            assert out.returncode == 0, out.stderr[-3000:]
-            (swarm,) = json.loads(out.stdout)  # one model
-            assert {(s["start"], s["reachability"]) for s in swarm["servers"]} == {(0, "direct"), (3, "relayed")}
+            assert reached(net, relays, env) == {(0, "direct"), (3, "relayed")}
             # a client behind a router of its own (cone NAT) needs nothing: it dials out
             client_home = net.home(2, symmetric=False)
             assert generate(net.exec(client_home), "0.0.0.0", args, env) == expected[0].tolist()
