@@ -2,9 +2,10 @@
 those of transformers on the same checkpoint.
 
 Four `corolla dht --public` peers on the public side are the relays (libp2p takes a reservation at once
-only when it knows four; with fewer it waits 3 minutes). A server behind a symmetric NAT (a new port per
-flow: no hole punching, no dialing in) runs with `--behind-nat`; a public server hands it the first
-span's outputs (push) and the client reaches it only through a relay: a public client, then one behind a
+only when it knows four; with fewer it waits 3 minutes). A chain of three servers: a public one, one
+behind a symmetric NAT (a new port per flow: no hole punching, no dialing in) and one behind a cone NAT,
+both with `--behind-nat`, push on (the default: a server sends its outputs to the next, through a relay to
+a server behind NAT); the client reaches them only through relays: a public client, then one behind a
 router of its own.
 """
 
@@ -70,30 +71,40 @@ def reached(net: NatHarness, relays: list[str], env: dict) -> set[tuple[int, str
     return {(server["start"], server["reachability"]) for server in swarm["servers"]}
 
 
-def test_a_server_behind_a_symmetric_nat_serves_through_a_relay(tiny_models, tmp_path):
+def start_servers(net: NatHarness, path: Path, relays: list[str], env: dict, peers: list, logs: Path) -> None:
+    """Blocks 0:2 on a public server, 2:4 behind a symmetric NAT, 4:6 behind a cone NAT."""
+    common = ["--no-nat-port-map", "--num-threads", "1", *peer_args(relays)]
+    places = [
+        ("public", "0:2", net.PUBLIC, ["--host", PUBLIC_IP, "--public"]),
+        ("symmetric", "2:4", net.home(1, symmetric=True), ["--host", "0.0.0.0", "--behind-nat"]),
+        ("cone", "4:6", net.home(3, symmetric=False), ["--host", "0.0.0.0", "--behind-nat"]),
+    ]
+    for name, blocks, namespace, where in places:
+        args = ["server", str(path), "--blocks", blocks, *where, *common]
+        peers.append(PeerProcess(name, args, logs / f"{name}.log", env, net.exec(namespace)))
+    for server in peers[-3:]:
+        server.wait_for(READY_SERVER, 180)
+    for server in peers[-2:]:  # said at start, before ready
+        assert int(server.wait_for(RELAYED, 10).group(1)) >= 1
+
+
+def test_servers_behind_nat_serve_through_relays(tiny_models, tmp_path):
+    """A chain of three servers, two behind NAT (one symmetric, one cone), with push between them."""
     path = tiny_models["llama"]
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(5))
-    expected = reference_generate(load_reference(path), prompt, max_new_tokens=NEW_TOKENS)
+    expected = reference_generate(load_reference(path), prompt, max_new_tokens=NEW_TOKENS)[0].tolist()
     env = {**os.environ, **ENV}
     peers: list[PeerProcess] = []
     with NatHarness() as net:
-        home = net.home(1, symmetric=True)
         try:
             relays = start_relays(net, tmp_path, env, peers)
-            common = ["--no-nat-port-map", "--num-threads", "1", *peer_args(relays)]
-            public = ["server", str(path), "--blocks", "0:3", "--host", PUBLIC_IP, "--public", *common]
-            behind = ["server", str(path), "--blocks", "3:6", "--host", "0.0.0.0", "--behind-nat", *common]
-            peers.append(PeerProcess("public", public, tmp_path / "public.log", env, net.exec(net.PUBLIC)))
-            peers.append(PeerProcess("behind NAT", behind, tmp_path / "behind.log", env, net.exec(home)))
-            for server in peers[-2:]:
-                server.wait_for(READY_SERVER, 180)
-            assert int(peers[-1].wait_for(RELAYED, 10).group(1)) >= 1  # said at start, before ready
+            start_servers(net, path, relays, env, peers, tmp_path)
             args = [str(path), json.dumps(prompt[0].tolist()), str(NEW_TOKENS), *relays]
-            assert generate(net.exec(net.PUBLIC), PUBLIC_IP, args, env) == expected[0].tolist()
-            assert reached(net, relays, env) == {(0, "direct"), (3, "relayed")}
+            assert generate(net.exec(net.PUBLIC), PUBLIC_IP, args, env) == expected
+            assert reached(net, relays, env) == {(0, "direct"), (2, "relayed"), (4, "relayed")}
             # a client behind a router of its own (cone NAT) needs nothing: it dials out
             client_home = net.home(2, symmetric=False)
-            assert generate(net.exec(client_home), "0.0.0.0", args, env) == expected[0].tolist()
+            assert generate(net.exec(client_home), "0.0.0.0", args, env) == expected
         finally:
             for peer in reversed(peers):
                 peer.stop(timeout=10)
