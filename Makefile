@@ -76,10 +76,11 @@ bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throu
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/moe_quantize.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/linear_attention.py
 
-bench-wan: $(STAMP) ## across an emulated 50 ms internet (../shared/tools/wan; root + iptables): push, speculation and wire encodings, many sessions (~80 min)
+bench-wan: $(STAMP) browser ## across an emulated 50 ms internet (../shared/tools/wan; root + iptables): push, speculation and wire encodings, many sessions; then servers behind emulated NATs (~85 min)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/speculative_wan.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/sessions_wan.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/nat.py
 
 lint: $(STAMP) ## ruff (checks and format) over everything; sizes (tools/sizes.py); import layers (tools/imports.py)
 	$(BIN)/ruff check src tests bench examples tools clients

@@ -1,11 +1,12 @@
-"""A client run inside a namespace of the NAT harness (tests/integration/test_nat.py): greedy tokens of a
-prompt through the swarm, printed as JSON.
+"""A client run inside a namespace of the NAT harness (tests/integration/test_nat.py, bench/nat.py):
+greedy tokens of a prompt through the swarm and when they came, printed as JSON.
 
     python tests/nat_client.py MODEL_PATH HOST '[token ids]' NEW_TOKENS INITIAL_PEER...
 """
 
 import json
 import sys
+import time
 
 import torch
 
@@ -15,5 +16,13 @@ from corolla.config import ClientConfig, SwarmConfig
 path, host, prompt, new_tokens, *peers = sys.argv[1:]
 swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
 with DistributedModelForCausalLM.from_pretrained(path, config=ClientConfig(swarm=swarm)) as model:
-    out = model.generate(torch.tensor([json.loads(prompt)]), max_new_tokens=int(new_tokens))
-print(json.dumps({"tokens": out[0].tolist()}))
+    arrivals: list[float] = []
+    started = time.perf_counter()
+    out = model.generate(
+        torch.tensor([json.loads(prompt)]),
+        max_new_tokens=int(new_tokens),
+        streamer=lambda _: arrivals.append(time.perf_counter()),
+    )
+decode = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else None
+result = {"tokens": out[0].tolist(), "first_token_s": arrivals[0] - started, "decode_tokens_per_s": decode}
+print(json.dumps(result))

@@ -13,12 +13,14 @@ Everything created is removed on exit, by name.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
 PREFIX = "cnt"
 PUBLIC_NET = "11.79.0"  # the bridge: public-looking, routed nowhere
 PUBLIC_IP = f"{PUBLIC_NET}.10"
+READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")  # what `corolla dht` prints
 
 
 def _run(*args: str) -> None:

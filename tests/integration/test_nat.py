@@ -23,14 +23,13 @@ import torch
 
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.swarm.addresses import peer_args
-from nat_harness import PUBLIC_IP, NatHarness
+from nat_harness import PUBLIC_IP, READY_RELAY, NatHarness
 from swarm_helpers import reference_generate
 from tiny_models import load_reference
 
 pytestmark = pytest.mark.skipif(NatHarness.available() is not None, reason=str(NatHarness.available()))
 
 CLIENT = Path(__file__).resolve().parents[1] / "nat_client.py"
-READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")
 RELAYED = re.compile(r"Behind NAT, reachable through (\d+) relay\(s\)")
 ENV = {
     "HF_HUB_OFFLINE": "1",
