@@ -41,12 +41,16 @@ async def relayed_addresses(p2p: P2P) -> list[str]:
 
 
 async def describe(p2p: P2P, config: SwarmConfig, timeout: float) -> tuple[str, str]:
-    """(how other peers reach this one: direct | relayed | unreachable, a line saying so) — behind NAT,
-    after waiting up to `timeout` seconds for a relay to take a reservation."""
+    """(how other peers reach this one: direct | relayed | unreachable, or "" when nobody said, and a line
+    saying so) — behind NAT, after waiting up to `timeout` seconds for a relay to take a reservation."""
     if config.reachability != "behind-nat":
         addresses = ", ".join(str(m) for m in await p2p.get_visible_maddrs())
-        how = "public (--public)" if config.reachability == "public" else "as libp2p finds (AutoNAT)"
-        return "direct", f"Reachable directly, {how}, at {addresses}"
+        if config.reachability == "public":
+            return "direct", f"Reachable directly (--public) at {addresses}"
+        return "", (
+            f"Listening at {addresses}; whether other peers can dial that is not checked: behind a home "
+            "router without a forwarded port, run with --behind-nat (README: Running a server at home)"
+        )
     deadline = time.monotonic() + timeout
     relayed = await relayed_addresses(p2p)
     while not relayed and time.monotonic() < deadline:

@@ -58,4 +58,6 @@ def test_a_server_behind_nat_names_its_relay_or_says_clearly_that_none_took_it()
     assert kind == "unreachable" and "\n" not in line
     assert line.startswith("Behind NAT and no relay took a reservation within 1s: no client can reach")
     kind, line = asyncio.run(describe(Visible(["/ip4/11.79.0.12/tcp/4000"]), parse("--public"), 0))
-    assert kind == "direct" and line == "Reachable directly, public (--public), at /ip4/11.79.0.12/tcp/4000"
+    assert kind == "direct" and line == "Reachable directly (--public) at /ip4/11.79.0.12/tcp/4000"
+    kind, line = asyncio.run(describe(Visible(["/ip4/11.79.0.12/tcp/4000"]), parse(), 0))
+    assert kind == "" and line.startswith("Listening at /ip4/11.79.0.12/tcp/4000; whether other peers")
