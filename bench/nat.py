@@ -31,23 +31,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.models.source import resolve_model
 from corolla.swarm.addresses import peer_args
-from nat_harness import PUBLIC_IP, READY_RELAY, NatHarness
+from nat_harness import PUBLIC_IP, NatHarness
 
 CLIENT = Path(__file__).resolve().parents[1] / "tests" / "nat_client.py"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 SPANS = ["0:10", "10:20", "20:30"]
 PROMPT = "The capital of France is"
-
-
-def start_relays(net: NatHarness, logs: Path, env: dict, peers: list) -> list[str]:
-    relays: list[str] = []
-    for index in range(4):
-        args = ["dht", "--host", PUBLIC_IP, "--port", str(31340 + index), "--no-nat-port-map", "--public"]
-        log = logs / f"relay{index}.log"
-        relay = PeerProcess(f"relay {index}", [*args, *peer_args(relays[:1])], log, env, net.exec(net.PUBLIC))
-        peers.append(relay)
-        relays.append(relay.wait_for(READY_RELAY, 60).group(1))
-    return relays
 
 
 def start_chain(net: NatHarness, layout: str, model: Path, relays: list[str], env: dict, logs: Path):
@@ -112,7 +101,7 @@ def main() -> None:
     started = time.perf_counter()
     with NatHarness() as net:
         try:
-            relays = start_relays(net, logs, env, peers)
+            relays = net.start_relays(logs, env, peers, first_port=31340)
             layouts = {
                 layout: measure(net, layout, model, relays, args, env, logs)
                 for layout in ("direct", "relayed")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 PREFIX = "cnt"
 PUBLIC_NET = "11.79.0"  # the bridge: public-looking, routed nowhere
@@ -90,6 +91,34 @@ class NatHarness:
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", *established)
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-j", "DROP")
         return home
+
+    def start_relays(self, logs: Path, env: dict, peers: list, first_port: int = 31330) -> list[str]:
+        """4 `corolla dht --public` peers on the public host (libp2p reserves at once only when it knows 4
+        relays); their addresses. The processes go to `peers` (the caller stops them)."""
+        first = self._relay(0, [], first_port, logs, env, peers)
+        address = first.wait_for(READY_RELAY, 60).group(1)
+        others = [self._relay(index, [address], first_port, logs, env, peers) for index in (1, 2, 3)]
+        return [address, *(relay.wait_for(READY_RELAY, 60).group(1) for relay in others)]
+
+    def _relay(self, index: int, bootstrap: list[str], first_port: int, logs: Path, env: dict, peers: list):
+        from corolla.launch.local import PeerProcess
+        from corolla.swarm.addresses import peer_args
+
+        args = [
+            "dht",
+            "--host",
+            PUBLIC_IP,
+            "--port",
+            str(first_port + index),
+            "--no-nat-port-map",
+            "--public",
+        ]
+        log = logs / f"relay{index}.log"
+        relay = PeerProcess(
+            f"relay {index}", [*args, *peer_args(bootstrap)], log, env, self.exec(self.PUBLIC)
+        )
+        peers.append(relay)
+        return relay
 
     def _namespace(self, name: str) -> str:
         namespace = f"{PREFIX}-{name}"

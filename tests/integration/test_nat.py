@@ -23,7 +23,7 @@ import torch
 
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.swarm.addresses import peer_args
-from nat_harness import PUBLIC_IP, READY_RELAY, NatHarness
+from nat_harness import PUBLIC_IP, NatHarness
 from swarm_helpers import reference_generate
 from tiny_models import load_reference
 
@@ -38,17 +38,6 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 NEW_TOKENS = 12
-
-
-def start_relays(net: NatHarness, logs: Path, env: dict, peers: list) -> list[str]:
-    relays: list[str] = []
-    for index in range(4):
-        args = ["dht", "--host", PUBLIC_IP, "--port", str(31330 + index), "--no-nat-port-map", "--public"]
-        log = logs / f"relay{index}.log"
-        relay = PeerProcess(f"relay {index}", [*args, *peer_args(relays[:1])], log, env, net.exec(net.PUBLIC))
-        peers.append(relay)
-        relays.append(relay.wait_for(READY_RELAY, 60).group(1))
-    return relays
 
 
 def generate(namespace: list[str], host: str, args: list[str], env: dict) -> list[int]:
@@ -96,7 +85,7 @@ def test_servers_behind_nat_serve_through_relays(tiny_models, tmp_path):
     peers: list[PeerProcess] = []
     with NatHarness() as net:
         try:
-            relays = start_relays(net, tmp_path, env, peers)
+            relays = net.start_relays(tmp_path, env, peers)
             start_servers(net, path, relays, env, peers, tmp_path)
             args = [str(path), json.dumps(prompt[0].tolist()), str(NEW_TOKENS), *relays]
             assert generate(net.exec(net.PUBLIC), PUBLIC_IP, args, env) == expected
