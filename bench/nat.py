@@ -44,7 +44,7 @@ def start_chain(net: NatHarness, layout: str, model: Path, relays: list[str], en
     servers, ready_s = [], []
     for index, blocks in enumerate(SPANS):
         behind = layout == "relayed" and index > 0
-        namespace = net.home(10 * (layout == "relayed") + index, symmetric=True) if behind else net.PUBLIC
+        namespace = net.home(10 + index, symmetric=True) if behind else net.PUBLIC
         where = ["--host", "0.0.0.0", "--behind-nat"] if behind else ["--host", PUBLIC_IP, "--public"]
         args = ["server", str(model), "--blocks", blocks, *where, "--no-nat-port-map", "--num-threads", "1"]
         log = logs / f"{layout}-{index}.log"

@@ -265,9 +265,10 @@ class LoopbackNetwork:
         await spans.start(blocks)
         server = LoopbackServer(self, peer_id, config, spans, Pusher(self.transport(peer_id), PREFIX))
         wire, num_blocks = self.model.wire, self.model.num_hidden_layers
-        sizes = (wire.width, wire.hidden_size)
-        server.inference = InferenceService(spans, config, sizes[0], server.pusher, num_blocks, sizes[1])
-        passes = PassService(spans, config, *sizes)
+        server.inference = InferenceService(
+            spans, config, wire.width, server.pusher, num_blocks, wire.hidden_size
+        )
+        passes = PassService(spans, config, wire.width, wire.hidden_size)
         fingerprint = self.model.fingerprint()
         compute = Compute("float32", 1e3, device_info(device))
         server.status = StatusBoard(spans, server.inference, config, "test", compute, None, fingerprint)

@@ -232,15 +232,12 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
 
 def _check_layer_inputs(hf: Any) -> None:
     """Refuse layers that need more than what travels between spans (models/wire.py) and the span's
-    cache: GLM-5-Next's indexer pools keys and reads transformers' own cache layers; parallel streams of
-    two kinds at once."""
+    cache: GLM-5-Next's indexer pools keys and reads transformers' own cache layers."""
     if getattr(hf, "index_kpool", None):
         raise UnsupportedModel(
             f"{hf.model_type}: its sparse-attention indexer ranks pools of keys (index_kpool) and reads "
             "transformers' own cache layers, which corolla's paged cache does not keep"
         )
-    if (getattr(hf, "hc_mult", None) or 1) > 1 and (getattr(hf, "altup_num_inputs", None) or 1) > 1:
-        raise UnsupportedModel(f"{hf.model_type}: its layers pass two kinds of parallel streams at once")
 
 
 def supported_summary() -> str:

@@ -31,7 +31,7 @@ from corolla.models.loading import (
     missing_on_meta,
     target_name,
 )
-from corolla.models.wire import WIRE_MODULES, WireLayout, merge_streams
+from corolla.models.wire import WireLayout, merge_streams, wire_modules
 
 
 class _Embedded(Exception):
@@ -95,8 +95,7 @@ class ModelHead(nn.Module):
         self.norm = final_norm(decoder)
         self.lm_head = model.get_output_embeddings()
         self.wire = config.wire
-        wire_modules = {name: getattr(decoder, name) for name in WIRE_MODULES if hasattr(decoder, name)}
-        self.wire_modules = nn.ModuleDict(wire_modules)  # the head's own, loaded and moved with it
+        self.wire_modules = nn.ModuleDict(wire_modules(decoder))  # the head's own, loaded and moved with it
         decoder.layers[0].register_forward_pre_hook(_stop_at_first_layer, with_kwargs=True)
         # lists: not submodules (only the embeddings, norm and head above are the head's own modules)
         self._model = [model]

@@ -25,7 +25,7 @@ from corolla.models import attention as _registers  # noqa: F401 (registers coro
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ModelConfig
 from corolla.models.lm_class import lm_class
-from corolla.models.wire import WIRE_MODULES
+from corolla.models.wire import wire_modules
 
 logger = logging.getLogger(__name__)
 # init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another
@@ -95,9 +95,8 @@ def final_norm(decoder: nn.Module) -> nn.Module:
     """The decoder's norm after its last layer: its one child besides the embeddings, the layers, the
     rotary embedding, dropouts and what makes the wire's extras (models/wire.py: `norm`, `final_layernorm`,
     `final_layer_norm`, ... by family)."""
-    wire_modules = [getattr(decoder, name) for name in WIRE_MODULES if hasattr(decoder, name)]
     rotary = getattr(decoder, "rotary_emb", None)
-    skip = (decoder.get_input_embeddings(), decoder.layers, rotary, *wire_modules)
+    skip = (decoder.get_input_embeddings(), decoder.layers, rotary, *wire_modules(decoder).values())
     children = [m for m in decoder.children() if m not in skip and not isinstance(m, nn.Dropout)]
     if len(children) != 1:
         names = [name for name, m in decoder.named_children() if m in children]

@@ -35,6 +35,11 @@ WIRE_MODULES = (
 )
 
 
+def wire_modules(decoder: nn.Module) -> dict[str, nn.Module]:
+    """Those of WIRE_MODULES the decoder has, by name."""
+    return {name: getattr(decoder, name) for name in WIRE_MODULES if hasattr(decoder, name)}
+
+
 @dataclass(frozen=True)
 class WireLayout:
     hidden_size: int
