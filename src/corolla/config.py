@@ -16,7 +16,7 @@ from corolla.errors import InvalidRequest
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
 WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
-# how other peers reach this one: libp2p's AutoNAT decides, or the owner says (swarm/reachability.py)
+# how other peers reach this one: the owner says, or a server asks peers to dial it back (swarm/joining.py)
 REACHABILITY = ("auto", "public", "behind-nat")
 
 
@@ -49,7 +49,7 @@ class SwarmConfig:
     # a private swarm: only these peer ids may use this peer, and only their DHT records count (None: open)
     allowed_peers: frozenset[str] | None = None
     # "public": dialable as it is, and a relay for peers behind NAT; "behind-nat": reachable only through
-    # relays (reservations on the initial peers), a DHT client; "auto": libp2p's AutoNAT decides
+    # relays (reservations on the initial peers), a DHT client; "auto": a server asks peers to dial it back
     reachability: str = "auto"
 
     def __post_init__(self) -> None:

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.skipif(NatHarness.available() is not None, reason=str(N
 
 CLIENT = Path(__file__).resolve().parents[1] / "nat_client.py"
 RELAYED = re.compile(r"Behind NAT, reachable through (\d+) relay\(s\)")
+DIALED_BACK = re.compile(r"peer\(s\) dialed this one back at /ip4/11\.79\.0\.10/tcp/")
+NOT_DIALED_BACK = re.compile(r"Not reachable directly: \d peer\(s\) could not dial this one back at /ip4/11")
 ENV = {
     "HF_HUB_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
@@ -63,16 +65,19 @@ def start_servers(net: NatHarness, path: Path, relays: list[str], env: dict, pee
     """Blocks 0:2 on a public server, 2:4 behind a symmetric NAT, 4:6 behind a cone NAT."""
     common = ["--no-nat-port-map", "--num-threads", "1", *peer_args(relays)]
     places = [
-        ("public", "0:2", net.PUBLIC, ["--host", PUBLIC_IP, "--public"]),
+        ("public", "0:2", net.PUBLIC, ["--host", PUBLIC_IP]),  # found reachable: peers dial it back
         ("symmetric", "2:4", net.home(1, symmetric=True), ["--host", "0.0.0.0", "--behind-nat"]),
-        ("cone", "4:6", net.home(3, symmetric=False), ["--host", "0.0.0.0", "--behind-nat"]),
+        ("cone", "4:6", net.home(3, symmetric=False), ["--host", "0.0.0.0"]),  # found behind NAT
     ]
     for name, blocks, namespace, where in places:
         args = ["server", str(path), "--blocks", blocks, *where, *common]
         peers.append(PeerProcess(name, args, logs / f"{name}.log", env, net.exec(namespace)))
     for server in peers[-3:]:
         server.wait_for(READY_SERVER, 180)
-    for server in peers[-2:]:  # said at start, before ready
+    public, symmetric, cone = peers[-3:]
+    assert public.wait_for(DIALED_BACK, 1)  # said at start, before ready
+    assert cone.wait_for(NOT_DIALED_BACK, 1)
+    for server in (symmetric, cone):
         assert int(server.wait_for(RELAYED, 10).group(1)) >= 1
 
 

@@ -74,7 +74,7 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         const="public",
         default="auto",
         help="this machine is reachable at its address (a public IP, or a forwarded port): say so instead "
-        "of letting libp2p find out, and relay for peers behind NAT",
+        "of asking peers to dial it back, and relay for peers behind NAT",
     )
     reachability.add_argument(
         "--behind-nat",

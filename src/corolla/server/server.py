@@ -38,7 +38,8 @@ from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_throughput
 from corolla.swarm import reachability
-from corolla.swarm.dht import placed_servers, start_dht
+from corolla.swarm.dht import placed_servers
+from corolla.swarm.joining import join
 from corolla.swarm.transport import P2PTransport
 from corolla.version import __version__
 from corolla.wire.records import ServerState
@@ -80,7 +81,7 @@ class Server:
                 inside = f"is not a range inside the model's {total} blocks"
                 raise InvalidRequest(f"--blocks {start}:{end} {inside}")
             sharing.check_span(start, end, self.model.model_type)
-        self.dht = start_dht(config.swarm)
+        self.dht, self.swarm, self.dialed_back = join(config.swarm)  # behind NAT: restarted behind relays
         self.peer_id = str(self.dht.peer_id)
         loader = SpanLoader(
             Path(source.path),
@@ -118,7 +119,7 @@ class Server:
         """The line scripts wait for, then how other peers reach this server (behind NAT: through which
         relay, or that none took it)."""
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
-        kind, how = await reachability.describe(self.p2p, self.config.swarm, RELAY_WAIT)
+        kind, how = await reachability.describe(self.p2p, self.swarm, self.dialed_back, RELAY_WAIT)
         self.status.reachability = kind  # shown by `corolla status` and the dashboard
         (logger.warning if kind == "unreachable" else logger.info)(how)
 

@@ -28,7 +28,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest, StartFailed
-from corolla.swarm import p2p_io
+from corolla.swarm import dial_back, p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
 from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
@@ -42,17 +42,19 @@ MODELS_KEY = "corolla.models"  # subkey = a server's (signed), value = {"dht_pre
 MAX_MODEL_BLOCKS = 1024
 
 
-def start_dht(config: SwarmConfig) -> PeerDHT:
-    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready."""
+def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
+    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready; one that holds
+    DHT keys answers other peers' dial-back requests (swarm/dial_back.py). `identity_checked`: a restart of
+    a peer that checked its identity was free (it may still look taken to the others for a while)."""
     p2p_io.install()
     check_listen_port(config.host, config.port)
     with _identity_file(config.identity_path) as (path, fresh):
         key = load_identity(path)
         validators = record_validators(key, config.allowed_peers)
         try:
-            if not fresh and config.initial_peers:  # hivemind's own check ignores nat_port_map
+            if not fresh and config.initial_peers and not identity_checked:  # hivemind's ignores nat_port_map
                 _check_identity_free(path, config)
-            return PeerDHT(
+            dht = PeerDHT(
                 key,
                 validators,
                 initial_peers=list(config.initial_peers) or None,
@@ -69,6 +71,9 @@ def start_dht(config: SwarmConfig) -> PeerDHT:
             )
         except P2PDaemonError as e:
             raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+    if not dht.client_mode:
+        dht.run_coroutine(dial_back.serve)
+    return dht
 
 
 def _check_identity_free(path: Path, config: SwarmConfig) -> None:

@@ -9,8 +9,8 @@ libp2p looks for at least 4 relay candidates before it takes a reservation, or w
 delay): a server given fewer public initial peers is reachable only after that.
 
 `--public` says the machine can be dialed at its address (a public IP or a forwarded port), which also
-makes it a relay for others. Without either, libp2p's AutoNAT decides, which needs several peers to dial
-back and may never call a small swarm's peers public.
+makes it a relay for others. Without either, a server asks its initial peers to dial it back and runs as if
+behind NAT when none can (swarm/joining.py).
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ async def relayed_addresses(p2p: P2P) -> list[str]:
     return [str(maddr) for maddr in await p2p.get_visible_maddrs() if RELAYED in str(maddr)]
 
 
-async def describe(p2p: P2P, config: SwarmConfig, timeout: float) -> tuple[str, str]:
+async def describe(p2p: P2P, config: SwarmConfig, dialed_back: str, timeout: float) -> tuple[str, str]:
     """(how other peers reach this one: direct | relayed | unreachable, or "" when nobody said, and a line
-    saying so) — behind NAT, after waiting up to `timeout` seconds for a relay to take a reservation."""
+    saying so) — behind NAT, after waiting up to `timeout` seconds for a relay to take a reservation.
+    `dialed_back`: "direct" when peers dialed this one back (swarm/joining.py)."""
     if config.reachability != "behind-nat":
         addresses = ", ".join(str(m) for m in await p2p.get_visible_maddrs())
-        if config.reachability == "public":
-            return "direct", f"Reachable directly (--public) at {addresses}"
+        if config.reachability == "public" or dialed_back == "direct":
+            return "direct", f"Reachable directly at {addresses}"
         return "", (
-            f"Listening at {addresses}; whether other peers can dial that is not checked: behind a home "
+            f"Listening at {addresses}; whether other peers can dial that was not checked: behind a home "
             "router without a forwarded port, run with --behind-nat (README: Running a server at home)"
         )
     deadline = time.monotonic() + timeout

@@ -49,15 +49,17 @@ def test_the_options_say_what_libp2p_is_told():
 def test_a_server_behind_nat_names_its_relay_or_says_clearly_that_none_took_it():
     config = SwarmConfig(reachability="behind-nat", initial_peers=(RELAY,))
     relayed = f"{RELAY}/p2p-circuit/p2p/{ME}"
-    kind, line = asyncio.run(describe(Visible([f"/ip4/10.89.1.2/tcp/4000/p2p/{ME}", relayed]), config, 1))
+    kind, line = asyncio.run(describe(Visible([f"/ip4/10.89.1.2/tcp/4000/p2p/{ME}", relayed]), config, "", 1))
     assert kind == "relayed" and line == (
         "Behind NAT, reachable through 1 relay(s) (12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A): "
         f"{relayed}"
     )
-    kind, line = asyncio.run(describe(Visible([f"/ip4/10.89.1.2/tcp/4000/p2p/{ME}"]), config, 0.6))
+    kind, line = asyncio.run(describe(Visible([f"/ip4/10.89.1.2/tcp/4000/p2p/{ME}"]), config, "", 0.6))
     assert kind == "unreachable" and "\n" not in line
     assert line.startswith("Behind NAT and no relay took a reservation within 1s: no client can reach")
-    kind, line = asyncio.run(describe(Visible(["/ip4/11.79.0.12/tcp/4000"]), parse("--public"), 0))
-    assert kind == "direct" and line == "Reachable directly (--public) at /ip4/11.79.0.12/tcp/4000"
-    kind, line = asyncio.run(describe(Visible(["/ip4/11.79.0.12/tcp/4000"]), parse(), 0))
+    visible = Visible(["/ip4/11.79.0.12/tcp/4000"])
+    kind, line = asyncio.run(describe(visible, parse("--public"), "", 0))
+    assert kind == "direct" and line == "Reachable directly at /ip4/11.79.0.12/tcp/4000"
+    assert asyncio.run(describe(visible, parse(), "direct", 0)) == (kind, line)  # peers dialed it back
+    kind, line = asyncio.run(describe(visible, parse(), "", 0))
     assert kind == "" and line.startswith("Listening at /ip4/11.79.0.12/tcp/4000; whether other peers")

@@ -1,0 +1,74 @@
+"""Dial-back requests (swarm/dial_back.py) and what a server concludes from the answers (swarm/joining.py):
+between real libp2p daemons on loopback; behind an emulated NAT in tests/integration/test_nat.py."""
+
+import asyncio
+
+import pytest
+from hivemind.p2p import P2P, P2PContext
+
+from corolla.errors import InvalidRequest
+from corolla.swarm.dial_back import MAX_PER_HOST, Answer, DialBackService, direct_hosts, read_ports
+from corolla.swarm.joining import checked
+from corolla.wire.fields import pack
+
+ME = "12D3KooWB34BKL7PKe1HK82QCd6UXhZunXNUoZqGNeG6UaB8Hfon"
+
+
+def test_a_request_names_a_few_ports_and_nothing_else():
+    assert read_ports(pack({"ports": [4000, 4000, 4001]})) == (4000, 4001)
+    for ports in ([], [0], [70000], ["80"], [True], [1, 2, 3, 4, 5]):
+        with pytest.raises(InvalidRequest, match="'ports'"):
+            read_ports(pack({"ports": ports}))
+    with pytest.raises(InvalidRequest, match="not valid msgpack"):
+        read_ports(b"\xc1")
+
+
+def test_only_the_addresses_of_direct_connections_are_dialed():
+    relayed = f"/ip4/11.79.0.10/tcp/31330/p2p/{ME}/p2p-circuit"
+    addresses = ["/ip4/11.79.0.103/tcp/4000", relayed, "/ip6/::1/tcp/4000", "/dns4/example.com/tcp/1"]
+    assert direct_hosts(addresses) == ["11.79.0.103", "::1"]
+    assert direct_hosts([relayed]) == []
+
+
+def test_a_malformed_answer_is_refused():
+    answer = Answer(("/ip4/1.2.3.4/tcp/5",), ("/ip4/1.2.3.4/tcp/5",))
+    assert Answer.from_bytes(answer.to_bytes()) == answer
+    with pytest.raises(InvalidRequest, match="'dialed' must hold addresses"):
+        Answer.from_bytes(pack({"dialed": [5]}))
+
+
+async def _two_peers() -> tuple[P2P, P2P]:
+    answering = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+    maddrs = [str(m) for m in await answering.get_visible_maddrs()]
+    asking = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, initial_peers=maddrs)
+    return answering, asking
+
+
+def test_peers_dial_back_a_listening_peer_and_not_a_closed_port():
+    async def run() -> None:
+        answering, asking = await _two_peers()
+        try:
+            service = DialBackService(answering)
+            await service.register()
+            kind, line = await checked(asking, [str(m) for m in await answering.get_visible_maddrs()])
+            port = str(await asking.get_visible_maddrs()).split("/tcp/")[1].split("/")[0]
+            assert kind == "direct" and line == f"1 peer(s) dialed this one back at /ip4/127.0.0.1/tcp/{port}"
+            # a port where something else listens (no libp2p header) is not this peer
+            silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+            other = silent.sockets[0].getsockname()[1]
+            context = P2PContext("dial-back", answering.peer_id, asking.peer_id)
+            answer = await service.answer(pack({"ports": [other]}), context)
+            assert answer.tried == (f"/ip4/127.0.0.1/tcp/{other}",) and answer.dialed == ()
+            silent.close()
+            # a peer not connected is not dialed, whatever it asks
+            stranger = P2PContext("dial-back", answering.peer_id, answering.peer_id)
+            assert "no direct connection" in (await service.answer(pack({"ports": [1]}), stranger)).refused
+            answers = [await service.answer(pack({"ports": [1]}), context) for _ in range(MAX_PER_HOST)]
+            assert answers[-1].refused.startswith("too many dial-back requests")  # one was made above
+            kind, line = await checked(asking, [f"/ip4/127.0.0.1/tcp/1/p2p/{answering.peer_id}"])
+            assert kind == "" and "none of 1 initial peer(s) answered" in line
+        finally:
+            await asking.shutdown()
+            await answering.shutdown()
+
+    asyncio.run(run())
