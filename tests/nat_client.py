@@ -2,11 +2,16 @@
 greedy tokens of a prompt through the swarm and when they came, printed as JSON.
 
     python tests/nat_client.py MODEL_PATH HOST '[token ids]' NEW_TOKENS INITIAL_PEER...
+
+With NAT_CLIENT_PAUSE_AT=N and NAT_CLIENT_RESUME=PATH set, it prints "paused" after N new tokens and waits,
+its session open, until PATH exists (the test meanwhile kills a relay, or lets a router forget the flows).
 """
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -15,14 +20,21 @@ from corolla.config import ClientConfig, SwarmConfig
 
 path, host, prompt, new_tokens, *peers = sys.argv[1:]
 swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
+pause_at = int(os.environ.get("NAT_CLIENT_PAUSE_AT", "0"))
+arrivals: list[float] = []
+
+
+def arrived(_token) -> None:
+    arrivals.append(time.perf_counter())
+    if len(arrivals) == pause_at:
+        print("paused", flush=True)
+        while not Path(os.environ["NAT_CLIENT_RESUME"]).exists():
+            time.sleep(0.1)
+
+
 with DistributedModelForCausalLM.from_pretrained(path, config=ClientConfig(swarm=swarm)) as model:
-    arrivals: list[float] = []
     started = time.perf_counter()
-    out = model.generate(
-        torch.tensor([json.loads(prompt)]),
-        max_new_tokens=int(new_tokens),
-        streamer=lambda _: arrivals.append(time.perf_counter()),
-    )
+    out = model.generate(torch.tensor([json.loads(prompt)]), max_new_tokens=int(new_tokens), streamer=arrived)
 decode = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else None
 result = {"tokens": out[0].tolist(), "first_token_s": arrivals[0] - started, "decode_tokens_per_s": decode}
 print(json.dumps(result))

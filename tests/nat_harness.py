@@ -21,6 +21,7 @@ from pathlib import Path
 PREFIX = "cnt"
 PUBLIC_NET = "11.79.0"  # the bridge: public-looking, routed nowhere
 PUBLIC_IP = f"{PUBLIC_NET}.10"
+LINUX_TRACKING_TIMEOUT = 432000  # seconds an established TCP flow stays tracked
 READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")  # what `corolla dht` prints
 
 
@@ -33,6 +34,7 @@ class NatHarness:
 
     def __init__(self) -> None:
         self.namespaces: list[str] = []
+        self.homes: dict[str, str] = {}  # each home's namespace -> its router's
 
     @staticmethod
     def available() -> str | None:
@@ -90,7 +92,20 @@ class NatHarness:
         established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", *established)
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-j", "DROP")
+        self.homes[home] = router
         return home
+
+    def block(self, home: str, host: str, ports: tuple[int, int]) -> None:
+        """Make `home`'s router drop what its hosts send to `host` at ports first..last."""
+        where = ["-d", host, "-p", "tcp", "--dport", f"{ports[0]}:{ports[1]}"]
+        _run(*self.exec(self.homes[home]), "iptables", "-I", "FORWARD", "-i", "lan0", *where, "-j", "DROP")
+
+    def forget_idle_flows(self, home: str, seconds: int = LINUX_TRACKING_TIMEOUT) -> None:
+        """Make `home`'s router forget a TCP flow (its NAT mapping) idle for `seconds` (Linux's default:
+        5 days; home routers: minutes). Flows seen again are tracked anew: a cone router maps them to the
+        same port, a symmetric one to a new one."""
+        timeout = f"net.netfilter.nf_conntrack_tcp_timeout_established={seconds}"
+        _run(*self.exec(self.homes[home]), "sysctl", "-qw", timeout)
 
     def start_relays(self, logs: Path, env: dict, peers: list, first_port: int = 31330) -> list[str]:
         """4 `corolla dht --public` peers on the public host (libp2p reserves at once only when it knows 4

@@ -1,12 +1,13 @@
 """Servers behind emulated home routers (tests/nat_harness.py): reachable through relays, their tokens
-those of transformers on the same checkpoint.
+those of transformers on the same checkpoint, also when routers forget idle flows and relays die.
 
 Four `corolla dht --public` peers on the public side are the relays (libp2p takes a reservation at once
-only when it knows four; with fewer it waits 3 minutes). A chain of three servers: a public one, one
-behind a symmetric NAT (a new port per flow: no hole punching, no dialing in) and one behind a cone NAT,
-both with `--behind-nat`, push on (the default: a server sends its outputs to the next, through a relay to
-a server behind NAT); the client reaches them only through relays: a public client, then one behind a
-router of its own.
+only when it knows four; with fewer it waits 3 minutes). A chain of three servers: a public one (its
+initial peers dial it back: served directly), one behind a symmetric NAT (a new port per flow: no hole
+punching, no dialing in; started with `--behind-nat`) and one behind a cone NAT (nobody can dial it back:
+it goes behind relays by itself), push on (the default: a server sends its outputs to the next, through a
+relay to a server behind NAT); the client reaches them only through relays: a public client, and one
+behind a router of its own. One swarm for the module's tests.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,9 +34,10 @@ from tiny_models import load_reference
 pytestmark = pytest.mark.skipif(NatHarness.available() is not None, reason=str(NatHarness.available()))
 
 CLIENT = Path(__file__).resolve().parents[1] / "nat_client.py"
-RELAYED = re.compile(r"Behind NAT, reachable through (\d+) relay\(s\)")
+RELAYED = re.compile(r"Behind NAT, reachable through (\d+) relay\(s\) \(([^)]*)\)")
 DIALED_BACK = re.compile(r"peer\(s\) dialed this one back at /ip4/11\.79\.0\.10/tcp/")
 NOT_DIALED_BACK = re.compile(r"Not reachable directly: \d peer\(s\) could not dial this one back at /ip4/11")
+STRANDED = re.compile(r"WARN corolla.server.server: (.*)")
 ENV = {
     "HF_HUB_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
@@ -40,15 +45,44 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 NEW_TOKENS = 12
+PUBLIC_PORT = 31340
+RELAY_PORT = 31330  # the first of the 4 relays'
+CONNTRACK_TIMEOUT = 10  # seconds a router keeps an idle flow's mapping in the connection-tracking test
 
 
 def generate(namespace: list[str], host: str, args: list[str], env: dict) -> list[int]:
     """Greedy tokens from tests/nat_client.py run in `namespace`, listening on `host`."""
-    model, prompt, new_tokens, *peers = args
-    command = [*namespace, sys.executable, str(CLIENT), model, host, prompt, new_tokens, *peers]
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+    out = subprocess.run(
+        client_command(namespace, host, args), capture_output=True, text=True, env=env, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
+
+
+def client_command(namespace: list[str], host: str, args: list[str]) -> list[str]:
+    model, prompt, new_tokens, *peers = args
+    return [*namespace, sys.executable, str(CLIENT), model, host, prompt, new_tokens, *peers]
+
+
+def generate_with_a_pause(swarm: NatSwarm, pause_at: int, during: Callable[[], None]) -> list[int]:
+    """Greedy tokens of a client behind a cone NAT whose session stays open, idle, while `during` runs
+    after `pause_at` tokens."""
+    resume = swarm.logs / f"resume-{pause_at}"
+    env = {**swarm.env, "NAT_CLIENT_PAUSE_AT": str(pause_at), "NAT_CLIENT_RESUME": str(resume)}
+    command = client_command(swarm.net.exec(swarm.client_home), "0.0.0.0", swarm.args)
+    log = swarm.logs / f"client-paused-at-{pause_at}.log"
+    with log.open("w") as stderr:
+        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        try:
+            assert client.stdout.readline().strip() == "paused", log.read_text()[-3000:]
+            during()
+            resume.touch()
+            out, _ = client.communicate(timeout=180)
+        finally:
+            client.kill()
+            client.wait()
+    assert client.returncode == 0, log.read_text()[-3000:]
+    return json.loads(out.strip().splitlines()[-1])["tokens"]
 
 
 def reached(net: NatHarness, relays: list[str], env: dict) -> set[tuple[int, str]]:
@@ -61,43 +95,126 @@ def reached(net: NatHarness, relays: list[str], env: dict) -> set[tuple[int, str
     return {(server["start"], server["reachability"]) for server in swarm["servers"]}
 
 
-def start_servers(net: NatHarness, path: Path, relays: list[str], env: dict, peers: list, logs: Path) -> None:
+def start_servers(net: NatHarness, path: Path, relays: list[str], env: dict, logs: Path) -> list[PeerProcess]:
     """Blocks 0:2 on a public server, 2:4 behind a symmetric NAT, 4:6 behind a cone NAT."""
     common = ["--no-nat-port-map", "--num-threads", "1", *peer_args(relays)]
     places = [
-        ("public", "0:2", net.PUBLIC, ["--host", PUBLIC_IP]),  # found reachable: peers dial it back
+        ("public", "0:2", net.PUBLIC, ["--host", PUBLIC_IP, "--port", str(PUBLIC_PORT)]),  # dialed back
         ("symmetric", "2:4", net.home(1, symmetric=True), ["--host", "0.0.0.0", "--behind-nat"]),
         ("cone", "4:6", net.home(3, symmetric=False), ["--host", "0.0.0.0"]),  # found behind NAT
     ]
+    servers = []
     for name, blocks, namespace, where in places:
         args = ["server", str(path), "--blocks", blocks, *where, *common]
-        peers.append(PeerProcess(name, args, logs / f"{name}.log", env, net.exec(namespace)))
-    for server in peers[-3:]:
-        server.wait_for(READY_SERVER, 180)
-    public, symmetric, cone = peers[-3:]
+        servers.append(PeerProcess(name, args, logs / f"{name}.log", env, net.exec(namespace)))
+    return servers
+
+
+def start_stranded_server(
+    net: NatHarness, path: Path, public: PeerProcess, env: dict, logs: Path
+) -> PeerProcess:
+    """A server behind a router that lets nothing in and keeps it from the relays, whose only initial peer
+    relays for nobody (the public server: found reachable, not started with --public), of a model of its
+    own (no client tries it)."""
+    peer_id = public.wait_for(re.compile(r"peer_id=(\S+)"), 180).group(1)
+    only_peer = f"/ip4/{PUBLIC_IP}/tcp/{PUBLIC_PORT}/p2p/{peer_id}"
+    args = ["server", str(path), "--blocks", "0:2", "--dht-prefix", "stranded", "--host", "0.0.0.0"]
+    args += ["--no-nat-port-map", "--num-threads", "1", "--initial-peers", only_peer]
+    home = net.home(4, symmetric=False)
+    net.block(home, PUBLIC_IP, (RELAY_PORT, RELAY_PORT + 3))
+    return PeerProcess("stranded", args, logs / "stranded.log", env, net.exec(home))
+
+
+@dataclass
+class NatSwarm:
+    net: NatHarness
+    relays: list[PeerProcess]
+    relay_addresses: list[str]
+    servers: list[PeerProcess]
+    client_home: str
+    args: list[str]  # the client's: model, prompt, new tokens, initial peers
+    expected: list[int]
+    env: dict
+    logs: Path
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_models, tmp_path_factory) -> Iterator[NatSwarm]:
+    path = tiny_models["llama"]
+    logs = tmp_path_factory.mktemp("nat")
+    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(5))
+    expected = reference_generate(load_reference(path), prompt, max_new_tokens=NEW_TOKENS)[0].tolist()
+    env = {**os.environ, **ENV}
+    relays: list[PeerProcess] = []
+    servers: list[PeerProcess] = []
+    with NatHarness() as net:
+        try:
+            addresses = net.start_relays(logs, env, relays, RELAY_PORT)
+            servers = start_servers(net, path, addresses, env, logs)
+            servers.append(start_stranded_server(net, path, servers[0], env, logs))
+            for server in servers[:3]:  # the stranded one is checked by its test
+                server.wait_for(READY_SERVER, 180)
+            args = [str(path), json.dumps(prompt[0].tolist()), str(NEW_TOKENS), *addresses]
+            home = net.home(2, symmetric=False)  # the client's own router
+            yield NatSwarm(net, relays, addresses, servers, home, args, expected, env, logs)
+        finally:
+            for peer in reversed(relays + servers):
+                peer.stop(timeout=10)
+
+
+def test_servers_behind_nat_serve_through_relays(swarm):
+    """A chain of three servers, two behind NAT (one symmetric, one cone), with push between them: each
+    server found out how it is reached at start; a public client and one behind a router of its own (it
+    needs nothing: it dials out) get the reference tokens."""
+    public, symmetric, cone, _ = swarm.servers
     assert public.wait_for(DIALED_BACK, 1)  # said at start, before ready
     assert cone.wait_for(NOT_DIALED_BACK, 1)
     for server in (symmetric, cone):
         assert int(server.wait_for(RELAYED, 10).group(1)) >= 1
+    assert generate(swarm.net.exec(swarm.net.PUBLIC), PUBLIC_IP, swarm.args, swarm.env) == swarm.expected
+    assert reached(swarm.net, swarm.relay_addresses, swarm.env) == {
+        (0, "direct"),
+        (2, "relayed"),
+        (4, "relayed"),
+    }
+    assert generate(swarm.net.exec(swarm.client_home), "0.0.0.0", swarm.args, swarm.env) == swarm.expected
 
 
-def test_servers_behind_nat_serve_through_relays(tiny_models, tmp_path):
-    """A chain of three servers, two behind NAT (one symmetric, one cone), with push between them."""
-    path = tiny_models["llama"]
-    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(5))
-    expected = reference_generate(load_reference(path), prompt, max_new_tokens=NEW_TOKENS)[0].tolist()
-    env = {**os.environ, **ENV}
-    peers: list[PeerProcess] = []
-    with NatHarness() as net:
-        try:
-            relays = net.start_relays(tmp_path, env, peers)
-            start_servers(net, path, relays, env, peers, tmp_path)
-            args = [str(path), json.dumps(prompt[0].tolist()), str(NEW_TOKENS), *relays]
-            assert generate(net.exec(net.PUBLIC), PUBLIC_IP, args, env) == expected
-            assert reached(net, relays, env) == {(0, "direct"), (2, "relayed"), (4, "relayed")}
-            # a client behind a router of its own (cone NAT) needs nothing: it dials out
-            client_home = net.home(2, symmetric=False)
-            assert generate(net.exec(client_home), "0.0.0.0", args, env) == expected
-        finally:
-            for peer in reversed(peers):
-                peer.stop(timeout=10)
+def test_a_session_outlives_the_routers_connection_tracking(swarm):
+    """The client's router forgets a flow idle for 10 s (home routers forget in minutes; Linux's default is
+    5 days; libp2p's keepalive comes every 30 s): a session left idle for 25 s continues with the same
+    tokens (a cone router maps the flow to the same port when the client sends again)."""
+    swarm.net.forget_idle_flows(swarm.client_home, CONNTRACK_TIMEOUT)
+    try:
+        tokens = generate_with_a_pause(swarm, 4, lambda: time.sleep(2.5 * CONNTRACK_TIMEOUT))
+    finally:
+        swarm.net.forget_idle_flows(swarm.client_home)
+    assert tokens == swarm.expected
+
+
+def test_a_session_outlives_the_relays_it_goes_through(swarm):
+    """Every relay the server behind the cone NAT holds a reservation on is killed mid-generation: the
+    session continues with the same tokens (the server takes reservations on the relays left)."""
+    cone = swarm.servers[2]
+    used = set(cone.wait_for(RELAYED, 1).group(2).split(", "))
+    doomed = [
+        relay
+        for relay, address in zip(swarm.relays, swarm.relay_addresses, strict=True)
+        if address.rsplit("/p2p/", 1)[1] in used
+    ]
+    assert 1 <= len(doomed) < len(swarm.relays)
+
+    def kill_relays() -> None:
+        for relay in doomed:
+            relay.kill_group()  # kill -9, its DHT process and daemon too: as if its machine died
+
+    assert generate_with_a_pause(swarm, 6, kill_relays) == swarm.expected
+
+
+def test_a_server_nobody_can_reach_says_so_in_one_line(swarm):
+    """Behind a router that lets nothing in, in a swarm where nobody relays: one warning at start."""
+    stranded = swarm.servers[3]
+    assert stranded.wait_for(NOT_DIALED_BACK, 1)
+    line = stranded.wait_for(STRANDED, 60).group(0)
+    assert "Behind NAT and no relay took a reservation within 30s: no client can reach this server" in line
+    assert "--initial-peers that run with --public" in line and "forward a TCP port" in line

@@ -31,6 +31,7 @@ from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.passes import PassService
+from corolla.server.periodic import Periodic
 from corolla.server.placement import blocks_for_budget, choose_blocks
 from corolla.server.push import Pusher
 from corolla.server.rebalancer import Rebalancer
@@ -63,6 +64,7 @@ class Server:
         self.announcer: Announcer | None = None
         self.links: LinkMonitor | None = None
         self.rebalancer: Rebalancer | None = None
+        self.relay_watch: Periodic | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -122,6 +124,17 @@ class Server:
         kind, how = await reachability.describe(self.p2p, self.swarm, self.dialed_back, RELAY_WAIT)
         self.status.reachability = kind  # shown by `corolla status` and the dashboard
         (logger.warning if kind == "unreachable" else logger.info)(how)
+        if self.swarm.reachability == "behind-nat":  # relays die and come: said, and shown
+            watch = reachability.RelayWatch(
+                self.p2p, kind, lambda now: setattr(self.status, "reachability", now)
+            )
+            self.relay_watch = Periodic(
+                "relay watch",
+                watch.check,
+                lambda: reachability.WATCH_PERIOD,
+                "Could not read the relayed addresses",
+            )
+            self.relay_watch.start()
 
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""
@@ -229,7 +242,7 @@ class Server:
             logger.warning("Could not announce OFFLINE", exc_info=True)
 
     async def stop(self) -> None:
-        for part in (self.rebalancer, self.links):
+        for part in (self.rebalancer, self.links, self.relay_watch):
             if part is not None:
                 await part.stop()
         await self._announce_offline()

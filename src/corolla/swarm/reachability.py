@@ -16,13 +16,18 @@ behind NAT when none can (swarm/joining.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 
 from hivemind.p2p import P2P
 
 from corolla.config import SwarmConfig
 
+logger = logging.getLogger(__name__)
+
 RELAYED = "/p2p-circuit"
+WATCH_PERIOD = 5.0  # seconds between looks at a server's relays
 
 
 def p2p_options(config: SwarmConfig) -> dict:
@@ -37,7 +42,7 @@ def p2p_options(config: SwarmConfig) -> dict:
 
 async def relayed_addresses(p2p: P2P) -> list[str]:
     """The relayed addresses this peer announces now (none: no relay holds a reservation for it)."""
-    return [str(maddr) for maddr in await p2p.get_visible_maddrs() if RELAYED in str(maddr)]
+    return [str(maddr) for maddr in await p2p.get_visible_maddrs(latest=True) if RELAYED in str(maddr)]
 
 
 async def describe(p2p: P2P, config: SwarmConfig, dialed_back: str, timeout: float) -> tuple[str, str]:
@@ -58,7 +63,7 @@ async def describe(p2p: P2P, config: SwarmConfig, dialed_back: str, timeout: flo
         await asyncio.sleep(0.5)
         relayed = await relayed_addresses(p2p)
     if relayed:
-        relays = sorted({address.split(RELAYED)[0].rsplit("/p2p/", 1)[-1] for address in relayed})
+        relays = relays_of(relayed)
         return (
             "relayed",
             f"Behind NAT, reachable through {len(relays)} relay(s) ({', '.join(relays)}): {relayed[0]}",
@@ -69,3 +74,35 @@ async def describe(p2p: P2P, config: SwarmConfig, dialed_back: str, timeout: flo
         "fewer than 4), or forward a TCP port to this machine and run with --port PORT --announce-host "
         "YOUR_PUBLIC_IP --public"
     )
+
+
+def relays_of(addresses: list[str]) -> list[str]:
+    """The peer ids of the relays in relayed addresses."""
+    return sorted({address.split(RELAYED)[0].rsplit("/p2p/", 1)[-1] for address in addresses})
+
+
+class RelayWatch:
+    """Behind NAT, says when the relays holding this peer's reservations change (one died, libp2p took
+    another) and keeps `kind` true: relayed, or unreachable while no relay holds one."""
+
+    def __init__(self, p2p: P2P, kind: str, on_change: Callable[[str], None]):
+        self.p2p = p2p
+        self.kind = kind
+        self.on_change = on_change
+        self.relays: list[str] | None = None
+
+    async def check(self) -> None:
+        relays = relays_of(await relayed_addresses(self.p2p))
+        if self.relays is not None and relays != self.relays:
+            gone = ", ".join(sorted(set(self.relays) - set(relays))) or "none"
+            if relays:
+                logger.info("Relays changed (gone: %s); reachable through %s", gone, ", ".join(relays))
+            else:
+                logger.warning(
+                    "No relay holds a reservation now (gone: %s): unreachable until one does", gone
+                )
+        self.relays = relays
+        kind = "relayed" if relays else "unreachable"
+        if kind != self.kind:
+            self.kind = kind
+            self.on_change(kind)

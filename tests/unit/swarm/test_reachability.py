@@ -3,13 +3,14 @@
 
 import argparse
 import asyncio
+import logging
 
 import pytest
 
 from corolla.cli.common import add_swarm_args, swarm_config
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
-from corolla.swarm.reachability import describe, p2p_options
+from corolla.swarm.reachability import RelayWatch, describe, p2p_options
 
 RELAY = "/ip4/11.79.0.10/tcp/31330/p2p/12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
 ME = "12D3KooWB34BKL7PKe1HK82QCd6UXhZunXNUoZqGNeG6UaB8Hfon"
@@ -21,7 +22,7 @@ class Visible:
     def __init__(self, addresses: list[str]):
         self.addresses = addresses
 
-    async def get_visible_maddrs(self):
+    async def get_visible_maddrs(self, latest: bool = False):
         return self.addresses
 
 
@@ -63,3 +64,26 @@ def test_a_server_behind_nat_names_its_relay_or_says_clearly_that_none_took_it()
     assert asyncio.run(describe(visible, parse(), "direct", 0)) == (kind, line)  # peers dialed it back
     kind, line = asyncio.run(describe(visible, parse(), "", 0))
     assert kind == "" and line.startswith("Listening at /ip4/11.79.0.12/tcp/4000; whether other peers")
+
+
+def test_a_server_behind_nat_says_when_its_relays_change(caplog):
+    other = RELAY.replace("31330", "31331").rsplit("/p2p/", 1)[0] + "/p2p/" + ME  # a relay with another id
+    caplog.set_level("INFO", logger="corolla.swarm.reachability")
+    p2p = Visible([f"{RELAY}/p2p-circuit/p2p/{ME}"])
+    changes = []
+    watch = RelayWatch(p2p, "relayed", changes.append)
+    asyncio.run(watch.check())
+    assert caplog.records == [] and changes == []
+    p2p.addresses = [f"{other}/p2p-circuit/p2p/{ME}"]  # the first relay died, libp2p took another
+    asyncio.run(watch.check())
+    assert (
+        caplog.records[-1].message
+        == f"Relays changed (gone: {RELAY.rsplit('/', 1)[1]}); reachable through {ME}"
+    )
+    p2p.addresses = ["/ip4/10.89.1.2/tcp/4000"]
+    asyncio.run(watch.check())
+    assert caplog.records[-1].levelno == logging.WARNING and changes == ["unreachable"]
+    assert caplog.records[-1].message.startswith(f"No relay holds a reservation now (gone: {ME})")
+    p2p.addresses = [f"{RELAY}/p2p-circuit/p2p/{ME}"]
+    asyncio.run(watch.check())
+    assert changes == ["unreachable", "relayed"]
