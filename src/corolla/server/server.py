@@ -125,15 +125,8 @@ class Server:
         self.status.reachability = kind  # shown by `corolla status` and the dashboard
         (logger.warning if kind == "unreachable" else logger.info)(how)
         if self.swarm.reachability == "behind-nat":  # relays die and come: said, and shown
-            watch = reachability.RelayWatch(
-                self.p2p, kind, lambda now: setattr(self.status, "reachability", now)
-            )
-            self.relay_watch = Periodic(
-                "relay watch",
-                watch.check,
-                lambda: reachability.WATCH_PERIOD,
-                "Could not read the relayed addresses",
-            )
+            watch = reachability.RelayWatch(self.p2p, self.status)
+            self.relay_watch = Periodic("relay watch", watch.check, watch.period, "Relays not read")
             self.relay_watch.start()
 
     async def _serve(self) -> None:

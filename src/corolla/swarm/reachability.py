@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from typing import Any
 
 from hivemind.p2p import P2P
 
@@ -83,13 +83,16 @@ def relays_of(addresses: list[str]) -> list[str]:
 
 class RelayWatch:
     """Behind NAT, says when the relays holding this peer's reservations change (one died, libp2p took
-    another) and keeps `kind` true: relayed, or unreachable while no relay holds one."""
+    another) and keeps `status.reachability` true: relayed, or unreachable while no relay holds one."""
 
-    def __init__(self, p2p: P2P, kind: str, on_change: Callable[[str], None]):
+    def __init__(self, p2p: P2P, status: Any):
         self.p2p = p2p
-        self.kind = kind
-        self.on_change = on_change
+        self.status = status  # a server's StatusBoard: what `corolla status` shows
         self.relays: list[str] | None = None
+
+    @staticmethod
+    def period() -> float:
+        return WATCH_PERIOD
 
     async def check(self) -> None:
         relays = relays_of(await relayed_addresses(self.p2p))
@@ -102,7 +105,4 @@ class RelayWatch:
                     "No relay holds a reservation now (gone: %s): unreachable until one does", gone
                 )
         self.relays = relays
-        kind = "relayed" if relays else "unreachable"
-        if kind != self.kind:
-            self.kind = kind
-            self.on_change(kind)
+        self.status.reachability = "relayed" if relays else "unreachable"

@@ -4,6 +4,7 @@
 import argparse
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,10 +71,10 @@ def test_a_server_behind_nat_says_when_its_relays_change(caplog):
     other = RELAY.replace("31330", "31331").rsplit("/p2p/", 1)[0] + "/p2p/" + ME  # a relay with another id
     caplog.set_level("INFO", logger="corolla.swarm.reachability")
     p2p = Visible([f"{RELAY}/p2p-circuit/p2p/{ME}"])
-    changes = []
-    watch = RelayWatch(p2p, "relayed", changes.append)
+    status = SimpleNamespace(reachability="relayed")
+    watch = RelayWatch(p2p, status)
     asyncio.run(watch.check())
-    assert caplog.records == [] and changes == []
+    assert caplog.records == [] and status.reachability == "relayed"
     p2p.addresses = [f"{other}/p2p-circuit/p2p/{ME}"]  # the first relay died, libp2p took another
     asyncio.run(watch.check())
     assert (
@@ -82,8 +83,8 @@ def test_a_server_behind_nat_says_when_its_relays_change(caplog):
     )
     p2p.addresses = ["/ip4/10.89.1.2/tcp/4000"]
     asyncio.run(watch.check())
-    assert caplog.records[-1].levelno == logging.WARNING and changes == ["unreachable"]
+    assert caplog.records[-1].levelno == logging.WARNING and status.reachability == "unreachable"
     assert caplog.records[-1].message.startswith(f"No relay holds a reservation now (gone: {ME})")
     p2p.addresses = [f"{RELAY}/p2p-circuit/p2p/{ME}"]
     asyncio.run(watch.check())
-    assert changes == ["unreachable", "relayed"]
+    assert status.reachability == "relayed"
