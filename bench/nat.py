@@ -1,16 +1,18 @@
 """Servers behind emulated home routers: the same SmolLM2 chain direct and relayed (JSON).
 
-Builds tests/nat_harness.py's namespaces (needs root and iptables), starts 4 `corolla dht --public` relays
-on the public host, then, for each layout, three SmolLM2 servers (blocks 0:10, 10:20, 20:30) and a public
-client that generates `--new-tokens` greedy tokens `--repeats` times (after one warm-up):
-- direct: every server public (`--public`, on the public host);
+Builds tests/nat_harness.py's namespaces (needs root, iptables, and ../shared/tools/wan/delayer.py for the
+delay), starts 4 `corolla dht --public` relays on the public host, then, for each layout, three SmolLM2
+servers (blocks 0:10, 10:20, 20:30) and a client on the relays' host that generates `--new-tokens` greedy
+tokens `--repeats` times (after one warm-up):
+- direct: every server on a public host of its own (`--public`);
 - relayed: the first server public, the other two behind symmetric NATs (`--behind-nat`: relay only).
-Reports per layout the median time to first token and decode tokens/s, whether the tokens equal the direct
-layout's, and each server's time from its start to serving (for one behind NAT: until a relay took its
-reservation). No delay is emulated between hosts (this harness has none yet): relaying's cost here is
-the extra hop through a relay's daemon, not a longer path. JSON to stdout, logs to stderr.
+Every packet crossing the bridge is held `--delay-ms` where it arrives: 2 x that between two hosts (a
+relayed hop crosses twice). Reports per layout the median time to first token and decode tokens/s, whether
+the tokens equal the direct layout's, and each server's time from its start to serving (for one behind
+NAT: until a relay took its reservation). No hop ends up direct behind NAT (the bundled libp2p daemon
+does not punch holes). JSON to stdout, logs to stderr.
 
-    sudo python bench/nat.py [--new-tokens 32] [--repeats 3]
+    sudo python bench/nat.py [--new-tokens 32] [--repeats 3] [--delay-ms 25]
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def start_chain(net: NatHarness, layout: str, model: Path, relays: list[str], en
     servers, ready_s = [], []
     for index, blocks in enumerate(SPANS):
         behind = layout == "relayed" and index > 0
-        namespace = net.home(10 + index, symmetric=True) if behind else net.PUBLIC
-        where = ["--host", "0.0.0.0", "--behind-nat"] if behind else ["--host", PUBLIC_IP, "--public"]
+        host = index + (1 if layout == "direct" else 4)  # a public host of its own, per layout
+        namespace = net.home(10 + index, symmetric=True) if behind else net.public_host(host)
+        public = ["--host", f"11.79.0.{20 + host}", "--public"]
+        where = ["--host", "0.0.0.0", "--behind-nat"] if behind else public
         args = ["server", str(model), "--blocks", blocks, *where, "--no-nat-port-map", "--num-threads", "1"]
         log = logs / f"{layout}-{index}.log"
         started = time.perf_counter()
@@ -91,6 +95,7 @@ def main() -> None:
     )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--delay-ms", type=int, default=25, help="one way, per bridge crossing")
     args = parser.parse_args()
     if NatHarness.available() is not None:
         sys.exit(NatHarness.available())
@@ -99,7 +104,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="corolla-nat-"))
     peers: list[PeerProcess] = []
     started = time.perf_counter()
-    with NatHarness() as net:
+    with NatHarness(args.delay_ms) as net:
         try:
             relays = net.start_relays(logs, env, peers, first_port=31340)
             layouts = {
@@ -123,7 +128,8 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
             "relays": 4,
-            "emulated_delay_ms": 0,
+            "emulated_delay_ms": args.delay_ms,
+            "round_trip_ms": 2 * args.delay_ms,
             "logs": str(logs),
             "wall_s": round(time.perf_counter() - started, 1),
         },

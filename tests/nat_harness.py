@@ -16,11 +16,15 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 PREFIX = "cnt"
 PUBLIC_NET = "11.79.0"  # the bridge: public-looking, routed nowhere
 PUBLIC_IP = f"{PUBLIC_NET}.10"
+DELAYER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "wan" / "delayer.py"
 LINUX_TRACKING_TIMEOUT = 432000  # seconds an established TCP flow stays tracked
 READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")  # what `corolla dht` prints
 
@@ -32,9 +36,15 @@ def _run(*args: str) -> None:
 class NatHarness:
     PUBLIC = f"{PREFIX}-pub"
 
-    def __init__(self) -> None:
+    def __init__(self, delay_ms: int = 0) -> None:
+        """`delay_ms`: each packet crossing the bridge is held that long where it arrives (a public host, a
+        router), by ../shared/tools/wan/delayer.py (this kernel has no netem): round trips of 2 x delay_ms
+        between a public host and a home. Needs that tool when non-zero."""
         self.namespaces: list[str] = []
         self.homes: dict[str, str] = {}  # each home's namespace -> its router's
+        self.delay_ms = delay_ms
+        self.delayers: list[subprocess.Popen] = []
+        self.folder = Path(tempfile.mkdtemp(prefix="corolla-nat-harness-"))
 
     @staticmethod
     def available() -> str | None:
@@ -60,6 +70,12 @@ class NatHarness:
         self._namespace("pub")
         self._plug(self.PUBLIC, "eth0", "vpub", f"{PUBLIC_IP}/24")
         return self
+
+    def public_host(self, index: int) -> str:
+        """Another public host, at 11.79.0.(20 + INDEX)."""
+        namespace = self._namespace(f"p{index}")
+        self._plug(namespace, "eth0", f"vp{index}", f"{PUBLIC_NET}.{20 + index}/24")
+        return namespace
 
     def home(self, index: int, symmetric: bool) -> str:
         """A host at 10.89.INDEX.2 behind router INDEX (11.79.0.(100 + INDEX) on the bridge)."""
@@ -165,8 +181,27 @@ class NatHarness:
         _run("ip", "-n", switch, "link", "set", port, "up")
         _run("ip", "-n", namespace, "addr", "add", address, "dev", device)
         _run("ip", "-n", namespace, "link", "set", device, "up")
+        if self.delay_ms:
+            self._delay(namespace, device)
+
+    def _delay(self, namespace: str, device: str) -> None:
+        """Packets arriving on `device` held delay_ms (an NFQUEUE rule and the wan tool's delayer)."""
+        queue = ["-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"]
+        _run(*self.exec(namespace), "iptables", "-t", "mangle", "-A", "PREROUTING", "-i", device, *queue)
+        (self.folder / "delay_ms").write_text(str(self.delay_ms))
+        log = self.folder / f"delayer-{namespace}.log"
+        command = [*self.exec(namespace), sys.executable, str(DELAYER), str(self.folder / "delay_ms"), "0"]
+        with log.open("w") as out:
+            self.delayers.append(subprocess.Popen(command, stdout=out, stderr=out, start_new_session=True))
+        deadline = time.monotonic() + 10
+        while "delayer:" not in log.read_text() and time.monotonic() < deadline:  # its queue is bound
+            time.sleep(0.1)
 
     def __exit__(self, *exc: object) -> None:
+        for delayer in self.delayers:
+            delayer.kill()
+            delayer.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
         for namespace in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self.namespaces = []
