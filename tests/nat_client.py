@@ -1,5 +1,6 @@
 """A client run inside a namespace of the NAT harness (tests/integration/test_nat.py, bench/nat.py):
-greedy tokens of a prompt through the swarm and when they came, printed as JSON.
+greedy tokens of a prompt through the swarm, when they came, and how it was connected to each peer at the
+end (directly, or only through a relay), printed as JSON.
 
     python tests/nat_client.py MODEL_PATH HOST '[token ids]' NEW_TOKENS INITIAL_PEER...
 
@@ -35,6 +36,14 @@ def arrived(_token) -> None:
 with DistributedModelForCausalLM.from_pretrained(path, config=ClientConfig(swarm=swarm)) as model:
     started = time.perf_counter()
     out = model.generate(torch.tensor([json.loads(prompt)]), max_new_tokens=int(new_tokens), streamer=arrived)
+    peers = model.runtime.run(model.client.p2p.list_peers())
 decode = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else None
-result = {"tokens": out[0].tolist(), "first_token_s": arrivals[0] - started, "decode_tokens_per_s": decode}
+# the addresses of this client's connections to each peer: a relayed one has "/p2p-circuit"
+connections = {str(peer.peer_id): [str(address) for address in peer.addrs] for peer in peers}
+result = {
+    "tokens": out[0].tolist(),
+    "first_token_s": arrivals[0] - started,
+    "decode_tokens_per_s": decode,
+    "connections": connections,
+}
 print(json.dumps(result))

@@ -26,7 +26,12 @@ PUBLIC_NET = "11.79.0"  # the bridge: public-looking, routed nowhere
 PUBLIC_IP = f"{PUBLIC_NET}.10"
 DELAYER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "wan" / "delayer.py"
 LINUX_TRACKING_TIMEOUT = 432000  # seconds an established TCP flow stays tracked
-READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")  # what `corolla dht` prints
+READY_RELAY = re.compile(r"--initial-peers (/ip4/11\.79\.0\.\d+/\S+)")  # what `corolla dht` prints
+RELAY_HOSTS = 10  # relay i on public host 10 + i
+
+
+def relay_ip(index: int) -> str:
+    return f"{PUBLIC_NET}.{20 + RELAY_HOSTS + index}"
 
 
 def _run(*args: str) -> None:
@@ -108,6 +113,21 @@ class NatHarness:
         established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", *established)
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-j", "DROP")
+        # a home router drops what nobody inside asked for (a reset would end a hole punch's first dial)
+        _run(
+            *in_router,
+            "iptables",
+            "-A",
+            "INPUT",
+            "-i",
+            "wan0",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "NEW",
+            "-j",
+            "DROP",
+        )
         self.homes[home] = router
         return home
 
@@ -124,8 +144,10 @@ class NatHarness:
         _run(*self.exec(self.homes[home]), "sysctl", "-qw", timeout)
 
     def start_relays(self, logs: Path, env: dict, peers: list, first_port: int = 31330) -> list[str]:
-        """4 `corolla dht --public` peers on the public host (libp2p reserves at once only when it knows 4
-        relays); their addresses. The processes go to `peers` (the caller stops them)."""
+        """4 `corolla dht --public` peers, each on a public host of its own at 11.79.0.(30 + i) (libp2p
+        reserves at once only when it knows 4 relays, and trusts the address a peer sees for it only when
+        peers at 4 different IPs see it); their addresses. The processes go to `peers` (the caller stops
+        them)."""
         first = self._relay(0, [], first_port, logs, env, peers)
         address = first.wait_for(READY_RELAY, 60).group(1)
         others = [self._relay(index, [address], first_port, logs, env, peers) for index in (1, 2, 3)]
@@ -135,18 +157,11 @@ class NatHarness:
         from corolla.launch.local import PeerProcess
         from corolla.swarm.addresses import peer_args
 
-        args = [
-            "dht",
-            "--host",
-            PUBLIC_IP,
-            "--port",
-            str(first_port + index),
-            "--no-nat-port-map",
-            "--public",
-        ]
+        host = self.public_host(RELAY_HOSTS + index)
+        args = ["dht", "--host", relay_ip(index), "--port", str(first_port + index), "--no-nat-port-map"]
         log = logs / f"relay{index}.log"
         relay = PeerProcess(
-            f"relay {index}", [*args, *peer_args(bootstrap)], log, env, self.exec(self.PUBLIC)
+            f"relay {index}", [*args, "--public", *peer_args(bootstrap)], log, env, self.exec(host)
         )
         peers.append(relay)
         return relay

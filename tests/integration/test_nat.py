@@ -27,7 +27,7 @@ import torch
 
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.swarm.addresses import peer_args
-from nat_harness import PUBLIC_IP, NatHarness
+from nat_harness import PUBLIC_IP, NatHarness, relay_ip
 from swarm_helpers import reference_generate
 from tiny_models import load_reference
 
@@ -37,6 +37,8 @@ CLIENT = Path(__file__).resolve().parents[1] / "nat_client.py"
 RELAYED = re.compile(r"Behind NAT, reachable through (\d+) relay\(s\) \(([^)]*)\)")
 DIALED_BACK = re.compile(r"peer\(s\) dialed this one back at /ip4/11\.79\.0\.10/tcp/")
 NOT_DIALED_BACK = re.compile(r"Not reachable directly: \d peer\(s\) could not dial this one back at /ip4/11")
+RELAYS_CHANGED = re.compile(r"Relays changed \(gone: .*\); reachable through")
+PEER_ID = re.compile(r"peer_id=(\S+)")
 STRANDED = re.compile(r"WARN corolla.server.server: (.*)")
 ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -52,11 +54,22 @@ CONNTRACK_TIMEOUT = 10  # seconds a router keeps an idle flow's mapping in the c
 
 def generate(namespace: list[str], host: str, args: list[str], env: dict) -> list[int]:
     """Greedy tokens from tests/nat_client.py run in `namespace`, listening on `host`."""
+    return run_client(namespace, host, args, env)["tokens"]
+
+
+def run_client(namespace: list[str], host: str, args: list[str], env: dict) -> dict:
+    """What tests/nat_client.py run in `namespace`, listening on `host`, prints."""
     out = subprocess.run(
         client_command(namespace, host, args), capture_output=True, text=True, env=env, timeout=180
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def direct(connections: dict[str, list[str]], server: PeerProcess) -> bool:
+    """Whether the client had a direct connection (not only a relayed one) to `server` at its end."""
+    peer_id = server.wait_for(PEER_ID, 1).group(1)
+    return any("/p2p-circuit" not in address for address in connections.get(peer_id, []))
 
 
 def client_command(namespace: list[str], host: str, args: list[str]) -> list[str]:
@@ -116,12 +129,13 @@ def start_stranded_server(
     """A server behind a router that lets nothing in and keeps it from the relays, whose only initial peer
     relays for nobody (the public server: found reachable, not started with --public), of a model of its
     own (no client tries it)."""
-    peer_id = public.wait_for(re.compile(r"peer_id=(\S+)"), 180).group(1)
+    peer_id = public.wait_for(PEER_ID, 180).group(1)
     only_peer = f"/ip4/{PUBLIC_IP}/tcp/{PUBLIC_PORT}/p2p/{peer_id}"
     args = ["server", str(path), "--blocks", "0:2", "--dht-prefix", "stranded", "--host", "0.0.0.0"]
     args += ["--no-nat-port-map", "--num-threads", "1", "--initial-peers", only_peer]
     home = net.home(4, symmetric=False)
-    net.block(home, PUBLIC_IP, (RELAY_PORT, RELAY_PORT + 3))
+    for index in range(4):
+        net.block(home, relay_ip(index), (RELAY_PORT, RELAY_PORT + 3))
     return PeerProcess("stranded", args, logs / "stranded.log", env, net.exec(home))
 
 
@@ -165,13 +179,18 @@ def swarm(tiny_models, tmp_path_factory) -> Iterator[NatSwarm]:
 def test_servers_behind_nat_serve_through_relays(swarm):
     """A chain of three servers, two behind NAT (one symmetric, one cone), with push between them: each
     server found out how it is reached at start; a public client and one behind a router of its own (it
-    needs nothing: it dials out) get the reference tokens."""
+    needs nothing: it dials out) get the reference tokens. The public client reaches the server behind the
+    cone NAT through a relay, then directly (libp2p's hole punching: that server dials out to it), the one
+    behind the symmetric NAT only through relays."""
     public, symmetric, cone, _ = swarm.servers
     assert public.wait_for(DIALED_BACK, 1)  # said at start, before ready
     assert cone.wait_for(NOT_DIALED_BACK, 1)
     for server in (symmetric, cone):
         assert int(server.wait_for(RELAYED, 10).group(1)) >= 1
-    assert generate(swarm.net.exec(swarm.net.PUBLIC), PUBLIC_IP, swarm.args, swarm.env) == swarm.expected
+    public_client = run_client(swarm.net.exec(swarm.net.PUBLIC), PUBLIC_IP, swarm.args, swarm.env)
+    assert public_client["tokens"] == swarm.expected
+    assert direct(public_client["connections"], public) and direct(public_client["connections"], cone)
+    assert not direct(public_client["connections"], symmetric)
     assert reached(swarm.net, swarm.relay_addresses, swarm.env) == {
         (0, "direct"),
         (2, "relayed"),
@@ -193,10 +212,11 @@ def test_a_session_outlives_the_routers_connection_tracking(swarm):
 
 
 def test_a_session_outlives_the_relays_it_goes_through(swarm):
-    """Every relay the server behind the cone NAT holds a reservation on is killed mid-generation: the
-    session continues with the same tokens (the server takes reservations on the relays left)."""
-    cone = swarm.servers[2]
-    used = set(cone.wait_for(RELAYED, 1).group(2).split(", "))
+    """Every relay the server behind the symmetric NAT holds a reservation on (every path to it: nobody can
+    dial it, or punch a hole to it) is killed mid-generation: the session fails over to the same server
+    once it has taken reservations on the relays left, with the same tokens."""
+    symmetric = swarm.servers[1]
+    used = set(symmetric.wait_for(RELAYED, 1).group(2).split(", "))
     doomed = [
         relay
         for relay, address in zip(swarm.relays, swarm.relay_addresses, strict=True)
@@ -209,6 +229,8 @@ def test_a_session_outlives_the_relays_it_goes_through(swarm):
             relay.kill_group()  # kill -9, its DHT process and daemon too: as if its machine died
 
     assert generate_with_a_pause(swarm, 6, kill_relays) == swarm.expected
+    assert "failed (server" in (swarm.logs / "client-paused-at-6.log").read_text()  # the path broke
+    assert symmetric.wait_for(RELAYS_CHANGED, 1)
 
 
 def test_a_server_nobody_can_reach_says_so_in_one_line(swarm):
