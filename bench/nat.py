@@ -5,12 +5,14 @@ delay), starts 4 `corolla dht --public` relays on the public host, then, for eac
 servers (blocks 0:10, 10:20, 20:30) and a client on the relays' host that generates `--new-tokens` greedy
 tokens `--repeats` times (after one warm-up):
 - direct: every server on a public host of its own (`--public`);
+- punched: the first server public, the other two behind cone NATs (found behind NAT by the dial-back:
+  reached through a relay, then directly: libp2p's hole punching has them dial out to the client);
 - relayed: the first server public, the other two behind symmetric NATs (`--behind-nat`: relay only).
 Every packet crossing the bridge is held `--delay-ms` where it arrives: 2 x that between two hosts (a
 relayed hop crosses twice). Reports per layout the median time to first token and decode tokens/s, whether
-the tokens equal the direct layout's, and each server's time from its start to serving (for one behind
-NAT: until a relay took its reservation). No hop ends up direct behind NAT (the bundled libp2p daemon
-does not punch holes). JSON to stdout, logs to stderr.
+the tokens equal the direct layout's, the share of the client's hops to servers that ended up direct, and
+each server's time from its start to serving (for one behind NAT: until a relay took its reservation).
+JSON to stdout, logs to stderr.
 
     sudo python bench/nat.py [--new-tokens 32] [--repeats 3] [--delay-ms 25]
 """
@@ -38,27 +40,30 @@ from nat_harness import PUBLIC_IP, NatHarness
 CLIENT = Path(__file__).resolve().parents[1] / "tests" / "nat_client.py"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 SPANS = ["0:10", "10:20", "20:30"]
+LAYOUTS = ("direct", "punched", "relayed")
 PROMPT = "The capital of France is"
 
 
 def start_chain(net: NatHarness, layout: str, model: Path, relays: list[str], env: dict, logs: Path):
     """Three servers of `layout`; (their processes, seconds from each one's start to serving)."""
-    servers, ready_s = [], []
+    servers, ready_s, peer_ids = [], [], []
     for index, blocks in enumerate(SPANS):
-        behind = layout == "relayed" and index > 0
-        host = index + (1 if layout == "direct" else 4)  # a public host of its own, per layout
-        namespace = net.home(10 + index, symmetric=True) if behind else net.public_host(host)
+        behind = layout != "direct" and index > 0
+        host = index + 3 * LAYOUTS.index(layout)  # a public host of its own, per layout
+        home = 10 + index + 3 * LAYOUTS.index(layout)
+        namespace = net.home(home, symmetric=layout == "relayed") if behind else net.public_host(host)
         public = ["--host", f"11.79.0.{20 + host}", "--public"]
-        where = ["--host", "0.0.0.0", "--behind-nat"] if behind else public
+        nat = ["--host", "0.0.0.0", *(["--behind-nat"] if layout == "relayed" else [])]
+        where = nat if behind else public
         args = ["server", str(model), "--blocks", blocks, *where, "--no-nat-port-map", "--num-threads", "1"]
         log = logs / f"{layout}-{index}.log"
         started = time.perf_counter()
         servers.append(
             PeerProcess(f"{layout} {blocks}", [*args, *peer_args(relays)], log, env, net.exec(namespace))
         )
-        servers[-1].wait_for(READY_SERVER, 300)
+        peer_ids.append(servers[-1].wait_for(READY_SERVER, 300).group(1))
         ready_s.append(round(time.perf_counter() - started, 2))
-    return servers, ready_s
+    return servers, ready_s, peer_ids
 
 
 def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int, env: dict) -> dict:
@@ -75,13 +80,16 @@ def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int,
 
 
 def measure(net, layout, model, relays, args, env, logs) -> dict:
-    servers, ready_s = start_chain(net, layout, model, relays, env, logs)
+    servers, ready_s, peer_ids = start_chain(net, layout, model, relays, env, logs)
     try:
         runs = [run_client(net, model, relays, args.new_tokens, env) for _ in range(args.repeats + 1)][1:]
     finally:
         for server in reversed(servers):
             server.stop(timeout=15)
+    connections = runs[-1]["connections"]
+    direct = [any("/p2p-circuit" not in a for a in connections.get(peer, [])) for peer in peer_ids]
     return {
+        "direct_hops": f"{sum(direct)} of {len(direct)}",
         "first_token_s": round(statistics.median(r["first_token_s"] for r in runs), 3),
         "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
         "server_start_to_serving_s": ready_s,
@@ -107,21 +115,21 @@ def main() -> None:
     with NatHarness(args.delay_ms) as net:
         try:
             relays = net.start_relays(logs, env, peers, first_port=31340)
-            layouts = {
-                layout: measure(net, layout, model, relays, args, env, logs)
-                for layout in ("direct", "relayed")
-            }
+            layouts = {layout: measure(net, layout, model, relays, args, env, logs) for layout in LAYOUTS}
         finally:
             for peer in reversed(peers):
                 peer.stop(timeout=10)
-    direct, relayed = layouts["direct"], layouts["relayed"]
+    direct = layouts["direct"]
     result = {
         "layouts": {
             name: {k: v for k, v in layout.items() if k != "tokens"} for name, layout in layouts.items()
         },
-        "tokens_equal": direct["tokens"] == relayed["tokens"],
-        "relayed_vs_direct_decode": round(relayed["decode_tokens_per_s"] / direct["decode_tokens_per_s"], 2),
-        "relayed_vs_direct_first_token": round(relayed["first_token_s"] / direct["first_token_s"], 2),
+        "tokens_equal": all(layout["tokens"] == direct["tokens"] for layout in layouts.values()),
+        **{
+            f"{name}_vs_direct_{what}": round(layouts[name][key] / direct[key], 2)
+            for name in LAYOUTS[1:]
+            for what, key in (("decode", "decode_tokens_per_s"), ("first_token", "first_token_s"))
+        },
         "config": {
             "model": "SmolLM2-135M-Instruct (fp32)",
             "servers": SPANS,
