@@ -22,6 +22,8 @@ def pytest_collection_modifyitems(items):
             # with pytest-xdist (make test: --dist loadgroup), the tests of the one shared SmolLM2 swarm
             # run in one worker, which starts that swarm once
             item.add_marker(pytest.mark.xdist_group("smol"))
+        if item.fspath.basename == "test_nat.py":  # one NAT harness (its namespaces have fixed names)
+            item.add_marker(pytest.mark.xdist_group("nat"))
 
 
 @pytest.fixture(scope="session")

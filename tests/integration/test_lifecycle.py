@@ -89,9 +89,9 @@ def test_kill_9_takes_the_whole_process_tree_and_status_drops_the_server_at_once
         assert result.returncode == 0, result.stderr
         rows = [line for line in result.stdout.splitlines() if line.startswith("...")]
         assert len(rows) == 1 and server.peer_id[-8:] not in rows[0], result.stdout  # the 0:3 server only
-        # where it computes ("cpu (25 GB)"); how it is reached is not said (no --public, no --behind-nat)
+        # where it computes ("cpu (25 GB)"); how it is reached: its initial peer dialed it back
         cells = rows[0].split()
-        assert cells[-4] == best_device().type and cells[-1] == "-", result.stdout
+        assert cells[-4] == best_device().type and cells[-1] == "direct", result.stdout
         assert "uncovered blocks: 3-5" in result.stdout, result.stdout
     finally:
         for process in family:  # only what this test started
