@@ -51,7 +51,7 @@ class TransformerConnectionHandler:
         self.passes = passes
         self.status = status
         self.config = inference.config
-        self.width = inference.sizes[0]
+        self.width = inference.width
         self.step_timeout = inference.config.step_timeout
 
     async def add_p2p_handlers(self, p2p: P2P) -> None:

@@ -57,8 +57,8 @@ class InferenceService:
     ):
         self.spans = spans
         self.config = config
-        # widths of hidden states on the wire (models/wire.py) and of deep prompts (the hidden size)
-        self.sizes = (width, prompt_size or width)
+        self.width = width  # of hidden states on the wire (models/wire.py)
+        self.prompt_size = prompt_size or width  # of deep prompts: the model's hidden size
         self.pusher = pusher
         self.num_blocks = num_blocks  # the model's: every block range a step names lies within it
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
@@ -80,7 +80,7 @@ class InferenceService:
                 f"max_length={meta.max_length} exceeds this server's inference_max_length="
                 f"{self.config.inference_max_length}"
             )
-        hidden = validation.read_hidden(first.tensors, self.sizes[0], self.config.max_batch_size)
+        hidden = validation.read_hidden(first.tensors, self.width, self.config.max_batch_size)
         batch = hidden.shape[0]
         self._check_hops(meta)
         encoding = meta.output_encoding or "lossless"
@@ -238,7 +238,8 @@ class InferenceService:
         inputs_digest: bytes,
         hidden: torch.Tensor | None = None,
     ) -> StepInputs:
-        return read_inputs(session, step, inputs_digest, self.sizes, self.config, hidden)
+        sizes = (self.width, self.prompt_size)
+        return read_inputs(session, step, inputs_digest, sizes, self.config, hidden)
 
     def _run(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
         """Take a step: ledger, engine and position in one go, synchronous on purpose (see above)."""

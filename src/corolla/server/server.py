@@ -136,10 +136,9 @@ class Server:
         num_blocks = self.model.num_hidden_layers
         self.p2p = await self.dht.replicate_p2p()
         self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
-        inference = InferenceService(
+        self.inference = InferenceService(
             self.spans, config, wire.width, self.pusher, num_blocks, wire.hidden_size
         )
-        self.inference = inference
         passes = PassService(self.spans, config, wire.width, wire.hidden_size)
         period = config.announce_period
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)

@@ -47,9 +47,8 @@ class StatusBoard:
         self.model_fingerprint = model_fingerprint
         self.version = version
         self.compute = compute
-        self.reachability = (
-            ""  # direct | relayed | unreachable, once the server knows (swarm/reachability.py)
-        )
+        # direct | relayed | unreachable, once the server knows (swarm/reachability.py)
+        self.reachability = ""
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
     def snapshot(self) -> ServerStatus:

@@ -48,6 +48,8 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
     a peer that checked its identity was free (it may still look taken to the others for a while)."""
     p2p_io.install()
     check_listen_port(config.host, config.port)
+    # a peer behind NAT must not hold records others need (swarm/reachability.py)
+    client_mode = config.client_mode or config.reachability == "behind-nat"
     with _identity_file(config.identity_path) as (path, fresh):
         key = load_identity(path)
         validators = record_validators(key, config.allowed_peers)
@@ -59,8 +61,7 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
                 validators,
                 initial_peers=list(config.initial_peers) or None,
                 start=True,
-                # a peer behind NAT must not hold records others need (swarm/reachability.py)
-                client_mode=config.client_mode or config.reachability == "behind-nat",
+                client_mode=client_mode,
                 host_maddrs=config.host_maddrs,
                 announce_maddrs=config.announce_maddrs,
                 identity_path=str(path),
@@ -71,7 +72,7 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
             )
         except P2PDaemonError as e:
             raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
-    if not dht.client_mode:
+    if not client_mode:
         dht.run_coroutine(dial_back.serve)
     return dht
 

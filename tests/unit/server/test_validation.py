@@ -135,7 +135,7 @@ class FakePasses(PassService):
 
 
 def handler(passes: FakePasses) -> TransformerConnectionHandler:
-    inference = SimpleNamespace(config=CONFIG, sizes=(H, H))
+    inference = SimpleNamespace(config=CONFIG, width=H, prompt_size=H)
     return TransformerConnectionHandler(inference, passes, status=None)
 
 
