@@ -3,7 +3,9 @@
 SmolLM2-135M-Instruct in process (transformers' model from corolla's converted folder, no swarm, one torch
 thread), the blocks' linear layers changed per variant, the embeddings, norms and LM head left in float32.
 Greedy agreement with the fp32 model over bench/quantize.py's 8 chat prompts x 64 tokens (EOS ignored;
-tokens equal position by position), and the decode time per token of the whole local model.
+tokens equal position by position: one early flip changes the rest of a row, so it swings widely between
+close variants), the same along fp32's own continuations (teacher-forced top-1 agreement and mean KL
+divergence from fp32 per token: no compounding), and the decode time per token of the whole local model.
 
 Variants: the shipped paths (`int8`, `int4`: models/quantize.py, bfloat16 kernels); weights rounded to
 bfloat16 with float32 compute (`bf16_weights`); float32 weights with every linear's input and output
@@ -116,6 +118,32 @@ def greedy(model: nn.Module, prompts: list[torch.Tensor], new: int) -> tuple[lis
     return outputs, (time.perf_counter() - started) / (new * len(prompts))
 
 
+def fp32_continuations(base: nn.Module, prompts: list[torch.Tensor], reference: list[list[int]]):
+    """Each prompt followed by the fp32 model's greedy tokens, where they start, and fp32's logits there."""
+    pairs = zip(prompts, reference, strict=True)
+    sequences = [torch.cat([ids, torch.tensor([new])], 1) for ids, new in pairs]
+    starts = [ids.shape[1] for ids in prompts]
+    with torch.inference_mode():
+        logits = [base(ids).logits[0, at - 1 : -1].float() for ids, at in zip(sequences, starts, strict=True)]
+    return sequences, starts, logits
+
+
+def teacher_forced(model: nn.Module, sequences: list, starts: list[int], reference: list) -> dict:
+    """Next-token choices and distributions along the fp32 model's own continuations (no divergence can
+    compound, unlike greedy agreement): top-1 equal to fp32's, and the mean KL(fp32 || variant)."""
+    matched = total = 0
+    divergence = 0.0
+    with torch.inference_mode():
+        for ids, start, expected in zip(sequences, starts, reference, strict=True):
+            logits = model(ids).logits[0, start - 1 : -1].float()
+            matched += int((logits.argmax(-1) == expected.argmax(-1)).sum())
+            total += logits.shape[0]
+            log_p, log_q = expected.log_softmax(-1), logits.log_softmax(-1)
+            divergence += float(nn.functional.kl_div(log_q, log_p, log_target=True, reduction="sum"))
+    kl = round(max(divergence / total, 0.0), 5)  # a variant equal to fp32 may sum to -0.0
+    return {"teacher_forced_top1_matching_fp32": f"{matched}/{total}", "kl_from_fp32": kl}
+
+
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
     same = [
         [a == b for a, b in zip(ours, theirs, strict=True)]
@@ -139,10 +167,13 @@ def main() -> None:
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [torch.tensor(encode_prompt(tokenizer, p, None, False))[None] for p in CHAT_PROMPTS]
     reference, seconds = greedy(base, prompts, args.tokens)
+    sequences, starts, expected = fp32_continuations(base, prompts, reference)
     results: dict = {"fp32": {"ms_per_token": round(seconds * 1e3, 2)}}
     for variant in args.variants:
-        tokens, seconds = greedy(build(base, variant), prompts, args.tokens)
+        model = build(base, variant)
+        tokens, seconds = greedy(model, prompts, args.tokens)
         results[variant] = agreement(tokens, reference) | {"ms_per_token": round(seconds * 1e3, 2)}
+        results[variant] |= teacher_forced(model, sequences, starts, expected)
         print(variant, results[variant], flush=True, file=sys.stderr)
     print(json.dumps(results, indent=2))
 

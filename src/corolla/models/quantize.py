@@ -23,18 +23,18 @@ place. The span keeps its dtype: activations, norms, biases and the attention ca
   32, not 64: 5 bits per weight instead of 4.5, and SmolLM2's perplexity (bench/quantize.py) 1.002x
   fp32's instead of 1.32x (its weights come from a GGUF quantized in blocks of 32).
 
-Faithfulness (issue 26, item 7): on SmolLM2 int8 agrees with fp32 less than int4 does (bench/quantize.py:
-greedy 239 vs 376 of 512 tokens), and the cause is int8's grid, not its bfloat16 activations. SmolLM2's
-weights come from a Q4_1 GGUF (asymmetric groups of 32 with a float minimum): int4's groups of 32 with float
-zero points land on that grid, int8's per-row steps do not. torchao's per-row int8 run in float32 agrees no
-better (156 of 512 vs 175 on the bfloat16 kernel, bench/quantize_isolation.py), and torch's int8 kernel on
-float32 activations takes 6x to 50x the time (not vectorized). Only an int8 grid holding the int4 one agrees
-(asymmetric groups of 32 with a float minimum, simulated: 512 of 512), and neither torch nor torchao has a
-CPU kernel for it: torchao's IntxWeightOnlyConfig dequantizes on every call (2.4x the time per token even on
-SmolLM2), and its integer zero points miss the grid (268 of 512). On weights not stored on a 4-bit grid int8
-is the faithful one (the tiny random model in tests: 0.7% vs 11% of the logits). Float32 weights with every
-linear's input and output rounded to bfloat16 agree on 316 of 512: int4 sits at that ceiling, so an int8 on
-bfloat16 kernels could at best tie it, by chance; only float32 compute beats it reliably.
+Faithfulness (issue 26, item 7): on SmolLM2 int8 agrees with fp32 less than int4 does, and the cause is
+int8's grid, not its bfloat16 activations (bench/quantize_isolation.py, one run: along fp32's own
+continuations, KL from fp32 0.0037 for int8, 0.0017 for int4, 0.0002 for float32 weights with bfloat16
+linear inputs and outputs; top-1 496, 504 and 509 of 512; greedy agreement, which one early flip
+decides, 128, 285 and 334 of 512). SmolLM2's weights come from a Q4_1 GGUF (asymmetric groups of 32 with
+a float minimum): int4's groups of 32 with float zero points land on that grid, int8's per-row steps do
+not (0.88% of the weight's norm lost per linear). Only an int8 grid holding the int4 one agrees
+(asymmetric groups of 32 with a float minimum, simulated: 512 of 512), and neither torch nor torchao has
+a CPU kernel for it (torchao's IntxWeightOnlyConfig dequantizes on every call, 2.4x the time per token,
+and its integer zero points miss the grid). So `warn_if_int8_loses_grid` (called by `Span.load`) recognizes weights stored on a 4-bit grid
+(`stored_in_four_bits`) and, asked for int8, says that int4 keeps their grid. On weights not stored in
+4 bits int8 is the faithful one (the tiny random model in tests: 0.7% vs 11% of the logits).
 
 MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
 `...Experts` module: Mixtral, Qwen3-MoE, DeepSeek) are not `nn.Linear`: they become torchao int8 tensors
@@ -58,9 +58,12 @@ from torch import nn
 from corolla.config import QUANTIZE_MODES
 from corolla.errors import InvalidRequest
 
+logger = logging.getLogger(__name__)
+
 GROUP_SIZE = 32  # int4 group of input features sharing a scale and a zero point (kernels: 32, 64, 128)
 INT8_CPU_DTYPE = torch.bfloat16  # of the activations and scales fed to torch's CPU int8 kernel
 INT4_DTYPE = torch.bfloat16  # of the weights packed in int4 and the activations fed to their kernels
+GRID_TOLERANCE = 0.01  # of a level, for weights read back from a 4-bit grid (fp16 scales, float32 sums)
 CPU_INT4_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 
 
@@ -89,6 +92,31 @@ def quantize_blocks(module: nn.Module, mode: str) -> bool:
     experts = quantize_fused_experts(module)
     _own_plain_tensors(module)
     return experts
+
+
+def stored_in_four_bits(module: nn.Module, group: int = GROUP_SIZE, rows: int = 64) -> bool:
+    """Whether the first linear layer of `module` (its first `rows` rows) holds weights stored on a 4-bit
+    grid: every group of `group` input features at one of 16 evenly spaced levels from its minimum to its
+    maximum, as a Q4_0 / Q4_1 GGUF stores them. int4's groups keep that grid; int8's rows do not."""
+    linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    if linear is None or linear.in_features % group:
+        return False
+    groups = linear.weight.detach()[:rows].float().reshape(-1, group)
+    low = groups.amin(1, keepdim=True)
+    step = (groups.amax(1, keepdim=True) - low) / 15
+    levels = (groups - low) / step.clamp_min(torch.finfo(torch.float32).tiny)
+    return bool((step > 0).any()) and float((levels - levels.round()).abs().max()) < GRID_TOLERANCE
+
+
+def warn_if_int8_loses_grid(block: nn.Module, blocks: str) -> None:
+    """Before int8 replaces a span's weights: say so when they were stored in 4 bits (int4 keeps them)."""
+    if stored_in_four_bits(block):
+        logger.warning(
+            "Blocks %s were stored in 4 bits (groups of 32 on 16 levels, as a Q4 GGUF stores them): int8 "
+            "moves them onto a grid of its own and agrees with them less than --quantize int4 (which keeps "
+            "their grid) does; use int4, or no --quantize",
+            blocks,
+        )
 
 
 def quantize_fused_experts(module: nn.Module) -> bool:

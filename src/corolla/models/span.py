@@ -33,7 +33,7 @@ from corolla.models.loading import (
     load_weights,
     missing_on_meta,
 )
-from corolla.models.quantize import quantize_blocks
+from corolla.models.quantize import quantize_blocks, warn_if_int8_loses_grid
 from corolla.models.row_passes import by_rows, indexed_pass, run_block
 
 
@@ -114,6 +114,8 @@ class Span(nn.Module):
                 lacking = missing[:5]
                 raise UnsupportedModel(f"{folder}: the checkpoint lacks tensors of block {index}: {lacking}")
             block.to(device)
+            if quantize == "int8" and index == start:
+                warn_if_int8_loses_grid(block, f"{start}:{end}")
             if quantize is not None and quantize_blocks(block, quantize):
                 span.needs_no_grad = True
         if span.rotary is not None and missing_on_meta(span.rotary):

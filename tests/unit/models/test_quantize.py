@@ -13,8 +13,10 @@ from corolla.models.quantize import (
     Int4Linear,
     precision_name,
     quantize_blocks,
+    stored_in_four_bits,
     weight_bytes,
 )
+from corolla.models.span import Span
 
 # measured on this tiny random model (seeds 0-5): int8 0.6-0.8% / 1.0-1.5%, int4 10-12% / 17-24%
 LOGITS_BOUND = {"int8": 0.02, "int4": 0.2}
@@ -226,3 +228,31 @@ def test_a_quantized_moe_span_serves_through_the_engine(tiny_models, family, mod
         # the first 4 positions: sparse attention's indexer (top 4) keeps every key there, as real models
         # (top 2048) do for short contexts; past that, quantization noise may change which keys it picks
         assert rel_err(quantized[:, :4], expected[:, :4]) < 0.15  # random tiny weights: 3.7% (qwen3_moe)
+
+
+def on_four_bit_grid(weight: torch.Tensor) -> torch.Tensor:
+    """Each group of 32 input features moved to the nearest of 16 levels between its minimum and maximum."""
+    groups = weight.reshape(-1, 32)
+    low, high = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
+    step = (high - low) / 15
+    return (((groups - low) / step).round() * step + low).reshape(weight.shape)
+
+
+def test_weights_stored_in_four_bits_are_recognized(model):
+    block = copy.deepcopy(model.model.layers[0])
+    assert not stored_in_four_bits(block)  # random float weights
+    for linear in [m for m in block.modules() if isinstance(m, nn.Linear)]:
+        linear.weight.data = on_four_bit_grid(linear.weight.data)
+    assert stored_in_four_bits(block)
+    block.self_attn.q_proj.weight.data[0, 0] += 1e-3  # one weight off its grid
+    assert not stored_in_four_bits(block)
+
+
+def test_int8_on_a_q4_gguf_says_int4_keeps_its_grid(smollm2_path, caplog):
+    with caplog.at_level("WARNING", logger="corolla.models.quantize"):
+        Span.load(smollm2_path, 0, 1, quantize="int8")
+    assert "Blocks 0:1 were stored in 4 bits" in caplog.text and "--quantize int4" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="corolla.models.quantize"):
+        Span.load(smollm2_path, 0, 1, quantize="int4")
+    assert "stored in 4 bits" not in caplog.text
