@@ -34,7 +34,8 @@ not (0.88% of the weight's norm lost per linear). Only an int8 grid holding the 
 a CPU kernel for it (torchao's IntxWeightOnlyConfig dequantizes on every call, 2.4x the time per token,
 and its integer zero points miss the grid). So `Span.load`, asked for int8, calls
 `warn_if_int8_loses_grid`, which recognizes weights stored on a 4-bit grid (`stored_in_four_bits`) and
-says that int4 keeps it. On weights not stored in 4 bits int8 is the faithful one (the tiny random model in tests: 0.7% vs 11% of the logits).
+says that int4 keeps it. On weights not stored in 4 bits int8 is the faithful one (the tiny random model
+in tests: 0.7% vs 11% of the logits).
 
 MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
 `...Experts` module: Mixtral, Qwen3-MoE, DeepSeek) are not `nn.Linear`: they become torchao int8 tensors
