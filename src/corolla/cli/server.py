@@ -145,7 +145,7 @@ def _engine_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> N
         "max_batch_wait_ms",
         float,
         "when fewer than half of the recently active sessions have a step waiting, wait up to this long "
-        "for more before a pass (0: never wait; default: %(default)s)",
+        "(or two passes' time, if longer) for more before a pass (0: never wait; default: %(default)s)",
     )
     option("max_sessions", int, "open inference sessions at once (default: %(default)s)")
 

@@ -177,3 +177,24 @@ def test_a_pass_waits_for_sessions_due_soon_and_for_no_one_else(tiny_models):
     engine.close_session("second")
     engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
     assert engine.batch_delay(time.monotonic()) == 0  # a lone session never waits
+
+
+def test_slow_passes_wait_for_a_group_due_within_two_passes(tiny_models):
+    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
+    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
+    for session in (first, second):
+        engine.add_step(StepWork(session, torch.randn(1, 1, H), 0))
+    while engine.has_work():
+        engine.step()
+    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
+    now = time.monotonic()
+    second.last_arrival, second.cycle = now - 0.3, 0.4  # due in 100 ms: past max_batch_wait_ms
+    engine.pass_seconds = 0.01
+    assert engine.batch_delay(now) == 0  # 100 ms is more than 50 ms and two 10 ms passes
+    engine.pass_seconds = 0.06  # two passes take 120 ms: the second group costs a pass of its own...
+    delay = engine.batch_delay(now)
+    assert 0.1 <= delay <= 0.1 + engine.pass_seconds / 4 + 1e-3  # ... so it is waited for
+    second.last_arrival = now - 0.2  # due in 200 ms: later than two passes
+    assert engine.batch_delay(now) == 0
+    engine.pass_seconds = 0.0
+    assert make_engine(tiny_models["llama"], max_batch_wait_ms=0).batch_delay(now) == 0  # waits are off
