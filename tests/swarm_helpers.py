@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from corolla.client.client import Client, ServedModel
@@ -25,6 +26,12 @@ TINY_CHAINS = {1: [0], 2: [1, 2], 3: [3, 4, 2]}
 SMOL_SPANS = [(0, 30), (0, 15), (15, 30), (0, 10), (10, 20)]
 SMOL_CHAINS = {1: [0], 2: [1, 2], 3: [3, 4, 2]}
 SMOL_LIMITS = ["--inference-max-length", "1024", "--max-batch-size", "8", "--max-cache-tokens", "8192"]
+
+
+def one_worker_each(names: list[str]) -> list:
+    """Fixture params whose tests each run in one xdist worker (`--dist loadgroup`): a module-scoped swarm
+    per param starts once, not once in every worker that happens to run one of its tests."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in names]
 
 
 def client_config(swarm: LocalSwarm, servers: list[int] | None = None, **overrides) -> ClientConfig:

@@ -29,7 +29,7 @@ import torch
 
 from corolla.config import SpeculationConfig
 from corolla.launch.local import LocalSwarm
-from swarm_helpers import connect, reference_generate
+from swarm_helpers import connect, one_worker_each, reference_generate
 from tiny_models import load_reference
 
 # Mistral 4 (latent attention too, the same cache path) is proven through loopback servers
@@ -46,7 +46,7 @@ PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_
 REPEATING = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(9)).repeat(1, 3)
 
 
-@pytest.fixture(scope="module", params=FRONTIER)
+@pytest.fixture(scope="module", params=one_worker_each(FRONTIER))
 def served(request, tiny_models):
     path = tiny_models[request.param]
     reference = load_reference(path)
