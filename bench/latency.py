@@ -9,9 +9,13 @@ two sides so that drift on a shared machine hits both alike; the JSON reports ev
 and their ratio (issue 26: >= 0.95 for one session, >= 0.7 for 16).
 
 On a GPU (`--device cuda`, issue 27) the servers, the client's head and the reference all compute on
-it, in `--dtype` (bfloat16 there is what a GPU server takes by default).
+it, in `--dtype` (bfloat16 there is what a GPU server takes by default). `--model` takes another
+checkpoint folder (for speed at a realistic size: random weights with a real model's shapes and a
+tokenizer that has a chat template), split evenly over `--servers`; `--server-arg` passes an option to
+every server (e.g. `--server-arg=--max-cache-tokens=65536` when several servers share one GPU).
 
     python bench/latency.py [--new-tokens 64] [--runs 3] [--sessions 8 16] [--device cuda --dtype bfloat16]
+        [--model FOLDER --servers 2]
 """
 
 from __future__ import annotations
@@ -140,17 +144,21 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="*", default=[], help="also N sessions at once")
     parser.add_argument("--device", default="cpu", help="of the servers, the client's head and the reference")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (bundled) or a checkpoint folder")
+    parser.add_argument("--servers", type=int, default=3, help="the model's blocks split evenly over them")
+    parser.add_argument("--server-arg", action="append", default=[], help="an option for every server")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
-    source = resolve_model("smollm2")
+    source = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     reference = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(args.device).eval()
-    server_args = ["--device", args.device, "--dtype", args.dtype]
-    with LocalSwarm("smollm2", even_spans(30, 3), num_threads=1, server_args=server_args) as swarm:
+    spans = even_spans(reference.config.num_hidden_layers, args.servers)
+    server_args = ["--device", args.device, "--dtype", args.dtype, *args.server_arg]
+    with LocalSwarm(args.model, spans, num_threads=1, server_args=server_args) as swarm:
         config = replace(swarm.client_config(), dtype=args.dtype)
-        with DistributedModelForCausalLM.from_pretrained("smollm2", config=config) as model:
+        with DistributedModelForCausalLM.from_pretrained(args.model, config=config) as model:
             model.to(args.device)
             ids = chat_ids(model.tokenizer, PROMPT)
             model.generate(torch.tensor([ids]), max_new_tokens=4)  # warm up connections and caches
@@ -172,7 +180,7 @@ def main() -> None:
         if reference.device.type == "cuda"
         else "",
         "torch_threads_per_process": 1,
-        "servers": 3,
+        "servers": args.servers,
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "levels": levels,

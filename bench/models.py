@@ -8,9 +8,10 @@ warm-up run, then `--repeats` timed runs; the JSON reports medians. End-to-end t
 call (prefill included); decode tokens/s counts the tokens after the first, from the arrival time of the
 first to that of the last (a streamer stamps each token). The swarm ignores EOS (transformers is told
 `min_new_tokens`), and `tokens_equal` says whether both chose the same greedy tokens. JSON goes to
-stdout, logs to stderr.
+stdout, logs to stderr. `--device cuda` runs both sides on a GPU (the servers with `--device`, the
+client's head and the reference moved there), in `--dtype` (float32 by default, as on the CPU).
 
-    python bench/models.py [--families llama mistral ...] [--new-tokens 32] [--repeats 3]
+    python bench/models.py [--families llama mistral ...] [--new-tokens 32] [--repeats 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,8 +103,9 @@ def timed_runs(generate, repeats: int) -> tuple[torch.Tensor, float, float]:
     return tokens, statistics.median(seconds), statistics.median(rates)
 
 
-def run_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int):
-    reference = load_reference(path)
+def run_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, device: str, dtype: str):
+    reference = load_reference(path).to(device, getattr(torch, dtype))
+    ids = ids.to(device)
 
     def generate(stamps: Stamps) -> torch.Tensor:
         with torch.no_grad():
@@ -114,20 +117,23 @@ def run_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int):
                 min_new_tokens=new_tokens,
                 streamer=stamps,
             )
-        return out[0, ids.shape[1] :]
+        return out[0, ids.shape[1] :].cpu()
 
     return timed_runs(generate, repeats)
 
 
-def run_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int):
-    with LocalSwarm(str(path), SPANS, num_threads=1) as swarm:
-        config = swarm.client_config()
+def run_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, device: str, dtype: str):
+    server_args = ["--device", device, "--dtype", dtype]
+    with LocalSwarm(str(path), SPANS, num_threads=1, server_args=server_args) as swarm:
+        config = replace(swarm.client_config(), dtype=dtype)
         with DistributedModelForCausalLM.from_pretrained(str(path), config=config) as model:
+            model.to(device)
+            ids = ids.to(device)
 
             def generate(stamps: Stamps) -> torch.Tensor:
                 stamps.skip = False  # corolla's streamer sees new tokens only
                 out = model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, streamer=stamps.put)
-                return out[0, ids.shape[1] :]
+                return out[0, ids.shape[1] :].cpu()
 
             return timed_runs(generate, repeats)
 
@@ -164,14 +170,15 @@ def cache_bytes(path: Path, config) -> dict:
     }
 
 
-def bench_family(family: str, root: Path, new_tokens: int, repeats: int) -> dict:
+def bench_family(family: str, root: Path, args: argparse.Namespace) -> dict:
     path = save_tiny_model(family, root / f"tiny-{family}")
     config = tiny_config(family).get_text_config()  # a multimodal wrapper: its language model
     ids = prompt_ids(config)
     logger.info("%s: local transformers", family)
-    local_tokens, local_s, local_decode = run_local(path, ids, new_tokens, repeats)
+    new_tokens, where = args.new_tokens, (args.new_tokens, args.repeats, args.device, args.dtype)
+    local_tokens, local_s, local_decode = run_local(path, ids, *where)
     logger.info("%s: swarm of %d servers", family, len(SPANS))
-    swarm_tokens, swarm_s, swarm_decode = run_swarm(path, ids, new_tokens, repeats)
+    swarm_tokens, swarm_s, swarm_decode = run_swarm(path, ids, *where)
     local_rate, swarm_rate = new_tokens / local_s, new_tokens / swarm_s
     diff = first_difference(swarm_tokens, local_tokens)
     result = {
@@ -203,6 +210,8 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="of the servers, the client's head and the reference")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     args = parser.parse_args()
     if args.new_tokens < 2 or args.repeats < 1:
         parser.error("--new-tokens must be at least 2 (decode speed) and --repeats at least 1")
@@ -213,7 +222,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="corolla-bench-models-") as root:
         for family in args.families:
             try:
-                results[family] = bench_family(family, Path(root), args.new_tokens, args.repeats)
+                results[family] = bench_family(family, Path(root), args)
             except Exception as error:  # one family failing does not stop the others
                 logger.error("%s failed:\n%s", family, traceback.format_exc())
                 results[family] = {"error": f"{type(error).__name__}: {error}"}
@@ -224,7 +233,8 @@ def main() -> None:
         "repeats": args.repeats,
         "warmup_runs": 1,
         "servers": [f"{start}:{end}" for start, end in SPANS],
-        "dtype": "float32",
+        "dtype": args.dtype,
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device,
         "torch_threads_per_process": 1,
         "tiny_config": {k: getattr(tiny_config(FAMILIES[0]), k) for k in TINY_FIELDS},
         "families_run": args.families,

@@ -10,6 +10,11 @@ that `PeerProcess` makes.
 
 Environment variables that libraries read when they are imported (HF_HUB_OFFLINE) take the values the
 fork server started with, which are the first local swarm's; thread counts are set again in each peer.
+
+On a machine with a CUDA GPU peers are started as fresh processes instead (`forking_works`): importing
+the preloaded modules asks torch how many GPUs there are, and CUDA cannot be used in a process forked
+from one that did (seen on an H200: every forked server failed "Cannot re-initialize CUDA in forked
+subprocess" at its first CUDA call).
 """
 
 from __future__ import annotations
@@ -24,9 +29,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 # what the fork server imports once (by name: launching a peer needs no CLI code here, only the child does)
 PRELOAD = ["corolla.cli.main", "corolla.server.server"]
 _context: multiprocessing.context.ForkServerContext | None = None
+
+
+def forking_works() -> bool:
+    """Whether peers may be forked from the fork server: not where torch sees a CUDA GPU (above)."""
+    return not torch.cuda.is_available()
 
 
 def fork_peer(

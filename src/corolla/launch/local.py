@@ -2,10 +2,11 @@
 (demo, tests, benchmarks).
 
 Every child runs the `corolla ...` command line (forked from a process that has imported corolla already,
-see launch/forked.py) in its own process group with NAT port mapping off, writes its logs to a file in
-the work folder, and reports readiness with one line on stdout. Stopping sends SIGTERM
-(servers announce OFFLINE and exit), then SIGKILL to whatever is left of each process group, so the
-DHT child processes and libp2p daemons of every peer go too. Only processes started here are signalled.
+see launch/forked.py; a fresh process on a machine with a CUDA GPU) in its own process group with NAT port
+mapping off, writes its logs to a file in the work folder, and reports readiness with one line on stdout.
+Stopping sends SIGTERM (servers announce OFFLINE and exit), then SIGKILL to whatever is left of each
+process group, so the DHT child processes and libp2p daemons of every peer go too.
+Only processes started here are signalled.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
-from corolla.launch.forked import ForkedPeer, fork_peer
+from corolla.launch.forked import ForkedPeer, fork_peer, forking_works
 from corolla.swarm.addresses import peer_args
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,14 @@ class PeerProcess:
         self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], wrapper: Sequence[str] = ()
     ):
         """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
-        without one, the peer is forked from a process that has imported corolla already (launch/forked.py).
+        without one, the peer is forked from a process that has imported corolla already (launch/forked.py),
+        except on a machine with a CUDA GPU.
         """
         self.name = name
         self.log_path = log_path
         self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
         self.popen: subprocess.Popen | ForkedPeer
-        if wrapper:
+        if wrapper or not forking_works():
             with open(log_path, "wb") as log:
                 self.popen = subprocess.Popen(
                     self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
