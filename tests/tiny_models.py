@@ -56,6 +56,7 @@ LINEAR = dict(
     head_dim=16,
     layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
 )
+NO_ROTARY = "qk_rope_head_dim"  # GLM-5-Next's latent attention has no rotary part (0)
 # family -> (config class, what sets the family apart), each exercising what its modeling code adds
 LAYOUTS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
@@ -142,6 +143,36 @@ LAYOUTS = {
             hc_mult=4,
             mlp_layer_types=["dense"] + ["sparse"] * 5,
             indexer_types=["full"] * 5 + ["shared"],
+        ),
+    ),
+    "glm5_next": (  # GLM-5-Next's text model: KDA linear attention 1:1 with sparse latent attention (no
+        # rotary at all) whose indexer ranks pools of 2 keys plus the last incomplete pool, 4 hyper-connection
+        # streams; its causal LM exists only in the multimodal wrapper (a tiny vision tower)
+        "Glm5NextConfig",
+        dict(
+            text_config=dict(
+                **{k: v for k, v in LATENT_MOE.items() if k not in ("first_k_dense_replace", NO_ROTARY)},
+                **SPARSE,
+                qk_rope_head_dim=0,
+                index_kpool=2,
+                n_shared_experts=1,
+                hc_mult=4,
+                linear_num_heads=4,
+                linear_head_dim=16,
+                layer_types=["linear_attention", "indexed_attention"] * 3,
+                mlp_layer_types=["dense"] + ["sparse"] * 5,
+                indexer_types=["full"] * 6,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                num_heads=2,
+                intermediate_size=64,
+                out_hidden_size=64,
+                projection_intermediate_size=64,
+                image_size=28,
+                patch_size=14,
+            ),
         ),
     ),
     "deepseek_v32": (  # latent attention whose keys an indexer picks per query (DeepSeek sparse attention)

@@ -18,6 +18,9 @@ gemma3n: the same sharing, with per-layer inputs and 4 parallel residual streams
 hidden states (models/wire.py): what travels between the servers is 4.75 times the hidden size wide.
 hy_v4: sparse latent attention (as DeepSeek-V3.2) with 4 hyper-connection streams between layers, which
 travel between the servers as 4 times the hidden size.
+glm5_next: KDA linear attention 1:1 with sparse latent attention whose indexer ranks pools of keys and
+finds causality from positions (tree steps run path by path), hyper-connection streams, no rotary at
+all; a causal LM only in its multimodal wrapper. The cut falls between a linear and an indexed layer.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
-FRONTIER = ["deepseek_v3", "mistral_large4", "qwen3_5", "gemma4", "gemma3n", "hy_v4"]
+FRONTIER = ["deepseek_v3", "mistral_large4", "qwen3_5", "gemma4", "gemma3n", "hy_v4", "glm5_next"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values
 SPANS_OF = {"gemma4": SHARING, "gemma3n": SHARING}

@@ -9,6 +9,10 @@ must then see the pass's paged cache as that group: `group_attention` gives the 
   node index), and each node attends to the cache before the tree and to the path's nodes up to itself:
   exactly its ancestors, as in the whole tree's attention.
 Recurrent states are the outer pass's (its current group's).
+
+A path is also how a sparse-attention layer whose indexer finds causality from positions (GLM-5-Next)
+runs a tree (`path_attention`): for it the path's context hands back what a plain sequence would have
+stored, the cache before the tree followed by the path's nodes (latents, rotary keys, indexer keys).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def group_attention(paged, group: RowGroup):
     PagedAttention, engine/model_runner.py)."""
     (first, *_) = group.rows
     if len(group.rows) == 1 and first.tree is not None and not first.tree.is_chain:
-        return _PathAttention(paged, first, (group.tokens - first.offset).tolist())
+        return path_attention(paged, first, (group.tokens - first.offset).tolist())
     rows = [replace(row, offset=i * group.length) for i, row in enumerate(group.rows)]
     return _BatchedRows(paged, type(paged)(paged.pool, paged.first_layer, rows, paged.number_of_states))
 
@@ -56,10 +60,16 @@ class _BatchedRows:
         return out[0].view(heads, rows, length, -1).transpose(0, 1)
 
 
+def path_attention(paged, row: Row, nodes: list[int]):
+    """The attention context of one root-to-leaf path (`nodes`, indices in the row's tree) of `row`."""
+    return _PathAttention(paged, row, nodes)
+
+
 class _PathAttention:
     def __init__(self, outer, row: Row, nodes: list[int]):
         self.outer = outer
         self.row = row
+        self.rows = [row]
         size = outer.pool.page_size
         positions = row.position + torch.tensor(nodes, dtype=torch.long, device=row.table.device)
         self.slots = row.table[positions // size] * size + positions % size  # the path's nodes' slots
@@ -67,16 +77,32 @@ class _PathAttention:
     def linear_state(self, layer: int):
         return self.outer.linear_state(layer)
 
+    def _history(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache before the tree, then the path's nodes: [position + path, ...]."""
+        before = replace(self.row, length=0)
+        return torch.cat([row_positions(cache, before), cache.flatten(0, 1)[self.slots]])
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = self.outer.pool.layer(self.outer.first_layer + layer)
         pages.keys.flatten(0, 1)[self.slots] = k[0].transpose(0, 1)  # k: [1, heads, path, d]
         pages.values.flatten(0, 1)[self.slots] = v[0].transpose(0, 1)
-        return k, v
+        if not pages.shape.gathers:
+            return k, v
+        keys, values = self._history(pages.keys), self._history(pages.values)
+        return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, heads, position + path, d]
+
+    def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """The path's indexer keys [1, path, D]: stored; the history before the tree and the path's."""
+        cache = self.outer.pool.layer(self.outer.first_layer + layer).indexer  # [pages, page_size, 1, D]
+        cache.flatten(0, 1)[self.slots] = keys[0, :, None]
+        return self._history(cache)[:, 0][None]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
         pages = self.outer.pool.layer(self.outer.first_layer + layer)
+        if pages.shape.gathers:  # k and v are the path's whole history already (store's)
+            return causal_attention(q, k, v, self.row.position, scores)
         before = replace(self.row, length=0)  # the cache before the tree
         keys = torch.cat([row_positions(pages.keys, before), k[0].transpose(0, 1)])
         values = torch.cat([row_positions(pages.values, before), v[0].transpose(0, 1)])

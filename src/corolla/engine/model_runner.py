@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from corolla.engine.group_attention import group_attention
+from corolla.engine.group_attention import group_attention, path_attention
 from corolla.engine.kv_pool import KVPool
 from corolla.engine.rows import Row, RowGroup, RowGroups, row_positions
 from corolla.engine.sequence import BackwardWork, Chunk, ForwardWork, Gradients
@@ -55,10 +55,15 @@ class PagedAttention:
         """The attention context of a hybrid layer run on one group of this pass's rows."""
         return group_attention(self, group)
 
-    def single_rows(self):
+    def single_rows(self, by_path: bool = False):
         """Each row with a context of its own (token indices in the packed pass, context): for layers whose
-        own code compares a query with every key it is given (DeepSeek sparse attention's indexer)."""
+        own code compares a query with every key it is given (DeepSeek sparse attention's indexer).
+        `by_path`: a token tree's root-to-leaf paths one at a time instead (engine/group_attention.py)."""
         for row in self.rows:
+            if by_path and row.tree is not None and not row.tree.is_chain:
+                for path in row.tree.leaf_paths():
+                    yield row.offset + torch.tensor(path, dtype=torch.long), path_attention(self, row, path)
+                continue
             alone = PagedAttention(
                 self.pool, self.first_layer, [replace(row, offset=0)], self.number_of_states
             )

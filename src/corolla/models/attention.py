@@ -39,6 +39,9 @@ class Scores:
     sinks: torch.Tensor | None = None  # [heads] logits of a sink every query also attends to (gpt-oss)
     # [B, T, top-k] the keys each query may see besides (DeepSeek sparse attention's indexer)
     indices: torch.Tensor | None = None
+    # [B, 1, T, K] bool: the layer's own mask, where its code makes one (GLM-5-Next's sparse attention turns
+    # its indexer's selection into the mask it hands the attention function)
+    visible: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +121,21 @@ def attention(
     """The attention function transformers calls as "corolla": [B, T, heads, d] out, no weights.
     Dropout (in kwargs) never applies: spans run in eval mode."""
     current = current_pass()
-    scores = Scores(scaling, sliding_window, softcap, kwargs.get("s_aux"), kwargs.get("indices"))
+    visible = _visible(attention_mask)
+    scores = Scores(scaling, sliding_window, softcap, kwargs.get("s_aux"), kwargs.get("indices"), visible)
     out = current.context.attend(module.layer_idx - current.first_layer, query, key, value, scores)
     return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, attention)
+
+
+def _visible(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A layer's own mask as [B, 1, T, K] bool (True: visible): boolean as it is, additive where a key's
+    term is not a large negative number."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
 def causal_attention(
@@ -139,7 +151,7 @@ def causal_attention(
     With `tree`, the T queries are a token tree starting at q_start (models/tree.py): each attends to the
     keys before q_start and to its own ancestors among the last T keys. With `scores.indices`, each query
     sees only its selected keys among those."""
-    if tree is not None or scores.indices is not None:
+    if tree is not None or scores.indices is not None or scores.visible is not None:
         return masked_attention(q, k, v, visible_keys(q_start, q.shape[2], k.shape[2], scores, tree), scores)
     if scores.softcap is not None or scores.sinks is not None:
         return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window, q.device), scores)
@@ -160,17 +172,19 @@ def causal_attention(
 def visible_keys(
     q_start: int, num_queries: int, num_keys: int, scores: Scores, tree: TokenTree | None = None
 ) -> torch.Tensor:
-    """[T, K] (or [B, 1, T, K] with indices) which keys each query sees: causal or the tree's, within the
-    window, and among the indexer's selection."""
+    """[T, K] (or [B, 1, T, K] with indices or the layer's own mask) which keys each query sees: causal or
+    the tree's, within the window, among the indexer's selection and within the layer's mask."""
     if tree is not None:
         mask = tree.mask(q_start, scores.window)
     else:
         mask = _mask(q_start, num_queries, num_keys, scores.window, torch.device("cpu"))
-    if scores.indices is None:
-        return mask
-    indices = scores.indices.long().cpu()  # [B, T, top-k]
-    selected = torch.zeros(*indices.shape[:2], num_keys, dtype=torch.bool).scatter_(-1, indices, True)
-    return (mask & selected)[:, None]
+    if scores.indices is not None:
+        indices = scores.indices.long().cpu()  # [B, T, top-k]
+        selected = torch.zeros(*indices.shape[:2], num_keys, dtype=torch.bool).scatter_(-1, indices, True)
+        mask = (mask & selected)[:, None]
+    if scores.visible is not None:
+        mask = mask & scores.visible.cpu()
+    return mask
 
 
 def masked_attention(

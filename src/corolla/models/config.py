@@ -111,22 +111,35 @@ class ModelConfig:
         text = json.dumps(_rounded(fields), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    @property
+    def pooled_indexer(self) -> bool:
+        """GLM-5-Next's sparse attention: its indexer ranks pools of keys and finds each query's visible
+        keys from positions itself (causal, given a [B, T] padding mask), not from the layer's mask."""
+        return bool(getattr(self.hf, "index_kpool", None))
+
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
         """Attention cache size of one token in one block: keys and values of every kv head, or, for
         multi-head latent attention, its compressed latent and rotary key (what transformers caches); on
         average over the blocks, where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches), reuse
         another layer's (Gemma 3n and 4), or differ in shape (Gemma 4's global layers)."""
+        reusing = self.kv_sharing.sources
+        caching = [
+            layer
+            for layer, kind in enumerate(self.layer_types)
+            if kind.endswith("attention") and kind != "linear_attention" and layer not in reusing
+        ]
         latent = getattr(self.hf, "kv_lora_rank", None)
         if isinstance(latent, int) and isinstance(getattr(self.hf, "qk_rope_head_dim", None), int):
             indexer = getattr(self.hf, "index_head_dim", 0) if "indexed_attention" in self.layer_types else 0
-            return (latent + self.hf.qk_rope_head_dim + indexer) * dtype_bytes
-        reusing = self.kv_sharing.sources
+            if indexer and self.pooled_indexer:  # each key with its pooling gate and a valid flag
+                indexer = 2 * indexer + 1
+            per_layer = (latent + self.hf.qk_rope_head_dim + indexer) * dtype_bytes
+            return per_layer * len(caching) // self.num_hidden_layers  # Kimi Linear, GLM-5-Next: 1 in 4
         total = 0
-        for layer, kind in enumerate(self.layer_types):
-            if kind.endswith("attention") and kind != "linear_attention" and layer not in reusing:
-                heads = self.layer_attribute(layer, "num_key_value_heads") or self.num_attention_heads
-                dim = self.layer_attribute(layer, "head_dim") or self.hidden_size // self.num_attention_heads
-                total += 2 * heads * dim * dtype_bytes
+        for layer in caching:
+            heads = self.layer_attribute(layer, "num_key_value_heads") or self.num_attention_heads
+            dim = self.layer_attribute(layer, "head_dim") or self.hidden_size // self.num_attention_heads
+            total += 2 * heads * dim * dtype_bytes
         return total // self.num_hidden_layers
 
     @classmethod
@@ -214,7 +227,6 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
             f"{model_type}: layer types {sorted(unknown)} are not supported (corolla serves "
             f"{', '.join(SUPPORTED_LAYER_TYPES)})"
         )
-    _check_layer_inputs(hf)
     if getattr(hf, "is_encoder_decoder", False) or lm_class(hf, wrapper) is None:
         checked = (
             f"; of such multimodal models corolla serves {', '.join(CHECKED_WRAPPERS)}" if wrapper else ""
@@ -230,23 +242,14 @@ def _check_supported(hf: Any, wrapper: Any = None) -> None:
     KVSharing.of(hf, tuple(getattr(hf, "layer_types", None) or ()))  # refuses sharing it cannot serve
 
 
-def _check_layer_inputs(hf: Any) -> None:
-    """Refuse layers that need more than what travels between spans (models/wire.py) and the span's
-    cache: GLM-5-Next's indexer pools keys and reads transformers' own cache layers."""
-    if getattr(hf, "index_kpool", None):
-        raise UnsupportedModel(
-            f"{hf.model_type}: its sparse-attention indexer ranks pools of keys (index_kpool) and reads "
-            "transformers' own cache layers, which corolla's paged cache does not keep"
-        )
-
-
 def supported_summary() -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     tested = (
         "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss, "
         "granite, minimax_m2, deepseek_v3, deepseek_v32, glm_moe_dsa, mistral4, mistral_large4, qwen3_5, "
-        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, falcon_h1, gemma4_text, gemma3n_text, hy_v4"
+        "qwen3_next, kimi_linear, lfm2, jamba, nemotron_h, falcon_h1, gemma4_text, gemma3n_text, hy_v4, "
+        "glm5_next_text"
     )
     return f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, tested: {tested}"
 

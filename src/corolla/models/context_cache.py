@@ -19,11 +19,15 @@ class ContextCache(Cache):
 
     Linear-attention, Mamba and convolution layers (models/recurrent.py) get their state from the
     context's `linear_state(layer)`: a transformers `LinearAttentionLayer` holding the states of the rows
-    being run, or None when the pass keeps no state (whole sequences from position 0: a fresh one)."""
+    being run, or None when the pass keeps no state (whole sequences from position 0: a fresh one).
+
+    `layers[i]` answers for a sparse-attention layer once its indexer keys are stored: how many positions
+    the row's cache holds (GLM-5-Next's indexer reads `layers[i].keys.shape[-2]` and `get_seq_length()`)."""
 
     def __init__(self, number_of_states: int = 1):
         super().__init__(layers=[])
         self.fresh = FreshStates(number_of_states)
+        self.layers = _IndexedLengths()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         current = current_pass()
@@ -74,4 +78,24 @@ class ContextCache(Cache):
         store = getattr(current.context, "store_indexer", None)
         if store is None:
             raise UnsupportedModel(f"a {type(current.context).__name__} holds no indexer keys")
-        return store(layer_idx - current.first_layer, indexer_key_states)
+        history = store(layer_idx - current.first_layer, indexer_key_states)
+        self.layers[layer_idx].keys = history
+        return history
+
+
+class _Stored:
+    """A sparse-attention layer's cache as its indexer reads it (GLM-5-Next takes the layer before it
+    stores): `keys` [B, positions, D], the indexer keys stored so far, and their number."""
+
+    keys: torch.Tensor | None = None
+
+    def get_seq_length(self) -> int:
+        if self.keys is None:
+            raise UnsupportedModel("a sparse-attention layer read its cache before storing its indexer keys")
+        return self.keys.shape[-2]
+
+
+class _IndexedLengths(dict):
+    def __missing__(self, layer_idx: int) -> _Stored:
+        self[layer_idx] = _Stored()
+        return self[layer_idx]

@@ -11,7 +11,7 @@ from typing import Any
 # checked against the wrapper's own logits (tests/unit/models/test_spans_match_transformers.py,
 # tests/unit/client/test_families.py); other wrappers' text models may be encoders, diffusion models or
 # decoders with cross-attention, so they stay refused until checked
-CHECKED_WRAPPERS = ("mistral_large4", "qwen2_5_vl", "qwen3_vl")
+CHECKED_WRAPPERS = ("mistral_large4", "glm5_next", "qwen2_5_vl", "qwen3_vl")
 
 
 def causal_lm_class(hf: Any) -> type | None:

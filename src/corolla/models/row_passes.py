@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import KVSharingDict
 
+from corolla.errors import UnsupportedModel
 from corolla.models.attention import active_context
 from corolla.models.lora import use_adapters
 
@@ -42,29 +43,50 @@ def by_rows(
 
 
 def indexed_pass(
-    block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict, carried: dict | None
+    block: nn.Module,
+    hidden: torch.Tensor,
+    context,
+    first: int,
+    inputs: dict,
+    carried: dict | None,
+    pooled: bool = False,
 ) -> torch.Tensor:
     """A block of DeepSeek sparse attention: its indexer scores each query against the keys of its own
     sequence, under the layer's attention mask, so a packed pass runs it one row at a time, each row with
     a context of its own (PagedAttention.single_rows) and its visibility as the mask. What a row's layer
     hands the next (the selection a "shared" layer reuses, the keys and values a reusing layer reads:
     Mistral Large 4, GLM-5) is `carried` per row from layer to layer (None: the family hands nothing
-    on; key: the row's index in the pass, or None for a pass over whole sequences)."""
+    on; key: the row's index in the pass, or None for a pass over whole sequences).
+
+    A `pooled` indexer (GLM-5-Next) takes a [B, T] padding mask and finds what each query sees from
+    positions itself: a token tree is run path by path, each root-to-leaf path as the plain sequence the
+    model would see."""
     single_rows = getattr(context, "single_rows", None)
     if single_rows is None:
-        mask = context.visibility(hidden.shape[1]).to(hidden.device)
+        tree = getattr(context, "tree", None)
+        if pooled and tree is not None and not tree.is_chain:
+            raise UnsupportedModel("a pooled sparse-attention indexer runs token trees in the engine only")
+        mask = _padding(hidden) if pooled else context.visibility(hidden.shape[1]).to(hidden.device)
         return _carrying(block, hidden, {**inputs, "attention_mask": mask}, carried, None)
     out = torch.empty_like(hidden)
     packed = hidden.shape[1]
-    for row, (tokens, row_context) in enumerate(single_rows()):
+    for row, (tokens, row_context) in enumerate(single_rows(by_path=pooled)):
         tokens = tokens.to(hidden.device)
         shape = (1, len(tokens))
         taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
-        taken["attention_mask"] = row_context.visibility(len(tokens)).to(hidden.device)
+        rows = _take(hidden, tokens, shape, packed)
+        taken["attention_mask"] = (
+            _padding(rows) if pooled else row_context.visibility(len(tokens)).to(hidden.device)
+        )
         with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
-            result = _carrying(block, _take(hidden, tokens, shape, packed), taken, carried, row)
+            result = _carrying(block, rows, taken, carried, row)
         out[0, tokens] = result[0]
     return out
+
+
+def _padding(hidden: torch.Tensor) -> torch.Tensor:
+    """A [B, T] padding mask with no padding (corolla's rows are never padded)."""
+    return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
 
 
 def _carrying(block: nn.Module, hidden: torch.Tensor, inputs: dict, carried: dict | None, key):

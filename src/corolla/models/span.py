@@ -207,7 +207,7 @@ class Span(nn.Module):
         block = self.blocks[local]
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         if local in self.indexed_blocks:
-            return indexed_pass(block, hidden, context, first, inputs, carried)
+            return indexed_pass(block, hidden, context, first, inputs, carried, self.config.pooled_indexer)
         if groups is not None and local in self.state_blocks:
             hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
             attention = (lambda g: (context.group_context(g), first)) if hybrid else None

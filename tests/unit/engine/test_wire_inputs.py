@@ -1,7 +1,7 @@
 """Layers that take more than the previous layer's hidden states (models/wire.py): Gemma 3n's 4 parallel
-streams (AltUp) and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs, HY-V4's 4 hyper-connection
-streams. What travels between spans is one [B, T, width] tensor; the engine batches, pages and rolls it
-back like any hidden states."""
+streams (AltUp) and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs, HY-V4's and GLM-5-Next's 4
+hyper-connection streams. What travels between spans is one [B, T, width] tensor; the engine batches, pages
+and rolls it back like any hidden states."""
 
 import pytest
 import torch
@@ -38,15 +38,17 @@ def test_a_span_passes_per_layer_inputs_on_unchanged(tiny_models):
     assert not torch.allclose(head.wire.unpack(out)[0], head.wire.unpack(wire)[0])
 
 
-@pytest.mark.parametrize("family", ["gemma3n", "hy_v4"])
+@pytest.mark.parametrize("family", ["gemma3n", "hy_v4", "glm5_next"])
 def test_sessions_of_several_rows_match_each_session_alone(tiny_models, family):
-    """HY-V4's sparse attention runs one row at a time: its streams are taken per row like hidden states."""
-    engine = make_engine(tiny_models[family], max_batch_tokens=64)
+    """HY-V4's and GLM-5-Next's sparse attention runs one row at a time: its streams are taken per row like
+    hidden states. GLM-5-Next's linear attention keeps a state per row (21 KB each: a bigger cache)."""
+    engine = make_engine(tiny_models[family], max_batch_tokens=64, max_cache_tokens=2048)
     check_batched_sessions_match_each_alone(engine, [(1, 13), (2, 5), (1, 1), (3, 9)])
 
 
-@pytest.mark.parametrize("family", ["gemma3n", "hy_v4"])
+@pytest.mark.parametrize("family", ["gemma3n", "hy_v4", "glm5_next"])
 def test_a_tree_step_and_its_kept_path(tiny_models, family):
+    """GLM-5-Next's indexer finds causality from positions: its trees run path by path."""
     check_tree_step_and_kept_path(make_engine(tiny_models[family], page_size=4))
 
 

@@ -102,11 +102,10 @@ def test_unsupported_models_get_errors_naming_the_type():
     ("model_type", "refusal"),
     [
         ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
-        ("glm5_next", r"glm5_next_text: its sparse-attention indexer ranks pools of keys \(index_kpool\)"),
         (  # a wrapper-only text model corolla has not checked against its wrapper
             "glm4v",
             r"'glm4v_text' is not a decoder-only causal LM \(transformers defines no \.\.\.ForCausalLM for "
-            r"it; of such multimodal models corolla serves mistral_large4, qwen2_5_vl, qwen3_vl\)",
+            r"it; of such multimodal models corolla serves mistral_large4, glm5_next, qwen2_5_vl, qwen3_vl\)",
         ),
     ],
 )
@@ -139,6 +138,7 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("gemma4", "gemma4_text"),  # E2B/E4B's layout: per-layer inputs beside the hidden states
         ("gemma3n", "gemma3n_text"),  # per-layer inputs and 4 parallel streams (AltUp)
         ("hy_v4", "hy_v4"),  # 4 hyper-connection streams, sparse latent attention
+        ("glm5_next", "glm5_next_text"),  # KDA linear attention, pooled sparse attention, hyper-connections
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
@@ -216,6 +216,20 @@ def test_latent_attention_caches_its_latent_and_is_handed_its_history(tiny_model
     assert span.cache_bytes_per_token == 2 * (32 + 8) * 4  # 2 blocks, float32
     expanded = 4 * ((16 + 8) + 16) * 4
     assert span.config.kv_bytes_per_token_per_block(4) == (32 + 8) * 4 < expanded
+
+
+def test_glm_5_next_announces_the_latent_and_pooled_indexer_keys_of_its_sparse_layers(tiny_models):
+    """Half the tiny GLM-5-Next's layers are sparse latent attention (a 32-wide latent, no rotary part, and
+    indexer keys of 16 with their pooling gate and a valid flag); the others keep a recurrent state."""
+    span = Span.load(tiny_models["glm5_next"], 0, 6)
+    assert span.config.pooled_indexer and span.kv_blocks == (1, 3, 5)
+    assert span.cache_bytes_per_token == 3 * (32 + 2 * 16 + 1) * 4
+    assert span.config.kv_bytes_per_token_per_block(4) == span.cache_bytes_per_token // 6
+    from transformers import AutoConfig
+
+    real = ModelConfig.from_hf(AutoConfig.for_model("glm5_next"))  # bf16: 11 of 45 layers sparse
+    assert real.layer_types.count("indexed_attention") == 11
+    assert real.kv_bytes_per_token_per_block(2) == (512 + 2 * 128 + 1) * 2 * 11 // 45
 
 
 @pytest.mark.parametrize(
