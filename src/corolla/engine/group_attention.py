@@ -88,8 +88,9 @@ class _PathAttention:
         pages.values.flatten(0, 1)[self.slots] = v[0].transpose(0, 1)
         if not pages.shape.gathers:
             return k, v
-        keys, values = self._history(pages.keys), self._history(pages.values)
-        return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, heads, position + path, d]
+        keys = self._history(pages.keys).transpose(0, 1)[None]  # [1, heads, position + path, d]
+        values = self._history(pages.values).transpose(0, 1)[None]
+        return keys, values
 
     def store_indexer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """The path's indexer keys [1, path, D]: stored; the history before the tree and the path's."""
