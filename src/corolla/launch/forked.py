@@ -43,10 +43,15 @@ def forking_works() -> bool:
 
 def fork_peer(
     args: Sequence[str], log_path: Path, env: dict[str, str], err_path: Path | None = None
-) -> ForkedPeer:
+) -> ForkedPeer | subprocess.Popen:
     """Start `corolla ARGS` as a forked peer, its output going to `log_path` (its stderr to `err_path`,
-    when given)."""
+    when given); a fresh process in a session of its own where forking does not work (`forking_works`)."""
     global _context
+    if not forking_works():
+        command = [sys.executable, "-m", "corolla", *args]
+        with open(log_path, "wb") as out, open(err_path or os.devnull, "wb") as err:
+            errors = err if err_path else subprocess.STDOUT
+            return subprocess.Popen(command, stdout=out, stderr=errors, env=env, start_new_session=True)
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)

@@ -28,7 +28,7 @@ from typing import Any
 
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
-from corolla.launch.forked import ForkedPeer, fork_peer, forking_works
+from corolla.launch.forked import ForkedPeer, fork_peer
 from corolla.swarm.addresses import peer_args
 
 logger = logging.getLogger(__name__)
@@ -44,14 +44,14 @@ class PeerProcess:
         self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], wrapper: Sequence[str] = ()
     ):
         """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
-        without one, the peer is forked from a process that has imported corolla already (launch/forked.py),
-        except on a machine with a CUDA GPU.
+        without one, the peer is forked from a process that has imported corolla already (launch/forked.py;
+        a fresh process on a machine with a CUDA GPU).
         """
         self.name = name
         self.log_path = log_path
         self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
         self.popen: subprocess.Popen | ForkedPeer
-        if wrapper or not forking_works():
+        if wrapper:
             with open(log_path, "wb") as log:
                 self.popen = subprocess.Popen(
                     self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
