@@ -84,3 +84,16 @@ def test_every_cut_placement_allows_gives_transformers_logits(tiny_models, famil
             for start, end in [(0, cut), (cut, 6)]:
                 wire = Span.load(path, start, end)(wire)
             torch.testing.assert_close(head.logits(wire), expected, atol=1e-4, rtol=0)
+
+
+def test_a_contiguous_cache_refuses_a_tree_for_glm_5_next_in_one_line(tiny_models):
+    """Its indexer finds causality from positions: only the engine runs a tree through it (path by path)."""
+    from corolla.errors import UnsupportedModel
+    from corolla.models.contiguous import ContiguousCache
+    from corolla.models.tree import TokenTree
+
+    span = Span.load(tiny_models["glm5_next"], 0, 2)  # a linear-attention layer, then a sparse one
+    cache = ContiguousCache.for_span(span, 1, 16)
+    cache.tree = TokenTree([-1, 0, 0])
+    with torch.no_grad(), pytest.raises(UnsupportedModel, match="runs token trees in the engine only"):
+        span(torch.randn(1, 3, span.config.wire.width), cache)
