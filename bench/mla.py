@@ -66,9 +66,12 @@ def decode_rate(generate, ids: torch.Tensor, new_tokens: int) -> float:
 
 
 def local_rate(folder: str, ids: torch.Tensor, new_tokens: int) -> float:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    from corolla.models.lm_class import lm_class
+
+    config = AutoConfig.from_pretrained(folder)  # a multimodal wrapper's causal LM too (GLM-5-Next)
+    model = lm_class(config.get_text_config(), config).from_pretrained(folder, dtype=torch.bfloat16).eval()
 
     class Streamer:  # transformers' streamer protocol: the first put carries the prompt
         def __init__(self, stamp):
@@ -93,12 +96,12 @@ def local_rate(folder: str, ids: torch.Tensor, new_tokens: int) -> float:
     return decode_rate(generate, ids, new_tokens)
 
 
-def serve_and_measure(folder: str, layers: int, ids: torch.Tensor, new_tokens: int):
-    """The saved model on 2 servers of half its layers each (bfloat16, 4096 cache tokens): each server's
-    RSS, the swarm's decode tokens/s, the servers' announced records; then transformers' decode tokens/s
-    on the same folder in this process."""
+def serve_and_measure(folder: str, layers: int, ids: torch.Tensor, new_tokens: int, cache_tokens: int = 4096):
+    """The saved model on 2 servers of half its layers each (bfloat16, `cache_tokens` cache tokens): each
+    server's RSS, the swarm's decode tokens/s, the servers' announced records; then transformers' decode
+    tokens/s on the same folder in this process."""
     half = layers // 2
-    server_args = ["--dtype", "bfloat16", "--max-cache-tokens", "4096"]
+    server_args = ["--dtype", "bfloat16", "--max-cache-tokens", str(cache_tokens)]
     with LocalSwarm(folder, [(0, half), (half, layers)], server_args=server_args) as swarm:
         rss = [psutil.Process(server.pid).memory_info().rss for server in swarm.servers]
         config = swarm.client_config(dtype="bfloat16")
