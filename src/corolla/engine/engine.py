@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.config import EngineConfig
+from corolla.engine.forks import fork_session
 from corolla.engine.kv_pool import KVPool
 from corolla.engine.model_runner import ModelRunner
 from corolla.engine.pages import PageAllocator
@@ -150,6 +151,13 @@ class Engine:
         session = EngineSession(session_id, blocks[0], blocks[1], batch_size, max_length, adapter, owner)
         self.sessions[session_id] = session
         return session
+
+    def fork_session(
+        self, source_id: str, session_id: str, position: int, owner: str = "", **options
+    ) -> EngineSession:
+        """A new session starting from `position` of another session of the same owner (engine/forks.py):
+        its positions are shared, not sent or computed again."""
+        return fork_session(self, source_id, session_id, position, owner, **options)
 
     def close_session(self, session_id: str) -> list[Completion]:
         """End a session now: its pages go back to the pool and its pending steps fail."""
