@@ -86,9 +86,11 @@ class _PathAttention:
         pages = self.outer.pool.layer(self.outer.first_layer + layer)
         pages.keys.flatten(0, 1)[self.slots] = k[0].transpose(0, 1)  # k: [1, heads, path, d]
         pages.values.flatten(0, 1)[self.slots] = v[0].transpose(0, 1)
-        if not pages.shape.gathers:
-            return k, v
-        keys = self._history(pages.keys).transpose(0, 1)[None]  # [1, heads, position + path, d]
+        return self._keys_and_values(pages) if pages.shape.gathers else (k, v)
+
+    def _keys_and_values(self, pages) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the path has stored so far, as [1, heads, position + path, d] each."""
+        keys = self._history(pages.keys).transpose(0, 1)[None]
         values = self._history(pages.values).transpose(0, 1)[None]
         return keys, values
 
@@ -102,11 +104,6 @@ class _PathAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores
     ) -> torch.Tensor:
         pages = self.outer.pool.layer(self.outer.first_layer + layer)
-        if pages.shape.gathers:  # k and v are the path's whole history already (store's)
-            return causal_attention(q, k, v, self.row.position, scores)
-        before = replace(self.row, length=0)  # the cache before the tree
-        keys = torch.cat([row_positions(pages.keys, before), k[0].transpose(0, 1)])
-        values = torch.cat([row_positions(pages.values, before), v[0].transpose(0, 1)])
-        keys = keys.transpose(0, 1)[None]  # [1, heads, position + path, d]
-        values = values.transpose(0, 1)[None]
+        # a gathering layer's k and v are the path's whole history already (store's)
+        keys, values = (k, v) if pages.shape.gathers else self._keys_and_values(pages)
         return causal_attention(q, keys, values, self.row.position, scores)
