@@ -34,6 +34,7 @@ CLIENT_LAYERS = [
     {"session"},
     {"agreement", "judge", "shadows", "spot_checks"},
     {"ptune", "training", "lm_outputs", "head_batcher", "speculative", "generation", "embeddings"},
+    {"prefixes"},
     {"beam_search", "hf_outputs"},
     {"hf_generate", "hf_model"},
     {"client"},

@@ -100,9 +100,15 @@ class EngineConfig:
     # forward/backward work runs this many tokens (whole rows, at least one) per pass, between inference
     # passes: smaller slices keep inference latency steady under training load, bigger ones train faster
     forward_slice_tokens: int = 64
+    # sessions whose client asked to keep them for later forks (reused prefixes), kept idle after their
+    # stream ends: at most this many per peer, each for at most idle_session_timeout seconds, always the
+    # first taken back when cache or session slots run short (engine/idle.py); 0 keeps none
+    max_idle_sessions_per_peer: int = 16
+    idle_session_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         _check(self, 0, ("page_size", "max_batch_tokens", "max_batch_rows", "max_sessions"))
+        _check(self, 0, ("max_idle_sessions_per_peer", "idle_session_timeout"), strict=False)
         _check(self, 0, ("forward_slice_tokens", "max_cache_tokens"))
         _check(self, 0, ("max_batch_wait_ms",), strict=False)
         if self.max_cache_tokens is not None and self.max_cache_tokens < self.page_size:
@@ -222,9 +228,13 @@ class ClientConfig:
     wire_encoding: str = "lossless"
     # the share of each server's inference steps and training passes re-run elsewhere (client/spot_checks.py)
     spot_checks: float = 0.0
+    # reused prefixes: this many ended sessions are kept (by their servers) and indexed by their tokens, so
+    # a generation sharing a prefix with one sends and computes only the rest (client/prefixes.py); 0: off
+    prefix_cache: int = 16
 
     def __post_init__(self) -> None:
         _check(self, 0, ("request_timeout", "refresh_period", "max_request_tokens"), cli=False)
+        _check(self, 0, ("prefix_cache",), strict=False, cli=False)
         if not 0 <= self.spot_checks <= 1:
             raise InvalidRequest(f"spot_checks (--spot-checks) must lie in [0, 1], got {self.spot_checks}")
         names = ("routing_timeout", "max_retries", "failover_timeout", "ban_time")

@@ -298,6 +298,43 @@ def test_a_client_that_disconnects_leaves_no_session_open(smol_api, smol_openai,
     assert closed_after < 10
 
 
+def test_a_later_turn_of_a_chat_reuses_what_the_servers_hold(smol_api, smol_openai, smol_client, smol_swarm):
+    """Turn 2 of a chat resends turn 1 (the API is stateless): the servers fork the session that ran turn 1
+    instead of computing it again; the answer is the one a plain prefill gives (the Python client's, which
+    has never seen this chat), and the cached tokens reported are those the servers forked."""
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant who answers in one short sentence."},
+        {"role": "user", "content": "Name a colour of the rainbow."},
+    ]
+    first = smol_openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    text, count, _ = expected(smol_client, chat_ids(smol_client, messages), 12)
+    transport = smol_client.client.swarm.peers.transport
+
+    async def forked() -> int:
+        statuses = [await fetch_status(transport, s.peer_id, 10.0) for s in smol_swarm.servers]
+        return sum(status.forked_tokens for status in statuses)
+
+    before = smol_client.runtime.run(forked())
+    second = smol_openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert (second.choices[0].message.content, second.usage.completion_tokens) == (text, count)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert (
+        cached >= first.usage.prompt_tokens
+    )  # turn 1's prompt at least, and the answer if retokenized alike
+    grown = smol_client.runtime.run(forked()) - before
+    assert grown > 0 and grown % cached == 0  # every server of the chain forked the same positions
+    metrics = get(f"{smol_api.url}/metrics")
+    counted = re.search(r"^corolla_api_cached_prompt_tokens_total (\S+)$", metrics, re.M)
+    assert counted and float(counted.group(1)) >= cached
+    rate = re.search(r"^corolla_api_prefix_hit_rate (\S+)$", metrics, re.M)
+    assert rate and 0 < float(rate.group(1)) <= 1
+
+
 async def _none(count) -> bool:
     return await count() == 0
 

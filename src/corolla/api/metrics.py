@@ -21,6 +21,11 @@ class ApiMetrics:
         self.prompt_tokens = Counter(
             "corolla_api_prompt_tokens", "prompt tokens processed", registry=self.registry
         )
+        self.cached_tokens = Counter(
+            "corolla_api_cached_prompt_tokens",
+            "prompt tokens the servers held already (reused prefixes): neither sent nor computed again",
+            registry=self.registry,
+        )
         self.generated_tokens = Counter(
             "corolla_api_generated_tokens", "tokens generated (all choices)", registry=self.registry
         )
@@ -75,6 +80,13 @@ class ApiMetrics:
             registry=self.registry,
         )
         refused.set_function(lambda: sum(client.swarm.view.rejected_records.values()))
+        prefixes = client.prefixes
+        hit_rate = Gauge(
+            "corolla_api_prefix_hit_rate",
+            "share of generations that started from a prefix the servers held (reused prefixes)",
+            registry=self.registry,
+        )
+        hit_rate.set_function(lambda: prefixes.stats.hits / max(prefixes.stats.lookups, 1) if prefixes else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,10 +11,15 @@ from pydantic import BaseModel, Field
 from corolla.api.chat_protocol import FunctionCall, ToolCall
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the servers held already (reused prefixes): not recomputed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

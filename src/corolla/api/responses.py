@@ -18,6 +18,7 @@ from corolla.api.outputs import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -40,6 +41,7 @@ class ResponseFormat:
         self.model = model
         self.request = request
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # of them, those the servers held already (each prompt's first step says)
 
     def usage(self, choices: list[Choice]) -> Usage:
         completion = sum(len(choice.text.token_ids) for choice in choices)
@@ -47,6 +49,7 @@ class ResponseFormat:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
 
     def token_text(self, token: int) -> str:

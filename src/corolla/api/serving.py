@@ -144,7 +144,7 @@ class OpenAIServing:
         self.metrics.active_requests.inc()
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         record = self.log.start(request_id, self.name, num_prompt_tokens)
-        steps = self._timed(steps, record)
+        steps = self._timed(steps, record, output)
         events = self._events(steps if request.stream else settled(steps), choices, record, max_tokens)
         end = self._ender(record, events)
         try:
@@ -222,10 +222,15 @@ class OpenAIServing:
 
         return job
 
-    async def _timed(self, stream: Any, record: Record) -> AsyncIterator[tuple[int, GenerationStep]]:
-        """The steps as they come, their times observed."""
+    async def _timed(
+        self, stream: Any, record: Record, output: ResponseFormat
+    ) -> AsyncIterator[tuple[int, GenerationStep]]:
+        """The steps as they come, their times observed, and the prompt tokens the servers held."""
         last = None
         async for prompt_index, step in stream:
+            if step.cached_tokens:
+                output.cached_tokens += step.cached_tokens
+                self.metrics.cached_tokens.inc(step.cached_tokens)
             if not step.withdrawn:
                 now = time.perf_counter()
                 if last is None:

@@ -172,6 +172,15 @@ def _add_trust_args(group: argparse._ArgumentGroup) -> None:
         help="re-run this share of each server's steps on other servers over the same blocks and compare; "
         "a server caught computing wrong outputs is banned and its tokens redone (default: %(default)s)",
     )
+    group.add_argument(
+        "--prefix-cache",
+        type=int,
+        default=ClientConfig().prefix_cache,
+        metavar="SESSIONS",
+        help="keep this many ended sessions on their servers, indexed by their tokens: a prompt sharing a "
+        "prefix with one (a later turn of a chat, a shared system prompt) sends and computes only the rest "
+        "(0: off; default: %(default)s)",
+    )
 
 
 def client_config(args: argparse.Namespace, **extra: Any) -> ClientConfig:
@@ -191,6 +200,7 @@ def client_config(args: argparse.Namespace, **extra: Any) -> ClientConfig:
         speculation=speculation,
         wire_encoding=args.wire_encoding,
         spot_checks=args.spot_checks,
+        prefix_cache=args.prefix_cache,
         **extra,
     )
 

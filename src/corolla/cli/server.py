@@ -25,6 +25,8 @@ ENGINE_OPTIONS = (
     "forward_slice_tokens",
     "max_batch_wait_ms",
     "max_sessions",
+    "max_idle_sessions_per_peer",
+    "idle_session_timeout",
 )
 SERVER_OPTIONS = (
     "dht_prefix",
@@ -148,6 +150,17 @@ def _engine_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> N
         "(or two passes' time, if longer) for more before a pass (0: never wait; default: %(default)s)",
     )
     option("max_sessions", int, "open inference sessions at once (default: %(default)s)")
+    option(
+        "max_idle_sessions_per_peer",
+        int,
+        "ended sessions a peer asked to keep for later forks (reused prefixes), kept idle per peer; the "
+        "first taken back when cache runs short (0: keep none; default: %(default)s)",
+    )
+    option(
+        "idle_session_timeout",
+        float,
+        "seconds an ended session is kept for forks at most (default: %(default)s)",
+    )
 
 
 def _limit_options(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:

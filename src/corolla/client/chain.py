@@ -25,11 +25,11 @@ from collections.abc import Collection
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.links import ChainSpec, Link, open_links
+from corolla.client.links import ChainSpec, Link, fork_links, open_links
 from corolla.client.push_trust import PushTrust
 from corolla.client.retries import RetryBudget
 from corolla.client.silence import unless_silent
-from corolla.client.span_stream import ForgedPush, Reply, SpanStream, Step, StepRoute
+from corolla.client.span_stream import ForgedPush, ForkGone, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
 from corolla.errors import RETRYABLE
 from corolla.swarm.routing import Hop
@@ -64,6 +64,17 @@ class Chain:
         self.links = await open_links(self.swarm, self.spec, start, end)
         return self
 
+    async def fork(self, source: Chain, position: int, batch: int) -> Chain:
+        """Open on `source`'s servers, each session starting from its source session at `position` (nothing
+        sent again, client/prefixes.py). A server that lost that session answers the first step with
+        ForkGone, and its hop is rebuilt from the copied history like a failed one, without a ban."""
+        self.links = await fork_links(self.swarm, self.spec, source.links, position, batch)
+        return self
+
+    def settled(self, position: int) -> int:
+        """Of the first `position` positions, those every server holds as a plain sequence."""
+        return min((link.history.settled(position) for link in self.links), default=position)
+
     async def step(
         self,
         hidden: torch.Tensor,
@@ -93,7 +104,7 @@ class Chain:
                 forged = self._forgery(forged, isinstance(e, ForgedPush), route, link)
                 # a server that a forged push (here or upstream in this step) made refuse is not at fault
                 excused = forged and self.push_trust.excuse(link.hop.peer_id)
-                await self._recover(index, e, budget, ban=not excused)
+                await self._recover(index, e, budget, ban=not excused and not isinstance(e, ForkGone))
                 # later servers may hold this step as pushed by the failed one: a new id makes the rest
                 # of the chain run it again (servers refuse a step id reused for other inputs)
                 step_id = uuid.uuid4().hex
@@ -192,7 +203,10 @@ class Chain:
         self._close_in_background(failed.stream)  # its server is gone or broken: do not wait for it
         short = failed.hop.peer_id[-6:]
         while True:
-            if error is not None:
+            if isinstance(error, ForkGone):
+                budget.spend(error)
+                logger.info("Server ...%s no longer holds the prefix (%s); sending it again", short, error)
+            elif error is not None:
                 budget.spend(error)
                 logger.warning("Server ...%s failed (%s); replacing it", short, error)
             try:

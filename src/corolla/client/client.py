@@ -17,6 +17,7 @@ from hivemind.p2p import P2P
 from corolla.client.bans import Bans, Report
 from corolla.client.estimates import ServerEstimates
 from corolla.client.peers import Peers
+from corolla.client.prefixes import PrefixCache
 from corolla.client.router import Router
 from corolla.client.spot_checks import SpotChecker
 from corolla.client.swarm import Swarm
@@ -69,6 +70,7 @@ class Client:
         self.swarm = Swarm(config, model.num_blocks, peers, view, bans, estimates, router)
         self.checker = SpotChecker(self.swarm, config.spot_checks) if config.spot_checks > 0 else None
         self.passes = ChainPasses(self.swarm, self.checker)
+        self.prefixes = PrefixCache(config.prefix_cache) if config.prefix_cache else None
         self._transport = transport
 
     @classmethod

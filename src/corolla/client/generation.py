@@ -39,6 +39,7 @@ class FirstStep:
     start: int  # the session's position before it
     hidden: torch.Tensor  # [B, T, H]
     deep: torch.Tensor | None  # deep prompts, sent with it when it starts the session
+    held: int = 0  # its first positions the servers already hold (a fork's: client/prefixes.py), not sent
 
     @property
     def end(self) -> int:
@@ -51,10 +52,12 @@ def first_step(
     input_ids: torch.Tensor,
     params: SamplingParams,
     tuned: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    held: int = 0,
 ) -> FirstStep:
     """The first step of generating after `input_ids` [B, T] on `session` (after its pending token),
     checked against the session's limits. `tuned` (a new session only): trained prompts, (input prefix
-    [B, P, H], deep prompts or None)."""
+    [B, P, H], deep prompts or None); `held`: the first positions of a new session that its servers hold
+    already (forked from another session's), fed again only if a spot check rewinds into them."""
     inputs = input_ids
     pending = session.pending_token_ids
     if pending is not None:
@@ -65,17 +68,18 @@ def first_step(
     if tuned is not None and session.position > 0:
         raise InvalidRequest("trained prompts apply from a session's start; this session has already begun")
     prefix_length = 0 if tuned is None else tuned[0].shape[1]
-    needed = session.position + prefix_length + inputs.shape[1] + params.max_new_tokens - 1
+    start = session.position - held
+    needed = start + prefix_length + inputs.shape[1] + params.max_new_tokens - 1
     if needed > session.max_length:
         raise InvalidRequest(
             f"{inputs.shape[1]} input tokens + {params.max_new_tokens} new tokens at position "
-            f"{session.position} exceed the session's max_length={session.max_length}"
+            f"{start} exceed the session's max_length={session.max_length}"
         )
     with torch.no_grad():
         hidden = head.head.embed(inputs)  # [B, T, H]
     if tuned is None:
-        return FirstStep(session.position, hidden, None)
-    return FirstStep(session.position, torch.cat([tuned[0].to(hidden.dtype), hidden], dim=1), tuned[1])
+        return FirstStep(start, hidden, None, held)
+    return FirstStep(start, torch.cat([tuned[0].to(hidden.dtype), hidden], dim=1), tuned[1])
 
 
 async def generate_steps(
@@ -110,7 +114,8 @@ class _Loop:
     withdrawals: Withdrawals
 
     async def steps(self) -> AsyncIterator[GenerationStep]:
-        resume: int | None = self.first.start  # a position to feed again from (the start, or a rewind's)
+        # a position to feed again from (the start after what the servers hold, or a rewind's)
+        resume: int | None = self.first.start + self.first.held
         while True:
             if resume is not None:
                 steps = [await self._resume(resume)]

@@ -57,6 +57,20 @@ class HopHistory:
         start, path = self._tree
         return path[: position - start]
 
+    def settled(self, position: int) -> int:
+        """Of the first `position` positions, those the server holds as a plain sequence (a pending tree's
+        start: the server learns which path it keeps with the next step)."""
+        return position if self._tree is None else min(position, self._tree[0])
+
+    def fork(self, position: int, batch: int) -> HopHistory:
+        """The history of a session forked from this one's server session at `position`, with `batch` rows
+        (the same rows, or one row repeated)."""
+        copy = HopHistory(self.keep_outputs)
+        copy.inputs = _first(self.inputs, position, batch)
+        copy.outputs = _first(self.outputs, position, batch)
+        copy.prompts = self.prompts
+        return copy
+
     def rewind(self, position: int) -> None:
         """Forget what came at and after `position` (a spot check found it wrong upstream or here)."""
         self.inputs = None if self.inputs is None or position == 0 else self.inputs[:, :position]
@@ -73,3 +87,9 @@ def _extended(
     if kept is not None and hypo_ids is not None:
         kept = kept[hypo_ids]
     return new if kept is None or kept.shape[1] == 0 else torch.cat([kept, new], dim=1)
+
+
+def _first(kept: torch.Tensor | None, position: int, batch: int) -> torch.Tensor | None:
+    if kept is None or position == 0:
+        return None
+    return kept[:, :position].expand(batch, -1, -1) if kept.shape[0] != batch else kept[:, :position]

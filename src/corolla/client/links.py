@@ -1,5 +1,6 @@
 """The links of a chain (client/chain.py): a stream to each hop's server and what its cache was built from,
-and how a run of them opens over blocks [start, end).
+and how a run of them opens over blocks [start, end), or on the servers of another chain, each session
+forked from that chain's (reused prefixes: client/prefixes.py).
 
 Opening routes the blocks (client/router.py), counts the hops' load at once (so that sessions opened
 together spread out), opens a session on every hop in parallel with the encodings each server takes,
@@ -41,6 +42,7 @@ class ChainSpec:
     avoid: frozenset[str] = frozenset()  # never these servers (a shadow avoids the server it checks)
     allowed: frozenset[str] | None = None  # only these servers (a session's own restriction)
     wait: bool = True  # wait for servers when blocks are uncovered (else MissingBlocks at once)
+    keep: bool = False  # servers keep the sessions for later forks when they end (reused prefixes)
 
 
 async def open_links(swarm: Swarm, spec: ChainSpec, start: int, end: int) -> list[Link]:
@@ -73,12 +75,40 @@ async def open_links(swarm: Swarm, spec: ChainSpec, start: int, end: int) -> lis
     )
 
 
-def _openings(swarm: Swarm, spec: ChainSpec, hops: list[Hop]) -> list:
+async def fork_links(
+    swarm: Swarm, spec: ChainSpec, sources: list[Link], position: int, batch: int
+) -> list[Link]:
+    """Streams to the servers of `sources`, each session to start from its source's state at `position`
+    (with `batch` rows: the source's, or its one row repeated), and histories copied up to there.
+    ServerUnavailable if a server may not be used now (the caller opens a chain the usual way)."""
+    hops = [link.hop for link in sources]
+    for hop in hops:
+        usable = swarm.router.routable(hop.start, hop.end, spec.max_length, spec.avoid, spec.allowed)
+        if not any(
+            span.peer_id == hop.peer_id and span.start <= hop.start and hop.end <= span.end for span in usable
+        ):
+            raise ServerUnavailable(f"server ...{hop.peer_id[-6:]} holding the prefix is not routable now")
+    swarm.estimates.acquire(hops)
+    forks = [link.stream.session_id for link in sources]
+    results = await asyncio.gather(*_openings(swarm, spec, hops, forks), return_exceptions=True)
+    if any(isinstance(r, BaseException) for r in results):
+        swarm.estimates.release(hops)
+        opened = [r for r in results if isinstance(r, SpanStream)]
+        await asyncio.gather(*(stream.close() for stream in opened), return_exceptions=True)
+        raise ServerUnavailable(f"could not open forks on the servers holding the prefix: {results}")
+    return [
+        Link(stream, source.history.fork(position, batch))
+        for stream, source in zip(results, sources, strict=True)
+    ]
+
+
+def _openings(swarm: Swarm, spec: ChainSpec, hops: list[Hop], forks: list[str] | None = None) -> list:
     statuses = [swarm.view.status_of(hop.peer_id) for hop in hops]
     openings = []
-    for hop, (inbound, outbound) in zip(
-        hops, hop_encodings(swarm.config.wire_encoding, statuses), strict=True
-    ):
-        opening = Opening(spec.max_length, spec.alloc_timeout, swarm.config.active_adapter, outbound)
+    encodings = hop_encodings(swarm.config.wire_encoding, statuses)
+    for i, (hop, (inbound, outbound)) in enumerate(zip(hops, encodings, strict=True)):
+        fork_of = None if forks is None else forks[i]
+        adapter = swarm.config.active_adapter
+        opening = Opening(spec.max_length, spec.alloc_timeout, adapter, outbound, fork_of, spec.keep)
         openings.append(swarm.peers.open_session(hop, opening, inbound))
     return openings

@@ -2,7 +2,9 @@
 
 The client loads only the embeddings, final norm and LM head; every block runs on servers found through
 the DHT. One model object serves any number of concurrent sessions, from threads (synchronous methods)
-or from its own event loop (the `a*` coroutines).
+or from its own event loop (the `a*` coroutines). It is the facade of the whole client, one class with
+transformers' entry points (loading, generation, sessions, forward, embeddings) whose work lives in the
+modules below it: that is why it runs over 300 lines.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from corolla.client.generation import Withdrawals, first_step, generate_steps
 from corolla.client.head_batcher import HeadBatcher
 from corolla.client.hf_model import TransformersModel
 from corolla.client.lm_outputs import CausalLMOutput, causal_lm_output, chain_inputs
+from corolla.client.prefixes import Opened
 from corolla.client.ptune import PromptTuning
 from corolla.client.runtime import LoopThread
 from corolla.client.session import InferenceSession
@@ -121,13 +124,17 @@ class DistributedModelForCausalLM(TransformersModel):
     # --- inference -----------------------------------------------------------------------------------------
 
     def inference_session(
-        self, max_length: int, alloc_timeout: float = 0.0, servers: Sequence[str] | None = None
+        self,
+        max_length: int,
+        alloc_timeout: float = 0.0,
+        servers: Sequence[str] | None = None,
+        keep: bool = False,
     ) -> InferenceSession:
         """A session that keeps server-side caches across calls; use it as a context manager. `servers`:
-        route it only through these peer ids."""
+        route it only through these peer ids; `keep`: its servers keep it for forks once it ends."""
         keep_outputs = self.client.checker is not None  # spot checks compare each hop's outputs
         return InferenceSession(
-            self.client.swarm, self.runtime, max_length, alloc_timeout, servers, keep_outputs
+            self.client.swarm, self.runtime, max_length, alloc_timeout, servers, keep_outputs, keep
         )
 
     async def agenerate(
@@ -162,19 +169,14 @@ class DistributedModelForCausalLM(TransformersModel):
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
-        own = session is None
-        if own:
-            prefix = 0 if self.ptune is None else self.ptune.pre_seq_len
-            session = await self.inference_session(
-                prefix + input_ids.shape[1] + params.max_new_tokens
-            ).aopen()
+        opened = None if session is not None else await self._open(input_ids, params)
+        session = session or opened.session
+        held = None if opened is None else opened.start
+        ended = None  # the tokens its servers hold, once it ended well
         try:
-            first = first_step(self.head_batcher, session, input_ids, params, self._tuned(session, input_ids))
-            tokenizer = self.tokenizer if params.stop or params.grammar else None
-            eos = self.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids
-            ends = RowEnds(params, eos, tokenizer, input_ids.shape[0])
-            pad = self.pad_token_id if params.pad_token_id is None else params.pad_token_id
-            chooser = Chooser(params, ends, pad, input_ids)
+            tuned = self._tuned(session, input_ids)
+            first = first_step(self.head_batcher, session, input_ids, params, tuned, held or 0)
+            chooser = self._chooser(input_ids, params)
             speculation = None
             if self.speculator is not None and params.speculative and input_ids.shape[0] == 1:
                 speculation = self.speculator.start(session.max_length)
@@ -183,10 +185,38 @@ class DistributedModelForCausalLM(TransformersModel):
                 self.head_batcher, session, chooser, first, speculation, checker, withdrawals
             )
             async for step in steps:
+                if opened is not None and held is not None and not step.withdrawn:
+                    step = replace(step, cached_tokens=opened.cached)
+                    opened.prompt_ran()
+                    held = None
                 yield step
+            ended = chooser.context[0, : session.settled_position]
         finally:
-            if own:
+            if opened is not None:
                 await session.aclose()
+                if self.client.prefixes is not None:
+                    self.client.prefixes.ended(opened, ended)
+
+    async def _open(self, input_ids: torch.Tensor, params: SamplingParams) -> Opened:
+        """A generation's own session, from the longest prefix the servers hold (client/prefixes.py) when
+        reuse is on and its rows are one prompt (trained prompts: never)."""
+        prefix = 0 if self.ptune is None else self.ptune.pre_seq_len
+        length = prefix + input_ids.shape[1] + params.max_new_tokens
+        prefixes = self.client.prefixes
+        if prefixes is None or self.ptune is not None or not bool((input_ids == input_ids[0]).all()):
+            return Opened(await self.inference_session(length).aopen())
+
+        def make(max_length: int, keep: bool) -> InferenceSession:
+            return self.inference_session(max_length, keep=keep)
+
+        return await prefixes.open(make, input_ids, length, self.head.embed)
+
+    def _chooser(self, input_ids: torch.Tensor, params: SamplingParams) -> Chooser:
+        tokenizer = self.tokenizer if params.stop or params.grammar else None
+        eos = self.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids
+        ends = RowEnds(params, eos, tokenizer, input_ids.shape[0])
+        pad = self.pad_token_id if params.pad_token_id is None else params.pad_token_id
+        return Chooser(params, ends, pad, input_ids)
 
     def _tuned(self, session: InferenceSession, input_ids: torch.Tensor) -> tuple | None:
         """The trained prompts a generation starts with: (input prefix [B, P, H], deep prompts or None),

@@ -34,15 +34,18 @@ class InferenceSession:
         alloc_timeout: float = 0.0,
         servers: Collection[str] | None = None,
         keep_outputs: bool = False,
+        keep: bool = False,
     ):
         """`servers`: route only through these peer ids (besides the client's own allowed_servers);
-        `keep_outputs`: each hop's history keeps its replies too (for spot checks)."""
+        `keep_outputs`: each hop's history keeps its replies too (for spot checks); `keep`: servers keep
+        the session for later forks when it ends (client/prefixes.py)."""
         if max_length < 1:
             raise InvalidRequest(f"max_length must be at least 1, got {max_length}")
         self.runtime = runtime
         self.max_length = max_length
         allowed = None if servers is None else frozenset(servers)
-        self.chain = Chain(swarm, ChainSpec(max_length, alloc_timeout, keep_outputs, allowed=allowed))
+        spec = ChainSpec(max_length, alloc_timeout, keep_outputs, allowed=allowed, keep=keep)
+        self.chain = Chain(swarm, spec)
         self.position = 0
         self.pending_token_ids: torch.Tensor | None = None  # [B, 1]: chosen, not yet sent to the servers
         self._tree: tuple[int, TokenTree] | None = None  # the last step's token tree, until accepted
@@ -68,6 +71,22 @@ class InferenceSession:
 
     async def aopen(self) -> InferenceSession:
         await self.chain.open()
+        self._opened = True
+        return self
+
+    @property
+    def settled_position(self) -> int:
+        """Positions every server holds as a plain sequence (before a token tree whose kept path the servers
+        learn with the next step): what a fork may start from."""
+        return self.chain.settled(self.position)
+
+    async def afork(self, source: InferenceSession, position: int, batch: int) -> InferenceSession:
+        """Open on `source`'s servers, starting from its state at `position` (a settled one): nothing before
+        it is sent again. `batch` rows: the source's, or its one row repeated."""
+        if not 0 < position <= source.settled_position:
+            raise InvalidRequest(f"fork position {position} must lie in [1, {source.settled_position}]")
+        await self.chain.fork(source.chain, position, batch)
+        self.position = position
         self._opened = True
         return self
 

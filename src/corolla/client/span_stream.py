@@ -22,7 +22,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import ExpertResponse
 
-from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.errors import InvalidRequest, ServerUnavailable, SessionNotFound
 from corolla.swarm.routing import Hop
 from corolla.swarm.transport import MessageStream, remote_errors
 from corolla.wire import tensors as wire_tensors
@@ -30,6 +30,11 @@ from corolla.wire.digest import step_digest
 from corolla.wire.messages import InferenceStep, NextServer, StepReply
 
 CLOSE_TIMEOUT = 5.0
+
+
+class ForkGone(ServerUnavailable):
+    """The session this one was to start from is gone from the server (evicted, timed out, or the server
+    restarted): nothing ran; the hop is rebuilt by sending its inputs again (client/chain.py)."""
 
 
 class ForgedPush(ServerUnavailable):
@@ -57,6 +62,8 @@ class Opening:
     alloc_timeout: float = 0.0
     active_adapter: str | None = None
     output_encoding: str = "lossless"  # how the server replies and pushes
+    fork_of: str | None = None  # start from this session of ours on the server (its first step's position)
+    keep: bool = False  # the server keeps the session for later forks once its stream ends
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,11 @@ class SpanStream:
                 await asyncio.wait_for(stream.send(request), self.timeout)
                 response = await self._reply_to(stream, sent)
             return self._read(response, step.hidden.shape, sent.num_foreign)
+        except SessionNotFound as e:  # only a fork's first step names a session other than its own
+            self._stream = None
+            stream.close()
+            gone = ForkGone if self.opening.fork_of is not None else ServerUnavailable
+            raise gone(f"server ...{self.hop.peer_id[-6:]}: {e}") from None
         except BaseException:  # a failed stream takes no more steps (a cancelled read leaves it unreadable)
             self._stream = None
             stream.close()
@@ -128,6 +140,8 @@ class SpanStream:
                 alloc_timeout=opening.alloc_timeout,
                 active_adapter=opening.active_adapter,
                 output_encoding=None if opening.output_encoding == "lossless" else opening.output_encoding,
+                fork_of=opening.fork_of,
+                keep=opening.keep,
             )
         self._opened = True
         # the position goes with every step: after a step abandoned midway, servers roll back, not append

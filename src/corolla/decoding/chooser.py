@@ -32,6 +32,8 @@ class GenerationStep:
     # a spot check caught a server lying: the last `withdrawn` steps yielded are void (tokens is empty);
     # the steps that follow replace them
     withdrawn: int = 0
+    # on a generation's first step: the prompt's positions its servers held already (reused prefixes)
+    cached_tokens: int | None = None
 
 
 class RowEnds:

@@ -137,6 +137,10 @@ class AsyncEngine:
     def close_session(self, session_id: str) -> None:
         self.commands.submit(lambda: self._deliver(self.engine.close_session(session_id)))
 
+    def keep_session(self, session_id: str) -> None:
+        """Keep an ended session for forks (engine/idle.py), or close it if it cannot be kept."""
+        self.commands.submit(lambda: self.engine.keep_session(session_id))
+
     async def run(
         self, work: StepWork | ForwardWork, stream: ResultStream | None = None
     ) -> torch.Tensor | Gradients:

@@ -14,6 +14,7 @@ import torch
 
 from corolla.config import EngineConfig
 from corolla.engine.forks import fork_session
+from corolla.engine.idle import IdleSessions
 from corolla.engine.kv_pool import KVPool
 from corolla.engine.model_runner import ModelRunner
 from corolla.engine.pages import PageAllocator
@@ -44,6 +45,9 @@ class EngineStats:
     num_passes: int = 0
     batched_rows: int = 0  # rows run in the last pass
     total_rows: int = 0  # rows run in all passes (total_rows / num_passes: the mean batch)
+    num_idle: int = 0  # ended sessions kept for forks (engine/idle.py), not counted in num_sessions
+    forked_tokens: int = 0  # positions sessions started from another's cache instead of computing them
+    computed_tokens: int = 0  # positions run through the span, per row
 
 
 class Engine:
@@ -69,7 +73,17 @@ class Engine:
             self.pool.move_positions,
             state_pages=state_pages(span, config.page_size),
         )
+        self.idle = IdleSessions(
+            self.scheduler.sessions,
+            self.pages,
+            config.max_idle_sessions_per_peer,
+            max(config.max_sessions // 2, 1),
+            config.idle_session_timeout,
+        )
+        self.scheduler.idle = self.idle
         self.runner = ModelRunner(span, self.pool)
+        self.forked_tokens = 0  # positions sessions started from without computing them (forks)
+        self.computed_tokens = 0  # positions run through the span (prefill, decode, recompute), per row
         self.num_passes = 0
         self.batched_rows = 0
         self.total_rows = 0
@@ -82,13 +96,16 @@ class Engine:
     def stats(self) -> EngineStats:
         size = self.pages.page_size
         return EngineStats(
-            len(self.sessions),
+            len(self.sessions) - len(self.idle),
             self.scheduler.queued_tokens,
             self.pages.num_free * size,
             self.pages.num_pages * size,
             self.num_passes,
             self.batched_rows,
             self.total_rows,
+            len(self.idle),
+            self.forked_tokens,
+            self.computed_tokens,
         )
 
     def has_work(self) -> bool:
@@ -124,7 +141,9 @@ class Engine:
         if sum(s.batch_size for s in pending) >= self.config.max_batch_rows:
             return 0.0
         oldest = min(s.pending[0].arrived_at for s in pending)
-        due = [s.due_at(now) for s in self.sessions.values() if not s.pending]
+        due = [
+            s.due_at(now) for s in self.sessions.values() if not s.pending and s.session_id not in self.idle
+        ]
         due = [t for t in due if t is not None and t <= oldest + max_wait]
         if not due:
             return 0.0
@@ -141,9 +160,13 @@ class Engine:
         adapter: str | None = None,
         owner: str = "",
     ) -> EngineSession:
+        if session_id in self.idle:  # its owner reuses the id of a session it ended: a new session
+            self.idle.evict(session_id)
         if session_id in self.sessions:
             raise InvalidRequest(f"session_id {session_id!r} is already open on this engine")
         self.span.config.kv_sharing.check_span(*blocks, self.span.config.model_type)
+        while len(self.sessions) >= self.config.max_sessions and self.idle.evict_one():
+            pass
         if len(self.sessions) >= self.config.max_sessions:
             raise ServerUnavailable(
                 f"this server already holds max_sessions={self.config.max_sessions} sessions"
@@ -157,13 +180,26 @@ class Engine:
     ) -> EngineSession:
         """A new session starting from `position` of another session of the same owner (engine/forks.py):
         its positions are shared, not sent or computed again."""
-        return fork_session(self, source_id, session_id, position, owner, **options)
+        session = fork_session(self, source_id, session_id, position, owner, **options)
+        self.idle.touch(source_id)
+        self.forked_tokens += session.num_cached * session.batch_size
+        return session
+
+    def keep_session(self, session_id: str) -> bool:
+        """Keep an ended session, idle and evictable, for later forks (engine/idle.py); close it if it
+        cannot be kept. Whether it was kept."""
+        session = self.sessions.get(session_id)
+        if session is not None and self.idle.keep(session):
+            return True
+        self.close_session(session_id)
+        return False
 
     def close_session(self, session_id: str) -> list[Completion]:
         """End a session now: its pages go back to the pool and its pending steps fail."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             return []
+        self.idle.forget(session_id)
         for table in [*session.page_tables, session.state_table]:
             self.pages.release_all(table)
         error = ServerUnavailable(f"session {session_id} was closed")
@@ -239,6 +275,7 @@ class Engine:
         session = chunk.session
         work = chunk.work
         session.num_cached = chunk.position + chunk.num_tokens
+        self.computed_tokens += chunk.num_rows * chunk.num_tokens
         if work is None:  # a recompute chunk: the cache is rebuilt up to num_cached, outputs are not needed
             if not session.needs_recompute:
                 session.status = SessionStatus.RUNNING

@@ -9,14 +9,17 @@ Memory: cache pages are allocated as positions are written. A new session waits 
 admission deadline (alloc_timeout), then fails with CacheExhausted. A session that holds its cache and
 cannot grow takes pages from the most recently admitted other session (preemption); the victim keeps its
 inputs and recomputes its cache when pages are free again, so no session fails or gets wrong outputs
-because others grew. Idle sessions (no step pending) are taken from first. Forward requests run only
-when no inference work can, or after waiting a few passes.
+because others grew. Ended sessions kept for forks (engine/idle.py) are closed before anyone is preempted
+or waits; then idle sessions (no step pending) are taken from first. Forward requests run only when no
+inference work can, or after waiting a few passes.
 
 Fair share between peers (a session's `owner`): the cache is shared equally between the peers that hold
 or ask for it, and turns are taken in rotation between peers. A peer within its share may take cache
 from the longest-idle sessions of peers over theirs, even for a new session (the victims are preempted
 and recompute later, so they lose time, never tokens); a peer over its share makes room only from its
 own sessions. One peer opening many sessions thus fills the cache only while no one else needs it.
+
+Admission, preemption and fair share are one policy, kept in one class (hence over 300 lines).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corolla.engine.idle import IdleSessions
 from corolla.engine.pages import PageAllocator
 from corolla.engine.sequence import Chunk, EngineSession, ForwardWork, SessionStatus, StepWork
 from corolla.engine.states import charge_states, reorder_states, state_floor, uncharged_state_pages
@@ -71,6 +75,7 @@ class Scheduler:
         self.sessions: dict[str, EngineSession] = {}
         self.forwards: deque[ForwardWork] = deque()
         self._admissions = itertools.count()
+        self.idle = IdleSessions(self.sessions, pages)  # the engine sets its own (its limits)
         self._forward_skips = 0
 
     @property
@@ -222,12 +227,14 @@ class Scheduler:
                 self.pages.pages_needed(t, 0, start + session.pending[0].remaining)
                 for t in session.page_tables
             ) + uncharged_state_pages(session, self.state_pages)
-            while not self.pages.can_allocate(whole) and self._preempt_one(
-                in_pass, session, whole, fair_only=True
+            while not self.pages.can_allocate(whole) and (
+                self.idle.evict_one() or self._preempt_one(in_pass, session, whole, fair_only=True)
             ):
                 pass
             return self.pages.can_allocate(whole) and self._allocate(session, start, end, needed, plan)
-        while not self.pages.can_allocate(needed) and self._preempt_one(in_pass, session, needed):
+        while not self.pages.can_allocate(needed) and (
+            self.idle.evict_one() or self._preempt_one(in_pass, session, needed)
+        ):
             pass
         return self._allocate(session, start, end, needed, plan)
 

@@ -47,6 +47,21 @@ class _LiveFigures(Collector):
         rows = CounterMetricFamily("corolla_server_engine_rows", "sequence rows run, over all passes")
         rows.add_metric([], status.engine_rows)
         yield rows
+        computed = CounterMetricFamily(
+            "corolla_server_computed_tokens", "positions run through the hosted blocks (every row)"
+        )
+        computed.add_metric([], status.computed_tokens)
+        yield computed
+        forked = CounterMetricFamily(
+            "corolla_server_forked_tokens",
+            "positions sessions started from another session's cache instead of computing them (reused "
+            "prefixes)",
+        )
+        forked.add_metric([], status.forked_tokens)
+        yield forked
+        yield GaugeMetricFamily(
+            "corolla_server_idle_sessions", "ended sessions kept for forks", status.idle_sessions
+        )
 
 
 class ServerMetrics:

@@ -8,6 +8,10 @@ its owner and that the owner is within its share of sessions, then opens the eng
 the context closes it whatever happened (normal end, error, timeout, vanished client): its running
 steps are cancelled and the engine frees its cache pages at its next pass. The protocol that runs steps
 in a session is the inference service's (server/inference.py); this module only holds a session's state.
+
+Reused prefixes (`Fork`): a session may start from a position of another session of the same owner,
+open or ended and kept (engine/forks.py), its cache pages shared; a session whose owner asked to keep it
+and whose stream ended normally is kept idle for such forks (engine/idle.py), never at anyone's cost.
 """
 
 from __future__ import annotations
@@ -118,6 +122,17 @@ class SessionRegistry:
     def num_opened_by(self, owner: str) -> int:
         return sum(key[0] == owner for key in self._claimed)
 
+    def _claim(self, owner: str, session_id: str) -> tuple[str, str]:
+        key = (owner, session_id)
+        if key in self._claimed:
+            raise InvalidRequest(f"session_id {session_id!r} is already in use by one of your sessions here")
+        if self.num_opened_by(owner) >= self.max_sessions_per_peer:
+            raise ServerUnavailable(
+                f"your peer already holds max_sessions_per_peer={self.max_sessions_per_peer} sessions here"
+            )
+        self._claimed.add(key)
+        return key
+
     @contextlib.asynccontextmanager
     async def open(
         self,
@@ -128,23 +143,15 @@ class SessionRegistry:
         max_length: int,
         adapter: str | None = None,
         alloc_timeout: float = 0.0,
+        fork: Fork | None = None,
     ) -> AsyncIterator[ServerSession]:
         session_id = session_id or uuid.uuid4().hex
-        key = (owner, session_id)
-        if key in self._claimed:
-            raise InvalidRequest(f"session_id {session_id!r} is already in use by one of your sessions here")
-        if self.num_opened_by(owner) >= self.max_sessions_per_peer:
-            raise ServerUnavailable(
-                f"your peer already holds max_sessions_per_peer={self.max_sessions_per_peer} sessions here"
-            )
-        engine_id = f"{owner}/{session_id}"  # peer ids are base58: no two keys give one engine id
-        self._claimed.add(key)
+        key = self._claim(owner, session_id)
+        engine_id = _engine_id(owner, session_id)
+        ended = False  # the stream ended normally: a session its owner asked to keep is kept for forks
         try:
-            engine_session = await self.engine.call(
-                lambda: self.engine.engine.open_session(
-                    engine_id, blocks, batch_size, max_length, adapter, owner=owner
-                )
-            )
+            opening = (engine_id, blocks, batch_size, max_length, adapter, owner)
+            engine_session = await self.engine.call(lambda: _open_or_fork(self.engine.engine, opening, fork))
             now = time.monotonic()
             session = ServerSession(
                 session_id,
@@ -156,17 +163,55 @@ class SessionRegistry:
                 max_length,
                 deadline=now + self.session_timeout,
                 admit_deadline=now + alloc_timeout,
+                position=engine_session.position,
             )
             self.sessions[key] = session
             try:
                 yield session
+                ended = True
             finally:
                 del self.sessions[key]
                 await _cancel(session.running)
         finally:
             # also when the open itself was cancelled: commands run in order, so this close follows it
-            self.engine.close_session(engine_id)
+            if ended and fork is not None and fork.keep:  # its owner asked to keep it for forks
+                self.engine.keep_session(engine_id)
+            else:
+                self.engine.close_session(engine_id)
             self._claimed.discard(key)
+
+
+@dataclass(frozen=True)
+class Fork:
+    """How a session starts and ends besides plain: from another session of its owner (`source`, at
+    `position`, engine/forks.py), and whether it is kept for forks after its stream ends (`keep`)."""
+
+    source: str | None = None
+    position: int = 0
+    keep: bool = False
+
+
+def _engine_id(owner: str, session_id: str) -> str:
+    return f"{owner}/{session_id}"  # peer ids are base58: no two keys give one engine id
+
+
+def _open_or_fork(engine, opening: tuple, fork: Fork | None) -> EngineSession:
+    engine_id, blocks, batch_size, max_length, adapter, owner = opening
+    if fork is None or fork.source is None:
+        return engine.open_session(*opening)
+    source = engine.sessions.get(_engine_id(owner, fork.source))
+    if source is not None and ((source.start, source.end) != blocks or source.adapter != adapter):
+        raise InvalidRequest(
+            f"fork_of: session {fork.source!r} runs blocks {source.start}:{source.end} with adapter "
+            f"{source.adapter!r}, not blocks {blocks[0]}:{blocks[1]} with {adapter!r}"
+        )
+    if source is not None and batch_size != source.batch_size and source.batch_size != 1:
+        raise InvalidRequest(
+            f"fork_of: a fork of {source.batch_size} rows keeps them all or starts from one, not {batch_size}"
+        )
+    rows = None if source is None or batch_size == source.batch_size else [0] * batch_size
+    source_id = _engine_id(owner, fork.source)
+    return engine.fork_session(source_id, engine_id, fork.position, owner, rows=rows, max_length=max_length)
 
 
 async def _cancel(tasks: set[asyncio.Task]) -> None:

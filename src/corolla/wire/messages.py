@@ -83,6 +83,10 @@ class InferenceStep:
     active_adapter: str | None = None
     points: float = 0.0
     output_encoding: str | None = None  # how the server encodes this session's outputs (wire/tensors.py)
+    # prefix reuse (server/sessions.py): start from this session of the same peer, at the first step's
+    # start_from_position; and keep this session, idle and evictable, for later forks once its stream ends
+    fork_of: str | None = None
+    keep: bool = False
 
     @classmethod
     def from_push_bytes(cls, raw: bytes) -> InferenceStep:
@@ -109,6 +113,8 @@ class InferenceStep:
             active_adapter=fields.str("active_adapter") or None,
             points=fields.float("points", default=0.0, low=0.0),
             output_encoding=fields.str("output_encoding", max_chars=32),
+            fork_of=fields.str("fork_of"),
+            keep=fields.bool("keep"),
         )
 
     @staticmethod
@@ -152,6 +158,8 @@ class InferenceStep:
                 active_adapter=self.active_adapter,
                 points=self.points or None,
                 output_encoding=self.output_encoding,
+                fork_of=self.fork_of,
+                keep=self.keep or None,
             )
         )
 

@@ -61,6 +61,9 @@ class ServerStatus:
     queued_tokens: int = 0  # live load: tokens waiting in the server's engines
     engine_passes: int = 0  # engine passes run so far
     engine_rows: int = 0  # sequence rows run in those passes (rows / passes: the mean batch)
+    computed_tokens: int = 0  # positions run through the span so far (every row)
+    forked_tokens: int = 0  # positions sessions started from another's cache (reused prefixes)
+    idle_sessions: int = 0  # ended sessions kept for forks (not in num_sessions)
     steps_from_client: int = 0  # inference steps computed from the client's copy ...
     steps_from_push: int = 0  # ... and from a copy pushed by the previous server
     throughput: float | None = None  # blocks per second for one decode step; None until measured
@@ -137,6 +140,9 @@ class ServerStatus:
             queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
             engine_passes=fields.int("engine_passes", default=0, low=0) or 0,
             engine_rows=fields.int("engine_rows", default=0, low=0) or 0,
+            computed_tokens=fields.int("computed_tokens", default=0, low=0) or 0,
+            forked_tokens=fields.int("forked_tokens", default=0, low=0) or 0,
+            idle_sessions=fields.int("idle_sessions", default=0, low=0) or 0,
             steps_from_client=fields.int("steps_from_client", default=0, low=0) or 0,
             steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
             throughput=fields.float("throughput", low=0.0),

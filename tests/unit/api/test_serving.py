@@ -45,13 +45,16 @@ class FakeModel:
     the script withdraws the two tokens before it, as a spot check that caught a liar does (or ends the
     generation, where its consumer cannot take tokens back)."""
 
-    def __init__(self, script: str, hang: bool = False, error: Exception | None = None):
+    def __init__(
+        self, script: str, hang: bool = False, error: Exception | None = None, cached: int | None = None
+    ):
         self.tokenizer, self.eos_token_ids = Tokenizer(), (EOS,)
         self.config = SimpleNamespace(vocab_size=1000, max_position_embeddings=256)
         self.runtime = LoopThread("fake-model")
         swarm = SimpleNamespace(bans=SimpleNamespace(faulty={}), view=SimpleNamespace(rejected_records={}))
-        self.client = SimpleNamespace(checker=None, swarm=swarm)  # found nothing
+        self.client = SimpleNamespace(checker=None, swarm=swarm, prefixes=None)  # found nothing
         self.script, self.hang, self.error = script, hang, error
+        self.cached = cached  # prompt tokens each generation's first step says its servers held
         self.cancelled = threading.Event()
         self.prompts: list[torch.Tensor] = []
 
@@ -72,7 +75,7 @@ class FakeModel:
                 tokens = torch.full((rows,), ord(char) if char != "$" else EOS)
                 finished = tokens == EOS
                 if params.logprobs is None:
-                    yield GenerationStep(tokens, finished)
+                    yield GenerationStep(tokens, finished, cached_tokens=self.cached if i == 0 else None)
                 else:
                     k = params.logprobs
                     yield GenerationStep(
@@ -124,8 +127,22 @@ async def test_chat_response_usage_and_finish_reasons(serving_for):
     assert answer.choices[0].message.content == "Hello" and answer.choices[0].finish_reason == "stop"
     prompt = len("<user>hi<assistant>")
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt, 6)  # EOS counts
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
     short = await serving.create_chat_completion(chat(max_tokens=3))
     assert short.choices[0].message.content == "Hel" and short.choices[0].finish_reason == "length"
+
+
+async def test_usage_reports_the_prompt_tokens_the_servers_held(serving_for):
+    """Each prompt's first step says how many of its tokens the servers held (reused prefixes): usage
+    adds them up (n rows of one prompt count once), and /metrics counts them."""
+    serving = serving_for("Hi$", cached=5)
+    answer = await serving.create_chat_completion(chat(max_tokens=10, n=3))
+    assert answer.usage.prompt_tokens_details.cached_tokens == 5
+    chunks = await read_sse(
+        await serving.create_chat_completion(chat(stream=True, stream_options={"include_usage": True}))
+    )
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+    assert b"corolla_api_cached_prompt_tokens_total 10.0" in serving.metrics.render()
 
 
 async def test_withdrawn_tokens_are_redone_in_an_answer_and_end_a_stream(serving_for):

@@ -20,6 +20,8 @@ def test_first_step_roundtrip():
         alloc_timeout=2.5,
         next_servers=(NextServer("peer", "sess", 3, 7),),
         start_from_position=4,
+        fork_of="earlier",
+        keep=True,
     )
     parsed = InferenceStep.from_bytes(step.to_bytes(), first=True)
     assert parsed == step
@@ -53,6 +55,8 @@ def test_unknown_keys_are_ignored():
         ),
         (packed(max_length=8, next_servers="peer"), "'next_servers' must be a list"),
         (packed(max_length=8, version=99), "'version' must be <= 1"),
+        (packed(max_length=8, fork_of=["s"]), "'fork_of' must be a string"),
+        (packed(max_length=8, keep="yes"), "'keep' must be a boolean, got str"),
         (b"\xc1\xff\x00garbage", "not valid msgpack"),
         (packed(max_length=8)[:-1], "not valid msgpack"),
         (msgpack.packb([1, 2, 3]), "must be a msgpack map, got list"),
