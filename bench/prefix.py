@@ -152,6 +152,7 @@ def shared(plain, reuse, tokenizer, computed) -> dict:
         "ideal_prefill_tokens": ideal,
         "prefill_with_reuse_vs_ideal": round(prefill / ideal, 3),
         "mean_ttft_without_vs_with": round(result["without"]["mean_ttft_s"] / with_reuse["mean_ttft_s"], 2),
+        "max_ttft_without_vs_with": round(result["without"]["max_ttft_s"] / with_reuse["max_ttft_s"], 2),
         "same_answers": f"{same}/{USERS}",
     }
 

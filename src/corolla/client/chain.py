@@ -26,6 +26,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.links import ChainSpec, Link, fork_links, open_links
+from corolla.client.pipeline import PIPELINE_CHUNK, run_pipelined
 from corolla.client.push_trust import PushTrust
 from corolla.client.retries import RetryBudget
 from corolla.client.silence import unless_silent
@@ -85,6 +86,10 @@ class Chain:
     ) -> list[torch.Tensor]:
         """Run hidden states [B, T, H] at `position` through every hop, replacing servers that fail on the
         way; returns each hop's outputs [B, T, H] (the last: the chain's)."""
+        if self._pipelines(hidden, prompts, hypo_ids, tree, position):
+            outputs = await run_pipelined(self, hidden, position)
+            if outputs is not None:  # else a server failed: the whole step again, with failover
+                return outputs
         budget = RetryBudget(self.swarm.config)
         outputs = []
         index = 0
@@ -99,7 +104,7 @@ class Chain:
             step = Step(hidden, position, hop_prompts, hypo_ids, tree, link.history.accepted_at(position))
             route = self._step_route(index, step_id, push, pushed_to)
             try:
-                reply = await self._send(link, step, route, encoded)
+                reply = await self.send(link, step, route, encoded)
             except RETRYABLE as e:
                 forged = self._forgery(forged, isinstance(e, ForgedPush), route, link)
                 # a server that a forged push (here or upstream in this step) made refuse is not at fault
@@ -117,6 +122,13 @@ class Chain:
             encoded = reply.encoded  # sent on as it came: byte for byte its push
             index += 1
         return outputs
+
+    def _pipelines(self, hidden, prompts, hypo_ids, tree, position: int) -> bool:
+        """Whether a step runs as a pipeline of chunks (client/pipeline.py): a long plain one (a prompt)
+        through several hops, with no path of a token tree to keep first."""
+        plain = prompts is None and hypo_ids is None and tree is None
+        settled = all(link.history.accepted_at(position) is None for link in self.links)
+        return plain and settled and len(self.links) > 1 and hidden.shape[1] >= 2 * PIPELINE_CHUNK
 
     async def feed(self, inputs: torch.Tensor, start: int) -> torch.Tensor:
         """Positions [start, T) of `inputs` [B, T, H] through the chain, in chunks; their outputs."""
@@ -145,7 +157,7 @@ class Chain:
         self.swarm.estimates.release(self.route)
         await asyncio.gather(*(link.stream.close() for link in self.links), return_exceptions=True)
 
-    async def _send(
+    async def send(
         self, link: Link, step: Step, route: StepRoute, encoded: runtime_pb2.Tensor | None
     ) -> Reply:
         started = time.perf_counter()
@@ -248,7 +260,7 @@ class Chain:
         outputs = []
         for start in range(0, inputs.shape[1], REPLAY_CHUNK):
             step = Step(inputs[:, start : start + REPLAY_CHUNK], start, prompts if start == 0 else None)
-            outputs.append((await self._send(link, step, StepRoute(), None)).outputs)
+            outputs.append((await self.send(link, step, StepRoute(), None)).outputs)
         return torch.cat(outputs, dim=1)
 
     def _close_in_background(self, stream: SpanStream) -> None:
