@@ -39,6 +39,22 @@ def test_greedy_tokens_alone_and_in_batched_sessions_are_transformers_tokens(fam
     assert all(server.status.snapshot().num_sessions == 0 for server in swarm.servers)
 
 
+def test_a_later_turn_forked_from_the_first_gives_transformers_tokens(family):
+    """Reused prefixes in every family: turn 2 starts from what turn 1 left on the servers (pages shared,
+    or, for spans with recurrent states, recomputed there from the kept inputs), never sent again."""
+    swarm, reference = family
+    turn1 = torch.randint(3, 300, (1, 20), generator=torch.Generator().manual_seed(9))
+    model = swarm.model()
+    out1 = model.generate(turn1, max_new_tokens=NEW_TOKENS)
+    turn2 = torch.cat(
+        [out1, torch.randint(3, 300, (1, 5), generator=torch.Generator().manual_seed(10))], dim=1
+    )
+    out2 = model.generate(turn2, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out2, reference_generate(reference, turn2, max_new_tokens=NEW_TOKENS))
+    stats = model.client.prefixes.stats
+    assert stats.hits == 1 and stats.reused_tokens == out1.shape[1] - 1
+
+
 def test_block_boundaries_and_logits_are_transformers_hidden_states(family):
     swarm, reference = family
     input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(8))
