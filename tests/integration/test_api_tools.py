@@ -78,6 +78,9 @@ def test_a_tool_call_round_trip(tool_api):
     ]
     final = ask(tool_api, messages, tools=[WEATHER], tool_choice="none", max_tokens=5)
     assert isinstance(final.choices[0].message.content, str) and final.choices[0].message.tool_calls is None
+    # the round trip resends the tools and the question: the servers still held them (reused prefixes)
+    cached = final.usage.prompt_tokens_details.cached_tokens
+    assert answer.usage.prompt_tokens // 2 < cached < final.usage.prompt_tokens
     # streamed, the deltas assemble into the same call (greedy: the same arguments)
     chunks = list(
         ask(
