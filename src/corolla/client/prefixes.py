@@ -6,9 +6,10 @@ token ids its servers hold at positions 0..L-1. A new generation looks up the lo
 its prompt (all but its last token: that one is always sent, its logits choose the next) with every
 entry, and, when it is at least MIN_REUSE tokens, opens its session on the same servers, each forked
 from the entry's session at that position (client/chain.py `fork`): nothing before it is sent or
-computed again. A prompt whose prefix is still being computed by another generation (many users with
-one system prompt, arriving together) waits for that prefill instead of computing it again. `n` rows of
-one prompt run one prefill (a one-row session, itself an entry) and fork it n times.
+computed again. A prompt whose prefix (at least half of it) is still being computed by another
+generation (many users with one system prompt, arriving together) waits for that prefill instead of
+computing it again. `n` rows of one prompt run one prefill (a one-row session, itself an entry) and
+fork it n times.
 
 Reuse never changes tokens: a fork holds exactly the keys and values its source computed from the same
 tokens (the same adapter: the client has one; sessions with trained prompts are never indexed). A server
@@ -74,24 +75,31 @@ class PrefixCache:
         self.entries: list[Prefix] = []
         self.stats = PrefixStats()
 
-    def longest(self, ids: torch.Tensor) -> tuple[Prefix | None, int]:
-        """The entry sharing the longest prefix with `ids` [T], and its length."""
+    def longest(self, ids: torch.Tensor, ready_only: bool = False) -> tuple[Prefix | None, int]:
+        """The entry (`ready_only`: whose prompt has run) sharing the longest prefix with `ids` [T], and
+        its length."""
         now = time.monotonic()
         self.entries = [e for e in self.entries if not (e.ended and now - e.used > ENTRY_TTL)]
-        best = max(self.entries, key=lambda entry: _common(ids, entry.tokens), default=None)
+        entries = [e for e in self.entries if e.ready.is_set() or not ready_only]
+        best = max(entries, key=lambda entry: _common(ids, entry.tokens), default=None)
         length = 0 if best is None else _common(ids, best.tokens)
         return (best, length) if length else (None, 0)
 
     async def find(self, ids: torch.Tensor) -> tuple[Prefix | None, int]:
-        """Like `longest`, waiting for an entry whose prompt is still running when it is the longest."""
+        """The ready entry sharing the longest prefix with `ids` [T] (from MIN_REUSE tokens), after waiting
+        for an entry whose prompt is still running if it shares more, and at least half of `ids` (a long
+        shared system prompt; not a template's few tokens, for which a prompt would wait a whole
+        prefill)."""
         while True:
             entry, length = self.longest(ids)
+            if entry is not None and not entry.ready.is_set() and length >= max(MIN_REUSE, len(ids) / 2):
+                await entry.ready.wait()  # it is either ready now, or gone from the index
+                continue
+            entry, length = self.longest(ids, ready_only=True)
             if entry is None or length < MIN_REUSE:
                 return None, 0
-            if entry.ready.is_set():
-                entry.used = time.monotonic()
-                return entry, length
-            await entry.ready.wait()  # it is either ready now, or gone from the index
+            entry.used = time.monotonic()
+            return entry, length
 
     async def open(self, make: MakeSession, ids: torch.Tensor, max_length: int, embed: Callable) -> Opened:
         """An open session for generating after `ids` [B, T] (rows all alike), from the longest prefix

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import torch
 
+from corolla.client.prefixes import Prefix, PrefixCache
 from corolla.config import SpeculationConfig
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate
@@ -156,3 +157,22 @@ def test_a_forked_session_is_spot_checked_like_any_other(llama, reference):
             and counts["passed"] >= 2 * NEW_TOKENS
             and not model.client.swarm.bans.faulty
         )
+
+
+async def test_a_prompt_waits_for_a_prefill_only_when_it_shares_most_of_it():
+    """A prompt whose prefix another generation is prefilling waits for it when that is at least half of
+    the prompt (a shared system prompt), not for a template's few tokens; then it takes the longest."""
+    cache = PrefixCache()
+    system = random_ids(13, 40)[0]
+    running = Prefix(torch.cat([system, random_ids(14, 400)[0]]), session=None)
+    ran = Prefix(system[:20], session=None)
+    ran.ready.set()
+    cache.entries += [running, ran]
+    few = torch.cat([system[:24], random_ids(15, 40)[0]])  # 24 of 64 in common with the running one
+    assert await asyncio.wait_for(cache.find(few), 1) == (ran, 20)  # at once: the ready one
+    most = torch.cat([system, random_ids(16, 8)[0]])  # 40 of 48
+    waiting = asyncio.ensure_future(cache.find(most))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    running.ready.set()
+    assert await asyncio.wait_for(waiting, 1) == (running, 40)
