@@ -72,6 +72,14 @@ class Chain:
         self.links = await fork_links(self.swarm, self.spec, source.links, position, batch)
         return self
 
+    async def refork(self, source: Chain, position: int, batch: int) -> None:
+        """`fork`, for a chain opened elsewhere that has sent nothing yet: its streams closed once the fork
+        opened (if it cannot, ServerUnavailable, and the chain stays as it was)."""
+        old = self.links
+        await self.fork(source, position, batch)
+        self.swarm.estimates.release([link.hop for link in old])
+        await asyncio.gather(*(link.stream.close() for link in old), return_exceptions=True)
+
     def settled(self, position: int) -> int:
         """Of the first `position` positions, those every server holds as a plain sequence."""
         return min((link.history.settled(position) for link in self.links), default=position)

@@ -169,9 +169,10 @@ class DistributedModelForCausalLM(TransformersModel):
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
-        opened = None if session is not None else await self._open(input_ids, params)
-        session = session or opened.session
-        held = None if opened is None else opened.start
+        own = session is None
+        opened = await self._open(input_ids, params) if own else await self._adopt(session, input_ids)
+        session = opened.session
+        held = opened.start
         ended = None  # the tokens its servers hold, once it ended well
         try:
             tuned = self._tuned(session, input_ids)
@@ -185,17 +186,25 @@ class DistributedModelForCausalLM(TransformersModel):
                 self.head_batcher, session, chooser, first, speculation, checker, withdrawals
             )
             async for step in steps:
-                if opened is not None and held is not None and not step.withdrawn:
+                if held is not None and not step.withdrawn:
                     step = replace(step, cached_tokens=opened.cached)
                     opened.prompt_ran()
                     held = None
                 yield step
             ended = chooser.context[0, : session.settled_position]
         finally:
-            if opened is not None:
+            if own:
                 await session.aclose()
                 if self.client.prefixes is not None:
                     self.client.prefixes.ended(opened, ended)
+
+    async def _adopt(self, session: InferenceSession, input_ids: torch.Tensor) -> Opened:
+        """A user's session at its first generation: moved onto the servers holding the longest prefix of its
+        one prompt row (client/prefixes.py), when reuse is on and it has sent nothing yet."""
+        prefixes = self.client.prefixes
+        if prefixes is None or self.ptune is not None or input_ids.shape[0] != 1 or not session.fresh:
+            return Opened(session)
+        return await prefixes.adopt(session, input_ids)
 
     async def _open(self, input_ids: torch.Tensor, params: SamplingParams) -> Opened:
         """A generation's own session, from the longest prefix the servers hold (client/prefixes.py) when

@@ -137,6 +137,15 @@ class PrefixCache:
             self._prune(entry)
         entry.ready.set()
 
+    async def adopt(self, session: InferenceSession, ids: torch.Tensor) -> Opened:
+        """A fresh session of the user's (open, nothing sent) for generating after `ids` [1, T]: moved onto
+        the servers holding the longest prefix, if any may be used; it is not indexed (its owner keeps it)."""
+        self.stats.lookups += 1
+        entry, length = await self.find(ids[0, :-1])
+        length = await _forked(session, entry, length, 1)
+        self._count(length)
+        return Opened(session, length, length)
+
     async def _fan_out(
         self, make: MakeSession, ids: torch.Tensor, max_length: int, embed: Callable, entry, length: int
     ) -> Opened:

@@ -80,12 +80,30 @@ class InferenceSession:
         learn with the next step): what a fork may start from."""
         return self.chain.settled(self.position)
 
+    @property
+    def fresh(self) -> bool:
+        """Open, and nothing sent or pending yet."""
+        sent = any(link.history.length for link in self.chain.links)
+        return (
+            self._opened
+            and not self.closed
+            and not self.position
+            and self.pending_token_ids is None
+            and not sent
+        )
+
     async def afork(self, source: InferenceSession, position: int, batch: int) -> InferenceSession:
         """Open on `source`'s servers, starting from its state at `position` (a settled one): nothing before
-        it is sent again. `batch` rows: the source's, or its one row repeated."""
+        it is sent again. `batch` rows: the source's, or its one row repeated. A fresh session moves there
+        (its servers until then are left); ServerUnavailable if those may not be used now."""
         if not 0 < position <= source.settled_position:
             raise InvalidRequest(f"fork position {position} must lie in [1, {source.settled_position}]")
-        await self.chain.fork(source.chain, position, batch)
+        if self._opened:
+            if not self.fresh:
+                raise InvalidRequest("only a session that has sent nothing yet can move to a fork")
+            await self.chain.refork(source.chain, position, batch)
+        else:
+            await self.chain.fork(source.chain, position, batch)
         self.position = position
         self._opened = True
         return self

@@ -176,3 +176,25 @@ async def test_a_prompt_waits_for_a_prefill_only_when_it_shares_most_of_it():
     assert not waiting.done()
     running.ready.set()
     assert await asyncio.wait_for(waiting, 1) == (running, 40)
+
+
+def test_a_users_new_session_starts_from_the_servers_holding_its_prefix(llama, reference):
+    """A session the user opened (on any of two replicas of each span) moves, at its first generation, to
+    the servers that hold the longest prefix of its prompt; the conversation then goes on in it, exactly."""
+    turn1 = random_ids(17, 30)
+    with LoopbackSwarm(llama, [*CHAIN, *CHAIN]) as swarm:
+        model = swarm.model()
+        out1 = model.generate(turn1, max_new_tokens=NEW_TOKENS)
+        (entry,) = model.client.prefixes.entries
+        turn2 = next_turn(out1, 18)
+        with model.inference_session(turn2.shape[1] + 3 * NEW_TOKENS) as session:
+            out2 = model.generate(turn2, session=session, max_new_tokens=NEW_TOKENS)
+            assert session.route == entry.session.route
+            turn3 = random_ids(19, 4)
+            out3 = model.generate(turn3, session=session, max_new_tokens=NEW_TOKENS)
+        whole = torch.cat([out2, out3[:, -(4 + NEW_TOKENS) :]], dim=1)
+        expected = reference_generate(reference, turn2, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out2, expected) and model.client.prefixes.stats.hits == 1
+        assert torch.equal(
+            whole, reference_generate(reference, whole[:, :-NEW_TOKENS], max_new_tokens=NEW_TOKENS)
+        )
