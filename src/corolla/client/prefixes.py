@@ -27,12 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from corolla.client.session import InferenceSession
-from corolla.errors import CorollaError, ServerUnavailable
+from corolla.errors import ServerUnavailable
 
 MIN_REUSE = 16  # shorter common prefixes are sent again (a fork costs a page copy and a lookup)
-# a prompt's tokens a chain prefills in one decode step's time (bench/prefix.py: 1,554 tokens took 58 decode
-# steps' time, on loopback and across the emulated internet alike): what reusing a prefix saves, in steps
-PREFILL_TOKENS_PER_STEP = 27
 # the kept hop histories of ended entries (a failed server's replacement is rebuilt from them), at most
 HISTORY_BYTES = 1 << 30
 ENTRY_TTL = 540.0  # seconds an ended entry is looked up (servers keep idle sessions 600 s by default)
@@ -116,7 +113,7 @@ class PrefixCache:
         own = Prefix(row, session)  # at once: prompts arriving meanwhile wait for this one's to run
         self.entries.append(own)
         try:
-            length = await _forked(session, entry, length, 1, max_length - len(row))
+            length = await _forked(session, entry, length, 1)
             if not length:
                 await session.aopen()
         except BaseException:
@@ -145,7 +142,7 @@ class PrefixCache:
         the servers holding the longest prefix, if any may be used; it is not indexed (its owner keeps it)."""
         self.stats.lookups += 1
         entry, length = await self.find(ids[0, :-1])
-        length = await _forked(session, entry, length, 1, session.max_length - ids.shape[1])
+        length = await _forked(session, entry, length, 1)
         self._count(length)
         return Opened(session, length, length)
 
@@ -158,7 +155,7 @@ class PrefixCache:
         if entry is None or length < len(row) - 1:
             base = await self._prefill(make, row[:-1], entry, length, embed)
         session = make(max_length, False)
-        held = await _forked(session, base, len(row) - 1, ids.shape[0], max_length - len(row))
+        held = await _forked(session, base, len(row) - 1, ids.shape[0])
         if not held:
             await session.aopen()
             return Opened(session)
@@ -229,33 +226,14 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> int:
     return n if bool(same.all()) else int(same.int().argmin())
 
 
-async def _forked(
-    session: InferenceSession, entry: Prefix | None, length: int, batch: int, steps: int = 0
-) -> int:
+async def _forked(session: InferenceSession, entry: Prefix | None, length: int, batch: int) -> int:
     """Open `session` forked from `entry` at (at most) `length`: the position it starts from; 0 (nothing
-    open) if there is none to fork from, its servers may not be used now, or decoding `steps` tokens
-    there costs more than prefilling elsewhere."""
+    open) if there is none to fork from or its servers may not be used now."""
     length = 0 if entry is None else min(length, entry.session.settled_position)
-    if length < MIN_REUSE or not await _cheaper_there(session, entry, length, steps):
+    if length < MIN_REUSE:
         return 0
     try:
         await session.afork(entry.session, length, batch)
     except ServerUnavailable:
         return 0
     return length
-
-
-async def _cheaper_there(session: InferenceSession, entry: Prefix, length: int, steps: int) -> bool:
-    """Whether `steps` decode steps on the chain holding the prefix cost less than prefilling its `length`
-    tokens on the cheapest chain and decoding there (routing's step-time estimates)."""
-    router = session.chain.swarm.router
-    spec = session.chain.spec
-    try:
-        best = await router.route(
-            needed_cache=spec.max_length, max_length=spec.max_length, allowed=spec.allowed, wait=False
-        )
-    except CorollaError:  # nothing else is routable now: the holding chain is checked when forking
-        return True
-    held_cost = router.step_cost(entry.session.route, spec.max_length)
-    best_cost = router.step_cost(best, spec.max_length)
-    return (held_cost - best_cost) * steps <= length / PREFILL_TOKENS_PER_STEP * best_cost
