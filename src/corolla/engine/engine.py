@@ -66,21 +66,21 @@ class Engine:
             span.device,
             aliases=span.kv_sources,
         )
+        self.idle = IdleSessions(
+            {},  # every session of the engine (the scheduler's), the idle ones among them
+            self.close_session,
+            config.max_idle_sessions_per_peer,
+            max(config.max_sessions // 2, 1),
+            config.idle_session_timeout,
+        )
         self.scheduler = Scheduler(
             self.pages,
             config.max_batch_tokens,
             config.max_batch_rows,
             self.pool.move_positions,
+            self.idle,
             state_pages=state_pages(span, config.page_size),
         )
-        self.idle = IdleSessions(
-            self.scheduler.sessions,
-            self.pages,
-            config.max_idle_sessions_per_peer,
-            max(config.max_sessions // 2, 1),
-            config.idle_session_timeout,
-        )
-        self.scheduler.idle = self.idle
         self.runner = ModelRunner(span, self.pool)
         self.forked_tokens = 0  # positions sessions started from without computing them (forks)
         self.computed_tokens = 0  # positions run through the span (prefill, decode, recompute), per row

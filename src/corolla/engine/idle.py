@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
-from corolla.engine.pages import PageAllocator
 from corolla.engine.sequence import EngineSession
 
 
@@ -23,13 +23,13 @@ class IdleSessions:
     def __init__(
         self,
         sessions: dict[str, EngineSession],
-        pages: PageAllocator,
+        close: Callable[[str], object],
         max_per_owner: int = 16,
         max_total: int = 256,
         timeout: float = 600.0,
     ):
-        self.sessions = sessions  # the engine's (scheduler's) sessions: an idle one stays among them
-        self.pages = pages
+        self.sessions = sessions  # the engine's sessions: an idle one stays among them
+        self.close = close  # the engine's: a session closed, its pages given back
         self.max_per_owner = max_per_owner
         self.max_total = max_total
         self.timeout = timeout
@@ -81,7 +81,5 @@ class IdleSessions:
 
     def evict(self, session_id: str) -> None:
         self._since.pop(session_id)
-        session = self.sessions.pop(session_id)
-        for table in [*session.page_tables, session.state_table]:
-            self.pages.release_all(table)
+        self.close(session_id)
         self.num_evicted += 1

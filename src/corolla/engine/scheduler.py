@@ -63,6 +63,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_batch_rows: int,
         move_kv: MoveKV,
+        idle: IdleSessions,
         state_pages: int = 0,
     ):
         self.pages = pages
@@ -72,10 +73,10 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_rows = max_batch_rows
         self.move_kv = move_kv  # copies cached keys and values within a row (keeping a tree's path)
-        self.sessions: dict[str, EngineSession] = {}
+        self.idle = idle  # ended sessions kept for forks: the first closed when pages run short
+        self.sessions: dict[str, EngineSession] = idle.sessions  # every session, the idle ones among them
         self.forwards: deque[ForwardWork] = deque()
         self._admissions = itertools.count()
-        self.idle = IdleSessions(self.sessions, pages)  # the engine sets its own (its limits)
         self._forward_skips = 0
 
     @property

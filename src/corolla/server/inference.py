@@ -33,7 +33,7 @@ from corolla.engine.sequence import StepWork
 from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable
 from corolla.server import validation
 from corolla.server.push import Pusher
-from corolla.server.sessions import Completed, Fork, ServerSession
+from corolla.server.sessions import Completed, ServerSession
 from corolla.server.spans import HostedSpans
 from corolla.server.steps import StepInputs, StepMessage, next_position, next_within, read_inputs
 from corolla.wire import tensors as wire_tensors
@@ -87,10 +87,7 @@ class InferenceService:
         if encoding not in wire_tensors.supported_encodings():
             supported = ", ".join(wire_tensors.supported_encodings())
             raise InvalidRequest(f"output_encoding {encoding!r} is not one this server writes ({supported})")
-        fork = Fork(meta.fork_of, meta.start_from_position or 0, meta.keep)  # reused prefixes
-        limits = (meta.max_length, meta.active_adapter, meta.alloc_timeout, fork)
-        opening = backend.sessions.open(peer, meta.session_id, blocks, batch, *limits)
-        async with opening as session:
+        async with backend.sessions.open(peer, meta, blocks, batch) as session:
             opened = (session.session_id, peer[-6:], *blocks, batch)
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:

@@ -9,7 +9,7 @@ the context closes it whatever happened (normal end, error, timeout, vanished cl
 steps are cancelled and the engine frees its cache pages at its next pass. The protocol that runs steps
 in a session is the inference service's (server/inference.py); this module only holds a session's state.
 
-Reused prefixes (`Fork`): a session may start from a position of another session of the same owner,
+Reused prefixes: a session may start from a position of another session of the same owner,
 open or ended and kept (engine/forks.py), its cache pages shared; a session whose owner asked to keep it
 and whose stream ended normally is kept idle for such forks (engine/idle.py), never at anyone's cost.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from corolla.engine.sequence import EngineSession
 from corolla.errors import InvalidRequest, ServerUnavailable, SessionTimeout
 from corolla.models.tree import TokenTree
 from corolla.server.ledger import StepLedger
+from corolla.wire.messages import InferenceStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,23 +137,19 @@ class SessionRegistry:
 
     @contextlib.asynccontextmanager
     async def open(
-        self,
-        owner: str,
-        session_id: str | None,
-        blocks: tuple[int, int],
-        batch_size: int,
-        max_length: int,
-        adapter: str | None = None,
-        alloc_timeout: float = 0.0,
-        fork: Fork | None = None,
+        self, owner: str, meta: InferenceStep, blocks: tuple[int, int], batch_size: int
     ) -> AsyncIterator[ServerSession]:
-        session_id = session_id or uuid.uuid4().hex
+        """Open the session a first message describes (`meta`: its id, max_length, adapter, alloc_timeout,
+        and for reused prefixes `fork_of` at its start_from_position and `keep`) for `owner`."""
+        session_id = meta.session_id or uuid.uuid4().hex
         key = self._claim(owner, session_id)
         engine_id = _engine_id(owner, session_id)
         ended = False  # the stream ended normally: a session its owner asked to keep is kept for forks
         try:
-            opening = (engine_id, blocks, batch_size, max_length, adapter, owner)
-            engine_session = await self.engine.call(lambda: _open_or_fork(self.engine.engine, opening, fork))
+            opening = functools.partial(
+                _open_or_fork, self.engine.engine, engine_id, owner, blocks, batch_size, meta
+            )
+            engine_session = await self.engine.call(opening)
             now = time.monotonic()
             session = ServerSession(
                 session_id,
@@ -160,9 +158,9 @@ class SessionRegistry:
                 engine_session,
                 *blocks,
                 batch_size,
-                max_length,
+                meta.max_length,
                 deadline=now + self.session_timeout,
-                admit_deadline=now + alloc_timeout,
+                admit_deadline=now + meta.alloc_timeout,
                 position=engine_session.position,
             )
             self.sessions[key] = session
@@ -174,35 +172,29 @@ class SessionRegistry:
                 await _cancel(session.running)
         finally:
             # also when the open itself was cancelled: commands run in order, so this close follows it
-            if ended and fork is not None and fork.keep:  # its owner asked to keep it for forks
+            if ended and meta.keep:  # its owner asked to keep it for forks
                 self.engine.keep_session(engine_id)
             else:
                 self.engine.close_session(engine_id)
             self._claimed.discard(key)
 
 
-@dataclass(frozen=True)
-class Fork:
-    """How a session starts and ends besides plain: from another session of its owner (`source`, at
-    `position`, engine/forks.py), and whether it is kept for forks after its stream ends (`keep`)."""
-
-    source: str | None = None
-    position: int = 0
-    keep: bool = False
-
-
 def _engine_id(owner: str, session_id: str) -> str:
     return f"{owner}/{session_id}"  # peer ids are base58: no two keys give one engine id
 
 
-def _open_or_fork(engine, opening: tuple, fork: Fork | None) -> EngineSession:
-    engine_id, blocks, batch_size, max_length, adapter, owner = opening
-    if fork is None or fork.source is None:
-        return engine.open_session(*opening)
-    source = engine.sessions.get(_engine_id(owner, fork.source))
+def _open_or_fork(
+    engine, engine_id: str, owner: str, blocks: tuple[int, int], batch_size: int, meta: InferenceStep
+) -> EngineSession:
+    """The engine's session: a plain one, or (`fork_of`) one starting from another of the owner's."""
+    adapter = meta.active_adapter
+    if meta.fork_of is None:
+        return engine.open_session(engine_id, blocks, batch_size, meta.max_length, adapter, owner)
+    source_id = _engine_id(owner, meta.fork_of)
+    source = engine.sessions.get(source_id)
     if source is not None and ((source.start, source.end) != blocks or source.adapter != adapter):
         raise InvalidRequest(
-            f"fork_of: session {fork.source!r} runs blocks {source.start}:{source.end} with adapter "
+            f"fork_of: session {meta.fork_of!r} runs blocks {source.start}:{source.end} with adapter "
             f"{source.adapter!r}, not blocks {blocks[0]}:{blocks[1]} with {adapter!r}"
         )
     if source is not None and batch_size != source.batch_size and source.batch_size != 1:
@@ -210,8 +202,8 @@ def _open_or_fork(engine, opening: tuple, fork: Fork | None) -> EngineSession:
             f"fork_of: a fork of {source.batch_size} rows keeps them all or starts from one, not {batch_size}"
         )
     rows = None if source is None or batch_size == source.batch_size else [0] * batch_size
-    source_id = _engine_id(owner, fork.source)
-    return engine.fork_session(source_id, engine_id, fork.position, owner, rows=rows, max_length=max_length)
+    position = meta.start_from_position or 0
+    return engine.fork_session(source_id, engine_id, position, owner, rows=rows, max_length=meta.max_length)
 
 
 async def _cancel(tasks: set[asyncio.Task]) -> None:
