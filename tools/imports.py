@@ -34,7 +34,7 @@ CLIENT_LAYERS = [
     {"session"},
     {"agreement", "judge", "shadows", "spot_checks"},
     {"ptune", "training", "lm_outputs", "head_batcher", "speculative", "generation", "embeddings"},
-    {"prefixes"},
+    {"prefix_cost", "prefixes"},
     {"beam_search", "hf_outputs"},
     {"hf_generate", "hf_model"},
     {"client"},

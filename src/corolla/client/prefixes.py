@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corolla.client.prefix_cost import AnswerLengths, holding_chain_pays
 from corolla.client.session import InferenceSession
 from corolla.errors import ServerUnavailable
 
@@ -55,6 +56,7 @@ class Opened:
     start: int = 0
     cached: int = 0
     entry: Prefix | None = None
+    prompt: int = 0  # the prompt's length (what the generation decodes is counted from it)
 
     def prompt_ran(self) -> None:
         """The generation's prompt is in its servers' caches: other generations may fork from it."""
@@ -74,6 +76,7 @@ class PrefixCache:
         self.capacity = capacity
         self.entries: list[Prefix] = []
         self.stats = PrefixStats()
+        self.answers = AnswerLengths()  # how much forking a slower chain would cost (client/prefix_cost.py)
 
     def longest(self, ids: torch.Tensor, ready_only: bool = False) -> tuple[Prefix | None, int]:
         """The entry (`ready_only`: whose prompt has run) sharing the longest prefix with `ids` [T], and
@@ -107,13 +110,14 @@ class PrefixCache:
         row = ids[0]
         self.stats.lookups += 1
         entry, length = await self.find(row[:-1])
+        steps = self.answers.expected(max_length - len(row))
         if ids.shape[0] > 1:
-            return await self._fan_out(make, ids, max_length, embed, entry, length)
+            return await self._fan_out(make, ids, max_length, embed, entry, length, steps)
         session = make(max_length, True)
         own = Prefix(row, session)  # at once: prompts arriving meanwhile wait for this one's to run
         self.entries.append(own)
         try:
-            length = await _forked(session, entry, length, 1)
+            length = await _forked(session, entry, length, 1, steps)
             if not length:
                 await session.aopen()
         except BaseException:
@@ -121,10 +125,12 @@ class PrefixCache:
             own.ready.set()
             raise
         self._count(length)
-        return Opened(session, length, length, own)
+        return Opened(session, length, length, own, len(row))
 
     def ended(self, opened: Opened, tokens: torch.Tensor | None) -> None:
         """The generation ended: `tokens` [L], those its servers hold (None: it failed, nothing is kept)."""
+        if tokens is not None:
+            self.answers.add(len(tokens) + 1 - opened.prompt)  # its last token was chosen, never sent
         entry = opened.entry
         if entry is None:
             return
@@ -142,35 +148,37 @@ class PrefixCache:
         the servers holding the longest prefix, if any may be used; it is not indexed (its owner keeps it)."""
         self.stats.lookups += 1
         entry, length = await self.find(ids[0, :-1])
-        length = await _forked(session, entry, length, 1)
+        steps = self.answers.expected(session.max_length - ids.shape[1])
+        length = await _forked(session, entry, length, 1, steps)
         self._count(length)
-        return Opened(session, length, length)
+        return Opened(session, length, length, prompt=ids.shape[1])
 
     async def _fan_out(
-        self, make: MakeSession, ids: torch.Tensor, max_length: int, embed: Callable, entry, length: int
+        self, make: MakeSession, ids: torch.Tensor, max_length: int, embed: Callable, entry, length, steps
     ) -> Opened:
         """n rows of one prompt: one row prefilled (from the longest prefix held), then forked n times."""
         row = ids[0]
         base = entry
         if entry is None or length < len(row) - 1:
-            base = await self._prefill(make, row[:-1], entry, length, embed)
+            base = await self._prefill(make, row[:-1], entry, length, embed, steps)
         session = make(max_length, False)
         held = await _forked(session, base, len(row) - 1, ids.shape[0])
         if not held:
             await session.aopen()
-            return Opened(session)
+            return Opened(session, prompt=len(row))
         self._count(length)
-        return Opened(session, held, length)
+        return Opened(session, held, length, prompt=len(row))
 
     async def _prefill(
-        self, make: MakeSession, ids: torch.Tensor, entry: Prefix | None, length: int, embed: Callable
+        self, make: MakeSession, ids: torch.Tensor, entry: Prefix | None, length: int, embed: Callable, steps
     ) -> Prefix | None:
-        """A one-row session holding `ids` [T] (an entry), ended and kept; None if that failed."""
+        """A one-row session holding `ids` [T] (an entry), ended and kept; None if that failed. `steps`:
+        the tokens its forks are expected to decode where it runs."""
         session = make(len(ids), True)
         base = Prefix(ids, session)  # at once: prompts arriving meanwhile wait for this one
         self.entries.append(base)
         try:
-            length = await _forked(session, entry, length, 1)
+            length = await _forked(session, entry, length, 1, steps)
             if not length:
                 await session.aopen()
             with torch.no_grad():
@@ -226,11 +234,16 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> int:
     return n if bool(same.all()) else int(same.int().argmin())
 
 
-async def _forked(session: InferenceSession, entry: Prefix | None, length: int, batch: int) -> int:
+async def _forked(
+    session: InferenceSession, entry: Prefix | None, length: int, batch: int, steps: int = 0
+) -> int:
     """Open `session` forked from `entry` at (at most) `length`: the position it starts from; 0 (nothing
-    open) if there is none to fork from or its servers may not be used now."""
+    open) if there is none to fork from, its servers may not be used now, or decoding `steps` tokens
+    there costs more than prefilling the prefix on the cheapest chain (client/prefix_cost.py)."""
     length = 0 if entry is None else min(length, entry.session.settled_position)
     if length < MIN_REUSE:
+        return 0
+    if steps and not await holding_chain_pays(session, entry.session, length, steps):
         return 0
     try:
         await session.afork(entry.session, length, batch)

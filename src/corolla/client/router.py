@@ -23,7 +23,7 @@ from corolla.client.swarm_view import SwarmView
 from corolla.config import ClientConfig
 from corolla.errors import LengthLimit, MissingBlocks, counted
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Hop, choose_chain, format_blocks, uncovered_blocks
+from corolla.swarm.routing import Hop, chain_cost, choose_chain, format_blocks, uncovered_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,13 @@ class Router:
                 limit,
             )
         return usable
+
+    def step_cost(self, hops: list[Hop], needed_cache: int = 0) -> float:
+        """A given chain's expected decode-step time (swarm/routing.py `chain_cost`), from what is known."""
+        peers = {hop.peer_id for hop in hops}
+        spans = [span for span in self._view.spans if span.peer_id in peers]
+        links = {s.peer_id: dict(s.info.next_pings) for s in spans}
+        return chain_cost(hops, self._estimates.estimates(spans), links, self.config.use_push, needed_cache)
 
     def _cheapest(self, spans: list[RemoteSpan], start: int, end: int, needed_cache: int) -> list[Hop]:
         return choose_chain(

@@ -99,6 +99,25 @@ def choose_chain(  # noqa: PLR0913 (keywords: everything a chain's cost weighs)
     return _cheapest(usable, start, end, estimate, noise, costs, needed_cache, forbidden_cuts)
 
 
+def chain_cost(
+    hops: Sequence[Hop],
+    estimates: Mapping[str, Estimate],
+    links: Mapping[str, Mapping[str, float]] | None = None,
+    push: bool = False,
+    needed_cache: int = 0,
+) -> float:
+    """The expected decode-step time of a given chain: what `choose_chain` minimises, without its jitter."""
+    estimate = {hop.peer_id: estimates.get(hop.peer_id, Estimate()) for hop in hops}
+    costs = _LinkCosts(estimate, links or {}, push)
+    total = 0.0
+    previous = None
+    for hop in hops:
+        compute = (hop.end - hop.start) * estimate[hop.peer_id].seconds_per_block
+        total += (costs.to(previous, hop.peer_id) + compute) * _slowdown(estimate[hop.peer_id], needed_cache)
+        previous = hop.peer_id
+    return total + (costs.back(previous) if previous is not None else 0.0)
+
+
 @dataclass(frozen=True)
 class _LinkCosts:
     """What it costs to get a step to a server (from the client, or from the previous server with push)

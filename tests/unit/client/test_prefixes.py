@@ -198,3 +198,28 @@ def test_a_users_new_session_starts_from_the_servers_holding_its_prefix(llama, r
         assert torch.equal(
             whole, reference_generate(reference, whole[:, :-NEW_TOKENS], max_new_tokens=NEW_TOKENS)
         )
+
+
+def test_a_prefix_on_a_slow_chain_is_reused_only_when_that_is_cheaper(llama, reference):
+    """Routing's step-time estimates weigh it: the server holding a 40-token prefix, timed 1000x slower
+    than a replica, is passed over (the 4 tokens this client's answers decode, on it, cost more than
+    prefilling 40 tokens on the replica); timed fast, taken. Ties of the lookup go to the older entry."""
+    system = random_ids(20, 40)
+    with LoopbackSwarm(llama, [(0, 6), (0, 6)]) as swarm:
+        model = swarm.model()
+        observed = model.client.swarm.estimates.observed  # seconds per block of a decode step, as timed
+        one, other = (server.peer_id for server in swarm.servers)
+        observed.update({one: 0.001, other: 1.0})
+        model.generate(torch.cat([system, random_ids(21, 4)], dim=1), max_new_tokens=4)
+        holder = model.client.prefixes.entries[0].session.route[0].peer_id
+        free = other if holder == one else one
+        observed.update({holder: 1.0, free: 0.001})
+        prompt = torch.cat([system, random_ids(22, 4)], dim=1)
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out, reference_generate(reference, prompt, max_new_tokens=NEW_TOKENS))
+        assert model.client.prefixes.stats.hits == 0
+        observed.update({holder: 0.001, free: 1.0})
+        prompt = torch.cat([system, random_ids(23, 4)], dim=1)
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out, reference_generate(reference, prompt, max_new_tokens=NEW_TOKENS))
+        assert model.client.prefixes.stats.hits == 1
