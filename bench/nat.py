@@ -12,9 +12,13 @@ Every packet crossing the bridge is held `--delay-ms` where it arrives: 2 x that
 relayed hop crosses twice). Reports per layout the median time to first token and decode tokens/s, whether
 the tokens equal the direct layout's, the share of the client's hops to servers that ended up direct, and
 each server's time from its start to serving (for one behind NAT: until a relay took its reservation).
-JSON to stdout, logs to stderr.
+With `--relay-time-limit S` the relays end every connection they relay after S seconds, and the relayed
+layout adds a run past it: a client without push (each step goes to each server over its relayed
+connection) pauses for S + 5 seconds after half its tokens; reported: its tokens equal, the failovers it
+logged (the cut connections), and the time from resuming to its next token. JSON to stdout, logs to stderr.
 
-    sudo python bench/nat.py [--new-tokens 32] [--repeats 3] [--delay-ms 25]
+    sudo python bench/nat.py [--new-tokens 32] [--repeats 3] [--delay-ms 25] [--layouts relayed]
+                             [--relay-time-limit 30]
 """
 
 from __future__ import annotations
@@ -79,22 +83,65 @@ def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_past_limit(net: NatHarness, model: Path, relays: list[str], args, env: dict, logs: Path) -> dict:
+    """A client without push paused past the relays' time limit halfway (see the module's doc)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)(PROMPT).input_ids
+    resume = logs / "resume-past-limit"
+    env = {**env, "NAT_CLIENT_PAUSE_AT": str(args.new_tokens // 2), "NAT_CLIENT_RESUME": str(resume)}
+    env["NAT_CLIENT_PUSH"] = "0"
+    command = [*net.exec(net.PUBLIC), sys.executable, str(CLIENT), str(model), PUBLIC_IP, json.dumps(ids)]
+    log = logs / "client-past-limit.log"
+    with log.open("w") as stderr:
+        client = subprocess.Popen(
+            [*command, str(args.new_tokens), *relays],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+        try:
+            if client.stdout.readline().strip() != "paused":
+                raise RuntimeError(f"the client failed:\n{log.read_text()[-4000:]}")
+            time.sleep(args.relay_time_limit + 5)
+            resume.touch()
+            out, _ = client.communicate(timeout=600)
+        finally:
+            client.kill()
+            client.wait()
+    result = json.loads(out.strip().splitlines()[-1])
+    return {
+        "paused_s": args.relay_time_limit + 5,
+        "failovers_logged": log.read_text().count(" failed (server "),
+        "resumed_to_next_token_s": round(result["resumed_to_next_token_s"], 3),
+        "tokens": result["tokens"],
+    }
+
+
 def measure(net, layout, model, relays, args, env, logs) -> dict:
     servers, ready_s, peer_ids = start_chain(net, layout, model, relays, env, logs)
     try:
         runs = [run_client(net, model, relays, args.new_tokens, env) for _ in range(args.repeats + 1)][1:]
+        past = None
+        if args.relay_time_limit and layout == "relayed":
+            past = run_past_limit(net, model, relays, args, env, logs)
     finally:
         for server in reversed(servers):
             server.stop(timeout=15)
     connections = runs[-1]["connections"]
     direct = [any("/p2p-circuit" not in a for a in connections.get(peer, [])) for peer in peer_ids]
-    return {
+    measured = {
         "direct_hops": f"{sum(direct)} of {len(direct)}",
         "first_token_s": round(statistics.median(r["first_token_s"] for r in runs), 3),
         "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
         "server_start_to_serving_s": ready_s,
         "tokens": runs[0]["tokens"],
     }
+    if past is not None:
+        past["tokens_equal"] = past.pop("tokens") == measured["tokens"]
+        measured["past_relay_time_limit"] = past
+    return measured
 
 
 def main() -> None:
@@ -104,6 +151,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--delay-ms", type=int, default=25, help="one way, per bridge crossing")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument(
+        "--relay-time-limit", type=int, default=None, help="seconds (default: the daemon's 30 minutes)"
+    )
     args = parser.parse_args()
     if NatHarness.available() is not None:
         sys.exit(NatHarness.available())
@@ -114,20 +165,27 @@ def main() -> None:
     started = time.perf_counter()
     with NatHarness(args.delay_ms) as net:
         try:
-            relays = net.start_relays(logs, env, peers, first_port=31340)
-            layouts = {layout: measure(net, layout, model, relays, args, env, logs) for layout in LAYOUTS}
+            limit = (
+                [] if args.relay_time_limit is None else ["--relay-time-limit", str(args.relay_time_limit)]
+            )
+            relays = net.start_relays(logs, env, peers, 31340, limit)
+            layouts = {
+                layout: measure(net, layout, model, relays, args, env, logs) for layout in args.layouts
+            }
         finally:
             for peer in reversed(peers):
                 peer.stop(timeout=10)
-    direct = layouts["direct"]
+    first = next(iter(layouts.values()))
+    direct = layouts.get("direct")
     result = {
         "layouts": {
             name: {k: v for k, v in layout.items() if k != "tokens"} for name, layout in layouts.items()
         },
-        "tokens_equal": all(layout["tokens"] == direct["tokens"] for layout in layouts.values()),
+        "tokens_equal": all(layout["tokens"] == first["tokens"] for layout in layouts.values()),
         **{
             f"{name}_vs_direct_{what}": round(layouts[name][key] / direct[key], 2)
-            for name in LAYOUTS[1:]
+            for name in layouts
+            if direct is not None and name != "direct"
             for what, key in (("decode", "decode_tokens_per_s"), ("first_token", "first_token_s"))
         },
         "config": {
@@ -136,6 +194,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
             "relays": 4,
+            "relay_time_limit_s": args.relay_time_limit,
             "emulated_delay_ms": args.delay_ms,
             "round_trip_ms": 2 * args.delay_ms,
             "logs": str(logs),

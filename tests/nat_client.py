@@ -6,6 +6,7 @@ end (directly, or only through a relay), printed as JSON.
 
 With NAT_CLIENT_PAUSE_AT=N and NAT_CLIENT_RESUME=PATH set, it prints "paused" after N new tokens and waits,
 its session open, until PATH exists (the test meanwhile kills a relay, or lets a router forget the flows).
+NAT_CLIENT_PUSH=0: servers do not push their outputs to the next; every step goes to each server from here.
 """
 
 import json
@@ -22,7 +23,9 @@ from corolla.config import ClientConfig, SwarmConfig
 path, host, prompt, new_tokens, *peers = sys.argv[1:]
 swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
 pause_at = int(os.environ.get("NAT_CLIENT_PAUSE_AT", "0"))
+use_push = os.environ.get("NAT_CLIENT_PUSH", "1") == "1"
 arrivals: list[float] = []
+resumed: list[float] = []
 
 
 def arrived(_token) -> None:
@@ -31,9 +34,12 @@ def arrived(_token) -> None:
         print("paused", flush=True)
         while not Path(os.environ["NAT_CLIENT_RESUME"]).exists():
             time.sleep(0.1)
+        resumed.append(time.perf_counter())
 
 
-with DistributedModelForCausalLM.from_pretrained(path, config=ClientConfig(swarm=swarm)) as model:
+with DistributedModelForCausalLM.from_pretrained(
+    path, config=ClientConfig(swarm=swarm, use_push=use_push)
+) as model:
     started = time.perf_counter()
     out = model.generate(torch.tensor([json.loads(prompt)]), max_new_tokens=int(new_tokens), streamer=arrived)
     peers = model.runtime.run(model.client.p2p.list_peers())
@@ -45,5 +51,9 @@ result = {
     "first_token_s": arrivals[0] - started,
     "decode_tokens_per_s": decode,
     "connections": connections,
+    # after a pause: from resuming to the next token (a failover's replay, when a path broke meanwhile)
+    "resumed_to_next_token_s": arrivals[pause_at] - resumed[0]
+    if resumed and len(arrivals) > pause_at
+    else None,
 }
 print(json.dumps(result))

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 PREFIX = "cnt"
@@ -143,26 +144,26 @@ class NatHarness:
         timeout = f"net.netfilter.nf_conntrack_tcp_timeout_established={seconds}"
         _run(*self.exec(self.homes[home]), "sysctl", "-qw", timeout)
 
-    def start_relays(self, logs: Path, env: dict, peers: list, first_port: int = 31330) -> list[str]:
+    def start_relays(
+        self, logs: Path, env: dict, peers: list, first_port: int = 31330, options: Sequence[str] = ()
+    ) -> list[str]:
         """4 `corolla dht --public` peers, each on a public host of its own at 11.79.0.(30 + i) (libp2p
         reserves at once only when it knows 4 relays, and trusts the address a peer sees for it only when
-        peers at 4 different IPs see it); their addresses. The processes go to `peers` (the caller stops
-        them)."""
-        first = self._relay(0, [], first_port, logs, env, peers)
+        peers at 4 different IPs see it), with `options` (relay limits); their addresses. The processes go
+        to `peers` (the caller stops them)."""
+        first = self._relay(0, [*options], first_port, logs, env, peers)
         address = first.wait_for(READY_RELAY, 60).group(1)
-        others = [self._relay(index, [address], first_port, logs, env, peers) for index in (1, 2, 3)]
+        bootstrap = [*options, "--initial-peers", address]
+        others = [self._relay(index, bootstrap, first_port, logs, env, peers) for index in (1, 2, 3)]
         return [address, *(relay.wait_for(READY_RELAY, 60).group(1) for relay in others)]
 
-    def _relay(self, index: int, bootstrap: list[str], first_port: int, logs: Path, env: dict, peers: list):
+    def _relay(self, index: int, options: list[str], first_port: int, logs: Path, env: dict, peers: list):
         from corolla.launch.local import PeerProcess
-        from corolla.swarm.addresses import peer_args
 
         host = self.public_host(RELAY_HOSTS + index)
         args = ["dht", "--host", relay_ip(index), "--port", str(first_port + index), "--no-nat-port-map"]
         log = logs / f"relay{index}.log"
-        relay = PeerProcess(
-            f"relay {index}", [*args, "--public", *peer_args(bootstrap)], log, env, self.exec(host)
-        )
+        relay = PeerProcess(f"relay {index}", [*args, "--public", *options], log, env, self.exec(host))
         peers.append(relay)
         return relay
 

@@ -51,6 +51,11 @@ class SwarmConfig:
     # "public": dialable as it is, and a relay for peers behind NAT; "behind-nat": reachable only through
     # relays (reservations on the initial peers), a DHT client; "auto": a server asks peers to dial it back
     reachability: str = "auto"
+    # what a reachable peer relays for peers behind NAT (swarm/reachability.py), per relayed connection: its
+    # seconds and MiB each way, and the connections per peer at once; None: libp2p daemon's 30 min, 4 GiB, 16
+    relay_time_limit: float | None = None
+    relay_data_limit_mib: int | None = None
+    relay_circuits: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -58,6 +63,14 @@ class SwarmConfig:
         if self.reachability not in REACHABILITY:
             raise InvalidRequest(
                 f"reachability must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}"
+            )
+        limits = ("relay_time_limit", "relay_data_limit_mib", "relay_circuits")
+        _check(self, 0, limits)
+        given = [name for name in limits if getattr(self, name) is not None]
+        if given and self.reachability == "behind-nat":
+            option = f"--{given[0].replace('_', '-')}"
+            raise InvalidRequest(
+                f"{given[0]} ({option}) limits relaying, which a peer --behind-nat never does"
             )
 
     @property

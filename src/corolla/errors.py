@@ -63,6 +63,11 @@ class ServerUnavailable(CorollaError):
     """A server is shutting down, unreachable, or failed while serving a request."""
 
 
+class ConnectionLost(ServerUnavailable):
+    """The connection to a server broke or could not be made: the server is gone, or the path to it (a
+    relay ends the connections it relays at its limits)."""
+
+
 class MissingBlocks(CorollaError):
     """No server in the swarm currently covers some of the model's blocks."""
 
@@ -102,6 +107,7 @@ _WIRE_ERRORS: dict[str, type[CorollaError]] = {
         NotAllowed,
     )
 }
+_WIRE_ERRORS["ConnectionLost"] = ServerUnavailable  # a server's own lost connection: it failed to serve
 _WIRE_PATTERN = re.compile(r"\b(" + "|".join(_WIRE_ERRORS) + r"): (.*)", re.DOTALL)
 
 

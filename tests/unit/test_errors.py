@@ -5,8 +5,10 @@ from __future__ import annotations
 import traceback
 
 from corolla.errors import (
+    ConnectionLost,
     InvalidRequest,
     RemoteError,
+    ServerUnavailable,
     SessionNotFound,
     WireError,
     counted,
@@ -32,6 +34,12 @@ def test_wire_text_round_trips_to_the_same_class():
         assert isinstance(decoded, SessionNotFound)
         assert str(decoded) == "session 'a' is closed (from server ...abc)"
     assert isinstance(decode_remote_error("boom"), RemoteError)
+
+
+def test_a_servers_own_lost_connection_reaches_the_client_as_its_failure():
+    """Not as a lost connection to that server, which the client may excuse (a relay's cut)."""
+    decoded = decode_remote_error(wire_text(ConnectionLost("the next server closed the stream")))
+    assert type(decoded) is ServerUnavailable
 
 
 def test_counts_take_the_right_number():

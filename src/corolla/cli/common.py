@@ -84,6 +84,29 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         help="this machine cannot be dialed (a home router, no forwarded port): be reachable through "
         'relays on the --initial-peers instead (see the README, "Running a server at home")',
     )
+    group.add_argument(
+        "--relay-time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the longest a connection this peer relays may last (a peer relays when started with "
+        "--public, or once libp2p finds it reachable); the peers on it then reconnect, and sessions "
+        "through it fail over exactly (default: 1800)",
+    )
+    group.add_argument(
+        "--relay-data-limit-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="the most a connection this peer relays may carry each way (default: 4096)",
+    )
+    group.add_argument(
+        "--relay-circuits",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections this peer relays for one peer at once (default: 16)",
+    )
 
 
 def _add_identity_args(group: argparse._ArgumentGroup) -> None:
@@ -231,6 +254,9 @@ def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> Swar
         client_mode=client_mode,
         allowed_peers=_allowed_peers(args.allowed_peers),
         reachability=args.reachability,
+        relay_time_limit=args.relay_time_limit,
+        relay_data_limit_mib=args.relay_data_limit_mib,
+        relay_circuits=args.relay_circuits,
     )
 
 

@@ -32,7 +32,7 @@ from corolla.client.retries import RetryBudget
 from corolla.client.silence import unless_silent
 from corolla.client.span_stream import ForgedPush, ForkGone, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
-from corolla.errors import RETRYABLE
+from corolla.errors import RETRYABLE, ConnectionLost
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
@@ -115,9 +115,11 @@ class Chain:
                 reply = await self.send(link, step, route, encoded)
             except RETRYABLE as e:
                 forged = self._forgery(forged, isinstance(e, ForgedPush), route, link)
-                # a server that a forged push (here or upstream in this step) made refuse is not at fault
+                # a server that a forged push (here or upstream in this step) made refuse is not at fault,
+                # nor one whose relay ended the connection (at its time or data limit; a new one is made)
                 excused = forged and self.push_trust.excuse(link.hop.peer_id)
-                await self._recover(index, e, budget, ban=not excused and not isinstance(e, ForkGone))
+                excused = excused or isinstance(e, ForkGone) or self._relay_cut(link, e)
+                await self._recover(index, e, budget, ban=not excused)
                 # later servers may hold this step as pushed by the failed one: a new id makes the rest
                 # of the chain run it again (servers refuse a step id reused for other inputs)
                 step_id = uuid.uuid4().hex
@@ -236,6 +238,11 @@ class Chain:
             except RETRYABLE as e:  # a replacement failed too: another one
                 logger.warning("A replacement for server ...%s failed (%s); trying another", short, e)
                 error = e
+
+    def _relay_cut(self, link: Link, error: Exception) -> bool:
+        """Whether `error` is a lost connection to a server reached only through relays (by its record)."""
+        status = self.swarm.view.status_of(link.hop.peer_id)
+        return isinstance(error, ConnectionLost) and status is not None and status.reachability == "relayed"
 
     async def _replacement(self, failed: Link) -> list[Link]:
         """A new chain over the failed hop's blocks, brought to the same state by replaying its inputs."""

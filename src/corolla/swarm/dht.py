@@ -32,7 +32,7 @@ from corolla.swarm import dial_back, p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
 from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
-from corolla.swarm.reachability import p2p_options
+from corolla.swarm.reachability import limit_relaying, p2p_options, relay_limit_flags
 from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
 from corolla.wire.records import ServerState, ServerStatus, block_key
 
@@ -68,6 +68,7 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
                 check_if_identity_free=False,  # checked above
                 nat_port_map=config.use_nat_port_map,
                 num_workers=4,
+                relay_flags=relay_limit_flags(config),
                 **p2p_options(config),
             )
         except P2PDaemonError as e:
@@ -104,12 +105,14 @@ class PeerDHT(DHT):
     (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
     A parent that dies without stopping it (kill -9) takes it and its daemon along (swarm/daemons.py).
 
+    A public peer's relay limits reach its daemon from the child (swarm/reachability.py `limit_relaying`).
     It also holds the peer's identity key (`subkey`: what its records are signed under) and its node's
     record checks, whose counters `rejected_records` reads from the child.
     """
 
-    def __init__(self, key: RSAPrivateKey, validators: list, **kwargs):
+    def __init__(self, key: RSAPrivateKey, validators: list, relay_flags: dict | None = None, **kwargs):
         self.parent_pid = os.getpid()  # the child ends itself when this process is gone (kill -9)
+        self.relay_flags = relay_flags or {}  # the daemon's relay limits (swarm/reachability.py)
         self.identity = key
         self.owner_check = next(v for v in validators if isinstance(v, OwnerCheck))
         super().__init__(record_validators=validators, **kwargs)
@@ -124,6 +127,8 @@ class PeerDHT(DHT):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         watch_parent(self.parent_pid)
+        if self.relay_flags:
+            limit_relaying(self.relay_flags)
         super().run()
 
 

@@ -39,7 +39,8 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     if kind != "unreachable":
         return dht, config, kind
     dht.shutdown()
-    config = replace(config, reachability="behind-nat")
+    unlimited = {"relay_time_limit": None, "relay_data_limit_mib": None, "relay_circuits": None}
+    config = replace(config, reachability="behind-nat", **unlimited)  # it relays for nobody now
     return start_dht(config, identity_checked=True), config, ""
 
 

@@ -9,8 +9,9 @@ libp2p looks for at least 4 relay candidates before it takes a reservation, or w
 delay): a server given fewer public initial peers is reachable only after that.
 
 `--public` says the machine can be dialed at its address (a public IP or a forwarded port), which also
-makes it a relay for others. Without either, a server asks its initial peers to dial it back and runs as if
-behind NAT when none can (swarm/joining.py).
+makes it a relay for others; a server found reachable becomes one too once libp2p's AutoNAT finds it
+public (`--relay-time-limit` and the like limit both). Without either, a server asks its initial peers
+to dial it back and runs as if behind NAT when none can (swarm/joining.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,25 @@ def p2p_options(config: SwarmConfig) -> dict:
         relays = list(config.initial_peers)
         return {"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays}
     return {}
+
+
+def relay_limit_flags(config: SwarmConfig) -> dict[str, Any]:
+    """The libp2p daemon's flags for the limits of what a public peer relays (those the owner set)."""
+    flags = {
+        "relayTimeLimit": None if config.relay_time_limit is None else f"{config.relay_time_limit}s",
+        "relayDataLimit": None if config.relay_data_limit_mib is None else config.relay_data_limit_mib << 20,
+        "relayMaxCircuits": config.relay_circuits,
+    }
+    return {flag: value for flag, value in flags.items() if value is not None}
+
+
+def limit_relaying(flags: dict[str, Any]) -> None:
+    """In a DHT peer's child process, before it starts its daemon: pass `flags` to the daemon. hivemind's
+    P2P.create has no argument for them; it reads the daemon flags of each DHT mode from this class
+    table, which is changed in the child only."""
+    P2P.DHT_MODE_MAPPING = {
+        mode: {**mode_flags, **flags} for mode, mode_flags in P2P.DHT_MODE_MAPPING.items()
+    }
 
 
 async def relayed_addresses(p2p: P2P) -> list[str]:

@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 
-from corolla.errors import InvalidRequest, ServerUnavailable, decode_remote_error
+from corolla.errors import ConnectionLost, InvalidRequest, ServerUnavailable, decode_remote_error
 from corolla.swarm.p2p_io import Stream
 
 M = TypeVar("M", bound=Message)
@@ -74,6 +74,6 @@ async def remote_errors(peer_id: str, timeout: float) -> AsyncIterator[None]:
     except (asyncio.TimeoutError, TimeoutError):
         raise ServerUnavailable(f"server ...{short} did not reply within {timeout:.1f}s") from None
     except (P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError, StopAsyncIteration) as e:
-        raise ServerUnavailable(
+        raise ConnectionLost(
             f"server ...{short} is unreachable or closed the stream ({type(e).__name__}: {e})"
         ) from None

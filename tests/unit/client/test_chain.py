@@ -276,3 +276,31 @@ async def test_a_banned_server_is_never_routed_to_until_its_ban_ends(network):
     await client.swarm.view.refresh()  # pinged again once no longer banned
     seen = {(await client.swarm.router.route())[0].peer_id for _ in range(30)}
     assert seen == {fast.peer_id, other.peer_id}  # equal replicas, chosen at random again
+
+
+@pytest.mark.parametrize("reachability", ["relayed", "direct"])
+async def test_a_lost_connection_to_a_relayed_server_is_made_again_without_a_ban(
+    network, head, reference, reachability
+):
+    """A relay ends the connections it relays at its time and data limits: the server lives, only the path
+    broke. A relayed server's lost connection (its streams cut, the server alive) is made again at once and
+    replayed there, exactly, without a ban; a server reached directly is banned for the same, and its blocks
+    wait for the ban to end or for another server."""
+    chain = await three_hops(network)
+    chain[1].status.reachability = reachability  # as its record says
+    client = network.client(routing_timeout=0.5)
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await session.astep(head.embed(PROMPT))
+        await client.swarm.view.refresh()  # its record, with how it is reached
+        for stream in list(chain[1].streams):
+            stream.cut()
+        if reachability == "direct":
+            with pytest.raises(MissingBlocks, match="no server available for blocks 2-3"):
+                await session.astep(head.embed(ids[:, 9:10]))
+            assert chain[1].peer_id in client.swarm.bans.banned()
+            return
+        outputs = [await session.astep(head.embed(ids[:, i : i + 1])) for i in range(9, ids.shape[1])]
+        assert session.num_failovers == 1 and chain[1].peer_id not in client.swarm.bans.banned()
+        assert [hop.peer_id for hop in session.route] == [server.peer_id for server in chain]
+        assert_exact(head, reference, ids, boundaries(session, outputs[-1], 1))

@@ -4,6 +4,7 @@
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,8 @@ import pytest
 from corolla.cli.common import add_swarm_args, swarm_config
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
-from corolla.swarm.reachability import RelayWatch, describe, p2p_options
+from corolla.swarm.dht import start_dht
+from corolla.swarm.reachability import P2P, RelayWatch, describe, p2p_options, relay_limit_flags
 
 RELAY = "/ip4/11.79.0.10/tcp/31330/p2p/12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
 ME = "12D3KooWB34BKL7PKe1HK82QCd6UXhZunXNUoZqGNeG6UaB8Hfon"
@@ -46,6 +48,44 @@ def test_the_options_say_what_libp2p_is_told():
         parse("--public", "--behind-nat")
     with pytest.raises(InvalidRequest, match="reachability must be one of auto, public, behind-nat"):
         SwarmConfig(reachability="sometimes")
+
+
+def test_relay_limits_are_checked_and_never_for_a_peer_behind_nat():
+    limits = ("--relay-time-limit", "20", "--relay-data-limit-mib", "8", "--relay-circuits", "4")
+    flags = {"relayTimeLimit": "20.0s", "relayDataLimit": 8 << 20, "relayMaxCircuits": 4}
+    assert relay_limit_flags(parse("--public", *limits)) == flags
+    assert relay_limit_flags(parse("--public")) == {}  # the daemon's own defaults
+    assert relay_limit_flags(parse(*limits)) == flags  # found reachable, libp2p makes it a relay too
+    with pytest.raises(
+        InvalidRequest, match=r"relay_time_limit \(--relay-time-limit\) must be greater than 0"
+    ):
+        parse("--public", "--relay-time-limit", "0")
+    with pytest.raises(
+        InvalidRequest, match=r"relay_circuits \(--relay-circuits\) must be greater than 0, got -1"
+    ):
+        parse("--public", "--relay-circuits", "-1")
+    with pytest.raises(InvalidRequest, match="limits relaying, which a peer --behind-nat never does"):
+        parse("--behind-nat", "--relay-data-limit-mib", "8")
+
+
+def test_a_public_peers_relay_limits_reach_its_libp2p_daemon():
+    """A real DHT peer: its daemon (the DHT process's child) runs with the limits; this process's P2P
+    class, whose table carries them there, is left as it was."""
+    modes = {mode: dict(flags) for mode, flags in P2P.DHT_MODE_MAPPING.items()}
+    config = SwarmConfig(
+        host="127.0.0.1", nat_port_map=False, reachability="public", relay_time_limit=20, relay_circuits=4
+    )
+    dht = start_dht(config)
+    try:
+        children = Path(f"/proc/{dht.pid}/task/{dht.pid}/children").read_text().split()
+        commands = [Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0") for child in children]
+        (daemon,) = [c for c in commands if c[0].endswith(b"p2pd")]
+        assert b"-forceReachabilityPublic=1" in daemon
+        assert b"-relayTimeLimit=20s" in daemon and b"-relayMaxCircuits=4" in daemon
+        assert not any(arg.startswith(b"-relayDataLimit") for arg in daemon)  # not set: the default
+    finally:
+        dht.shutdown()
+    assert modes == P2P.DHT_MODE_MAPPING
 
 
 def test_a_server_behind_nat_names_its_relay_or_says_clearly_that_none_took_it():
