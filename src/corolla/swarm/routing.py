@@ -10,6 +10,7 @@ only part of a server's span. When some block has no server, `MissingBlocks` nam
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -128,14 +129,18 @@ class _LinkCosts:
     push: bool
 
     def to(self, previous: str | None, peer_id: str) -> float:
+        return self.to_each(previous, [peer_id])[0]
+
+    def to_each(self, previous: str | None, peer_ids: Sequence[str]) -> list[float]:
+        """`to` each of `peer_ids` (routing asks for every server of a position at once)."""
+        estimate = self.estimate
         if not self.push:
-            return self.estimate[peer_id].rtt
+            return [estimate[peer_id].rtt for peer_id in peer_ids]
         if previous is None:
-            return self.estimate[peer_id].rtt / 2
-        measured = self.links.get(previous, {}).get(peer_id)
-        if measured is None:  # not announced: guess from the client's round trips to both
-            measured = (self.estimate[previous].rtt + self.estimate[peer_id].rtt) / 2
-        return measured / 2
+            return [estimate[peer_id].rtt / 2 for peer_id in peer_ids]
+        measured = self.links.get(previous, {})
+        rtt = estimate[previous].rtt  # not announced: guess from the client's round trips to both
+        return [measured.get(peer_id, (rtt + estimate[peer_id].rtt) / 2) / 2 for peer_id in peer_ids]
 
     def back(self, last: str) -> float:
         return self.estimate[last].rtt / 2 if self.push else 0.0
@@ -151,39 +156,67 @@ def _cheapest(
     needed_cache: int,
     forbidden_cuts: frozenset[int],
 ) -> list[Hop]:
-    """The cheapest chain from `start` to `end`, by dynamic programming over block boundaries."""
-    # a hop ends at its server's last block or where another server's span starts or ends
-    ends = {b for s in usable for b in (s.start, s.end) if start < b < end} - forbidden_cuts
-    boundaries = sorted(ends | {end})
+    """The cheapest chain from `start` to `end`, by dynamic programming over cut points. A hop on server s
+    costs (the step's way to s + compute) x s's slowdown; only the way to s depends on the previous
+    server, so the cheapest way on through s (`onward`) is shared by every previous server. Without push
+    nothing depends on the previous server (one state per position)."""
+    boundaries = _cut_points(usable, start, end, forbidden_cuts)
+    factor = {s.peer_id: _slowdown(estimate[s.peer_id], needed_cache) * noise[s.peer_id] for s in usable}
+    covering = {p: [s for s in usable if s.start <= p < s.end] for p in [start, *boundaries]}
+
+    @functools.cache
+    def onward(position: int) -> list[tuple[str, float, tuple[float, tuple[Hop, ...]]]]:
+        """For each server of `position`: its peer id, its slowdown, and the cheapest way from `position`
+        to `end` whose first hop runs there, but for the cost of getting the step to it."""
+        found = []
+        for span in covering[position]:
+            per_block = estimate[span.peer_id].seconds_per_block * factor[span.peer_id]
+            options = []
+            for stop in (b for b in boundaries if position < b <= min(span.end, end)):
+                rest_cost, rest = best(stop, span.peer_id if links.push else None)
+                hop = Hop(span.peer_id, position, stop)
+                options.append(((stop - position) * per_block + rest_cost, (hop, *rest)))
+            way = min(options, key=lambda option: option[0], default=(float("inf"), ()))
+            found.append((span.peer_id, factor[span.peer_id], way))
+        return found
 
     @functools.cache
     def best(position: int, previous: str | None) -> tuple[float, tuple[Hop, ...]]:
         """The cheapest way from `position` to `end`, coming from `previous`."""
         if position == end:
-            return links.back(previous), ()
-        options = []
-        for span in usable:
-            if not span.start <= position < span.end:
-                continue
-            load = _slowdown(estimate[span.peer_id], needed_cache)
-            for stop in (b for b in boundaries if position < b <= min(span.end, end)):
-                compute = (stop - position) * estimate[span.peer_id].seconds_per_block
-                cost = (links.to(previous, span.peer_id) + compute) * load * noise[span.peer_id]
-                rest_cost, rest = best(stop, span.peer_id)
-                options.append((cost + rest_cost, (Hop(span.peer_id, position, stop), *rest)))
-        if not options:  # every way on would cut a group of layers that share keys and values
-            return float("inf"), ()
-        return min(options, key=lambda option: option[0])
+            return links.back(previous) if previous is not None else 0.0, ()
+        servers = onward(position)
+        reach = links.to_each(previous, [peer_id for peer_id, _, _ in servers])
+        options = ((to * f + cost, chain) for to, (_, f, (cost, chain)) in zip(reach, servers, strict=True))
+        # none: every way on would cut a group of layers that share keys and values
+        return min(options, key=lambda option: option[0], default=(float("inf"), ()))
 
     cost, chain = best(start, None)
     if cost == float("inf"):
-        inside = tuple(sorted(c for c in forbidden_cuts if start < c < end))
-        raise MissingBlocks(
-            f"no chain of servers covers blocks {start}:{end} without splitting layers that share keys "
-            f"and values (blocks {format_blocks(inside)} must run on the server of the block before them)",
-            inside,
-        )
+        raise _uncuttable(start, end, forbidden_cuts)
     return list(chain)
+
+
+def _uncuttable(start: int, end: int, forbidden_cuts: frozenset[int]) -> MissingBlocks:
+    inside = tuple(sorted(c for c in forbidden_cuts if start < c < end))
+    return MissingBlocks(
+        f"no chain of servers covers blocks {start}:{end} without splitting layers that share keys "
+        f"and values (blocks {format_blocks(inside)} must run on the server of the block before them)",
+        inside,
+    )
+
+
+def _cut_points(usable: Sequence[RemoteSpan], start: int, end: int, forbidden: frozenset[int]) -> list[int]:
+    """Where a hop of the cheapest chain may end: where a server's span starts or ends. Between two such
+    points the same servers hold every block, so a hop's cost grows linearly with where it ends there:
+    when a point may not be cut (inside layers that share keys and values), the cheapest cut between two
+    points is the first or the last one allowed."""
+    points = sorted({b for s in usable for b in (s.start, s.end) if start < b < end} | {start, end})
+    cuts = {end}
+    for low, high in itertools.pairwise(points):
+        allowed = [p for p in range(low, high + 1) if p not in forbidden]
+        cuts.update(allowed[:1] + allowed[-1:])
+    return sorted(cuts - {start})
 
 
 def _slowdown(estimate: Estimate, needed_cache: int) -> float:

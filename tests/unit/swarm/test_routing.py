@@ -4,7 +4,7 @@ import pytest
 
 from corolla.errors import MissingBlocks
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Estimate, Hop, chain_cost, choose_chain, format_blocks
+from corolla.swarm.routing import JITTER, Estimate, Hop, chain_cost, choose_chain, format_blocks
 from corolla.wire.records import ServerStatus
 
 
@@ -122,3 +122,46 @@ def test_a_given_chains_cost_is_what_routing_weighs():
     assert chain_cost(hops, estimates, push=True) == pytest.approx(pushed)
     short = {"a": Estimate(rtt=0.1, seconds_per_block=0.01, free_cache=10)}
     assert chain_cost([Hop("a", 0, 2)], short, needed_cache=100) == pytest.approx(2 * 0.12)
+
+
+def every_chain(spans: list[RemoteSpan], position: int, end: int, cuts: frozenset[int]):
+    """Every chain over [position, end): each hop on any server holding its blocks, cut anywhere allowed."""
+    if position == end:
+        yield []
+        return
+    for s in spans:
+        for stop in range(position + 1, min(s.end, end) + 1):
+            if s.start <= position and (stop == end or stop not in cuts):
+                for rest in every_chain(spans, stop, end, cuts):
+                    yield [Hop(s.peer_id, position, stop), *rest]
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_the_chosen_chain_costs_the_least_of_every_possible_chain(push):
+    """Against an exhaustive search of small random swarms (servers' speeds, round trips, loads, short
+    caches, measured links between servers, layers that may not be cut): no chain costs less than the
+    chosen one, but for routing's jitter, which may trade at most JITTER of a chain's cost."""
+    rng = random.Random(7)
+    for _ in range(150):
+        blocks, peers = rng.randint(2, 6), [f"p{i}" for i in range(rng.randint(1, 5))]
+        spans = [span(p, s := rng.randint(0, blocks - 1), rng.randint(s + 1, blocks)) for p in peers]
+        estimates = {
+            p: Estimate(
+                rng.uniform(0.005, 0.3), rng.uniform(0.001, 0.05), rng.randint(0, 3), rng.choice([None, 9])
+            )
+            for p in peers
+        }
+        links = {a: {b: rng.uniform(0.001, 0.2) for b in peers if rng.random() < 0.3} for a in peers}
+        cuts = frozenset(rng.sample(range(1, blocks), k=min(rng.randint(0, 2), blocks - 1)))
+        options = dict(estimates=estimates, links=links, push=push, needed_cache=10, forbidden_cuts=cuts)
+        chains = list(every_chain(spans, 0, blocks, cuts))
+        if not chains:
+            with pytest.raises(MissingBlocks):
+                choose_chain(spans, 0, blocks, rng=rng, **options)
+            continue
+        chosen = choose_chain(spans, 0, blocks, rng=rng, **options)
+        assert chosen in chains
+        cost = chain_cost(chosen, estimates, links, push, needed_cache=10)
+        least = min(chain_cost(chain, estimates, links, push, needed_cache=10) for chain in chains)
+        best_chain = min(chains, key=lambda c: chain_cost(c, estimates, links, push, needed_cache=10))
+        assert cost <= least * (1 + JITTER) + 1e-12, (chosen, best_chain, spans, estimates, links, cuts)
