@@ -21,7 +21,7 @@ LAYERS = [
     {"server"},
     {"decoding"},
     {"client"},
-    {"api"},
+    {"api", "sim"},
     {"launch"},
     {"cli"},
     {"__init__", "__main__"},  # the package's facade and `python -m corolla`

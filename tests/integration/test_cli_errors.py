@@ -67,8 +67,14 @@ def test_malformed_peers_and_spans_are_refused_before_anything_starts(tiny_model
         ["server", llama, "--initial-peers", "/ip4/127.0.0.1/tcp/31337"],
         ["status", "--initial-peers", UNREACHABLE, "--host", "localhost"],
         ["server", gemma4, "--blocks", "0:5", *LOOPBACK],  # block 5 attends with block 4's keys
+        ["dht", "--relay-time-limit", "0", *LOOPBACK],
+        ["sim", "nowhere"],
     )
-    no_maddr, no_peer_id, bad_host, cut = results
+    no_maddr, no_peer_id, bad_host, cut, no_limit, no_scenario = results
+    assert_one_line(
+        no_limit, "corolla dht: relay_time_limit (--relay-time-limit) must be greater than 0, got 0"
+    )
+    assert_one_line(no_scenario, "corolla sim: no scenario file 'nowhere' (bundled: crash10, small)")
     assert_one_line(cut, "corolla server: blocks 0:5 cut gemma4_text's layers 4-5: layer 5 uses layer 4's")
     assert "Measured" not in cut.stderr  # refused before measuring (or starting) anything
     assert_one_line(no_maddr, "argument --initial-peers: '127.0.0.1:31337' is not a multiaddress")

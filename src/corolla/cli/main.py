@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla.cli import api, demo, dht, generate, identity, server, status
+from corolla.cli import api, demo, dht, generate, identity, server, sim, status
 from corolla.cli.common import setup_logging
 from corolla.errors import CorollaError
 from corolla.version import __version__
 
-SUBCOMMANDS = (dht, server, generate, api, status, demo, identity)
+SUBCOMMANDS = (dht, server, generate, api, status, demo, identity, sim)
 
 
 def build_parser() -> argparse.ArgumentParser:

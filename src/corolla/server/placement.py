@@ -93,6 +93,14 @@ def my_move(
     Every server evaluates every server's best move from the same view of the swarm and only the one whose
     move helps most (ties: the smallest peer id) makes it, so two servers never rush into the same hole.
     """
+    best = best_move(servers, total, forbidden_cuts)
+    return best[1] if best is not None and best[0] == me else None
+
+
+def best_move(
+    servers: dict[str, Placed], total: int, forbidden_cuts: frozenset[int] = frozenset()
+) -> tuple[str, tuple[int, int]] | None:
+    """The server whose move helps the swarm most, and where it moves (None: no move helps)."""
     candidates = []
     for peer_id, (start, end, weight) in servers.items():
         others = [placed for other, placed in servers.items() if other != peer_id]
@@ -103,7 +111,7 @@ def my_move(
     if not candidates:
         return None
     best = max(candidates, key=lambda c: (c[0], [-ord(ch) for ch in c[1]]))
-    return best[2] if best[1] == me else None
+    return best[1], best[2]
 
 
 def block_bytes(model: ModelConfig, dtype_bytes: int) -> int:

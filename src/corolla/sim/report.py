@@ -1,0 +1,67 @@
+"""What a simulation measured, as JSON: coverage through the crashes, the moves that restored it, and
+routing's chains against the oracle's."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from corolla.sim.scenario import Scenario
+from corolla.sim.swarm import Coverage, Simulation
+
+
+def simulate(scenario: Scenario) -> dict:
+    started = time.perf_counter()
+    simulation = Simulation(scenario).run()
+    return summarize(simulation, time.perf_counter() - started)
+
+
+def summarize(simulation: Simulation, wall_s: float) -> dict:
+    scenario = simulation.scenario
+    ratios = sorted(simulation.ratios)
+    return {
+        "scenario": scenario.name,
+        "servers_joined": len(simulation.servers),
+        "servers_alive": sum(server.alive for server in simulation.servers.values()),
+        "moves": simulation.moves,
+        "crashes": [
+            recovery(simulation.samples, when, count, scenario) for when, count in simulation.crashes
+        ],
+        "routing_vs_oracle": {
+            "routes": len(ratios),
+            "median": _rounded(statistics.median(ratios)) if ratios else None,
+            "p95": _rounded(ratios[min(len(ratios) - 1, round(0.95 * (len(ratios) - 1)))])
+            if ratios
+            else None,
+        },
+        "coverage": [[round(c.time, 1), c.live_min, c.view_min] for c in simulation.samples],
+        "simulated_s": scenario.duration,
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def recovery(samples: list[Coverage], when: float, count: int, scenario: Scenario) -> dict:
+    """A crash's toll on coverage: the least-held block before and after, how long some block had no live
+    server, and when every block had one again (in announce periods after the crash)."""
+    before = [c.live_min for c in samples if c.time < when]
+    after = [c for c in samples if c.time >= when]
+    uncovered = [c.time for c in after if c.live_min == 0]
+    restored = next((c.time for c in after if c.time > max(uncovered, default=when) and c.live_min > 0), None)
+    return {
+        "at_s": when,
+        "servers": count,
+        "least_held_block_before": before[-1] if before else None,
+        "least_held_block_after": min((c.live_min for c in after), default=None),
+        "uncovered_s": round(len(uncovered) * scenario.sample_every, 1),
+        "restored_after_periods": (
+            None
+            if restored is None
+            else round((restored - when) / scenario.announce_period, 2)
+            if uncovered
+            else 0.0
+        ),
+    }
+
+
+def _rounded(value: float) -> float:
+    return round(value, 3)

@@ -1,0 +1,211 @@
+"""A discrete-event simulation of a swarm's placement, recovery and routing: no sockets and no real time,
+corolla's own decision code under a simulated clock (issue 31; a first part: no sessions yet).
+
+Servers join and choose their blocks (server/placement.py `choose_blocks`) from the records the DHT holds
+then; each announces its record every announce period (a record expires after 2.5 of them, as
+`--announce-period` does), and checks every balance period (+-20%) whether it is the server whose move
+helps the swarm most (placement.py `best_move`, as `Rebalancer` does), moving if so. A crash ends servers
+at once: their records stay until they expire, and nothing replaces them but the others' moves and
+later joins. Every sample period the simulation measures the blocks' coverage by live servers, and routes
+from random points of the plane: a client's chain (swarm/routing.py `choose_chain` over the servers that
+answer its pings, with client/estimates.py's estimates from announced speeds and its measured round
+trips) against an oracle's (the same search over true speeds), both priced at the true speeds and round
+trips (`chain_cost`, push on).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from corolla.client.estimates import ServerEstimates
+from corolla.errors import MissingBlocks
+from corolla.server.links import MAX_LINKS
+from corolla.server.placement import Placed, best_move, choose_blocks, coverage
+from corolla.sim.network import Network
+from corolla.sim.scenario import Event, Scenario, ServerClass
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.routing import Estimate, chain_cost, choose_chain
+from corolla.wire.records import ServerStatus
+
+RECORD_LIFETIME = 2.5  # announce periods a record outlives its last announcement (server/announcer.py)
+
+
+@dataclass(eq=False)
+class SimServer:
+    peer_id: str
+    kind: ServerClass
+    blocks: int  # how many it holds
+    throughput: float  # announced: its true speed, off by up to the scenario's noise
+    start: int = 0
+    end: int = 0
+    alive: bool = True
+    links: dict[str, float] = field(default_factory=dict)  # round trips to servers after it, announced
+
+
+@dataclass
+class Record:
+    placed: Placed
+    expires: float
+
+
+@dataclass
+class Coverage:
+    time: float
+    live_min: int  # servers alive on the least-held block
+    view_min: int  # records unexpired on it (what a joining or moving server sees)
+
+
+@dataclass
+class Simulation:
+    scenario: Scenario
+    now: float = 0.0
+    servers: dict[str, SimServer] = field(default_factory=dict)
+    records: dict[str, Record] = field(default_factory=dict)
+    samples: list[Coverage] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)  # client's chain / oracle's, per route
+    moves: int = 0
+    crashes: list[tuple[float, int]] = field(default_factory=list)  # (when, how many)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.scenario.seed)
+        self.network = Network(self.scenario.rtt_ms, self.rng)
+        self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._order = itertools.count()
+        self._names = itertools.count()
+        self._best: tuple[tuple, tuple | None] | None = None  # (the view it was computed for, best_move)
+
+    def run(self) -> Simulation:
+        for event in self.scenario.events:
+            self._at(event.at, self._start_event, event)
+        self._at(0.0, self._sample)
+        while self._queue and self._queue[0][0] <= self.scenario.duration:
+            self.now, _, action, args = heapq.heappop(self._queue)
+            action(*args)
+        return self
+
+    def _at(self, when: float, action: Callable[..., None], *args) -> None:
+        heapq.heappush(self._queue, (when, next(self._order), action, args))
+
+    def _start_event(self, event: Event) -> None:
+        if event.kind == "crash":
+            live = [s for s in self.servers.values() if s.alive]
+            doomed = self.rng.sample(live, round(event.fraction * len(live)))
+            for server in doomed:
+                server.alive = False
+            self.crashes.append((self.now, len(doomed)))
+        for i in range(event.count if event.kind == "join" else 0):
+            self._at(self.now + i * event.every, self._join)
+
+    # a server's life: join, announce, check
+
+    def _join(self) -> None:
+        kind = self.rng.choices(self.scenario.classes, weights=[c.share for c in self.scenario.classes])[0]
+        noise = 1 + self.rng.uniform(-self.scenario.announce_noise, self.scenario.announce_noise)
+        server = SimServer(
+            f"server{next(self._names)}",
+            kind,
+            self.rng.randint(kind.min_blocks, kind.max_blocks),
+            noise / kind.seconds_per_block,
+        )
+        self.network.place(server.peer_id)
+        others = self._view().values()
+        server.start, server.end = choose_blocks(
+            others, server.blocks, self.scenario.num_blocks, server.throughput
+        )
+        self.servers[server.peer_id] = server
+        self._announce(server)
+        self._at(self.now + self._balance_delay(), self._check, server)
+
+    def _announce(self, server: SimServer) -> None:
+        if not server.alive:
+            return
+        expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
+        self.records[server.peer_id] = Record((server.start, server.end, server.throughput), expires)
+        # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py)
+        after = [p for p, r in self.records.items() if r.placed[0] == server.end and self.servers[p].alive]
+        chosen = self.rng.sample(after, min(len(after), MAX_LINKS))
+        server.links = {peer_id: self.network.rtt(server.peer_id, peer_id) for peer_id in chosen}
+        self._at(self.now + self.scenario.announce_period, self._announce, server)
+
+    def _check(self, server: SimServer) -> None:
+        if not server.alive:
+            return
+        view = self._view()
+        view[server.peer_id] = (server.start, server.end, server.throughput)
+        best = self._best_move(view)
+        if best is not None and best[0] == server.peer_id:
+            server.start, server.end = best[1]
+            self.moves += 1
+            self.records[server.peer_id] = Record(
+                (*best[1], server.throughput), self.records[server.peer_id].expires
+            )
+        self._at(self.now + self._balance_delay(), self._check, server)
+
+    def _balance_delay(self) -> float:
+        return self.scenario.balance_period * self.rng.uniform(0.8, 1.2)
+
+    def _view(self) -> dict[str, Placed]:
+        """The servers' records the DHT holds now."""
+        self.records = {p: r for p, r in self.records.items() if r.expires > self.now}
+        return {peer_id: record.placed for peer_id, record in self.records.items()}
+
+    def _best_move(self, view: dict[str, Placed]) -> tuple[str, tuple[int, int]] | None:
+        """placement.best_move, once per view: every server checking the same view gets the same answer."""
+        key = tuple(sorted(view.items()))
+        if self._best is None or self._best[0] != key:
+            self._best = (key, best_move(view, self.scenario.num_blocks))
+        return self._best[1]
+
+    # measuring
+
+    def _sample(self) -> None:
+        live = [(s.start, s.end, 1.0) for s in self.servers.values() if s.alive]
+        view = [(*record.placed[:2], 1.0) for record in self.records.values() if record.expires > self.now]
+        total = self.scenario.num_blocks
+        self.samples.append(
+            Coverage(self.now, int(min(coverage(live, total))), int(min(coverage(view, total))))
+        )
+        for _ in range(self.scenario.routes_per_sample):
+            self._route()
+        self._at(self.now + self.scenario.sample_every, self._sample)
+
+    def _route(self) -> None:
+        """One client's chain against the oracle's, from a random point of the plane."""
+        client = f"client{next(self._names)}"
+        self.network.place(client)
+        answering = [s for s in self.servers.values() if s.alive and s.peer_id in self.records]
+        spans = [_span(s, self.records[s.peer_id]) for s in answering]
+        measured = ServerEstimates()  # what the client knows
+        true: dict[str, Estimate] = {}  # what the oracle knows
+        for server in answering:
+            rtt = self.network.rtt(client, server.peer_id)
+            measured.ping(
+                server.peer_id,
+                rtt * self.rng.uniform(1.0, 1.2),
+                _span(server, self.records[server.peer_id]).info,
+            )
+            true[server.peer_id] = Estimate(rtt, server.kind.seconds_per_block)
+        announced = {server.peer_id: server.links for server in answering}
+        total = self.scenario.num_blocks
+        try:
+            estimates = measured.estimates(spans)
+            chosen = choose_chain(
+                spans, 0, total, estimates=estimates, links=announced, push=True, rng=self.rng
+            )
+            links = self.network.links()  # the oracle knows every round trip, announced or not
+            oracle = choose_chain(spans, 0, total, estimates=true, links=links, push=True, rng=self.rng)
+        except MissingBlocks:
+            return
+        finally:
+            del self.network.places[client]
+        self.ratios.append(chain_cost(chosen, true, links, True) / chain_cost(oracle, true, links, True))
+
+
+def _span(server: SimServer, record: Record) -> RemoteSpan:
+    start, end, throughput = record.placed
+    info = ServerStatus(start, end, "sim", "float16", 8192, 1 << 20, throughput=throughput)
+    return RemoteSpan(server.peer_id, start, end, info)

@@ -1,0 +1,76 @@
+"""The simulated swarm (corolla.sim): corolla's own placement, rebalancing and routing under a simulated
+clock. A small swarm whose crash leaves blocks without a server gets them covered again by the others'
+moves; routing's chains are never cheaper than the oracle's (but for jitter) and use only live servers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from corolla.errors import InvalidRequest
+from corolla.sim.report import simulate, summarize
+from corolla.sim.scenario import Scenario, load
+from corolla.sim.swarm import Simulation
+from corolla.swarm.routing import JITTER
+
+
+def thin_swarm(**changes) -> Scenario:
+    """30 servers of 3-5 blocks over 24 blocks (each block held at least once, most more), half of them
+    crashing: some blocks lose every server."""
+    scenario = {
+        "name": "thin",
+        "num_blocks": 24,
+        "classes": [
+            {"name": "fast", "share": 0.3, "seconds_per_block": 0.002, "min_blocks": 3, "max_blocks": 5},
+            {"name": "slow", "share": 0.7, "seconds_per_block": 0.02, "min_blocks": 3, "max_blocks": 5},
+        ],
+        "events": [
+            {"at": 0, "kind": "join", "count": 30, "every": 0.5},
+            {"at": 200, "kind": "crash", "fraction": 0.5},
+        ],
+        "duration": 500,
+        "announce_period": 20,
+        "balance_period": 30,
+        "sample_every": 5,
+        "routes_per_sample": 1,
+        "seed": 2,
+    }
+    return Scenario.model_validate({**scenario, **changes})
+
+
+def test_a_crash_that_uncovers_blocks_is_repaired_by_the_others_moves():
+    simulation = Simulation(thin_swarm()).run()
+    (crash,) = summarize(simulation, 0.0)["crashes"]
+    assert crash["servers"] == 15 and crash["least_held_block_before"] >= 1
+    assert crash["uncovered_s"] > 0  # the scenario does what it is for: some block lost every server
+    assert crash["restored_after_periods"] is not None and simulation.moves > 0
+    assert all(c.live_min >= 1 for c in simulation.samples if c.time >= 200 + 4 * 20)  # and stays so
+
+
+def test_clients_chains_use_live_servers_and_cost_no_less_than_the_oracles():
+    simulation = Simulation(thin_swarm()).run()
+    assert len(simulation.ratios) > 50
+    assert min(simulation.ratios) >= 1 / (1 + JITTER)  # the oracle's chain is the cheapest at true speeds
+    assert all(server.peer_id in simulation.network.places for server in simulation.servers.values())
+
+
+def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
+    one, two = simulate(thin_swarm()), simulate(thin_swarm())
+    for result in (one, two):
+        result.pop("wall_s")
+    assert one == two and json.dumps(one)
+    assert simulate(thin_swarm(seed=3))["coverage"] != one["coverage"]
+    assert load("small").num_blocks == 32 and load("crash10").num_blocks == 80
+
+
+def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
+    with pytest.raises(InvalidRequest, match="no scenario file 'nowhere' \\(bundled: crash10, small\\)"):
+        load("nowhere")
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**thin_swarm().model_dump(), "num_blocks": 4}))
+    with pytest.raises(InvalidRequest, match="class 'fast': blocks must lie in 1..4"):
+        load(str(path))
+    path.write_text(json.dumps({**thin_swarm().model_dump(), "duration": -1}))
+    with pytest.raises(InvalidRequest, match="duration"):
+        load(str(path))
