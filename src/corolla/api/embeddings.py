@@ -18,8 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from corolla.api.extra_protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from corolla.api.protocol import ErrorResponse
-from corolla.api.serving import error_for
+from corolla.api.protocol import ErrorResponse, error_for
 from corolla.client.embeddings import Pooling
 
 if TYPE_CHECKING:

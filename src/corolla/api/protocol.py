@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from corolla.decoding.constraints import json_schema_grammar
 from corolla.decoding.sampling import SamplingParams
+from corolla.errors import CorollaError, InvalidRequest, MissingBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -227,3 +228,15 @@ class ErrorResponse(BaseModel):
     @classmethod
     def make(cls, status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
         return cls(error=ErrorInfo(message=message, type=kind, param=param, code=code), status=status)
+
+
+def error_for(e: BaseException) -> ErrorResponse:
+    """The OpenAI-shaped error for an exception raised while generating."""
+    if isinstance(e, MissingBlocks):
+        return ErrorResponse.make(503, str(e), "service_unavailable", code="missing_blocks")
+    if isinstance(e, (InvalidRequest, ValueError)):
+        return ErrorResponse.make(400, str(e), "invalid_request_error")
+    if isinstance(e, CorollaError):  # the swarm could not serve it: servers failed, full, or timed out
+        return ErrorResponse.make(503, str(e), "service_unavailable", code=type(e).__name__)
+    logger.error("Generation failed", exc_info=e)
+    return ErrorResponse.make(500, f"{type(e).__name__}: {e}", "server_error")

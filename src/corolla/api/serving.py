@@ -28,6 +28,7 @@ from corolla.api.protocol import (
     ModelCard,
     ModelList,
     SamplingRequest,
+    error_for,
     new_id,
 )
 from corolla.api.request_log import Record, RequestLog
@@ -39,25 +40,13 @@ from corolla.client.model import DistributedModelForCausalLM
 from corolla.decoding import constraints
 from corolla.decoding.chooser import GenerationStep
 from corolla.decoding.text import IncrementalText
-from corolla.errors import CorollaError, InvalidRequest, MissingBlocks
+from corolla.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
 OVERVIEW_TTL = 1.0  # seconds
 MAX_CHOICES = 64  # prompts x n per request: each choice is a row of a generation on the swarm
 Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of SSE events
-
-
-def error_for(e: BaseException) -> ErrorResponse:
-    """The OpenAI-shaped error for an exception raised while generating."""
-    if isinstance(e, MissingBlocks):
-        return ErrorResponse.make(503, str(e), "service_unavailable", code="missing_blocks")
-    if isinstance(e, (InvalidRequest, ValueError)):
-        return ErrorResponse.make(400, str(e), "invalid_request_error")
-    if isinstance(e, CorollaError):  # the swarm could not serve it: servers failed, full, or timed out
-        return ErrorResponse.make(503, str(e), "service_unavailable", code=type(e).__name__)
-    logger.error("Generation failed", exc_info=e)
-    return ErrorResponse.make(500, f"{type(e).__name__}: {e}", "server_error")
 
 
 class OpenAIServing:
