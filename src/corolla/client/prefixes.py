@@ -129,7 +129,7 @@ class PrefixCache:
 
     def ended(self, opened: Opened, tokens: torch.Tensor | None) -> None:
         """The generation ended: `tokens` [L], those its servers hold (None: it failed, nothing is kept)."""
-        if tokens is not None:
+        if tokens is not None and opened.prompt:  # opened here: its prompt's length is known
             self.answers.add(len(tokens) + 1 - opened.prompt)  # its last token was chosen, never sent
         entry = opened.entry
         if entry is None:

@@ -105,7 +105,7 @@ class PeerDHT(DHT):
     (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
     A parent that dies without stopping it (kill -9) takes it and its daemon along (swarm/daemons.py).
 
-    A public peer's relay limits reach its daemon from the child (swarm/reachability.py `limit_relaying`).
+    A peer's relay limits reach its daemon from the child (swarm/reachability.py `limit_relaying`).
     It also holds the peer's identity key (`subkey`: what its records are signed under) and its node's
     record checks, whose counters `rejected_records` reads from the child.
     """

@@ -42,7 +42,7 @@ def p2p_options(config: SwarmConfig) -> dict:
 
 
 def relay_limit_flags(config: SwarmConfig) -> dict[str, Any]:
-    """The libp2p daemon's flags for the limits of what a public peer relays (those the owner set)."""
+    """The libp2p daemon's flags for the limits of what this peer relays, when it does (those set)."""
     flags = {
         "relayTimeLimit": None if config.relay_time_limit is None else f"{config.relay_time_limit}s",
         "relayDataLimit": None if config.relay_data_limit_mib is None else config.relay_data_limit_mib << 20,
