@@ -257,7 +257,8 @@ def test_a_session_outlives_the_relays_it_goes_through(swarm):
 
     assert generate_with_a_pause(swarm, 6, kill_relays)["tokens"] == swarm.expected
     assert "failed (server" in (swarm.logs / "client-paused-at-6.log").read_text()  # the path broke
-    assert symmetric.wait_for(RELAYS_CHANGED, 1)
+    # the server sees its relays gone at its next look (every 5 s), maybe after the session went on
+    assert symmetric.wait_for(RELAYS_CHANGED, 20)
 
 
 def test_a_server_nobody_can_reach_says_so_in_one_line(swarm):
