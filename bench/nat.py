@@ -70,14 +70,18 @@ def start_chain(net: NatHarness, layout: str, model: Path, relays: list[str], en
     return servers, ready_s, peer_ids
 
 
-def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int, env: dict) -> dict:
+def client_command(net: NatHarness, model: Path, relays: list[str], new_tokens: int) -> list[str]:
+    """tests/nat_client.py on the public host, generating after PROMPT."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model)(PROMPT).input_ids
-    command = [*net.exec(net.PUBLIC), sys.executable, str(CLIENT), str(model), PUBLIC_IP, json.dumps(ids)]
-    out = subprocess.run(
-        [*command, str(new_tokens), *relays], capture_output=True, text=True, env=env, timeout=600
-    )
+    ids = json.dumps(AutoTokenizer.from_pretrained(model)(PROMPT).input_ids)
+    client = [sys.executable, str(CLIENT), str(model), PUBLIC_IP, ids, str(new_tokens), *relays]
+    return [*net.exec(net.PUBLIC), *client]
+
+
+def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int, env: dict) -> dict:
+    command = client_command(net, model, relays, new_tokens)
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"the client failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -85,22 +89,13 @@ def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int,
 
 def run_past_limit(net: NatHarness, model: Path, relays: list[str], args, env: dict, logs: Path) -> dict:
     """A client without push paused past the relays' time limit halfway (see the module's doc)."""
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(model)(PROMPT).input_ids
     resume = logs / "resume-past-limit"
     env = {**env, "NAT_CLIENT_PAUSE_AT": str(args.new_tokens // 2), "NAT_CLIENT_RESUME": str(resume)}
     env["NAT_CLIENT_PUSH"] = "0"
-    command = [*net.exec(net.PUBLIC), sys.executable, str(CLIENT), str(model), PUBLIC_IP, json.dumps(ids)]
+    command = client_command(net, model, relays, args.new_tokens)
     log = logs / "client-past-limit.log"
     with log.open("w") as stderr:
-        client = subprocess.Popen(
-            [*command, str(args.new_tokens), *relays],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-        )
+        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         try:
             if client.stdout.readline().strip() != "paused":
                 raise RuntimeError(f"the client failed:\n{log.read_text()[-4000:]}")

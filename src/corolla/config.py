@@ -18,6 +18,7 @@ QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quanti
 WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
 # how other peers reach this one: the owner says, or a server asks peers to dial it back (swarm/joining.py)
 REACHABILITY = ("auto", "public", "behind-nat")
+RELAY_LIMITS = ("relay_time_limit", "relay_data_limit_mib", "relay_circuits")  # SwarmConfig's
 
 
 def _check(
@@ -64,9 +65,8 @@ class SwarmConfig:
             raise InvalidRequest(
                 f"reachability must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}"
             )
-        limits = ("relay_time_limit", "relay_data_limit_mib", "relay_circuits")
-        _check(self, 0, limits)
-        given = [name for name in limits if getattr(self, name) is not None]
+        _check(self, 0, RELAY_LIMITS)
+        given = [name for name in RELAY_LIMITS if getattr(self, name) is not None]
         if given and self.reachability == "behind-nat":
             option = f"--{given[0].replace('_', '-')}"
             raise InvalidRequest(

@@ -164,7 +164,7 @@ class Simulation:
 
     def _sample(self) -> None:
         live = [(s.start, s.end, 1.0) for s in self.servers.values() if s.alive]
-        view = [(*record.placed[:2], 1.0) for record in self.records.values() if record.expires > self.now]
+        view = [(start, end, 1.0) for start, end, _ in self._view().values()]
         total = self.scenario.num_blocks
         self.samples.append(
             Coverage(self.now, int(min(coverage(live, total))), int(min(coverage(view, total))))
@@ -177,17 +177,14 @@ class Simulation:
         """One client's chain against the oracle's, from a random point of the plane."""
         client = f"client{next(self._names)}"
         self.network.place(client)
-        answering = [s for s in self.servers.values() if s.alive and s.peer_id in self.records]
-        spans = [_span(s, self.records[s.peer_id]) for s in answering]
+        view = self._view()
+        answering = [s for s in self.servers.values() if s.alive and s.peer_id in view]
+        spans = [_span(s, view[s.peer_id]) for s in answering]
         measured = ServerEstimates()  # what the client knows
         true: dict[str, Estimate] = {}  # what the oracle knows
-        for server in answering:
+        for server, span in zip(answering, spans, strict=True):
             rtt = self.network.rtt(client, server.peer_id)
-            measured.ping(
-                server.peer_id,
-                rtt * self.rng.uniform(1.0, 1.2),
-                _span(server, self.records[server.peer_id]).info,
-            )
+            measured.ping(server.peer_id, rtt * self.rng.uniform(1.0, 1.2), span.info)
             true[server.peer_id] = Estimate(rtt, server.kind.seconds_per_block)
         announced = {server.peer_id: server.links for server in answering}
         total = self.scenario.num_blocks
@@ -205,7 +202,7 @@ class Simulation:
         self.ratios.append(chain_cost(chosen, true, links, True) / chain_cost(oracle, true, links, True))
 
 
-def _span(server: SimServer, record: Record) -> RemoteSpan:
-    start, end, throughput = record.placed
+def _span(server: SimServer, placed: Placed) -> RemoteSpan:
+    start, end, throughput = placed
     info = ServerStatus(start, end, "sim", "float16", 8192, 1 << 20, throughput=throughput)
     return RemoteSpan(server.peer_id, start, end, info)

@@ -17,7 +17,7 @@ from functools import partial
 from hivemind.dht import DHT, DHTNode
 from hivemind.p2p import P2P
 
-from corolla.config import SwarmConfig
+from corolla.config import RELAY_LIMITS, SwarmConfig
 from corolla.swarm import dial_back
 from corolla.swarm.dht import PeerDHT, start_dht
 from corolla.swarm.reachability import RELAYED
@@ -39,8 +39,8 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     if kind != "unreachable":
         return dht, config, kind
     dht.shutdown()
-    unlimited = {"relay_time_limit": None, "relay_data_limit_mib": None, "relay_circuits": None}
-    config = replace(config, reachability="behind-nat", **unlimited)  # it relays for nobody now
+    unlimited = dict.fromkeys(RELAY_LIMITS)  # it relays for nobody now
+    config = replace(config, reachability="behind-nat", **unlimited)
     return start_dht(config, identity_checked=True), config, ""
 
 
