@@ -9,13 +9,14 @@ only part of a server's span. When some block has no server, `MissingBlocks` nam
 
 from __future__ import annotations
 
-import functools
 import itertools
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from corolla.errors import MissingBlocks, counted
+from corolla.swarm import chain_search
+from corolla.swarm.chain_search import Candidate
 from corolla.swarm.dht import RemoteSpan
 
 DEFAULT_RTT = 0.005  # seconds; used until a server has been pinged
@@ -96,8 +97,7 @@ def choose_chain(  # noqa: PLR0913 (keywords: everything a chain's cost weighs)
         )
     noise = {s.peer_id: 1 + JITTER * rng.random() for s in usable}
     estimate = {s.peer_id: estimates.get(s.peer_id, Estimate()) for s in usable}
-    costs = _LinkCosts(estimate, links or {}, push)
-    return _cheapest(usable, start, end, estimate, noise, costs, needed_cache, forbidden_cuts)
+    return _cheapest(usable, start, end, estimate, noise, links or {}, push, needed_cache, forbidden_cuts)
 
 
 def chain_cost(
@@ -129,72 +129,43 @@ class _LinkCosts:
     push: bool
 
     def to(self, previous: str | None, peer_id: str) -> float:
-        return self.to_each(previous, [peer_id])[0]
-
-    def to_each(self, previous: str | None, peer_ids: Sequence[str]) -> list[float]:
-        """`to` each of `peer_ids` (routing asks for every server of a position at once)."""
-        estimate = self.estimate
         if not self.push:
-            return [estimate[peer_id].rtt for peer_id in peer_ids]
+            return self.estimate[peer_id].rtt
         if previous is None:
-            return [estimate[peer_id].rtt / 2 for peer_id in peer_ids]
-        measured = self.links.get(previous, {})
-        rtt = estimate[previous].rtt  # not announced: guess from the client's round trips to both
-        return [measured.get(peer_id, (rtt + estimate[peer_id].rtt) / 2) / 2 for peer_id in peer_ids]
+            return self.estimate[peer_id].rtt / 2
+        # not announced: guessed from the client's round trips to both (as swarm/chain_search.py does)
+        guess = (self.estimate[previous].rtt + self.estimate[peer_id].rtt) / 2
+        return self.links.get(previous, {}).get(peer_id, guess) / 2
 
     def back(self, last: str) -> float:
         return self.estimate[last].rtt / 2 if self.push else 0.0
 
 
-def _cheapest(
+def _cheapest(  # noqa: PLR0913
     usable: Sequence[RemoteSpan],
     start: int,
     end: int,
     estimate: Mapping[str, Estimate],
     noise: Mapping[str, float],
-    links: _LinkCosts,
+    links: Mapping[str, Mapping[str, float]],
+    push: bool,
     needed_cache: int,
     forbidden_cuts: frozenset[int],
 ) -> list[Hop]:
-    """The cheapest chain from `start` to `end`, by dynamic programming over cut points. A hop on server s
-    costs (the step's way to s + compute) x s's slowdown; only the way to s depends on the previous
-    server, so the cheapest way on through s (`onward`) is shared by every previous server. Without push
-    nothing depends on the previous server (one state per position)."""
-    boundaries = _cut_points(usable, start, end, forbidden_cuts)
-    factor = {s.peer_id: _slowdown(estimate[s.peer_id], needed_cache) * noise[s.peer_id] for s in usable}
-    covering = {p: [s for s in usable if s.start <= p < s.end] for p in [start, *boundaries]}
-
-    @functools.cache
-    def onward(position: int) -> list[tuple[str, float, tuple[float, tuple[Hop, ...]]]]:
-        """For each server of `position`: its peer id, its slowdown, and the cheapest way from `position`
-        to `end` whose first hop runs there, but for the cost of getting the step to it."""
-        found = []
-        for span in covering[position]:
-            per_block = estimate[span.peer_id].seconds_per_block * factor[span.peer_id]
-            options = []
-            for stop in (b for b in boundaries if position < b <= min(span.end, end)):
-                rest_cost, rest = best(stop, span.peer_id if links.push else None)
-                hop = Hop(span.peer_id, position, stop)
-                options.append(((stop - position) * per_block + rest_cost, (hop, *rest)))
-            way = min(options, key=lambda option: option[0], default=(float("inf"), ()))
-            found.append((span.peer_id, factor[span.peer_id], way))
-        return found
-
-    @functools.cache
-    def best(position: int, previous: str | None) -> tuple[float, tuple[Hop, ...]]:
-        """The cheapest way from `position` to `end`, coming from `previous`."""
-        if position == end:
-            return links.back(previous) if previous is not None else 0.0, ()
-        servers = onward(position)
-        reach = links.to_each(previous, [peer_id for peer_id, _, _ in servers])
-        options = ((to * f + cost, chain) for to, (_, f, (cost, chain)) in zip(reach, servers, strict=True))
-        # none: every way on would cut a group of layers that share keys and values
-        return min(options, key=lambda option: option[0], default=(float("inf"), ()))
-
-    cost, chain = best(start, None)
+    """The cheapest chain from `start` to `end` (swarm/chain_search.py): a hop on server s costs (the
+    step's way to s + compute) x s's slowdown."""
+    candidates = []
+    for span in usable:
+        own = estimate[span.peer_id]
+        factor = _slowdown(own, needed_cache) * noise[span.peer_id]
+        candidates.append(
+            Candidate(span.peer_id, span.start, span.end, own.rtt, factor, own.seconds_per_block * factor)
+        )
+    cuts = _cut_points(usable, start, end, forbidden_cuts)
+    cost, hops = chain_search.cheapest(candidates, start, cuts, links, push)
     if cost == float("inf"):
         raise _uncuttable(start, end, forbidden_cuts)
-    return list(chain)
+    return [Hop(*hop) for hop in hops]
 
 
 def _uncuttable(start: int, end: int, forbidden_cuts: frozenset[int]) -> MissingBlocks:
