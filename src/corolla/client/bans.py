@@ -50,7 +50,10 @@ class Undecided:
 
 
 class Bans:
-    def __init__(self, config: ClientConfig, report: Report | None = None):
+    def __init__(
+        self, config: ClientConfig, report: Report | None = None, clock: Callable[[], float] = time.monotonic
+    ):
+        self.clock = clock  # seconds (corolla.sim runs the bans under a simulated clock)
         self.ban_time = config.ban_time
         self.blocked = frozenset(config.blocked_servers)
         self.faulty: dict[str, str] = {}  # servers caught computing wrong outputs: what they did
@@ -65,7 +68,7 @@ class Bans:
         """Avoid a server that failed, for ban_time, doubling with each failure in a row; a failure
         reported while it is avoided already (another session saw the same one) counts once."""
         until, failures = self._until.get(peer_id, (0.0, 0))
-        now = time.monotonic()
+        now = self.clock()
         if until > now:
             return
         duration = self.ban_time * 2 ** min(failures, 4)
@@ -74,7 +77,7 @@ class Bans:
 
     def avoided(self) -> set[str]:
         """Servers avoided after a failure (now): the ones worth pinging to see whether they are back."""
-        now = time.monotonic()
+        now = self.clock()
         return {peer_id for peer_id, (until, _) in self._until.items() if until > now}
 
     def pinged(self, peer_id: str, answered: bool) -> None:

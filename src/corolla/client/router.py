@@ -72,9 +72,7 @@ class Router:
             if self._view.stale:
                 await self._view.refresh()
             try:
-                return self._cheapest(
-                    self.routable(start, end, max_length, avoid, allowed), start, end, needed_cache
-                )
+                return self.choose(start, end, needed_cache, max_length, avoid, allowed)
             except MissingBlocks as e:
                 # servers that missed their last ping may answer now (once: later rounds refresh)
                 if not repinged:
@@ -91,6 +89,19 @@ class Router:
             await asyncio.sleep(delay)
             delay = min(delay * 2, LONGEST_WAIT)
             await self._view.refresh()
+
+    def choose(
+        self,
+        start: int,
+        end: int,
+        needed_cache: int = 0,
+        max_length: int = 0,
+        avoid: Collection[str] = (),
+        allowed: Collection[str] | None = None,
+    ) -> list[Hop]:
+        """`route`'s decision without its waiting: the cheapest chain of the routable servers over
+        [start, end) as the client knows them now; MissingBlocks at once if some block has none."""
+        return self._cheapest(self.routable(start, end, max_length, avoid, allowed), start, end, needed_cache)
 
     def routable(
         self,

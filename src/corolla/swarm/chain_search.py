@@ -1,23 +1,22 @@
 """The search behind swarm/routing.py `choose_chain`: the cheapest chain over a range of blocks, by dynamic
 programming from the last cut point back to the first, in time that grows about linearly with the servers.
 
-A hop on server s from cut p to cut q costs (the step's way to s) x f_s + (q - p) x per_block_s, where f_s
-is s's slowdown (its load, its cache, routing's jitter) and per_block_s its compute per block times f_s.
-Only the way to s depends on the server before it (with push: half the ping between the two), so at each
-cut the search keeps two tables, filled from the last cut back:
+A hop on server s from cut p to cut q costs the step's way to s + (q - p) x per_block_s, where per_block_s
+is s's compute per block stretched by its load, its cache and routing's jitter (a busy server computes
+slower; the network is no slower for it). Only the way to s depends on the server before it (with push:
+half the ping between the two), so at each cut the search keeps two tables, filled from the last cut back:
 - `way[p, s]`: the cheapest way on from cut p whose first hop runs on s, but for getting the step to s.
   It is a running minimum per server over the cuts after p (each server's span is walked once);
 - `best[p, previous]`: the cheapest way on from p for a step that comes from `previous` (None: from the
   client, and always without push).
 With push, a link nobody announced is guessed as the mean of the client's round trips to both servers, so
-its cost is a line in the previous server's round trip: the cheapest guessed way on is read off the lower
-envelope of those lines (one per server of the cut) rather than trying every server after every previous
-one; the few announced links are tried one by one.
+which server is the cheapest to reach over a guessed link does not depend on the previous server: the
+servers of a cut are sorted once by what they cost on from there over a guessed link, and each previous
+server takes the first whose link it did not announce; the few announced links are tried one by one.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,8 +31,7 @@ class Candidate:
     start: int
     end: int
     rtt: float  # the client's round trip to it
-    factor: float  # how much slower than its estimate a step there is expected (load, cache, jitter)
-    per_block: float  # its compute per block, times `factor`
+    per_block: float  # its compute per block, stretched by its load and cache and routing's jitter
 
 
 @dataclass(slots=True)
@@ -42,7 +40,9 @@ class _Cut:
 
     covering: dict[str, Candidate]  # peer id -> a server holding the block that starts here
     way: dict[str, tuple[float, int]]  # peer id -> (cost on from here through a first hop on it, its stop)
-    envelope: _Envelope | None = None
+    guessed: list[tuple[float, Candidate]] | None = (
+        None  # (way + a quarter of its round trip, server), sorted
+    )
 
 
 def cheapest(
@@ -95,28 +95,22 @@ def _best(
     cut = table[p]
     if previous is None:
         share = 0.5 if push else 1.0  # with push the client sends the step one way only
-        return _least((s.rtt * share * s.factor + cut.way[s.peer_id][0], s) for s in cut.covering.values())
+        return _least((s.rtt * share + cut.way[s.peer_id][0], s) for s in cut.covering.values())
     measured = links.get(previous.peer_id, {})
     if len(measured) > len(cut.covering):  # every link known (a simulation's oracle): try each server
-        return _least(
-            (_to(previous, s, measured) * s.factor + cut.way[s.peer_id][0], s) for s in cut.covering.values()
-        )
+        return _least((_to(previous, s, measured) + cut.way[s.peer_id][0], s) for s in cut.covering.values())
     announced = _least(
-        (rtt / 2 * s.factor + cut.way[s.peer_id][0], s)
+        (rtt / 2 + cut.way[s.peer_id][0], s)
         for peer_id, rtt in measured.items()
         if (s := cut.covering.get(peer_id)) is not None
     )
-    if cut.envelope is None:
-        cut.envelope = _Envelope(
-            [(s.factor / 4, s.factor * s.rtt / 4 + cut.way[s.peer_id][0], s) for s in cut.covering.values()]
+    if cut.guessed is None:  # a guessed link costs (previous's round trip + s's) / 4
+        cut.guessed = sorted(
+            ((s.rtt / 4 + cut.way[s.peer_id][0], s) for s in cut.covering.values()), key=lambda x: x[0]
         )
-    guessed = cut.envelope.least(previous.rtt)
-    if guessed[1] is not None and guessed[1].peer_id in measured:  # its link is known: the others' least
-        guessed = _least(
-            (_to(previous, s, {}) * s.factor + cut.way[s.peer_id][0], s)
-            for s in cut.covering.values()
-            if s.peer_id not in measured
-        )
+    guessed = next(
+        ((previous.rtt / 4 + g, s) for g, s in cut.guessed if s.peer_id not in measured), (INF, None)
+    )
     return min(announced, guessed, key=lambda option: option[0])
 
 
@@ -140,31 +134,3 @@ def _hops(start: int, end: int, best, table: Mapping[int, _Cut], push: bool) -> 
         hops.append((s.peer_id, p, stop))
         p, previous = stop, (s.peer_id if push else None)
     return hops
-
-
-class _Envelope:
-    """The least of lines a x x + b (each with an item) at any x, built once and read by bisection."""
-
-    def __init__(self, lines: list[tuple[float, float, Candidate]]):
-        self.lines: list[tuple[float, float, Candidate]] = []
-        self.starts: list[float] = []  # from which x each line of `lines` is the least
-        for a, b, item in sorted((line for line in lines if line[1] < INF), key=lambda x: (-x[0], x[1])):
-            if self.lines and self.lines[-1][0] == a:
-                continue  # the same slope and a higher intercept: never the least
-            x = -INF
-            while self.lines:
-                last_a, last_b, _ = self.lines[-1]
-                x = (b - last_b) / (last_a - a)  # from here on the new line is below the last one
-                if x > self.starts[-1]:
-                    break
-                self.lines.pop()
-                self.starts.pop()
-                x = -INF
-            self.lines.append((a, b, item))
-            self.starts.append(x)
-
-    def least(self, x: float) -> tuple[float, Candidate | None]:
-        if not self.lines:
-            return INF, None
-        a, b, item = self.lines[bisect.bisect_right(self.starts, x) - 1]
-        return a * x + b, item

@@ -1,10 +1,10 @@
 """Choosing a chain of servers that covers a range of blocks: the one with the lowest expected step time.
 
 Pure logic over the spans read from the DHT and what the client knows of each server (`Estimate`: its
-round-trip time, its time per block per step, its load). A hop costs a round trip plus its blocks' compute,
-slowed by the sessions already on the server, so the best chain has few hops on fast, lightly loaded
-servers; a little random jitter breaks ties, which spreads sessions over equal replicas. A hop may use
-only part of a server's span. When some block has no server, `MissingBlocks` names it.
+round-trip time, its time per block per step, its load). A hop costs a round trip plus its blocks'
+compute, the compute slowed by the sessions already on the server, so the best chain has few hops on
+fast, lightly loaded servers; a little random jitter breaks ties, which spreads sessions over equal
+replicas. A hop may use only part of a server's span. When some block has no server, `MissingBlocks` names it.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def choose_chain(  # noqa: PLR0913 (keywords: everything a chain's cost weighs)
     each step along) a step costs half a round trip to the first server, the compute and half a ping
     between each pair of consecutive servers (`links[a][b]`, measured by the servers, or estimated from
     the client's round trips), and half a round trip back from the last one. A server with less free
-    cache than `needed_cache` tokens counts double: it can take the session, but may have to wait. No hop
-    starts or ends at a `forbidden_cuts` block (inside a group of layers sharing keys and values,
+    cache than `needed_cache` tokens counts at half its speed: it can take the session, but may have to
+    wait. No hop starts or ends at a `forbidden_cuts` block (inside a group of layers sharing keys and values,
     models/kv_sharing.py), whatever the servers' spans.
     """
     rng = rng or random.Random()
@@ -114,7 +114,7 @@ def chain_cost(
     previous = None
     for hop in hops:
         compute = (hop.end - hop.start) * estimate[hop.peer_id].seconds_per_block
-        total += (costs.to(previous, hop.peer_id) + compute) * _slowdown(estimate[hop.peer_id], needed_cache)
+        total += costs.to(previous, hop.peer_id) + compute * _slowdown(estimate[hop.peer_id], needed_cache)
         previous = hop.peer_id
     return total + (costs.back(previous) if previous is not None else 0.0)
 
@@ -152,14 +152,14 @@ def _cheapest(  # noqa: PLR0913
     needed_cache: int,
     forbidden_cuts: frozenset[int],
 ) -> list[Hop]:
-    """The cheapest chain from `start` to `end` (swarm/chain_search.py): a hop on server s costs (the
-    step's way to s + compute) x s's slowdown."""
+    """The cheapest chain from `start` to `end` (swarm/chain_search.py): a hop on server s costs the
+    step's way to s + its compute x s's slowdown."""
     candidates = []
     for span in usable:
         own = estimate[span.peer_id]
         factor = _slowdown(own, needed_cache) * noise[span.peer_id]
         candidates.append(
-            Candidate(span.peer_id, span.start, span.end, own.rtt, factor, own.seconds_per_block * factor)
+            Candidate(span.peer_id, span.start, span.end, own.rtt, own.seconds_per_block * factor)
         )
     cuts = _cut_points(usable, start, end, forbidden_cuts)
     cost, hops = chain_search.cheapest(candidates, start, cuts, links, push)
