@@ -16,8 +16,9 @@ class Network:
         self.places: dict[str, tuple[float, float]] = {}
         self._rng = rng
 
-    def place(self, peer_id: str) -> None:
-        self.places[peer_id] = (self._rng.random(), self._rng.random())
+    def place(self, peer_id: str, rng: random.Random | None = None) -> None:
+        rng = rng or self._rng
+        self.places[peer_id] = (rng.random(), rng.random())
 
     def rtt(self, a: str, b: str) -> float:
         """Seconds of a round trip between peers `a` and `b`."""

@@ -7,6 +7,7 @@ import statistics
 import time
 
 from corolla.sim.scenario import Scenario
+from corolla.sim.sessions import Sessions
 from corolla.sim.swarm import Coverage, Simulation
 
 
@@ -27,13 +28,8 @@ def summarize(simulation: Simulation, wall_s: float) -> dict:
         "crashes": [
             recovery(simulation.samples, when, count, scenario) for when, count in simulation.crashes
         ],
-        "routing_vs_oracle": {
-            "routes": len(ratios),
-            "median": _rounded(statistics.median(ratios)) if ratios else None,
-            "p95": _rounded(ratios[min(len(ratios) - 1, round(0.95 * (len(ratios) - 1)))])
-            if ratios
-            else None,
-        },
+        "routing_vs_oracle": {"routes": len(ratios), **_spread(ratios)},
+        "sessions": sessions(simulation.sessions),
         "coverage": [[round(c.time, 1), c.live_min, c.view_min] for c in simulation.samples],
         "simulated_s": scenario.duration,
         "wall_s": round(wall_s, 2),
@@ -61,6 +57,34 @@ def recovery(samples: list[Coverage], when: float, count: int, scenario: Scenari
             else 0.0
         ),
     }
+
+
+def sessions(found: Sessions) -> dict:
+    """What became of the sessions: finished or lost (and lost while every block had a live server), the
+    failovers per finished session, per-token latency, and a sample's latency against the oracle's."""
+    failovers = found.failovers
+    return {
+        "started": found.started,
+        "finished": found.finished,
+        "lost": found.lost,
+        "lost_while_covered": found.lost_while_covered,
+        "chains_through_banned_or_departed": found.misrouted,
+        "failovers": found.replaced,
+        "failovers_per_finished_session": {
+            "mean": _rounded(statistics.fmean(failovers)) if failovers else None,
+            "max": max(failovers, default=None),
+        },
+        "token_latency_s": _spread(found.latencies),
+        "latency_vs_oracle": {"sessions": len(found.ratios), **_spread(found.ratios)},
+    }
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    if not ordered:
+        return {"median": None, "p95": None}
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"median": _rounded(statistics.median(ordered)), "p95": _rounded(p95)}
 
 
 def _rounded(value: float) -> float:

@@ -28,14 +28,16 @@ class ServerClass(BaseModel):
 
 class Event(BaseModel):
     """At `at` seconds: `crash` a fraction of the live servers at once (they announce nothing more; their
-    records expire), or `join` `count` new servers, one every `every` seconds."""
+    records expire), `join` `count` new servers, one every `every` seconds, or start `sessions`: `count`
+    of them arriving at random times over the next `over` seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at: float = Field(ge=0)
-    kind: Literal["crash", "join"]
+    kind: Literal["crash", "join", "sessions"]
     fraction: float = Field(default=0.0, ge=0, le=1)
-    count: int = Field(default=0, ge=0, le=100_000)
+    count: int = Field(default=0, ge=0, le=1_000_000)
     every: float = Field(default=1.0, gt=0)
+    over: float = Field(default=0.0, ge=0)
 
 
 class Scenario(BaseModel):
@@ -51,6 +53,12 @@ class Scenario(BaseModel):
     announce_noise: float = Field(default=0.2, ge=0, lt=1)  # announced speed off by up to this share
     sample_every: float = Field(default=10.0, gt=0)  # seconds between coverage and routing samples
     routes_per_sample: int = Field(default=2, ge=0, le=1000)
+    # sessions: decode steps each runs (drawn uniformly), how much a server's step slows per other session
+    # in its batch (per block: seconds_per_block x (1 + batch_growth x others)), and one session in
+    # `oracle_every` also routed by the oracle (its search tries every link: slow at a thousand servers)
+    session_steps: tuple[int, int] = (64, 512)
+    batch_growth: float = Field(default=0.1, ge=0)
+    oracle_every: int = Field(default=10, ge=1)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -58,6 +66,10 @@ class Scenario(BaseModel):
         for kind in self.classes:
             if kind.min_blocks > kind.max_blocks or kind.max_blocks > self.num_blocks:
                 raise ValueError(f"class {kind.name!r}: blocks must lie in 1..{self.num_blocks}, min <= max")
+        if not 1 <= self.session_steps[0] <= self.session_steps[1]:
+            raise ValueError(
+                f"session_steps must be (fewest, most) with 1 <= fewest <= most, got {self.session_steps}"
+            )
         if not 0 < self.rtt_ms[0] <= self.rtt_ms[1]:
             raise ValueError(
                 f"rtt_ms must be (nearest, farthest) with 0 < nearest <= farthest, got {self.rtt_ms}"

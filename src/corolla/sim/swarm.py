@@ -21,29 +21,17 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from corolla.client.estimates import ServerEstimates
 from corolla.errors import MissingBlocks
 from corolla.server.links import MAX_LINKS
 from corolla.server.placement import Placed, best_move, choose_blocks, coverage
+from corolla.sim.clients import looked_up, truth
 from corolla.sim.network import Network
-from corolla.sim.scenario import Event, Scenario, ServerClass
-from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Estimate, chain_cost, choose_chain
-from corolla.wire.records import ServerStatus
+from corolla.sim.scenario import Event, Scenario
+from corolla.sim.sessions import Sessions
+from corolla.sim.state import SimServer
+from corolla.swarm.routing import chain_cost, choose_chain
 
 RECORD_LIFETIME = 2.5  # announce periods a record outlives its last announcement (server/announcer.py)
-
-
-@dataclass(eq=False)
-class SimServer:
-    peer_id: str
-    kind: ServerClass
-    blocks: int  # how many it holds
-    throughput: float  # announced: its true speed, off by up to the scenario's noise
-    start: int = 0
-    end: int = 0
-    alive: bool = True
-    links: dict[str, float] = field(default_factory=dict)  # round trips to servers after it, announced
 
 
 @dataclass
@@ -76,18 +64,22 @@ class Simulation:
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._order = itertools.count()
         self._names = itertools.count()
-        self._best: tuple[tuple, tuple | None] | None = None  # (the view it was computed for, best_move)
+        self._view: dict[str, Placed] | None = None  # the records' placements, until one changes
+        self._starting: dict[int, list[str]] = {}  # block -> peer ids of the view's spans starting there
+        self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
+        self._best_known = False
+        self.sessions = Sessions(self)
 
     def run(self) -> Simulation:
         for event in self.scenario.events:
-            self._at(event.at, self._start_event, event)
-        self._at(0.0, self._sample)
+            self.at(event.at, self._start_event, event)
+        self.at(0.0, self._sample)
         while self._queue and self._queue[0][0] <= self.scenario.duration:
             self.now, _, action, args = heapq.heappop(self._queue)
             action(*args)
         return self
 
-    def _at(self, when: float, action: Callable[..., None], *args) -> None:
+    def at(self, when: float, action: Callable[..., None], *args) -> None:
         heapq.heappush(self._queue, (when, next(self._order), action, args))
 
     def _start_event(self, event: Event) -> None:
@@ -96,9 +88,13 @@ class Simulation:
             doomed = self.rng.sample(live, round(event.fraction * len(live)))
             for server in doomed:
                 server.alive = False
+                self.at(self.records[server.peer_id].expires, self._expire, server.peer_id)
             self.crashes.append((self.now, len(doomed)))
+            self.sessions.crashed({server.peer_id for server in doomed})
+        if event.kind == "sessions":
+            self.sessions.start(event)
         for i in range(event.count if event.kind == "join" else 0):
-            self._at(self.now + i * event.every, self._join)
+            self.at(self.now + i * event.every, self._join)
 
     # a server's life: join, announce, check
 
@@ -112,81 +108,92 @@ class Simulation:
             noise / kind.seconds_per_block,
         )
         self.network.place(server.peer_id)
-        others = self._view().values()
+        others = self.view().values()
         server.start, server.end = choose_blocks(
             others, server.blocks, self.scenario.num_blocks, server.throughput
         )
         self.servers[server.peer_id] = server
         self._announce(server)
-        self._at(self.now + self._balance_delay(), self._check, server)
+        self.at(self.now + self._balance_delay(), self._check, server)
 
     def _announce(self, server: SimServer) -> None:
         if not server.alive:
             return
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
-        self.records[server.peer_id] = Record((server.start, server.end, server.throughput), expires)
+        self._store(server.peer_id, Record((server.start, server.end, server.throughput), expires))
         # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py)
-        after = [p for p, r in self.records.items() if r.placed[0] == server.end and self.servers[p].alive]
+        self.view()
+        after = [p for p in self._starting.get(server.end, []) if self.servers[p].alive]
         chosen = self.rng.sample(after, min(len(after), MAX_LINKS))
         server.links = {peer_id: self.network.rtt(server.peer_id, peer_id) for peer_id in chosen}
-        self._at(self.now + self.scenario.announce_period, self._announce, server)
+        self.at(self.now + self.scenario.announce_period, self._announce, server)
 
     def _check(self, server: SimServer) -> None:
         if not server.alive:
             return
-        view = self._view()
-        view[server.peer_id] = (server.start, server.end, server.throughput)
-        best = self._best_move(view)
+        best = self._best_move()
         if best is not None and best[0] == server.peer_id:
             server.start, server.end = best[1]
             self.moves += 1
-            self.records[server.peer_id] = Record(
-                (*best[1], server.throughput), self.records[server.peer_id].expires
+            self._store(
+                server.peer_id, Record((*best[1], server.throughput), self.records[server.peer_id].expires)
             )
-        self._at(self.now + self._balance_delay(), self._check, server)
+        self.at(self.now + self._balance_delay(), self._check, server)
 
     def _balance_delay(self) -> float:
         return self.scenario.balance_period * self.rng.uniform(0.8, 1.2)
 
-    def _view(self) -> dict[str, Placed]:
-        """The servers' records the DHT holds now."""
-        self.records = {p: r for p, r in self.records.items() if r.expires > self.now}
-        return {peer_id: record.placed for peer_id, record in self.records.items()}
+    def view(self) -> dict[str, Placed]:
+        """The servers' records the DHT holds now (not to be changed by the caller)."""
+        if self._view is None:
+            self.records = {p: r for p, r in self.records.items() if r.expires > self.now}
+            self._view = {peer_id: record.placed for peer_id, record in self.records.items()}
+            self._starting = {}
+            for peer_id, (start, _, _) in self._view.items():
+                self._starting.setdefault(start, []).append(peer_id)
+            self._best_known = False
+        return self._view
 
-    def _best_move(self, view: dict[str, Placed]) -> tuple[str, tuple[int, int]] | None:
+    def _store(self, peer_id: str, record: Record) -> None:
+        old = self.records.get(peer_id)
+        self.records[peer_id] = record
+        if old is None or old.placed != record.placed:
+            self._view = None
+
+    def _expire(self, peer_id: str) -> None:
+        """A crashed server's last record is gone from the DHT."""
+        if peer_id in self.records and self.records[peer_id].expires <= self.now:
+            del self.records[peer_id]
+            self._view = None
+
+    def _best_move(self) -> tuple[str, tuple[int, int]] | None:
         """placement.best_move, once per view: every server checking the same view gets the same answer."""
-        key = tuple(sorted(view.items()))
-        if self._best is None or self._best[0] != key:
-            self._best = (key, best_move(view, self.scenario.num_blocks))
-        return self._best[1]
+        view = self.view()
+        if not self._best_known:
+            self._best = best_move(view, self.scenario.num_blocks)
+            self._best_known = True
+        return self._best
 
     # measuring
 
     def _sample(self) -> None:
         live = [(s.start, s.end, 1.0) for s in self.servers.values() if s.alive]
-        view = [(start, end, 1.0) for start, end, _ in self._view().values()]
+        view = [(start, end, 1.0) for start, end, _ in self.view().values()]
         total = self.scenario.num_blocks
         self.samples.append(
             Coverage(self.now, int(min(coverage(live, total))), int(min(coverage(view, total))))
         )
         for _ in range(self.scenario.routes_per_sample):
             self._route()
-        self._at(self.now + self.scenario.sample_every, self._sample)
+        self.at(self.now + self.scenario.sample_every, self._sample)
 
     def _route(self) -> None:
-        """One client's chain against the oracle's, from a random point of the plane."""
+        """One client's chain against the oracle's, from a random point of the plane (no session)."""
         client = f"client{next(self._names)}"
         self.network.place(client)
-        view = self._view()
-        answering = [s for s in self.servers.values() if s.alive and s.peer_id in view]
-        spans = [_span(s, view[s.peer_id]) for s in answering]
-        measured = ServerEstimates()  # what the client knows
-        true: dict[str, Estimate] = {}  # what the oracle knows
-        for server, span in zip(answering, spans, strict=True):
-            rtt = self.network.rtt(client, server.peer_id)
-            measured.ping(server.peer_id, rtt * self.rng.uniform(1.0, 1.2), span.info)
-            true[server.peer_id] = Estimate(rtt, server.kind.seconds_per_block)
-        announced = {server.peer_id: server.links for server in answering}
+        spans, measured = looked_up(self, client, self.rng)
+        true = truth(self, client, [s.peer_id for s in spans], joining=True)
+        announced = {span.peer_id: dict(span.info.next_pings) for span in spans}
         total = self.scenario.num_blocks
         try:
             estimates = measured.estimates(spans)
@@ -200,9 +207,3 @@ class Simulation:
         finally:
             del self.network.places[client]
         self.ratios.append(chain_cost(chosen, true, links, True) / chain_cost(oracle, true, links, True))
-
-
-def _span(server: SimServer, placed: Placed) -> RemoteSpan:
-    start, end, throughput = placed
-    info = ServerStatus(start, end, "sim", "float16", 8192, 1 << 20, throughput=throughput)
-    return RemoteSpan(server.peer_id, start, end, info)

@@ -125,12 +125,14 @@ def _least(options) -> tuple[float, Candidate | None]:
 
 def _hops(start: int, end: int, best, table: Mapping[int, _Cut], push: bool) -> list[tuple[str, int, int]]:
     hops = []
-    p, previous = start, None
+    p = start
+    previous = None
     while p < end:
         cost, s = best[p, previous]
         if s is None or cost == INF:
             return []
         stop = table[p].way[s.peer_id][1]
         hops.append((s.peer_id, p, stop))
-        p, previous = stop, (s.peer_id if push else None)
+        p = stop
+        previous = s.peer_id if push else None
     return hops

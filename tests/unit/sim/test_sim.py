@@ -1,6 +1,7 @@
-"""The simulated swarm (corolla.sim): corolla's own placement, rebalancing and routing under a simulated
-clock. A small swarm whose crash leaves blocks without a server gets them covered again by the others'
-moves; routing's chains are never cheaper than the oracle's (but for jitter) and use only live servers."""
+"""The simulated swarm (corolla.sim): corolla's own placement, rebalancing, routing and failover under a
+simulated clock. A small swarm whose crash leaves blocks without a server gets them covered again by the
+others' moves; routing's chains are never cheaper than the oracle's (but for jitter) and use only live
+servers; sessions on crashed servers fail over, and are lost only while some block has no live server."""
 
 from __future__ import annotations
 
@@ -55,6 +56,44 @@ def test_clients_chains_use_live_servers_and_cost_no_less_than_the_oracles():
     assert all(server.peer_id in simulation.network.places for server in simulation.servers.values())
 
 
+def test_sessions_fail_over_and_are_lost_only_while_a_block_has_no_server():
+    with_sessions = thin_swarm(
+        events=[*thin_swarm().events, {"at": 100, "kind": "sessions", "count": 200, "over": 300}],
+        session_steps=(100, 300),
+        oracle_every=4,
+    )
+    simulation = Simulation(with_sessions).run()
+    found = summarize(simulation, 0.0)["sessions"]
+    assert found["started"] == 200 and found["lost"] > 0  # blocks went without a server for a minute
+    assert found["lost_while_covered"] == 0 and found["chains_through_banned_or_departed"] == 0
+    assert found["failovers"] > 0 and found["finished"] > 0
+    sessions = simulation.sessions
+    assert not any(
+        sessions.on.get(server.peer_id) for server in simulation.servers.values() if not server.alive
+    )
+    open_now = sum(server.sessions for server in simulation.servers.values() if server.alive)
+    assert open_now == sum(len(hops) for hops in _open_chains(sessions))  # every hop's load counted once
+    assert min(sessions.ratios) >= 1 / (1 + JITTER)
+    # the swarm itself goes the same way with or without sessions (they draw from their own generator)
+    assert [c.live_min for c in simulation.samples] == [
+        c.live_min for c in Simulation(thin_swarm()).run().samples
+    ]
+
+
+def _open_chains(sessions):
+    live = {session for peers in sessions.on.values() for session in peers}
+    return [session.hops for session in live]
+
+
+def test_the_small_scenario_loses_no_session_while_its_blocks_are_covered():
+    result = simulate(load("small"))
+    assert result["servers_joined"] == 100 and result["crashes"][0]["servers"] == 10
+    found = result["sessions"]
+    assert found["started"] == 400 and found["lost_while_covered"] == 0 and found["lost"] == 0
+    assert found["failovers_per_finished_session"]["max"] >= 1  # the crash hit sessions, which went on
+    assert found["latency_vs_oracle"]["sessions"] == 100
+
+
 def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
     one, two = simulate(thin_swarm()), simulate(thin_swarm())
     for result in (one, two):
@@ -65,7 +104,10 @@ def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
 
 
 def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
-    with pytest.raises(InvalidRequest, match="no scenario file 'nowhere' \\(bundled: crash10, small\\)"):
+    with pytest.raises(
+        InvalidRequest,
+        match="no scenario file .nowhere. \\(bundled: crash10, day, flash, one_by_one, small\\)",
+    ):
         load("nowhere")
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({**thin_swarm().model_dump(), "num_blocks": 4}))

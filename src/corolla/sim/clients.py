@@ -1,0 +1,61 @@
+"""What a simulated client knows of the swarm when it routes, and what is true.
+
+A client reads the servers' records (those the DHT still holds) and pings every server of them: a
+crashed server does not answer, a live one answers with its live load and its announced links (what
+client/swarm_view.py and client/estimates.py get from `rpc_info`). Its round trips come out up to 20%
+above the true ones (a ping's own overhead). The oracle knows every server's true speed and load and
+every true round trip.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from corolla.client.estimates import ServerEstimates
+from corolla.server.placement import Placed
+from corolla.sim.state import SimServer, Swarm
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.routing import Estimate
+from corolla.wire.records import ServerStatus
+
+
+def span(server: SimServer, placed: Placed) -> RemoteSpan:
+    """A server as its record (`placed`) and its ping's reply describe it."""
+    start, end, throughput = placed
+    info = ServerStatus(
+        start,
+        end,
+        "sim",
+        "float16",
+        8192,
+        1 << 20,
+        throughput=throughput,
+        num_sessions=server.sessions,
+        next_pings=tuple(server.links.items()),
+    )
+    return RemoteSpan(server.peer_id, start, end, info)
+
+
+def looked_up(sim: Swarm, client: str, rng: random.Random) -> tuple[list[RemoteSpan], ServerEstimates]:
+    """The spans of the servers that answer `client`'s pings, and its estimates of them."""
+    view = sim.view()
+    answering = [s for s in sim.servers.values() if s.alive and s.peer_id in view]
+    spans = [span(s, view[s.peer_id]) for s in answering]
+    estimates = ServerEstimates()
+    for server, found in zip(answering, spans, strict=True):
+        rtt = sim.network.rtt(client, server.peer_id)
+        estimates.ping(server.peer_id, rtt * rng.uniform(1.0, 1.2), found.info)
+    return spans, estimates
+
+
+def truth(sim: Swarm, client: str, peer_ids: Iterable[str], joining: bool) -> dict[str, Estimate]:
+    """Each server's true round trip from `client` and true time per block of a step, slowed by the other
+    sessions in its batch (`joining`: the client's session is about to be one more)."""
+    true = {}
+    for peer_id in peer_ids:
+        server = sim.servers[peer_id]
+        others = server.sessions if joining else max(server.sessions - 1, 0)
+        seconds = server.kind.seconds_per_block * (1 + sim.scenario.batch_growth * others)
+        true[peer_id] = Estimate(sim.network.rtt(client, peer_id), seconds)
+    return true

@@ -1,0 +1,205 @@
+"""Inference sessions in a simulated swarm, each one a client of its own deciding with corolla's client code
+under the simulation's clock: client/router.py `Router.choose` (the routable filter and the cheapest
+chain over what the client knows: client/estimates.py from its pings, the records it read), client/bans.py
+`Bans` and client/retries.py `RetryBudget` for failover, and client/estimates.py's silence rule for how
+long a crashed server's silence takes to notice.
+
+A session holds its servers for its decode steps at its chain's true per-token latency (swarm/routing.py
+`chain_cost` at true speeds, round trips and batch loads, push on); the latency is fixed when the chain is
+chosen (loads that change later do not change it). When a server of its chain crashes, the client notices
+after the silence limit, bans the server and routes the failed hop's blocks again (`failover`), as
+client/chain.py `_recover` does; with a block uncovered it waits up to `routing_timeout` (looking every
+LONGEST_WAIT seconds, as the router does), then the session is lost. Lost sessions are counted apart when
+every block still had a live server (a routing failure, which must never happen). Simplifications: a
+client pings every server at each decision (the real one re-pings every `refresh_period`), and a
+replacement's replay costs no time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from corolla.client.bans import Bans
+from corolla.client.estimates import SILENCE_FACTOR, SILENCE_FLOOR
+from corolla.client.retries import RetryBudget
+from corolla.client.router import LONGEST_WAIT, Router
+from corolla.config import ClientConfig
+from corolla.errors import MissingBlocks, ServerUnavailable
+from corolla.server.placement import coverage
+from corolla.sim.clients import looked_up, truth
+from corolla.sim.scenario import Event
+from corolla.sim.state import Swarm
+from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.routing import Hop, chain_cost, choose_chain
+
+
+@dataclass(eq=False)
+class SimSession:
+    client: str  # its peer id (a place on the plane)
+    steps: int  # decode steps it runs
+    bans: Bans
+    hops: list[Hop] = field(default_factory=list)
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # blocks it has no server for yet
+    latency: float = 0.0  # true seconds per token of its chain (0: paused, some blocks have no server)
+    done: float = 0.0  # steps run so far
+    since: float = 0.0  # when `latency` began to apply
+    failovers: int = 0
+    version: int = 0  # its end is the one scheduled for this version
+    waiting_since: float | None = None  # since when some block has had no server for it
+
+    def advance(self, now: float) -> None:
+        if self.latency > 0:
+            self.done += (now - self.since) / self.latency
+        self.since = now
+
+
+@dataclass
+class _View:
+    """What client/router.py reads of client/swarm_view.py's SwarmView: the spans read and who answered."""
+
+    spans: list[RemoteSpan]
+    answered: set[str]
+    refusals: dict[str, str] = field(default_factory=dict)
+    stale: bool = False
+
+
+class Sessions:
+    def __init__(self, sim: Swarm):
+        self.sim = sim
+        self.config = ClientConfig()
+        self.on: dict[str, set[SimSession]] = defaultdict(set)  # peer id -> sessions with a hop there
+        self.started = self.finished = self.lost = self.lost_while_covered = self.misrouted = 0
+        self.failovers: list[int] = []  # per finished session
+        self.replaced = 0  # servers replaced in sessions' chains, all sessions
+        self.latencies: list[float] = []  # per chain chosen: true seconds per token
+        self.ratios: list[float] = []  # a sample of sessions' first chains: true latency / the oracle's
+        self._names = itertools.count()
+        # sessions draw from their own generator: a scenario's swarm goes the same way with or without them
+        self.rng = random.Random(f"{sim.scenario.seed}-sessions")
+
+    def start(self, event: Event) -> None:
+        for _ in range(event.count):
+            self.sim.at(self.sim.now + self.rng.uniform(0, event.over), self._arrive)
+
+    def crashed(self, peer_ids: set[str]) -> None:
+        """Servers crashed: each session on them notices after its silence limit and fails over."""
+        for session in set().union(*(self.on.pop(peer_id, set()) for peer_id in peer_ids)):
+            silence = max(SILENCE_FLOOR, SILENCE_FACTOR * session.latency)
+            session.advance(self.sim.now)
+            session.latency = 0.0  # paused: its next step waits on a dead server
+            session.version += 1  # and it does not end as planned
+            self.sim.at(self.sim.now + silence, self._fail_over, session, peer_ids)
+
+    def _arrive(self) -> None:
+        sim = self.sim
+        session = SimSession(
+            f"session{next(self._names)}",
+            self.rng.randint(*sim.scenario.session_steps),
+            Bans(self.config, clock=lambda: sim.now),
+        )
+        sim.network.place(session.client, self.rng)
+        session.gaps.append((0, sim.scenario.num_blocks))
+        self.started += 1
+        self._repair(session, session.version, first=self.started % sim.scenario.oracle_every == 0)
+
+    def _fail_over(self, session: SimSession, peer_ids: set[str]) -> None:
+        if session.version < 0:  # over already
+            return
+        budget = RetryBudget(self.config, clock=lambda: self.sim.now)
+        for index in reversed(range(len(session.hops))):
+            hop = session.hops[index]
+            if hop.peer_id in peer_ids:
+                session.bans.ban(hop.peer_id)
+                try:
+                    budget.spend(ServerUnavailable(f"server {hop.peer_id} crashed"))
+                except ServerUnavailable:
+                    return self._lose(session)
+                self._release([hop], session)
+                del session.hops[index]
+                session.gaps.append((hop.start, hop.end))
+                session.failovers += 1
+                self.replaced += 1
+        self._repair(session, session.version)
+
+    def _repair(self, session: SimSession, version: int, first: bool = False) -> None:
+        """Route every gap of the session's chain; wait (or lose it) while some block has no server."""
+        sim = self.sim
+        if version != session.version:
+            return
+        session.advance(sim.now)
+        while session.gaps:
+            start, end = session.gaps[-1]
+            try:
+                hops = self._choose(session, start, end, oracle=first)
+            except MissingBlocks:
+                session.latency = 0.0  # paused
+                session.waiting_since = (
+                    session.waiting_since if session.waiting_since is not None else sim.now
+                )
+                if sim.now - session.waiting_since >= self.config.routing_timeout:
+                    return self._lose(session)
+                session.version += 1
+                sim.at(sim.now + LONGEST_WAIT, self._repair, session, session.version)
+                return
+            session.gaps.pop()
+            session.hops = sorted([*session.hops, *hops], key=lambda hop: hop.start)
+            for hop in hops:
+                sim.servers[hop.peer_id].sessions += 1
+                self.on[hop.peer_id].add(session)
+        session.waiting_since = None
+        self._resume(session)
+
+    def _resume(self, session: SimSession) -> None:
+        """A whole chain again: its true latency from now on, and when it will have run its steps."""
+        sim = self.sim
+        true = truth(sim, session.client, {hop.peer_id for hop in session.hops}, joining=False)
+        session.latency = chain_cost(session.hops, true, sim.network.links(), push=True)
+        self.latencies.append(session.latency)
+        session.version += 1
+        left = (session.steps - session.done) * session.latency
+        sim.at(sim.now + left, self._end, session, session.version)
+
+    def _choose(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
+        """The client's chain over [start, end) (client/router.py); with `oracle`, also the oracle's."""
+        sim = self.sim
+        spans, estimates = looked_up(sim, session.client, self.rng)
+        view = _View(spans, {s.peer_id for s in spans})
+        router = Router(self.config, sim.scenario.num_blocks, view, session.bans, estimates, rng=self.rng)
+        hops = router.choose(start, end)
+        self.misrouted += any(
+            not sim.servers[hop.peer_id].alive or hop.peer_id in session.bans.banned() for hop in hops
+        )
+        if oracle:
+            true = truth(sim, session.client, [s.peer_id for s in spans], joining=True)
+            links = sim.network.links()
+            best = choose_chain(spans, start, end, estimates=true, links=links, push=True, rng=self.rng)
+            self.ratios.append(chain_cost(hops, true, links, True) / chain_cost(best, true, links, True))
+        return hops
+
+    def _end(self, session: SimSession, version: int) -> None:
+        if version != session.version:
+            return
+        self._release(session.hops, session)
+        self.finished += 1
+        self.failovers.append(session.failovers)
+        self._forget(session)
+
+    def _lose(self, session: SimSession) -> None:
+        sim = self.sim
+        self._release(session.hops, session)
+        live = [(s.start, s.end, 1.0) for s in sim.servers.values() if s.alive]
+        self.lost += 1
+        self.lost_while_covered += min(coverage(live, sim.scenario.num_blocks)) > 0
+        self._forget(session)
+
+    def _release(self, hops: list[Hop], session: SimSession) -> None:
+        for hop in hops:
+            self.sim.servers[hop.peer_id].sessions -= 1
+            self.on.get(hop.peer_id, set()).discard(session)
+
+    def _forget(self, session: SimSession) -> None:
+        session.version = -1
+        del self.sim.network.places[session.client]
