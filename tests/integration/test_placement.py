@@ -1,5 +1,6 @@
-"""Servers without --blocks place themselves on the tiny llama's 6 blocks and rebalance when one leaves; a
-session running across a move completes with the right tokens."""
+"""Servers without --blocks place themselves on the tiny llama's 6 blocks and rebalance when one leaves (the
+left blocks seen without a server by the next announce period's read: rebalancer.py `look`); a session
+running across a move completes with the right tokens."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def test_self_placement_and_rebalancing(tiny_models):
         ]  # the session runs on the mover
         # the session waits for the move however long a loaded machine takes (the test's timeout bounds it)
         with connect(path, swarm, pinned, routing_timeout=300.0) as model:
+            # each record says when it was stored and how often it is renewed (the rebalancer's staleness)
+            infos = model.runtime.run(model.client.swarm.view.refresh())
+            assert all(s.info.announce_period == 1 and s.info.announced_at > 0 for s in infos)
             prompt = [1, 96, 198, 26, 35, 253, 56, 56, 2]
             expected = model.generate(prompt, max_new_tokens=40, ignore_eos=True)
             results = {}

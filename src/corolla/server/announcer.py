@@ -2,17 +2,22 @@
 
 Records are signed with the server's identity (swarm/dht.py). They expire after 2.5 announce periods,
 so a server that dies without a word disappears from clients' views on its own; a server that stops
-gracefully announces OFFLINE first.
+gracefully announces OFFLINE first. Each record says when it was stored and how often it is renewed, so
+placement and rebalancing stop counting a dead server's records after 1.5 periods
+(wire/records.py STALE_PERIODS), long before they expire.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
+
+from hivemind.utils import get_dht_time
 
 from corolla.server.periodic import Periodic
 from corolla.swarm.dht import PeerDHT, announce, announce_model
-from corolla.wire.records import ServerState, ServerStatus
+from corolla.wire.records import RECORD_LIFETIME, ServerState, ServerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +43,10 @@ class Announcer:
 
     @property
     def expiration(self) -> float:
-        return 2.5 * self.period
+        return RECORD_LIFETIME * self.period
 
     async def announce(self) -> bool:
-        record = self.snapshot()
+        record = replace(self.snapshot(), announced_at=get_dht_time(), announce_period=self.period)
         ok = await announce(self.dht, self.dht_prefix, record, self.expiration, self.leaving)
         if record.state == ServerState.ONLINE:
             ok &= await announce_model(self.dht, self.dht_prefix, self.num_blocks, self.expiration)

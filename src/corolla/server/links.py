@@ -2,18 +2,21 @@
 
 Every announce period the server reads the swarm from the DHT, pings (rpc_info) up to MAX_LINKS servers
 whose spans start where its own ends, and keeps the round trips; the announcement carries them, so a
-client can cost a chain's server-to-server hops without measuring them itself.
+client can cost a chain's server-to-server hops without measuring them itself. The read is also passed
+to `on_read` (the rebalancer's look for blocks without a server), so nothing else reads it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from hivemind import DHT
 from hivemind.p2p import P2P
 
 from corolla.server.periodic import Periodic
+from corolla.server.placement import Placed
 from corolla.server.spans import HostedSpans
 from corolla.swarm.dht import placed_servers
 from corolla.swarm.ping import ping
@@ -32,6 +35,7 @@ class LinkMonitor:
         self.num_blocks = num_blocks
         self.period = period
         self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
+        self.on_read: Callable[[dict[str, Placed]], Awaitable[object]] | None = None
         failure = "Measuring the links to the next servers failed"
         self._loop = Periodic(
             "corolla-links", self.measure, lambda: period, failure, at_once=True, level=logging.DEBUG
@@ -46,6 +50,8 @@ class LinkMonitor:
     async def measure(self) -> None:
         end = self.spans.primary.blocks[1]
         placed = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
+        if self.on_read is not None:
+            await self.on_read(dict(placed))
         placed.pop(self.peer_id, None)
         nexts = [peer for peer, (start, stop, _) in placed.items() if start <= end < stop][:MAX_LINKS]
         transport = P2PTransport(self.p2p)

@@ -74,13 +74,16 @@ def better_blocks(
     weight: float,
     forbidden_cuts: frozenset[int] = frozenset(),
 ) -> tuple[int, int] | None:
-    """Where this server should move, if moving raises the weakest coverage by a clear margin."""
+    """Where this server should move, if moving leaves fewer blocks without a server (one move may fill
+    one of several holes: corolla sim found swarms that two holes froze) or raises the weakest coverage
+    by a clear margin."""
     others = list(others)
     base = coverage(others, total)
-    now = min(_with(base, *current, weight))
+    now = _with(base, *current, weight)
     target = choose_blocks(others, current[1] - current[0], total, weight, forbidden_cuts)
-    after = min(_with(base, *target, weight))
-    if target != current and (after > now * (1 + MOVE_MARGIN) or (now == 0 < after)):
+    after = _with(base, *target, weight)
+    fewer_holes = after.count(0.0) < now.count(0.0)
+    if target != current and (fewer_holes or min(after) > min(now) * (1 + MOVE_MARGIN)):
         return target
     return None
 

@@ -167,6 +167,7 @@ class Server:
                 self.throughput or 1.0,
                 config.balance_period,
             )
+            self.links.on_read = self.rebalancer.look
             self.rebalancer.start()
 
     async def _choose_blocks(self) -> tuple[int, int]:

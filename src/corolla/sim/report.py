@@ -66,6 +66,7 @@ def sessions(found: Sessions) -> dict:
     return {
         "started": found.started,
         "finished": found.finished,
+        "waited_for_blocks": found.waited,
         "lost": found.lost,
         "lost_while_covered": found.lost_while_covered,
         "chains_through_banned_or_departed": found.misrouted,

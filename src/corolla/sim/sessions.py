@@ -74,6 +74,7 @@ class Sessions:
         self.started = self.finished = self.lost = self.lost_while_covered = self.misrouted = 0
         self.failovers: list[int] = []  # per finished session
         self.replaced = 0  # servers replaced in sessions' chains, all sessions
+        self.waited = 0  # sessions that waited for a block without a server
         self.latencies: list[float] = []  # per chain chosen: true seconds per token
         self.ratios: list[float] = []  # a sample of sessions' first chains: true latency / the oracle's
         self._names = itertools.count()
@@ -136,9 +137,9 @@ class Sessions:
                 hops = self._choose(session, start, end, oracle=first)
             except MissingBlocks:
                 session.latency = 0.0  # paused
-                session.waiting_since = (
-                    session.waiting_since if session.waiting_since is not None else sim.now
-                )
+                if session.waiting_since is None:
+                    session.waiting_since = sim.now
+                    self.waited += 1
                 if sim.now - session.waiting_since >= self.config.routing_timeout:
                     return self._lose(session)
                 session.version += 1

@@ -1,16 +1,17 @@
-"""A discrete-event simulation of a swarm's placement, recovery and routing: no sockets and no real time,
-corolla's own decision code under a simulated clock (issue 31; a first part: no sessions yet).
+"""A discrete-event simulation of a swarm's placement, recovery, routing and sessions: no sockets and no
+real time, corolla's own decision code under a simulated clock (issue 31).
 
-Servers join and choose their blocks (server/placement.py `choose_blocks`) from the records the DHT holds
-then; each announces its record every announce period (a record expires after 2.5 of them, as
-`--announce-period` does), and checks every balance period (+-20%) whether it is the server whose move
-helps the swarm most (placement.py `best_move`, as `Rebalancer` does), moving if so. A crash ends servers
-at once: their records stay until they expire, and nothing replaces them but the others' moves and
-later joins. Every sample period the simulation measures the blocks' coverage by live servers, and routes
-from random points of the plane: a client's chain (swarm/routing.py `choose_chain` over the servers that
-answer its pings, with client/estimates.py's estimates from announced speeds and its measured round
-trips) against an oracle's (the same search over true speeds), both priced at the true speeds and round
-trips (`chain_cost`, push on).
+Servers join and choose their blocks (server/placement.py `choose_blocks`) from the records renewed
+lately; each announces its record every announce period (a record expires after 2.5 of them and stops
+counting for placement after 1.5, as wire/records.py says), and reads the swarm then as server/links.py
+does: the rebalancer looks at that read at once when some block has no server. Every balance period
+(+-20%) each server checks whether it is the server whose move helps the swarm most (placement.py
+`best_move`, as `Rebalancer` does), moving if so. A crash ends servers at once: their records stay until
+they expire. Sessions (sim/sessions.py) are clients of their own. Every sample period the simulation
+measures the blocks' coverage by live servers, and routes from random points of the plane: a client's
+chain (swarm/routing.py `choose_chain` over the servers that answer its pings, with client/estimates.py's
+estimates from announced speeds and its measured round trips) against an oracle's (the same search over
+true speeds and every true round trip), both priced at the truth (`chain_cost`, push on).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
 from corolla.sim.state import SimServer
 from corolla.swarm.routing import chain_cost, choose_chain
-
-RECORD_LIFETIME = 2.5  # announce periods a record outlives its last announcement (server/announcer.py)
+from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK, missed_renewal
 
 
 @dataclass
 class Record:
     placed: Placed
+    announced_at: float
     expires: float
 
 
@@ -44,7 +45,7 @@ class Record:
 class Coverage:
     time: float
     live_min: int  # servers alive on the least-held block
-    view_min: int  # records unexpired on it (what a joining or moving server sees)
+    view_min: int  # records renewed lately on it (what a joining or moving server counts)
 
 
 @dataclass
@@ -65,7 +66,8 @@ class Simulation:
         self._order = itertools.count()
         self._names = itertools.count()
         self._view: dict[str, Placed] | None = None  # the records' placements, until one changes
-        self._starting: dict[int, list[str]] = {}  # block -> peer ids of the view's spans starting there
+        self._placed: dict[str, Placed] = {}  # of those, the ones renewed lately (built with _view)
+        self._starting: dict[int, list[str]] = {}  # block -> peer ids of _placed's spans starting there
         self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
         self._best_known = False
         self.sessions = Sessions(self)
@@ -88,7 +90,9 @@ class Simulation:
             doomed = self.rng.sample(live, round(event.fraction * len(live)))
             for server in doomed:
                 server.alive = False
-                self.at(self.records[server.peer_id].expires, self._expire, server.peer_id)
+                record = self.records[server.peer_id]
+                self.at(record.expires, self._expire, server.peer_id)
+                self.at(record.announced_at + self._stale_after + 1e-6, self._forget)
             self.crashes.append((self.now, len(doomed)))
             self.sessions.crashed({server.peer_id for server in doomed})
         if event.kind == "sessions":
@@ -108,7 +112,7 @@ class Simulation:
             noise / kind.seconds_per_block,
         )
         self.network.place(server.peer_id)
-        others = self.view().values()
+        others = self.placed().values()
         server.start, server.end = choose_blocks(
             others, server.blocks, self.scenario.num_blocks, server.throughput
         )
@@ -120,39 +124,66 @@ class Simulation:
         if not server.alive:
             return
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
-        self._store(server.peer_id, Record((server.start, server.end, server.throughput), expires))
-        # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py)
-        self.view()
+        self._store(server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires))
+        # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py), from a
+        # read of the swarm that the rebalancer looks at too: a block without a server is checked at once
+        placed = self.placed()
         after = [p for p in self._starting.get(server.end, []) if self.servers[p].alive]
         chosen = self.rng.sample(after, min(len(after), MAX_LINKS))
         server.links = {peer_id: self.network.rtt(server.peer_id, peer_id) for peer_id in chosen}
+        if min(coverage(placed.values(), self.scenario.num_blocks)) == 0:
+            self._decide(server)
         self.at(self.now + self.scenario.announce_period, self._announce, server)
 
     def _check(self, server: SimServer) -> None:
-        if not server.alive:
-            return
+        if server.alive:
+            self._decide(server)
+            self.at(self.now + self._balance_delay(), self._check, server)
+
+    def _decide(self, server: SimServer) -> None:
+        """Rebalancer.check: move if this server is the one whose move helps most."""
         best = self._best_move()
         if best is not None and best[0] == server.peer_id:
             server.start, server.end = best[1]
             self.moves += 1
+            record = self.records[server.peer_id]
             self._store(
-                server.peer_id, Record((*best[1], server.throughput), self.records[server.peer_id].expires)
+                server.peer_id, Record((*best[1], server.throughput), record.announced_at, record.expires)
             )
-        self.at(self.now + self._balance_delay(), self._check, server)
 
     def _balance_delay(self) -> float:
         return self.scenario.balance_period * self.rng.uniform(0.8, 1.2)
 
     def view(self) -> dict[str, Placed]:
-        """The servers' records the DHT holds now (not to be changed by the caller)."""
+        """The servers' records the DHT holds now: what clients read (not to be changed by the caller)."""
         if self._view is None:
             self.records = {p: r for p, r in self.records.items() if r.expires > self.now}
             self._view = {peer_id: record.placed for peer_id, record in self.records.items()}
+            period = self.scenario.announce_period
+            self._placed = {
+                peer_id: record.placed
+                for peer_id, record in self.records.items()
+                if not missed_renewal(record.announced_at, period, self.now)
+            }
             self._starting = {}
-            for peer_id, (start, _, _) in self._view.items():
+            for peer_id, (start, _, _) in self._placed.items():
                 self._starting.setdefault(start, []).append(peer_id)
             self._best_known = False
         return self._view
+
+    def placed(self) -> dict[str, Placed]:
+        """Of those, the records renewed lately: what placement and rebalancing count (swarm/dht.py
+        placed_servers)."""
+        self.view()
+        return self._placed
+
+    @property
+    def _stale_after(self) -> float:
+        return STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
+
+    def _forget(self) -> None:
+        """A crashed server's records went stale: placement stops counting them."""
+        self._view = None
 
     def _store(self, peer_id: str, record: Record) -> None:
         old = self.records.get(peer_id)
@@ -168,9 +199,9 @@ class Simulation:
 
     def _best_move(self) -> tuple[str, tuple[int, int]] | None:
         """placement.best_move, once per view: every server checking the same view gets the same answer."""
-        view = self.view()
+        placed = self.placed()
         if not self._best_known:
-            self._best = best_move(view, self.scenario.num_blocks)
+            self._best = best_move(placed, self.scenario.num_blocks)
             self._best_known = True
         return self._best
 
@@ -178,7 +209,7 @@ class Simulation:
 
     def _sample(self) -> None:
         live = [(s.start, s.end, 1.0) for s in self.servers.values() if s.alive]
-        view = [(start, end, 1.0) for start, end, _ in self.view().values()]
+        view = [(start, end, 1.0) for start, end, _ in self.placed().values()]
         total = self.scenario.num_blocks
         self.samples.append(
             Coverage(self.now, int(min(coverage(live, total))), int(min(coverage(view, total))))

@@ -257,9 +257,11 @@ async def find_spans(
 
 async def placed_servers(dht: DHT, dht_prefix: str, num_blocks: int) -> dict[str, tuple[int, int, float]]:
     """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none):
-    what placement, rebalancing and link measurements read."""
+    what placement, rebalancing and link measurements read. A server that missed renewing its records
+    (wire/records.py STALE_PERIODS) is left out: it is most likely gone."""
     spans = await find_spans(dht, dht_prefix, num_blocks)
-    return {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans}
+    now = get_dht_time()
+    return {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans if not s.info.stale(now)}
 
 
 def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus) -> RemoteSpan:

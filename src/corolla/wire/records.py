@@ -17,12 +17,25 @@ from corolla.wire.fields import Fields, pack, unpack
 
 MAX_PINGS = 64
 QUANTIZED = ("int8", "int4")  # weight precisions that change outputs (models/quantize.py)
+RECORD_LIFETIME = 2.5  # announce periods a record lives after it was stored (server/announcer.py)
+# a record not renewed for this many of its server's announce periods (and STALE_SLACK seconds: an
+# announcement's own DHT stores, clocks a little apart) is a gone server's: a live one renews it every
+# period. It lives on until RECORD_LIFETIME, but placement and rebalancing stop counting it (swarm/dht.py
+# placed_servers)
+STALE_PERIODS = 1.5
+STALE_SLACK = 5.0
 
 
 class ServerState(enum.IntEnum):
     OFFLINE = 0
     JOINING = 1
     ONLINE = 2
+
+
+def missed_renewal(announced_at: float, announce_period: float, now: float) -> bool:
+    """Whether a record stored at `announced_at` by a server renewing it every `announce_period` seconds
+    should have been renewed by `now` (DHT time: hivemind's, the peers' clocks) and was not."""
+    return now - announced_at > STALE_PERIODS * announce_period + STALE_SLACK
 
 
 def block_key(dht_prefix: str, index: int) -> str:
@@ -76,6 +89,16 @@ class ServerStatus:
     device_name: str = ""  # "NVIDIA H200", a CPU's model name
     device_memory: int | None = None  # bytes of that device's memory (the host's RAM for a CPU)
     reachability: str = ""  # how other peers reach it: direct | relayed | unreachable ("": not said)
+    # when the announcement was stored (DHT time) and how often it is renewed (None in rpc_info replies
+    # and from peers too old to say): a record not renewed for STALE_PERIODS is a gone server's
+    announced_at: float | None = None
+    announce_period: float | None = None
+
+    def stale(self, now: float) -> bool:
+        """Whether its server has missed renewing this record (see `missed_renewal`)."""
+        if self.announced_at is None or self.announce_period is None:
+            return False
+        return missed_renewal(self.announced_at, self.announce_period, now)
 
     @property
     def quantized(self) -> bool:
@@ -155,6 +178,8 @@ class ServerStatus:
             device_name=fields.str("device_name", max_chars=128) or "",
             device_memory=fields.int("device_memory", low=0),
             reachability=fields.str("reachability", max_chars=16) or "",
+            announced_at=fields.float("announced_at", low=0.0),
+            announce_period=fields.float("announce_period", low=0.0),
         )
 
 

@@ -5,6 +5,7 @@ import pytest
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
 from corolla.server.placement import (
+    best_move,
     better_blocks,
     block_bytes,
     blocks_for_budget,
@@ -41,6 +42,18 @@ def test_a_server_moves_only_to_fill_a_hole_or_clearly_help():
     assert better_blocks(balanced, (18, 30), 30, 1.0) is None  # already no hole: stay
     slow = [(0, 15, 1.0), (15, 30, 10.0)]  # blocks 0-14 have a tenth of the throughput of 15-29
     assert better_blocks(slow, (15, 30), 30, 10.0) == (0, 15)
+
+
+def test_with_two_holes_moves_that_fill_one_at_a_time_are_made():
+    """No single server can fill both holes (blocks 5 and 15): before, the weakest coverage stayed 0
+    whatever moved, so nothing moved and both stayed empty for good (corolla sim, a half-crashed swarm).
+    Now each move fills one hole without opening another, until none is left."""
+    servers = {"a": (0, 5, 1.0), "b": (6, 15, 1.0), "c": (6, 10, 1.0), "d": (16, 20, 1.0)}
+    holes = [coverage(servers.values(), 20).count(0.0)]
+    while (move := best_move(servers, 20)) is not None:
+        servers[move[0]] = (*move[1], 1.0)
+        holes.append(coverage(servers.values(), 20).count(0.0))
+    assert holes == [2, 1, 0]
 
 
 def test_memory_budget_sets_the_number_of_blocks():

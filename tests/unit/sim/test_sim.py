@@ -56,17 +56,19 @@ def test_clients_chains_use_live_servers_and_cost_no_less_than_the_oracles():
     assert all(server.peer_id in simulation.network.places for server in simulation.servers.values())
 
 
-def test_sessions_fail_over_and_are_lost_only_while_a_block_has_no_server():
-    with_sessions = thin_swarm(
-        events=[*thin_swarm().events, {"at": 100, "kind": "sessions", "count": 200, "over": 300}],
-        session_steps=(100, 300),
-        oracle_every=4,
-    )
-    simulation = Simulation(with_sessions).run()
-    found = summarize(simulation, 0.0)["sessions"]
-    assert found["started"] == 200 and found["lost"] > 0  # blocks went without a server for a minute
-    assert found["lost_while_covered"] == 0 and found["chains_through_banned_or_departed"] == 0
-    assert found["failovers"] > 0 and found["finished"] > 0
+def with_sessions(**changes) -> Scenario:
+    events = [*thin_swarm().events, {"at": 100, "kind": "sessions", "count": 200, "over": 300}]
+    return thin_swarm(**{"events": events, "session_steps": (100, 300), "oracle_every": 4, **changes})
+
+
+def test_sessions_fail_over_and_wait_out_a_short_hole():
+    simulation = Simulation(with_sessions()).run()
+    result = summarize(simulation, 0.0)
+    assert result["crashes"][0]["uncovered_s"] > 0  # blocks went without a server for a while
+    found = result["sessions"]
+    assert found["started"] == 200 and found["waited_for_blocks"] > 0 and found["failovers"] > 0
+    assert found["lost"] == 0 and found["finished"] > 0  # the hole was filled before routing gave up
+    assert found["chains_through_banned_or_departed"] == 0
     sessions = simulation.sessions
     assert not any(
         sessions.on.get(server.peer_id) for server in simulation.servers.values() if not server.alive
@@ -78,6 +80,16 @@ def test_sessions_fail_over_and_are_lost_only_while_a_block_has_no_server():
     assert [c.live_min for c in simulation.samples] == [
         c.live_min for c in Simulation(thin_swarm()).run().samples
     ]
+
+
+def test_sessions_are_lost_only_while_a_block_has_no_live_server():
+    events = [
+        *with_sessions().events[:1],
+        {"at": 200, "kind": "crash", "fraction": 0.95},  # too few left to hold every block
+        with_sessions().events[2],
+    ]
+    found = simulate(with_sessions(events=events))["sessions"]
+    assert found["lost"] > 0 and found["lost_while_covered"] == 0
 
 
 def _open_chains(sessions):

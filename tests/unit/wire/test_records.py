@@ -1,7 +1,7 @@
 import pytest
 
 from corolla.errors import InvalidRequest
-from corolla.wire.records import ServerState, ServerStatus, block_uids
+from corolla.wire.records import STALE_PERIODS, STALE_SLACK, ServerState, ServerStatus, block_uids
 
 
 def record(**changes):
@@ -48,3 +48,13 @@ def test_next_pings_roundtrip_and_validation():
         ServerStatus.from_dict(record(next_pings={"peerB": "fast"}))
     with pytest.raises(InvalidRequest, match="next_pings"):
         ServerStatus.from_dict(record(next_pings={f"p{i}": 0.1 for i in range(100)}))
+
+
+def test_a_record_not_renewed_for_one_and_a_half_periods_is_stale():
+    status = ServerStatus.from_dict(record(announced_at=1000.0, announce_period=30.0))
+    assert (status.announced_at, status.announce_period) == (1000.0, 30.0)
+    limit = 1000.0 + STALE_PERIODS * 30.0 + STALE_SLACK  # 50 s: a live server renews every 30 s
+    assert not status.stale(1000.0 + 31) and not status.stale(limit) and status.stale(limit + 0.1)
+    assert not ServerStatus.from_dict(record()).stale(1e12)  # a peer too old to say: never stale
+    with pytest.raises(InvalidRequest, match="announce_period"):
+        ServerStatus.from_dict(record(announce_period="often"))
