@@ -77,10 +77,18 @@ def better_blocks(
     """Where this server should move, if moving leaves fewer blocks without a server (one move may fill
     one of several holes: corolla sim found swarms that two holes froze) or raises the weakest coverage
     by a clear margin."""
-    others = list(others)
-    base = coverage(others, total)
+    return _better_move(coverage(others, total), current, total, weight, forbidden_cuts)
+
+
+def _better_move(
+    base: list[float], current: tuple[int, int], total: int, weight: float, forbidden_cuts: frozenset[int]
+) -> tuple[int, int] | None:
+    """`better_blocks` given the others' coverage."""
     now = _with(base, *current, weight)
-    target = choose_blocks(others, current[1] - current[0], total, weight, forbidden_cuts)
+    target = max(
+        windows(current[1] - current[0], total, forbidden_cuts),
+        key=lambda window: (sorted(_with(base, *window, weight)), -window[0]),
+    )
     after = _with(base, *target, weight)
     fewer_holes = after.count(0.0) < now.count(0.0)
     if target != current and (fewer_holes or min(after) > min(now) * (1 + MOVE_MARGIN)):
@@ -103,14 +111,17 @@ def my_move(
 def best_move(
     servers: dict[str, Placed], total: int, forbidden_cuts: frozenset[int] = frozenset()
 ) -> tuple[str, tuple[int, int]] | None:
-    """The server whose move helps the swarm most, and where it moves (None: no move helps)."""
+    """The server whose move helps the swarm most, and where it moves (None: no move helps). Each
+    server's others' coverage is the whole swarm's less its own span, summed in peer-id order: every
+    server computes the same floats from the same view, whatever order it read the records in."""
+    ordered = sorted(servers.items())
+    whole = coverage((placed for _, placed in ordered), total)
     candidates = []
-    for peer_id, (start, end, weight) in servers.items():
-        others = [placed for other, placed in servers.items() if other != peer_id]
-        target = better_blocks(others, (start, end), total, weight, forbidden_cuts)
+    for peer_id, (start, end, weight) in ordered:
+        others = _with(whole, start, end, -weight)
+        target = _better_move(others, (start, end), total, weight, forbidden_cuts)
         if target is not None:
-            after = sorted(_with(coverage(others, total), *target, weight))
-            candidates.append((after, peer_id, target))
+            candidates.append((sorted(_with(others, *target, weight)), peer_id, target))
     if not candidates:
         return None
     best = max(candidates, key=lambda c: (c[0], [-ord(ch) for ch in c[1]]))
