@@ -18,14 +18,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "server's true speed and every round trip.",
     )
     parser.add_argument("scenario", metavar="SCENARIO", help="a scenario file, or a bundled scenario's name")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the coverage over time (and crashes) to FILE (.png, .svg or .pdf; needs matplotlib)",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
     import logging
 
+    from corolla.sim.plot import check_plot_path, plot
     from corolla.sim.report import simulate
     from corolla.sim.scenario import load
 
+    scenario = load(args.scenario)
+    if args.plot:
+        check_plot_path(args.plot)  # before the run, not after it
     logging.getLogger("corolla.client").setLevel(logging.WARNING)  # thousands of simulated clients' bans
-    print(json.dumps(simulate(load(args.scenario)), indent=2), flush=True)
+    result = simulate(scenario)
+    print(json.dumps(result, indent=2), flush=True)
+    if args.plot:
+        plot(result, args.plot)

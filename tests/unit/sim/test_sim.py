@@ -10,6 +10,7 @@ import json
 import pytest
 
 from corolla.errors import InvalidRequest
+from corolla.sim.plot import check_plot_path, plot
 from corolla.sim.report import simulate, summarize
 from corolla.sim.scenario import Scenario, load
 from corolla.sim.swarm import Simulation
@@ -128,3 +129,15 @@ def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
     path.write_text(json.dumps({**thin_swarm().model_dump(), "duration": -1}))
     with pytest.raises(InvalidRequest, match="duration"):
         load(str(path))
+
+
+def test_a_simulation_is_drawn_where_asked(tmp_path):
+    result = simulate(thin_swarm())
+    plot(result, tmp_path / "thin.png")
+    assert (tmp_path / "thin.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot(result, tmp_path / "thin.svg")
+    assert b"least-held block" in (tmp_path / "thin.svg").read_bytes()
+    with pytest.raises(InvalidRequest, match="must end in one of .png, .svg, .pdf"):
+        check_plot_path(tmp_path / "thin.txt")
+    with pytest.raises(InvalidRequest, match="no folder"):
+        check_plot_path(tmp_path / "nowhere" / "thin.png")
