@@ -60,7 +60,17 @@ def choose_blocks(
 ) -> tuple[int, int]:
     """The window of at most `num_blocks` blocks that leaves the swarm's coverage best (weakest blocks
     first)."""
-    base = coverage(others, total)
+    return choose_window(coverage(others, total), num_blocks, total, weight, forbidden_cuts)
+
+
+def choose_window(
+    base: list[float],
+    num_blocks: int,
+    total: int,
+    weight: float,
+    forbidden_cuts: frozenset[int] = frozenset(),
+) -> tuple[int, int]:
+    """`choose_blocks` given the others' coverage (corolla.sim keeps it as servers come and go)."""
     return max(
         windows(num_blocks, total, forbidden_cuts),
         key=lambda window: (sorted(_with(base, *window, weight)), -window[0]),
@@ -85,10 +95,7 @@ def _better_move(
 ) -> tuple[int, int] | None:
     """`better_blocks` given the others' coverage."""
     now = _with(base, *current, weight)
-    target = max(
-        windows(current[1] - current[0], total, forbidden_cuts),
-        key=lambda window: (sorted(_with(base, *window, weight)), -window[0]),
-    )
+    target = choose_window(base, current[1] - current[0], total, weight, forbidden_cuts)
     after = _with(base, *target, weight)
     fewer_holes = after.count(0.0) < now.count(0.0)
     if target != current and (fewer_holes or min(after) > min(now) * (1 + MOVE_MARGIN)):

@@ -24,21 +24,15 @@ from dataclasses import dataclass, field
 
 from corolla.errors import MissingBlocks
 from corolla.server.links import MAX_LINKS
-from corolla.server.placement import Placed, best_move, choose_blocks, coverage
+from corolla.server.placement import Placed, best_move, choose_window, coverage
 from corolla.sim.clients import looked_up, truth
 from corolla.sim.network import Network
+from corolla.sim.records import Record, RecordBook
 from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
 from corolla.sim.state import SimServer
 from corolla.swarm.routing import chain_cost, choose_chain
-from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK, missed_renewal
-
-
-@dataclass
-class Record:
-    placed: Placed
-    announced_at: float
-    expires: float
+from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK
 
 
 @dataclass
@@ -53,7 +47,6 @@ class Simulation:
     scenario: Scenario
     now: float = 0.0
     servers: dict[str, SimServer] = field(default_factory=dict)
-    records: dict[str, Record] = field(default_factory=dict)
     samples: list[Coverage] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)  # client's chain / oracle's, per route
     moves: int = 0
@@ -65,11 +58,9 @@ class Simulation:
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._order = itertools.count()
         self._names = itertools.count()
-        self._view: dict[str, Placed] | None = None  # the records' placements, until one changes
-        self._placed: dict[str, Placed] = {}  # of those, the ones renewed lately (built with _view)
-        self._starting: dict[int, list[str]] = {}  # block -> peer ids of _placed's spans starting there
+        self.book = RecordBook(self.scenario.num_blocks)
         self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
-        self._best_known = False
+        self._best_version = -1  # the book's version _best was computed for
         self.sessions = Sessions(self)
 
     def run(self) -> Simulation:
@@ -90,9 +81,10 @@ class Simulation:
             doomed = self.rng.sample(live, round(event.fraction * len(live)))
             for server in doomed:
                 server.alive = False
-                record = self.records[server.peer_id]
-                self.at(record.expires, self._expire, server.peer_id)
-                self.at(record.announced_at + self._stale_after + 1e-6, self._forget)
+                record = self.book.records[server.peer_id]
+                self.at(record.expires, self.book.expire, server.peer_id, record.expires)
+                stale = record.announced_at + STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
+                self.at(stale + 1e-6, self.book.went_stale, server.peer_id)
             self.crashes.append((self.now, len(doomed)))
             self.sessions.crashed({server.peer_id for server in doomed})
         if event.kind == "sessions":
@@ -112,9 +104,9 @@ class Simulation:
             noise / kind.seconds_per_block,
         )
         self.network.place(server.peer_id)
-        others = self.placed().values()
-        server.start, server.end = choose_blocks(
-            others, server.blocks, self.scenario.num_blocks, server.throughput
+        # placement.choose_blocks over the records placement counts, whose coverage the book keeps
+        server.start, server.end = choose_window(
+            self.book.cover, server.blocks, self.scenario.num_blocks, server.throughput
         )
         self.servers[server.peer_id] = server
         self._announce(server)
@@ -124,14 +116,15 @@ class Simulation:
         if not server.alive:
             return
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
-        self._store(server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires))
+        self.book.store(
+            server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
+        )
         # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py), from a
         # read of the swarm that the rebalancer looks at too: a block without a server is checked at once
-        placed = self.placed()
-        after = [p for p in self._starting.get(server.end, []) if self.servers[p].alive]
+        after = sorted(p for p in self.book.starting.get(server.end, ()) if self.servers[p].alive)
         chosen = self.rng.sample(after, min(len(after), MAX_LINKS))
         server.links = {peer_id: self.network.rtt(server.peer_id, peer_id) for peer_id in chosen}
-        if min(coverage(placed.values(), self.scenario.num_blocks)) == 0:
+        if self.book.has_hole():
             self._decide(server)
         self.at(self.now + self.scenario.announce_period, self._announce, server)
 
@@ -146,8 +139,8 @@ class Simulation:
         if best is not None and best[0] == server.peer_id:
             server.start, server.end = best[1]
             self.moves += 1
-            record = self.records[server.peer_id]
-            self._store(
+            record = self.book.records[server.peer_id]
+            self.book.store(
                 server.peer_id, Record((*best[1], server.throughput), record.announced_at, record.expires)
             )
 
@@ -156,53 +149,18 @@ class Simulation:
 
     def view(self) -> dict[str, Placed]:
         """The servers' records the DHT holds now: what clients read (not to be changed by the caller)."""
-        if self._view is None:
-            self.records = {p: r for p, r in self.records.items() if r.expires > self.now}
-            self._view = {peer_id: record.placed for peer_id, record in self.records.items()}
-            period = self.scenario.announce_period
-            self._placed = {
-                peer_id: record.placed
-                for peer_id, record in self.records.items()
-                if not missed_renewal(record.announced_at, period, self.now)
-            }
-            self._starting = {}
-            for peer_id, (start, _, _) in self._placed.items():
-                self._starting.setdefault(start, []).append(peer_id)
-            self._best_known = False
-        return self._view
+        return self.book.view
 
     def placed(self) -> dict[str, Placed]:
         """Of those, the records renewed lately: what placement and rebalancing count (swarm/dht.py
         placed_servers)."""
-        self.view()
-        return self._placed
-
-    @property
-    def _stale_after(self) -> float:
-        return STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
-
-    def _forget(self) -> None:
-        """A crashed server's records went stale: placement stops counting them."""
-        self._view = None
-
-    def _store(self, peer_id: str, record: Record) -> None:
-        old = self.records.get(peer_id)
-        self.records[peer_id] = record
-        if old is None or old.placed != record.placed:
-            self._view = None
-
-    def _expire(self, peer_id: str) -> None:
-        """A crashed server's last record is gone from the DHT."""
-        if peer_id in self.records and self.records[peer_id].expires <= self.now:
-            del self.records[peer_id]
-            self._view = None
+        return self.book.placed
 
     def _best_move(self) -> tuple[str, tuple[int, int]] | None:
         """placement.best_move, once per view: every server checking the same view gets the same answer."""
-        placed = self.placed()
-        if not self._best_known:
-            self._best = best_move(placed, self.scenario.num_blocks)
-            self._best_known = True
+        if self._best_version != self.book.version:
+            self._best = best_move(self.book.placed, self.scenario.num_blocks)
+            self._best_version = self.book.version
         return self._best
 
     # measuring
