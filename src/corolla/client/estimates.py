@@ -3,7 +3,9 @@
 Four sources, freshest first: step times this client observed itself (a server that is slow in practice
 is seen as slow whatever it announces), round-trip times of its pings (rpc_info, which also reports live
 load), the server's own DHT announcement (throughput, sessions), and how many of this client's sessions
-run there right now (known at once, so a burst of new sessions spreads over replicas).
+run there right now (known at once, so a burst of new sessions spreads over replicas). A ping's load
+already counts the sessions this client had there when it answered: only those opened (or closed)
+since are added (corolla sim: counting them twice spread a busy client's sessions onto slower servers).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ServerEstimates:
         self.observed: dict[str, float] = {}  # seconds per block per decode step, as this client saw it
         self.infos: dict[str, ServerStatus] = {}
         self.mine: Counter[str] = Counter()  # this client's open span sessions per server
+        self._mine_when_pinged: dict[str, int] = {}  # `mine` there when its last ping answered
         self._recent_rtts: dict[str, deque[float]] = {}
         self._recent_steps: dict[str, deque[float]] = {}  # the latest decode steps' round trips
 
@@ -43,6 +46,7 @@ class ServerEstimates:
         # below RTT_FLOOR, differences are the noise of a busy machine, not distance
         self.rtt[peer_id] = max(min(recent), RTT_FLOOR)
         self.infos[peer_id] = info
+        self._mine_when_pinged[peer_id] = self.mine[peer_id]
 
     def observe_step(self, peer_id: str, seconds: float, num_blocks: int) -> None:
         """A decode step's round trip on `num_blocks` blocks of this server."""
@@ -72,12 +76,15 @@ class ServerEstimates:
             throughput = span.info.throughput
             seconds_per_block = 1 / throughput if throughput else DEFAULT_SECONDS_PER_BLOCK
         info = self.infos.get(peer_id)
-        others = info.num_sessions if info is not None else span.info.num_sessions
+        if info is not None:  # live at the ping, this client's sessions then included
+            load = max(info.num_sessions + self.mine[peer_id] - self._mine_when_pinged[peer_id], 0)
+        else:  # the announcement: a period old, with or without this client's sessions; count them
+            load = span.info.num_sessions + max(self.mine[peer_id], 0)
         free = info.cache_tokens_available if info is not None else span.info.cache_tokens_available
         return Estimate(
             rtt=self.rtt.get(peer_id, DEFAULT_RTT),
             seconds_per_block=seconds_per_block,
-            load=others + max(self.mine[peer_id], 0),
+            load=load,
             free_cache=free,
         )
 

@@ -37,12 +37,15 @@ def span(server: SimServer, placed: Placed) -> RemoteSpan:
     return RemoteSpan(server.peer_id, start, end, info)
 
 
-def looked_up(sim: Swarm, client: str, rng: random.Random) -> tuple[list[RemoteSpan], ServerEstimates]:
-    """The spans of the servers that answer `client`'s pings, and its estimates of them."""
+def looked_up(
+    sim: Swarm, client: str, rng: random.Random, estimates: ServerEstimates | None = None
+) -> tuple[list[RemoteSpan], ServerEstimates]:
+    """The spans of the servers that answer `client`'s pings, and its estimates of them (`estimates`: a
+    long-lived client's, which its pings update)."""
     view = sim.view()
     answering = [s for s in sim.servers.values() if s.alive and s.peer_id in view]
     spans = [span(s, view[s.peer_id]) for s in answering]
-    estimates = ServerEstimates()
+    estimates = ServerEstimates() if estimates is None else estimates
     for server, found in zip(answering, spans, strict=True):
         rtt = sim.network.rtt(client, server.peer_id)
         estimates.ping(server.peer_id, rtt * rng.uniform(1.0, 1.2), found.info)

@@ -59,6 +59,9 @@ class Scenario(BaseModel):
     session_steps: tuple[int, int] = (64, 512)
     batch_growth: float = Field(default=0.1, ge=0)
     oracle_every: int = Field(default=10, ge=1)
+    # sessions come from this many long-lived clients, each keeping its bans and estimates (its pings and
+    # the step times it observed) across its sessions; 0: every session is a client of its own
+    clients: int = Field(default=0, ge=0, le=1_000_000)
     seed: int = 0
 
     @model_validator(mode="after")

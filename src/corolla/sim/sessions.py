@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from corolla.client.bans import Bans
-from corolla.client.estimates import SILENCE_FACTOR, SILENCE_FLOOR
+from corolla.client.estimates import SILENCE_FACTOR, SILENCE_FLOOR, ServerEstimates
 from corolla.client.retries import RetryBudget
 from corolla.client.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
@@ -37,10 +37,19 @@ from corolla.swarm.routing import Hop, chain_cost, choose_chain
 
 
 @dataclass(eq=False)
-class SimSession:
-    client: str  # its peer id (a place on the plane)
-    steps: int  # decode steps it runs
+class SimClient:
+    """A client process: its place on the plane, its bans and its estimates, kept across its sessions."""
+
+    name: str
     bans: Bans
+    estimates: ServerEstimates
+    pooled: bool  # one of the scenario's long-lived clients (else made for one session)
+
+
+@dataclass(eq=False)
+class SimSession:
+    client: SimClient
+    steps: int  # decode steps it runs
     hops: list[Hop] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)  # blocks it has no server for yet
     latency: float = 0.0  # true seconds per token of its chain (0: paused, some blocks have no server)
@@ -77,6 +86,7 @@ class Sessions:
         self.waited = 0  # sessions that waited for a block without a server
         self.latencies: list[float] = []  # per chain chosen: true seconds per token
         self.ratios: list[float] = []  # a sample of sessions' first chains: true latency / the oracle's
+        self.clients: list[SimClient] = []  # the long-lived ones (scenario.clients)
         self._names = itertools.count()
         # sessions draw from their own generator: a scenario's swarm goes the same way with or without them
         self.rng = random.Random(f"{sim.scenario.seed}-sessions")
@@ -94,14 +104,22 @@ class Sessions:
             session.version += 1  # and it does not end as planned
             self.sim.at(self.sim.now + silence, self._fail_over, session, peer_ids)
 
+    def _client(self) -> SimClient:
+        """One of the long-lived clients, or (without them, or while they are still too few) a new one."""
+        sim = self.sim
+        pool = sim.scenario.clients
+        if pool and len(self.clients) >= pool:
+            return self.rng.choice(self.clients)
+        bans = Bans(self.config, clock=lambda: sim.now)
+        client = SimClient(f"user{next(self._names)}", bans, ServerEstimates(), pooled=pool > 0)
+        sim.network.place(client.name, self.rng)
+        if client.pooled:
+            self.clients.append(client)
+        return client
+
     def _arrive(self) -> None:
         sim = self.sim
-        session = SimSession(
-            f"session{next(self._names)}",
-            self.rng.randint(*sim.scenario.session_steps),
-            Bans(self.config, clock=lambda: sim.now),
-        )
-        sim.network.place(session.client, self.rng)
+        session = SimSession(self._client(), self.rng.randint(*sim.scenario.session_steps))
         session.gaps.append((0, sim.scenario.num_blocks))
         self.started += 1
         self._repair(session, session.version, first=self.started % sim.scenario.oracle_every == 0)
@@ -113,7 +131,7 @@ class Sessions:
         for index in reversed(range(len(session.hops))):
             hop = session.hops[index]
             if hop.peer_id in peer_ids:
-                session.bans.ban(hop.peer_id)
+                session.client.bans.ban(hop.peer_id)
                 try:
                     budget.spend(ServerUnavailable(f"server {hop.peer_id} crashed"))
                 except ServerUnavailable:
@@ -147,6 +165,7 @@ class Sessions:
                 return
             session.gaps.pop()
             session.hops = sorted([*session.hops, *hops], key=lambda hop: hop.start)
+            session.client.estimates.acquire(hops)
             for hop in hops:
                 sim.servers[hop.peer_id].sessions += 1
                 self.on[hop.peer_id].add(session)
@@ -156,7 +175,7 @@ class Sessions:
     def _resume(self, session: SimSession) -> None:
         """A whole chain again: its true latency from now on, and when it will have run its steps."""
         sim = self.sim
-        true = truth(sim, session.client, {hop.peer_id for hop in session.hops}, joining=False)
+        true = truth(sim, session.client.name, {hop.peer_id for hop in session.hops}, joining=False)
         session.latency = chain_cost(session.hops, true, sim.network.links(), push=True)
         self.latencies.append(session.latency)
         session.version += 1
@@ -166,15 +185,16 @@ class Sessions:
     def _choose(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
         """The client's chain over [start, end) (client/router.py); with `oracle`, also the oracle's."""
         sim = self.sim
-        spans, estimates = looked_up(sim, session.client, self.rng)
+        client = session.client
+        spans, estimates = looked_up(sim, client.name, self.rng, client.estimates)
         view = _View(spans, {s.peer_id for s in spans})
-        router = Router(self.config, sim.scenario.num_blocks, view, session.bans, estimates, rng=self.rng)
+        router = Router(self.config, sim.scenario.num_blocks, view, client.bans, estimates, rng=self.rng)
         hops = router.choose(start, end)
         self.misrouted += any(
-            not sim.servers[hop.peer_id].alive or hop.peer_id in session.bans.banned() for hop in hops
+            not sim.servers[hop.peer_id].alive or hop.peer_id in client.bans.banned() for hop in hops
         )
         if oracle:
-            true = truth(sim, session.client, [s.peer_id for s in spans], joining=True)
+            true = truth(sim, client.name, [s.peer_id for s in spans], joining=True)
             links = sim.network.links()
             best = choose_chain(spans, start, end, estimates=true, links=links, push=True, rng=self.rng)
             self.ratios.append(chain_cost(hops, true, links, True) / chain_cost(best, true, links, True))
@@ -183,6 +203,13 @@ class Sessions:
     def _end(self, session: SimSession, version: int) -> None:
         if version != session.version:
             return
+        # with push the client times only its first hop (client/chain.py: pushed-to servers' replies
+        # may come before its own copy left): what it learns of that server's true speed
+        first = session.hops[0]
+        true = truth(self.sim, session.client.name, [first.peer_id], joining=False)[first.peer_id]
+        blocks = first.end - first.start
+        seconds = true.rtt + blocks * true.seconds_per_block
+        session.client.estimates.observe_step(first.peer_id, seconds, blocks)
         self._release(session.hops, session)
         self.finished += 1
         self.failovers.append(session.failovers)
@@ -197,10 +224,12 @@ class Sessions:
         self._forget(session)
 
     def _release(self, hops: list[Hop], session: SimSession) -> None:
+        session.client.estimates.release(hops)
         for hop in hops:
             self.sim.servers[hop.peer_id].sessions -= 1
             self.on.get(hop.peer_id, set()).discard(session)
 
     def _forget(self, session: SimSession) -> None:
         session.version = -1
-        del self.sim.network.places[session.client]
+        if not session.client.pooled:
+            del self.sim.network.places[session.client.name]

@@ -117,3 +117,19 @@ async def test_missing_blocks_name_the_blocks_and_why_servers_refused_this_peer(
     assert "waited 0s" in message and "1 server refused this peer: peer Qm... is not allowed" in message
     with pytest.raises(MissingBlocks):  # without waiting, at once
         await route.route(wait=False)
+
+
+def test_a_pings_load_already_counts_this_clients_sessions_there():
+    """Live load from a ping includes the sessions this client had there then: only those opened (or
+    closed) since are added; an announcement's load gets all of this client's added."""
+    estimates = ServerEstimates()
+    busy = span("a", 0, 6, num_sessions=5)  # the DHT record's (older) count
+    mine = [Hop("a", 0, 6)] * 2
+    estimates.acquire(mine)
+    assert estimates.estimate(busy).load == 5 + 2  # not pinged yet: the record's count plus ours
+    estimates.ping("a", 0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512, num_sessions=3))
+    assert estimates.estimate(busy).load == 3  # our 2 are among the 3 the server counted
+    estimates.acquire([Hop("a", 0, 6)])
+    assert estimates.estimate(busy).load == 4  # one more since the ping
+    estimates.release(mine)
+    assert estimates.estimate(busy).load == 2  # two closed since the ping

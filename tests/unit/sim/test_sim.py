@@ -93,6 +93,24 @@ def test_sessions_are_lost_only_while_a_block_has_no_live_server():
     assert found["lost"] > 0 and found["lost_while_covered"] == 0
 
 
+def test_long_lived_clients_keep_what_they_learned_across_sessions():
+    simulation = Simulation(with_sessions(clients=5)).run()
+    clients = simulation.sessions.clients
+    assert len(clients) == 5 and simulation.sessions.started == 200
+    assert all(client.name in simulation.network.places for client in clients)  # stay where they are
+    # with push a client times only its chains' first hops: those servers' speeds are its own measures
+    assert all(client.estimates.observed for client in clients)
+    assert all(
+        client.estimates.mine.total() == sum(len(s.hops) for s in _of(simulation, client))
+        for client in clients
+    )
+
+
+def _of(simulation, client):
+    live = {session for peers in simulation.sessions.on.values() for session in peers}
+    return [session for session in live if session.client is client]
+
+
 def _open_chains(sessions):
     live = {session for peers in sessions.on.values() for session in peers}
     return [session.hops for session in live]
