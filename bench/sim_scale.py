@@ -1,7 +1,8 @@
 """How a simulated swarm's routing, recovery and sessions hold up as it grows (corolla sim), JSON.
 
 The same scenario at each size: an 80-block model on servers of three classes (crash10's: 10% fast with
-40-80 blocks, 40% middling with 8-16, 50% slow with 2-6), all joined within 200 s; `--sessions` sessions
+40-80 blocks, 40% middling with 8-16, 50% slow with 2-6), all joined within 60 s (before the first
+rebalancing checks: at 10,000 servers each check's placement.best_move takes seconds); `--sessions` sessions
 arriving between 300 s and 1,500 s, one in `--oracle-every` also routed by the oracle; 10% of the servers
 crashing at once at 900 s. For each size: the least-held block before and after the crash, how long some
 block had no server, sessions lost (and lost while every block had a server), failovers, per-token
@@ -22,7 +23,7 @@ from corolla.sim.scenario import Scenario, load
 def scenario(servers: int, sessions: int, oracle_every: int) -> Scenario:
     base = load("crash10").model_dump()
     events = [
-        {"at": 0, "kind": "join", "count": servers, "every": 200 / servers},
+        {"at": 0, "kind": "join", "count": servers, "every": 60 / servers},
         {"at": 300, "kind": "sessions", "count": sessions, "over": 1200},
         {"at": 900, "kind": "crash", "fraction": 0.1},
     ]

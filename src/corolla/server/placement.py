@@ -123,8 +123,11 @@ def best_move(
     server computes the same floats from the same view, whatever order it read the records in."""
     ordered = sorted(servers.items())
     whole = coverage((placed for _, placed in ordered), total)
+    reach = _weak_reach(whole)
     candidates = []
     for peer_id, (start, end, weight) in ordered:
+        if end - start < reach:
+            continue  # no window of its length holds every weak block: its move cannot help enough
         others = _with(whole, start, end, -weight)
         target = _better_move(others, (start, end), total, weight, forbidden_cuts)
         if target is not None:
@@ -133,6 +136,18 @@ def best_move(
         return None
     best = max(candidates, key=lambda c: (c[0], [-ord(ch) for ch in c[1]]))
     return best[1], best[2]
+
+
+def _weak_reach(whole: list[float]) -> int:
+    """How many blocks a window must span to hold every block whose coverage a move must raise for the
+    weakest to grow by MOVE_MARGIN (0 while some block has no server: any move filling one may do). A
+    block outside the new window keeps its coverage or loses the mover's, so all of them must be inside.
+    A hair under the margin, so rounding never rules out a server `_better_move` would accept."""
+    low = min(whole)
+    if low <= 0:
+        return 0
+    weak = [i for i, c in enumerate(whole) if c < low * (1 + MOVE_MARGIN) * (1 - 1e-9)]
+    return weak[-1] - weak[0] + 1 if weak else 0
 
 
 def block_bytes(model: ModelConfig, dtype_bytes: int) -> int:

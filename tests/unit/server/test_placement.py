@@ -1,9 +1,12 @@
 """Placement: which blocks a new server takes, and which one server moves when that helps (pure logic)."""
 
+import random
+
 import pytest
 
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
+from corolla.server import placement
 from corolla.server.placement import (
     best_move,
     better_blocks,
@@ -116,3 +119,20 @@ def test_placement_never_cuts_layers_that_share_keys_and_values():
     assert better_blocks(others, (0, 25), 35, 1.0, forbidden) == (10, 35)
     with pytest.raises(InvalidRequest, match="no span of 5 blocks or fewer keeps the model's layers"):
         windows(5, 35, frozenset(range(1, 35)))
+
+
+def test_servers_too_short_to_help_are_skipped_without_changing_the_move(monkeypatch):
+    """best_move skips servers whose span cannot hold every block a move must raise (_weak_reach): on
+    random swarms it picks the same move as trying every server."""
+    rng = random.Random(1)
+    for _ in range(150):
+        total = rng.randint(4, 30)
+        servers = {}
+        for i in range(rng.randint(2, 40)):
+            length = rng.randint(1, total)
+            start = rng.randint(0, total - length)
+            servers[f"s{i:03d}"] = (start, start + length, rng.choice([1.0, rng.uniform(0.5, 3)]))
+        pruned = best_move(servers, total)
+        with monkeypatch.context() as patch:
+            patch.setattr(placement, "_weak_reach", lambda whole: 0)
+            assert best_move(servers, total) == pruned
