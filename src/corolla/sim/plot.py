@@ -1,6 +1,6 @@
 """A simulation's coverage over time as a picture (matplotlib, the `dev` extra): the least-held block by
 live servers and as placement counts it (records renewed lately), with each crash marked, and the
-sessions' per-token latency against the oracle's when there are any."""
+sessions open (right axis) and their per-token latency against the oracle's when there are any."""
 
 from __future__ import annotations
 
@@ -41,7 +41,12 @@ def plot(result: dict, path: str | Path) -> None:
         title += f" (sessions' latency vs oracle: median {ratio['median']}x, p95 {ratio['p95']}x)"
     axes.set(xlabel="simulated seconds", ylabel="servers", title=title)
     axes.set_ylim(bottom=0)
-    axes.legend()
+    axes.legend(loc="upper left")
+    if result["sessions"]["started"]:
+        sessions = axes.twinx()
+        sessions.plot(times, [sample[3] for sample in result["coverage"]], color="gray", alpha=0.6)
+        sessions.set(ylabel="sessions open (gray)")
+        sessions.set_ylim(bottom=0)
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)

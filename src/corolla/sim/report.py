@@ -30,7 +30,8 @@ def summarize(simulation: Simulation, wall_s: float) -> dict:
         ],
         "routing_vs_oracle": {"routes": len(ratios), **_spread(ratios)},
         "sessions": sessions(simulation.sessions),
-        "coverage": [[round(c.time, 1), c.live_min, c.view_min] for c in simulation.samples],
+        # [time, least-held block by live servers, as placement counts it, sessions open]
+        "coverage": [[round(c.time, 1), c.live_min, c.view_min, c.sessions] for c in simulation.samples],
         "simulated_s": scenario.duration,
         "wall_s": round(wall_s, 2),
     }

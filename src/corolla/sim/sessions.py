@@ -91,6 +91,10 @@ class Sessions:
         # sessions draw from their own generator: a scenario's swarm goes the same way with or without them
         self.rng = random.Random(f"{sim.scenario.seed}-sessions")
 
+    @property
+    def open(self) -> int:
+        return self.started - self.finished - self.lost
+
     def start(self, event: Event) -> None:
         for _ in range(event.count):
             self.sim.at(self.sim.now + self.rng.uniform(0, event.over), self._arrive)

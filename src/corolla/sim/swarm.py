@@ -40,6 +40,7 @@ class Coverage:
     time: float
     live_min: int  # servers alive on the least-held block
     view_min: int  # records renewed lately on it (what a joining or moving server counts)
+    sessions: int = 0  # sessions open (running, or waiting for blocks)
 
 
 @dataclass
@@ -170,7 +171,9 @@ class Simulation:
         view = [(start, end, 1.0) for start, end, _ in self.placed().values()]
         total = self.scenario.num_blocks
         self.samples.append(
-            Coverage(self.now, int(min(coverage(live, total))), int(min(coverage(view, total))))
+            Coverage(
+                self.now, int(min(coverage(live, total))), int(min(coverage(view, total))), self.sessions.open
+            )
         )
         for _ in range(self.scenario.routes_per_sample):
             self._route()
