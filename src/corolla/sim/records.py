@@ -57,6 +57,12 @@ class RecordBook:
             del self.view[peer_id]
             self.went_stale(peer_id)
 
+    def withdraw(self, peer_id: str) -> None:
+        """Its server announced OFFLINE: nobody reads it as serving any more."""
+        if self.records.pop(peer_id, None) is not None:
+            del self.view[peer_id]
+            self.went_stale(peer_id)
+
     def has_hole(self) -> bool:
         """Whether some block has no server placement counts (a tolerance for the sums' rounding)."""
         return min(self.cover) <= 1e-9

@@ -28,6 +28,7 @@ def summarize(simulation: Simulation, wall_s: float) -> dict:
         "crashes": [
             recovery(simulation.samples, when, count, scenario) for when, count in simulation.crashes
         ],
+        "leaves": [recovery(simulation.samples, when, count, scenario) for when, count in simulation.leaves],
         "routing_vs_oracle": {"routes": len(ratios), **_spread(ratios)},
         "sessions": sessions(simulation.sessions),
         # [time, least-held block by live servers, as placement counts it, sessions open]
@@ -38,8 +39,8 @@ def summarize(simulation: Simulation, wall_s: float) -> dict:
 
 
 def recovery(samples: list[Coverage], when: float, count: int, scenario: Scenario) -> dict:
-    """A crash's toll on coverage: the least-held block before and after, how long some block had no live
-    server, and when every block had one again (in announce periods after the crash)."""
+    """A crash's (or a graceful leave's) toll on coverage: the least-held block before and after, how long
+    some block had no live server, and when every block had one again (in announce periods after it)."""
     before = [c.live_min for c in samples if c.time < when]
     after = [c for c in samples if c.time >= when]
     uncovered = [c.time for c in after if c.live_min == 0]

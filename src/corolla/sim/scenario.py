@@ -28,12 +28,13 @@ class ServerClass(BaseModel):
 
 class Event(BaseModel):
     """At `at` seconds: `crash` a fraction of the live servers at once (they announce nothing more; their
-    records expire), `join` `count` new servers, one every `every` seconds, or start `sessions`: `count`
-    of them arriving at random times over the next `over` seconds."""
+    records expire), make a fraction `leave` gracefully (they announce OFFLINE, take no new sessions and
+    end after `--drain-timeout`), `join` `count` new servers, one every `every` seconds, or start
+    `sessions`: `count` of them arriving at random times over the next `over` seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at: float = Field(ge=0)
-    kind: Literal["crash", "join", "sessions"]
+    kind: Literal["crash", "leave", "join", "sessions"]
     fraction: float = Field(default=0.0, ge=0, le=1)
     count: int = Field(default=0, ge=0, le=1_000_000)
     every: float = Field(default=1.0, gt=0)

@@ -99,10 +99,11 @@ class Sessions:
         for _ in range(event.count):
             self.sim.at(self.sim.now + self.rng.uniform(0, event.over), self._arrive)
 
-    def crashed(self, peer_ids: set[str]) -> None:
-        """Servers crashed: each session on them notices after its silence limit and fails over."""
+    def crashed(self, peer_ids: set[str], silent: bool = True) -> None:
+        """Servers crashed: each session on them notices after its silence limit (`silent`; else at once:
+        a server that ends its drain closes its connections) and fails over."""
         for session in set().union(*(self.on.pop(peer_id, set()) for peer_id in peer_ids)):
-            silence = max(SILENCE_FLOOR, SILENCE_FACTOR * session.latency)
+            silence = max(SILENCE_FLOOR, SILENCE_FACTOR * session.latency) if silent else 0.0
             session.advance(self.sim.now)
             session.latency = 0.0  # paused: its next step waits on a dead server
             session.version += 1  # and it does not end as planned

@@ -22,6 +22,7 @@ class SimServer:
     start: int = 0
     end: int = 0
     alive: bool = True
+    leaving: bool = False  # announced OFFLINE, serving its open sessions until the drain timeout
     links: dict[str, float] = field(default_factory=dict)  # round trips to servers after it, announced
     sessions: int = 0  # open sessions with a hop here
 

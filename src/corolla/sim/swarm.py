@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from corolla.config import ServerConfig
 from corolla.errors import MissingBlocks
 from corolla.server.links import MAX_LINKS
 from corolla.server.placement import Placed, best_move, choose_window, coverage
@@ -52,6 +53,7 @@ class Simulation:
     ratios: list[float] = field(default_factory=list)  # client's chain / oracle's, per route
     moves: int = 0
     crashes: list[tuple[float, int]] = field(default_factory=list)  # (when, how many)
+    leaves: list[tuple[float, int]] = field(default_factory=list)  # graceful: (when, how many)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.scenario.seed)
@@ -88,10 +90,28 @@ class Simulation:
                 self.at(stale + 1e-6, self.book.went_stale, server.peer_id)
             self.crashes.append((self.now, len(doomed)))
             self.sessions.crashed({server.peer_id for server in doomed})
+        if event.kind == "leave":
+            self._leave(event.fraction)
         if event.kind == "sessions":
             self.sessions.start(event)
         for i in range(event.count if event.kind == "join" else 0):
             self.at(self.now + i * event.every, self._join)
+
+    def _leave(self, fraction: float) -> None:
+        """Servers stopped gracefully: OFFLINE at once (server.py drain), gone after the drain timeout."""
+        live = [s for s in self.servers.values() if s.alive and not s.leaving]
+        leaving = self.rng.sample(live, round(fraction * len(live)))
+        for server in leaving:
+            server.leaving = True
+            self.book.withdraw(server.peer_id)
+        self.leaves.append((self.now, len(leaving)))
+        self.at(self.now + ServerConfig.drain_timeout, self._gone, leaving)  # corolla server's default
+
+    def _gone(self, servers: list[SimServer]) -> None:
+        for server in servers:
+            server.alive = False
+        # their clients see the connection closed: they fail over at once
+        self.sessions.crashed({server.peer_id for server in servers}, silent=False)
 
     # a server's life: join, announce, check
 
@@ -114,7 +134,7 @@ class Simulation:
         self.at(self.now + self._balance_delay(), self._check, server)
 
     def _announce(self, server: SimServer) -> None:
-        if not server.alive:
+        if not server.alive or server.leaving:
             return
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
         self.book.store(
@@ -130,7 +150,7 @@ class Simulation:
         self.at(self.now + self.scenario.announce_period, self._announce, server)
 
     def _check(self, server: SimServer) -> None:
-        if server.alive:
+        if server.alive and not server.leaving:
             self._decide(server)
             self.at(self.now + self._balance_delay(), self._check, server)
 

@@ -93,6 +93,23 @@ def test_sessions_are_lost_only_while_a_block_has_no_live_server():
     assert found["lost"] > 0 and found["lost_while_covered"] == 0
 
 
+def test_half_the_swarm_leaving_gracefully_uncovers_nothing():
+    """Servers that stop gracefully announce OFFLINE at once and serve their sessions for the drain
+    timeout: the others see the holes at their next read and move into them before the leavers are gone
+    (the same half of the swarm crashing leaves blocks without a server for a while)."""
+    leave = [
+        with_sessions().events[0],
+        {"at": 200, "kind": "leave", "fraction": 0.5},
+        with_sessions().events[2],
+    ]
+    result = simulate(with_sessions(events=leave))
+    (left,) = result["leaves"]
+    assert left["servers"] == 15 and left["uncovered_s"] == 0 and result["moves"] > 0
+    assert result["sessions"]["lost"] == 0 and result["sessions"]["failovers"] > 0  # moved at the drain's end
+    crash = [leave[0], {**leave[1], "kind": "crash"}, leave[2]]
+    assert simulate(with_sessions(events=crash))["crashes"][0]["uncovered_s"] > 0
+
+
 def test_long_lived_clients_keep_what_they_learned_across_sessions():
     simulation = Simulation(with_sessions(clients=5)).run()
     clients = simulation.sessions.clients
