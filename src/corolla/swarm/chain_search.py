@@ -111,7 +111,7 @@ def _best(
     guessed = next(
         ((previous.rtt / 4 + g, s) for g, s in cut.guessed if s.peer_id not in measured), (INF, None)
     )
-    return min(announced, guessed, key=lambda option: option[0])
+    return announced if announced[0] <= guessed[0] else guessed
 
 
 def _to(previous: Candidate, s: Candidate, measured: Mapping[str, float]) -> float:
