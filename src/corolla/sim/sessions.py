@@ -1,13 +1,15 @@
-"""Inference sessions in a simulated swarm, each one a client of its own deciding with corolla's client code
-under the simulation's clock: client/router.py `Router.choose` (the routable filter and the cheapest
-chain over what the client knows: client/estimates.py from its pings, the records it read), client/bans.py
-`Bans` and client/retries.py `RetryBudget` for failover, and client/estimates.py's silence rule for how
-long a crashed server's silence takes to notice.
+"""Inference sessions in a simulated swarm, each from a client (one of its own, or one of the scenario's
+long-lived `clients`) deciding with corolla's client code under the simulation's clock:
+client/router.py `Router.choose` (the routable filter and the cheapest chain over what the client knows:
+client/estimates.py from its pings, the records it read), client/bans.py `Bans` and client/retries.py
+`RetryBudget` for failover, and client/estimates.py's silence rule for how long a crashed server's
+silence takes to notice.
 
 A session holds its servers for its decode steps at its chain's true per-token latency (swarm/routing.py
 `chain_cost` at true speeds, round trips and batch loads, push on); the latency is fixed when the chain is
 chosen (loads that change later do not change it). When a server of its chain crashes, the client notices
-after the silence limit, bans the server and routes the failed hop's blocks again (`failover`), as
+after the silence limit (at once when a leaving server ends its drain), bans the server and routes the
+failed hop's blocks again (`_fail_over`), as
 client/chain.py `_recover` does; with a block uncovered it waits up to `routing_timeout` (looking every
 LONGEST_WAIT seconds, as the router does), then the session is lost. Lost sessions are counted apart when
 every block still had a live server (a routing failure, which must never happen). Simplifications: a
