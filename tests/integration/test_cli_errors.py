@@ -69,12 +69,18 @@ def test_malformed_peers_and_spans_are_refused_before_anything_starts(tiny_model
         ["server", gemma4, "--blocks", "0:5", *LOOPBACK],  # block 5 attends with block 4's keys
         ["dht", "--relay-time-limit", "0", *LOOPBACK],
         ["sim", "nowhere"],
+        ["sim", "small", "--plot", "coverage.txt"],
     )
-    no_maddr, no_peer_id, bad_host, cut, no_limit, no_scenario = results
+    no_maddr, no_peer_id, bad_host, cut, no_limit, no_scenario, bad_plot = results
     assert_one_line(
         no_limit, "corolla dht: relay_time_limit (--relay-time-limit) must be greater than 0, got 0"
     )
-    assert_one_line(no_scenario, "corolla sim: no scenario file 'nowhere' (bundled: crash10, small)")
+    bundled = "crash10, day, flash, one_by_one, small"
+    assert_one_line(no_scenario, f"corolla sim: no scenario file 'nowhere' (bundled: {bundled})")
+    assert_one_line(
+        bad_plot, "corolla sim: --plot coverage.txt: the file must end in one of .png, .svg, .pdf"
+    )
+    assert bad_plot.stdout == ""  # refused before simulating anything
     assert_one_line(cut, "corolla server: blocks 0:5 cut gemma4_text's layers 4-5: layer 5 uses layer 4's")
     assert "Measured" not in cut.stderr  # refused before measuring (or starting) anything
     assert_one_line(no_maddr, "argument --initial-peers: '127.0.0.1:31337' is not a multiaddress")
