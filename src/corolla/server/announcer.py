@@ -4,7 +4,9 @@ Records are signed with the server's identity (swarm/dht.py). They expire after 
 so a server that dies without a word disappears from clients' views on its own; a server that stops
 gracefully announces OFFLINE first. Each record says when it was stored and how often it is renewed, so
 placement and rebalancing stop counting a dead server's records after 1.5 periods
-(wire/records.py STALE_PERIODS), long before they expire.
+(wire/records.py STALE_PERIODS), long before they expire. The model itself is listed under the models
+key by a few of its servers only (swarm/dht.py `lists_model`), so that key stays small however large
+the swarm.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ class Announcer:
         period: float,
         snapshot: Callable[[], ServerStatus],
         num_blocks: int,
+        lists_model: Callable[[], bool] = lambda: True,
     ):
         self.dht = dht
         self.dht_prefix = dht_prefix
         self.period = period
         self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
         self.snapshot = snapshot
+        self.lists_model = lists_model  # whether this server is one of those listing the model (swarm/dht.py)
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
         self._loop = Periodic(
             "corolla-announcer", self.announce, lambda: self.period, "Announcement failed; retrying"
@@ -48,7 +52,7 @@ class Announcer:
     async def announce(self) -> bool:
         record = replace(self.snapshot(), announced_at=get_dht_time(), announce_period=self.period)
         ok = await announce(self.dht, self.dht_prefix, record, self.expiration, self.leaving)
-        if record.state == ServerState.ONLINE:
+        if record.state == ServerState.ONLINE and self.lists_model():
             ok &= await announce_model(self.dht, self.dht_prefix, self.num_blocks, self.expiration)
         if not ok:
             logger.warning(

@@ -36,6 +36,7 @@ class LinkMonitor:
         self.period = period
         self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
         self.on_read: Callable[[dict[str, Placed]], Awaitable[object]] | None = None
+        self.seen: frozenset[str] = frozenset()  # the servers of the last read (peer ids)
         failure = "Measuring the links to the next servers failed"
         self._loop = Periodic(
             "corolla-links", self.measure, lambda: period, failure, at_once=True, level=logging.DEBUG
@@ -50,6 +51,7 @@ class LinkMonitor:
     async def measure(self) -> None:
         end = self.spans.primary.blocks[1]
         placed = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
+        self.seen = frozenset(placed)
         if self.on_read is not None:
             await self.on_read(dict(placed))
         placed.pop(self.peer_id, None)

@@ -39,7 +39,7 @@ from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_throughput
 from corolla.swarm import reachability
-from corolla.swarm.dht import placed_servers
+from corolla.swarm.dht import lists_model, placed_servers
 from corolla.swarm.joining import join
 from corolla.swarm.transport import P2PTransport
 from corolla.version import __version__
@@ -151,7 +151,10 @@ class Server:
         if self.metrics is not None:
             self.metrics.serve(config.metrics_host, config.metrics_port, self.status.snapshot)
         await TransformerConnectionHandler(self.inference, passes, self.status).add_p2p_handlers(self.p2p)
-        self.announcer = Announcer(self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks)
+        lister = lambda: lists_model(self.peer_id, self.dht_prefix, self.links.seen)  # noqa: E731
+        self.announcer = Announcer(
+            self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks, lister
+        )
         self.status.state = ServerState.ONLINE
         await self.announcer.announce()
         self.announcer.start()

@@ -3,11 +3,12 @@
 
 The traffic is corolla's (swarm/dht.py): every announce period each server stores its signed record under
 each of its block keys (`store_many`; its cache holds those keys, so hivemind's cache_on_store re-reads
-them at once) and under MODELS_KEY; each server reads every block key once an announce period
-(server/links.py) and once a balance period (server/rebalancer.py); a client session reads them once (a
-client that stays re-reads every refresh_period: count each re-read as a session). Lookups get the
-arguments DHTNode.store_many and get_many_by_id give `traverse_dht`, with DHTNode's defaults and
-corolla's 4 workers; reads want the latest value (sufficient_expiration_time=inf): they visit the beam.
+them at once), and MODEL_LISTERS of them under MODELS_KEY; each server reads every block key once an
+announce period (server/links.py) and once a balance period (server/rebalancer.py); a client session
+reads them once (a client that stays re-reads every refresh_period: count each re-read as a session).
+Lookups get the arguments DHTNode.store_many and get_many_by_id give `traverse_dht`, with DHTNode's
+defaults and corolla's 4 workers; reads want the latest value (sufficient_expiration_time=inf): they
+visit the beam.
 
 Assumed: every server is a reachable DHT node that stays up, whose table is in Kademlia's steady state
 (each bucket holds min(k, nodes in its range), met at random: sim/dht_nodes.py); a client (client mode)
@@ -41,7 +42,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from corolla.config import ServerConfig
 from corolla.sim.dht_nodes import BITS, BUCKET_SIZE, NODE_DEFAULTS, Nodes
 from corolla.sim.dht_wire import PREFIX, Wire
-from corolla.swarm.dht import MODELS_KEY
+from corolla.swarm.dht import MODEL_LISTERS, MODELS_KEY
 from corolla.wire.records import block_key
 
 NUM_REPLICAS = NODE_DEFAULTS["num_replicas"].default  # nodes that store each record
@@ -158,11 +159,13 @@ def dht_traffic(
     keys = [DHTID.generate(source=block_key(PREFIX, block)) for block in range(num_blocks)]
     for block, key in enumerate(keys):
         swarm.add_key(key, coverage[block])
-    swarm.add_key(swarm.models_key, servers)
+    listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/dht.py lists_model)
+    swarm.add_key(swarm.models_key, listers)
     if server_reads_per_minute is None:
         server_reads_per_minute = 60 / announce_period + 60 / BALANCE_PERIOD
     announces = servers * 60 / announce_period
-    rates = np.array([announces, announces, servers * server_reads_per_minute, sessions_per_minute])
+    listings = listers * 60 / announce_period
+    rates = np.array([announces, listings, servers * server_reads_per_minute, sessions_per_minute])
     asyncio.run(_simulate(swarm, keys, spans, samples, rng))
     return _report(swarm, rates / samples, samples, keys)
 

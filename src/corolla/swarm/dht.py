@@ -10,6 +10,7 @@ is validated again here: unsigned ones are ignored, the rest read into typed rec
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -39,6 +40,9 @@ from corolla.wire.records import ServerState, ServerStatus, block_key
 logger = logging.getLogger(__name__)
 
 MODELS_KEY = "corolla.models"  # subkey = a server's (signed), value = {"dht_prefix": ..., "num_blocks": N}
+# servers of a model that list it under MODELS_KEY: with every server listing it the key's value grew with
+# the swarm, past hivemind's 4 MiB message limit at 10,000 servers (corolla sim: sim/dht.py)
+MODEL_LISTERS = 32
 MAX_MODEL_BLOCKS = 1024
 
 
@@ -159,6 +163,21 @@ async def announce(
     keys = [block_key(dht_prefix, i) for i in indices]
     store = partial(store_records, keys=keys, subkey=dht.subkey, value=record.to_dict(), ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
+
+
+def lists_model(peer_id: str, dht_prefix: str, servers: Collection[str]) -> bool:
+    """Whether this server is one of the MODEL_LISTERS servers of its model that list it: those whose hash
+    of (prefix, peer id) is lowest among the `servers` it last read (so servers reading about the same
+    swarm decide alike, and no coordination is needed); every server while it knows too few."""
+    known = set(servers) | {peer_id}
+    if len(known) <= MODEL_LISTERS:
+        return True
+
+    def rank(peer: str) -> bytes:
+        return hashlib.sha256(f"{dht_prefix}/{peer}".encode()).digest()
+
+    mine = rank(peer_id)
+    return sum(rank(peer) < mine for peer in known) < MODEL_LISTERS
 
 
 async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
