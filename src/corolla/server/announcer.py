@@ -5,7 +5,7 @@ so a server that dies without a word disappears from clients' views on its own; 
 gracefully announces OFFLINE first. Each record says when it was stored and how often it is renewed, so
 placement and rebalancing stop counting a dead server's records after 1.5 periods
 (wire/records.py STALE_PERIODS), long before they expire. The model itself is listed under the models
-key by a few of its servers only (swarm/dht.py `lists_model`), so that key stays small however large
+key by a few of its servers only (swarm/model_listing.py), so that key stays small however large
 the swarm.
 """
 

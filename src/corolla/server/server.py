@@ -39,8 +39,9 @@ from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_throughput
 from corolla.swarm import reachability
-from corolla.swarm.dht import lists_model, placed_servers
+from corolla.swarm.dht import placed_servers
 from corolla.swarm.joining import join
+from corolla.swarm.model_listing import lists_model
 from corolla.swarm.transport import P2PTransport
 from corolla.version import __version__
 from corolla.wire.records import ServerState

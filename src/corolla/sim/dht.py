@@ -42,7 +42,8 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from corolla.config import ServerConfig
 from corolla.sim.dht_nodes import BITS, BUCKET_SIZE, NODE_DEFAULTS, Nodes
 from corolla.sim.dht_wire import PREFIX, Wire
-from corolla.swarm.dht import MODEL_LISTERS, MODELS_KEY
+from corolla.swarm.dht import MODELS_KEY
+from corolla.swarm.model_listing import MODEL_LISTERS
 from corolla.wire.records import block_key
 
 NUM_REPLICAS = NODE_DEFAULTS["num_replicas"].default  # nodes that store each record
@@ -159,7 +160,7 @@ def dht_traffic(
     keys = [DHTID.generate(source=block_key(PREFIX, block)) for block in range(num_blocks)]
     for block, key in enumerate(keys):
         swarm.add_key(key, coverage[block])
-    listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/dht.py lists_model)
+    listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/model_listing.py)
     swarm.add_key(swarm.models_key, listers)
     if server_reads_per_minute is None:
         server_reads_per_minute = 60 / announce_period + 60 / BALANCE_PERIOD

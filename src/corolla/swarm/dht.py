@@ -10,7 +10,6 @@ is validated again here: unsigned ones are ignored, the rest read into typed rec
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -40,9 +39,6 @@ from corolla.wire.records import ServerState, ServerStatus, block_key
 logger = logging.getLogger(__name__)
 
 MODELS_KEY = "corolla.models"  # subkey = a server's (signed), value = {"dht_prefix": ..., "num_blocks": N}
-# servers of a model that list it under MODELS_KEY: with every server listing it the key's value grew with
-# the swarm, past hivemind's 4 MiB message limit at 10,000 servers (corolla sim: sim/dht.py)
-MODEL_LISTERS = 32
 MAX_MODEL_BLOCKS = 1024
 
 
@@ -165,23 +161,9 @@ async def announce(
     return await dht.run_coroutine(store, return_future=True)
 
 
-def lists_model(peer_id: str, dht_prefix: str, servers: Collection[str]) -> bool:
-    """Whether this server is one of the MODEL_LISTERS servers of its model that list it: those whose hash
-    of (prefix, peer id) is lowest among the `servers` it last read (so servers reading about the same
-    swarm decide alike, and no coordination is needed); every server while it knows too few."""
-    known = set(servers) | {peer_id}
-    if len(known) <= MODEL_LISTERS:
-        return True
-
-    def rank(peer: str) -> bytes:
-        return hashlib.sha256(f"{dht_prefix}/{peer}".encode()).digest()
-
-    mine = rank(peer_id)
-    return sum(rank(peer) < mine for peer in known) < MODEL_LISTERS
-
-
 async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
-    """List the model under MODELS_KEY, so that tools (`corolla status`) find it without being told."""
+    """List the model under MODELS_KEY, so that tools (`corolla status`) find it without being told (by a
+    few of its servers: swarm/model_listing.py)."""
     value = {"dht_prefix": dht_prefix, "num_blocks": num_blocks}
     store = partial(store_records, keys=[MODELS_KEY], subkey=dht.subkey, value=value, ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
