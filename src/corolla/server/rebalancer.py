@@ -55,10 +55,11 @@ class Rebalancer:
         await self._loop.stop()
 
     async def look(self, servers: dict[str, Placed]) -> tuple[int, int] | None:
-        """Another part's fresh read of every server's span: checked at once if some block has none."""
+        """Another part's fresh read of every server's span (a copy, this check's to change): checked at
+        once if some block has none."""
         if min(coverage(servers.values(), self.num_blocks)) > 0:
             return None
-        return await self.check(dict(servers))
+        return await self.check(servers)
 
     async def check(self, servers: dict[str, Placed] | None = None) -> tuple[int, int] | None:
         """Move if this server is the one to move now (read the swarm unless `servers` is a fresh read);

@@ -16,7 +16,7 @@ from corolla.client.estimates import ServerEstimates
 from corolla.server.placement import Placed
 from corolla.sim.state import SimServer, Swarm
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Estimate
+from corolla.swarm.routing import Estimate, Hop, chain_cost, choose_chain
 from corolla.wire.records import ServerStatus
 
 
@@ -62,3 +62,21 @@ def truth(sim: Swarm, client: str, peer_ids: Iterable[str], joining: bool) -> di
         seconds = server.kind.seconds_per_block * (1 + sim.scenario.batch_growth * others)
         true[peer_id] = Estimate(sim.network.rtt(client, peer_id), seconds)
     return true
+
+
+def against_oracle(
+    sim: Swarm,
+    client: str,
+    spans: list[RemoteSpan],
+    hops: list[Hop],
+    start: int,
+    end: int,
+    rng: random.Random,
+) -> float:
+    """`hops`' true step time over the oracle's chain's: the oracle routes over the same `spans` knowing
+    every server's true speed and load (the client's session about to be one more there) and every true
+    round trip; both chains are priced at that truth (push on)."""
+    true = truth(sim, client, [span.peer_id for span in spans], joining=True)
+    links = sim.network.links()
+    best = choose_chain(spans, start, end, estimates=true, links=links, push=True, rng=rng)
+    return chain_cost(hops, true, links, True) / chain_cost(best, true, links, True)

@@ -31,11 +31,11 @@ from corolla.client.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.server.placement import coverage
-from corolla.sim.clients import looked_up, truth
+from corolla.sim.clients import against_oracle, looked_up, truth
 from corolla.sim.scenario import Event
 from corolla.sim.state import Swarm
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Hop, chain_cost, choose_chain
+from corolla.swarm.routing import Hop, chain_cost
 
 
 @dataclass(eq=False)
@@ -201,10 +201,7 @@ class Sessions:
             not sim.servers[hop.peer_id].alive or hop.peer_id in client.bans.banned() for hop in hops
         )
         if oracle:
-            true = truth(sim, client.name, [s.peer_id for s in spans], joining=True)
-            links = sim.network.links()
-            best = choose_chain(spans, start, end, estimates=true, links=links, push=True, rng=self.rng)
-            self.ratios.append(chain_cost(hops, true, links, True) / chain_cost(best, true, links, True))
+            self.ratios.append(against_oracle(sim, client.name, spans, hops, start, end, self.rng))
         return hops
 
     def _end(self, session: SimSession, version: int) -> None:

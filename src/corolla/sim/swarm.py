@@ -26,13 +26,13 @@ from corolla.config import ServerConfig
 from corolla.errors import MissingBlocks
 from corolla.server.links import MAX_LINKS
 from corolla.server.placement import Placed, best_move, choose_window, coverage
-from corolla.sim.clients import looked_up, truth
+from corolla.sim.clients import against_oracle, looked_up
 from corolla.sim.network import Network
 from corolla.sim.records import Record, RecordBook
 from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
 from corolla.sim.state import SimServer
-from corolla.swarm.routing import chain_cost, choose_chain
+from corolla.swarm.routing import choose_chain
 from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK
 
 
@@ -204,7 +204,6 @@ class Simulation:
         client = f"client{next(self._names)}"
         self.network.place(client)
         spans, measured = looked_up(self, client, self.rng)
-        true = truth(self, client, [s.peer_id for s in spans], joining=True)
         announced = {span.peer_id: dict(span.info.next_pings) for span in spans}
         total = self.scenario.num_blocks
         try:
@@ -212,10 +211,8 @@ class Simulation:
             chosen = choose_chain(
                 spans, 0, total, estimates=estimates, links=announced, push=True, rng=self.rng
             )
-            links = self.network.links()  # the oracle knows every round trip, announced or not
-            oracle = choose_chain(spans, 0, total, estimates=true, links=links, push=True, rng=self.rng)
+            self.ratios.append(against_oracle(self, client, spans, chosen, 0, total, self.rng))
         except MissingBlocks:
             return
         finally:
             del self.network.places[client]
-        self.ratios.append(chain_cost(chosen, true, links, True) / chain_cost(oracle, true, links, True))
