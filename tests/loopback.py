@@ -242,10 +242,12 @@ class LoopbackNetwork:
     async def add_server(
         self, blocks: tuple[int, int], fault: str | None = None, name: str | None = None, **config: Any
     ) -> LoopbackServer:
-        """A server of `blocks`, built as `corolla server` builds one; `config`: ServerConfig fields."""
+        """A server of `blocks`, built as `corolla server` builds one; `config`: ServerConfig fields (its
+        `engine` defaults to the network's)."""
         peer_id = name or f"server{next(self._names)}-{blocks[0]}-{blocks[1]}"
+        engine = config.pop("engine", self.engine)
         config = ServerConfig(
-            model=str(self.folder), blocks=blocks, engine=self.engine, step_timeout=30.0, **config
+            model=str(self.folder), blocks=blocks, engine=engine, step_timeout=30.0, **config
         )
         adapters = adapter_names(config.adapters)
         device, dtype = compute_settings(config, self.model)
@@ -253,7 +255,7 @@ class LoopbackNetwork:
             self.folder,
             self.model,
             dtype,
-            self.engine,
+            engine,
             config.session_timeout,
             pass_delay=config.simulate_slow_ms / 1000,
             adapters=adapters,

@@ -3,8 +3,11 @@ between two of them is undecided.
 
 A failed server is avoided for `ban_time`, doubling with each failure in a row (at most 16x). Failures
 reported while it is already avoided are the same failure, seen by other sessions that were on it: they
-count once. An avoided server is still pinged (client/swarm_view.py); one that stopped answering and then
-answers again (restarted, or resumed) is reinstated at once.
+count once. A server that refused a session for want of cache (CacheExhausted) has not failed: it is
+passed over for FULL_TIME, without counting as a failure (corolla sim: banning full servers as failed
+ones, while a busy swarm's caches were full, made sessions wait out routing_timeout and be lost as if
+their blocks had no server). An avoided server is still pinged (client/swarm_view.py); one that stopped
+answering and then answers again (restarted, or resumed) is reinstated at once.
 
 A server a spot check caught computing wrong outputs is avoided for good, and this client's list of such
 servers is stored in the DHT (swarm/reports.py) for the swarm's operators, in the background; clients never
@@ -21,9 +24,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from corolla.config import ClientConfig
+from corolla.errors import CacheExhausted
 
 logger = logging.getLogger(__name__)
 
+FULL_TIME = 5.0  # seconds a server that had no cache for a session is passed over
 Report = Callable[[dict[str, str]], Awaitable[bool]]  # stores this client's faulty servers in the DHT
 
 
@@ -62,6 +67,7 @@ class Bans:
         self._reporting: asyncio.Future | None = None  # the report being stored
         self._until: dict[str, tuple[float, int]] = {}  # peer id -> (avoided until, failures so far)
         self._down: set[str] = set()  # avoided servers that missed a ping since they failed
+        self._full_until: dict[str, float] = {}  # servers out of cache -> passed over until then
         self.settle_disputes: Callable[[], Awaitable[None]] | None = None  # the judge's, if spot checking
 
     def ban(self, peer_id: str) -> None:
@@ -74,6 +80,23 @@ class Bans:
         duration = self.ban_time * 2 ** min(failures, 4)
         self._until[peer_id] = (now + duration, failures + 1)
         logger.info("Avoiding server ...%s for %.0fs after a failure", peer_id[-6:], duration)
+
+    def failed(self, peer_id: str, error: BaseException | None) -> None:
+        """A server failed a request with `error`: banned, unless it only had no cache for it (`full`)."""
+        if isinstance(error, CacheExhausted):
+            self.full(peer_id)
+        else:
+            self.ban(peer_id)
+
+    def full(self, peer_id: str) -> None:
+        """Pass over a server that had no cache for a session, for FULL_TIME (not a failure)."""
+        self._full_until[peer_id] = self.clock() + FULL_TIME
+        logger.info("Server ...%s has no cache left; passing it over for %.0fs", peer_id[-6:], FULL_TIME)
+
+    def out_of_cache(self) -> set[str]:
+        """Servers passed over now because they had no cache for a session."""
+        now = self.clock()
+        return {peer_id for peer_id, until in self._full_until.items() if until > now}
 
     def avoided(self) -> set[str]:
         """Servers avoided after a failure (now): the ones worth pinging to see whether they are back."""
@@ -117,7 +140,7 @@ class Bans:
         return {peer_id for undecided in self.undecided for peer_id in undecided.peers}
 
     def banned(self) -> set[str]:
-        return set(self.blocked) | set(self.faulty) | self.avoided() | self.disputed()
+        return set(self.blocked) | set(self.faulty) | self.avoided() | self.disputed() | self.out_of_cache()
 
     async def shutdown(self) -> None:
         if self._reporting is not None:

@@ -220,7 +220,7 @@ class Chain:
         while), trying other servers while the budget lasts."""
         failed = self.links[index]
         if ban:
-            self.swarm.bans.ban(failed.hop.peer_id)
+            self.swarm.bans.failed(failed.hop.peer_id, error)
         self.swarm.estimates.release([failed.hop])
         self._close_in_background(failed.stream)  # its server is gone or broken: do not wait for it
         short = failed.hop.peer_id[-6:]
@@ -255,8 +255,8 @@ class Chain:
             part = None if prompts is None else prompts[link.hop.start - start : link.hop.end - start]
             try:
                 inputs = inputs if inputs is None else await self._replay(link, inputs, part)
-            except RETRYABLE:
-                self.swarm.bans.ban(link.hop.peer_id)
+            except RETRYABLE as e:
+                self.swarm.bans.failed(link.hop.peer_id, e)
                 self.swarm.estimates.release([other.hop for other in links])
                 await asyncio.gather(*(other.stream.close() for other in links), return_exceptions=True)
                 raise

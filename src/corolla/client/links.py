@@ -69,7 +69,7 @@ async def open_links(swarm: Swarm, spec: ChainSpec, start: int, end: int) -> lis
         for hop, error in failed:
             if not isinstance(error, RETRYABLE):
                 raise error
-            swarm.bans.ban(hop.peer_id)
+            swarm.bans.failed(hop.peer_id, error)
     raise ServerUnavailable(
         f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
     )

@@ -113,7 +113,7 @@ class ChainPasses:
     async def _replace(self, hop: Hop, error: Exception, budget: RetryBudget) -> list[Hop]:
         """Ban `hop`'s server and route its blocks again, or give up."""
         budget.spend(error)
-        self.swarm.bans.ban(hop.peer_id)
+        self.swarm.bans.failed(hop.peer_id, error)
         return await self.swarm.router.route(hop.start, hop.end)
 
     async def _stands(self, hop: Hop, result: torch.Tensor, run: Run, gradients: bool = False) -> bool:

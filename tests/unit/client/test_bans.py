@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from corolla.client.bans import Bans, Undecided
-from corolla.config import ClientConfig
-from corolla.errors import MissingBlocks
+from corolla.client.bans import FULL_TIME, Bans, Undecided
+from corolla.config import ClientConfig, EngineConfig
+from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate
 
@@ -40,6 +40,32 @@ def test_an_avoided_server_that_comes_back_is_reinstated():
     assert bans.banned() == set()
     bans.ban("peer-A")  # a fresh process: its failures start again from one
     assert bans.avoided() == {"peer-A"}
+
+
+def test_a_server_out_of_cache_is_passed_over_for_a_while_not_banned():
+    now = [100.0]
+    bans = Bans(ClientConfig(ban_time=15.0), clock=lambda: now[0])
+    bans.failed("peer-A", CacheExhausted("no cache"))
+    assert bans.banned() == bans.out_of_cache() == {"peer-A"} and bans.avoided() == set()
+    now[0] += FULL_TIME
+    assert bans.banned() == set()
+    bans.failed("peer-A", ServerUnavailable("gone"))  # a real failure is its first: ban_time, not doubled
+    assert bans.avoided() == {"peer-A"}
+    now[0] += 15.0
+    assert bans.banned() == set()
+
+
+def test_a_session_a_full_server_refuses_goes_on_a_replica_exactly(llama, reference):
+    """The server routing prefers (timed faster) has cache for 16 tokens only: the session's prompt fails
+    there with CacheExhausted, the client replays it on the replica without banning the full server."""
+    with LoopbackSwarm(llama, [(0, 6)]) as swarm:
+        full = swarm.add_server((0, 6), engine=EngineConfig(max_cache_tokens=16, page_size=4))
+        model = swarm.model()
+        model.client.swarm.estimates.observed.update({full.peer_id: 0.001, swarm.servers[0].peer_id: 1.0})
+        out = model.generate(PROMPT.repeat(1, 3), max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out, reference_generate(reference, PROMPT.repeat(1, 3), max_new_tokens=NEW_TOKENS))
+        bans = model.client.swarm.bans
+        assert full.peer_id in bans.out_of_cache() and full.peer_id not in bans.avoided()
 
 
 def test_an_undecided_dispute_avoids_both_sides_and_accuses_neither():
