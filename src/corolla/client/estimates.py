@@ -14,7 +14,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import DEFAULT_RTT, DEFAULT_SECONDS_PER_BLOCK, Estimate, Hop
+from corolla.swarm.routing import DEFAULT_RTT, DEFAULT_SECONDS_PER_BLOCK, LOAD_WEIGHT, Estimate, Hop
 from corolla.wire.records import ServerStatus
 
 SMOOTHING = 0.3  # weight of a new observation in the moving averages
@@ -81,11 +81,13 @@ class ServerEstimates:
         else:  # the announcement: a period old, with or without this client's sessions; count them
             load = span.info.num_sessions + max(self.mine[peer_id], 0)
         free = info.cache_tokens_available if info is not None else span.info.cache_tokens_available
+        growth = (info or span.info).batch_growth
         return Estimate(
             rtt=self.rtt.get(peer_id, DEFAULT_RTT),
             seconds_per_block=seconds_per_block,
             load=load,
             free_cache=free,
+            load_growth=LOAD_WEIGHT if growth is None else growth,
         )
 
     def estimates(self, spans: Iterable[RemoteSpan]) -> dict[str, Estimate]:

@@ -37,7 +37,7 @@ from corolla.server.push import Pusher
 from corolla.server.rebalancer import Rebalancer
 from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
-from corolla.server.throughput import measure_throughput
+from corolla.server.throughput import measure_speed
 from corolla.swarm import reachability
 from corolla.swarm.dht import placed_servers
 from corolla.swarm.joining import join
@@ -105,7 +105,8 @@ class Server:
         # swarm by throughput
         first = min(cut for cut in range(1, total + 1) if sharing.allows(cut))
         probe = await asyncio.to_thread(loader.load_span, (0, first))
-        self.throughput = await asyncio.to_thread(measure_throughput, probe)
+        speed = await asyncio.to_thread(measure_speed, probe)
+        self.throughput, self.batch_growth = speed.blocks_per_s, speed.batch_growth
         del probe
         blocks = await self._choose_blocks()
         precision = config.quantize or str(self.dtype).removeprefix("torch.")
@@ -144,7 +145,7 @@ class Server:
         period = config.announce_period
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)
         dtype = str(self.dtype).replace("torch.", "")
-        compute = Compute(dtype, self.throughput, device_info(self.device))
+        compute = Compute(dtype, self.throughput, device_info(self.device), self.batch_growth)
         fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
             self.spans, self.inference, config, __version__, compute, self.links, fingerprint

@@ -22,11 +22,12 @@ from corolla.wire.tensors import supported_encodings
 @dataclass(frozen=True)
 class Compute:
     """What the server computes with, as found at start: the dtype's name, the measured blocks per
-    second, the device."""
+    second, the device, and the measured slowdown per more session in a batch."""
 
     dtype: str
     throughput: float | None
     device: DeviceInfo
+    batch_growth: float | None = None
 
 
 class StatusBoard:
@@ -80,6 +81,7 @@ class StatusBoard:
             steps_from_client=self.inference.steps_from_client,
             steps_from_push=self.inference.steps_from_push,
             throughput=self.compute.throughput,
+            batch_growth=self.compute.batch_growth,
             adapters=tuple(sorted(self.spans.adapters)),
             precision=primary.span.precision,
             max_tree_tokens=self.config.max_tree_tokens,

@@ -21,8 +21,10 @@ from corolla.swarm.dht import RemoteSpan
 
 DEFAULT_RTT = 0.005  # seconds; used until a server has been pinged
 DEFAULT_SECONDS_PER_BLOCK = 0.01  # used until a server's throughput is announced or observed
-LOAD_WEIGHT = 0.25  # each session already on a server makes a step there this much slower (a guess that
-# errs on the side of spreading: a batched pass grows ~10% per row on a CPU, and queues form beyond that)
+# each session already on a server makes a step there this much slower, unless the server said what it
+# measured (Estimate.load_growth): a guess that errs on the side of spreading (a batched pass grows ~10% per
+# row on a CPU, and queues form beyond that; on a GPU a pass grows little until its compute is the bound)
+LOAD_WEIGHT = 0.25
 JITTER = 0.02  # relative noise on each server's cost: equal replicas are chosen at random
 
 
@@ -41,6 +43,7 @@ class Estimate:
     seconds_per_block: float = DEFAULT_SECONDS_PER_BLOCK
     load: float = 0.0  # sessions on the server (announced, plus this client's own)
     free_cache: int | None = None  # tokens of attention cache it has left (announced)
+    load_growth: float = LOAD_WEIGHT  # a step's slowdown per session on the server (its own measure)
 
 
 def uncovered_blocks(spans: Sequence[RemoteSpan], start: int, end: int) -> tuple[int, ...]:
@@ -192,7 +195,7 @@ def _cut_points(usable: Sequence[RemoteSpan], start: int, end: int, forbidden: f
 
 def _slowdown(estimate: Estimate, needed_cache: int) -> float:
     """How much a server's load is expected to stretch a step there."""
-    slowdown = 1 + LOAD_WEIGHT * estimate.load
+    slowdown = 1 + estimate.load_growth * estimate.load
     if estimate.free_cache is not None and estimate.free_cache < needed_cache:
         slowdown *= 2
     return slowdown

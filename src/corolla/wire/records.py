@@ -80,6 +80,9 @@ class ServerStatus:
     steps_from_client: int = 0  # inference steps computed from the client's copy ...
     steps_from_push: int = 0  # ... and from a copy pushed by the previous server
     throughput: float | None = None  # blocks per second for one decode step; None until measured
+    # how much slower a decode step gets per more session in its batch, as measured at start (0.03: 8
+    # sessions' step takes 1.21x one's); None: not said (peers too old to measure it)
+    batch_growth: float | None = None
     adapters: tuple[str, ...] = ()
     precision: str = ""  # of the weights: the dtype's name, or int8 | int4 when quantized ("" = dtype)
     max_tree_tokens: int = 0  # tokens of one speculative tree step it takes (0: a server without trees)
@@ -169,6 +172,7 @@ class ServerStatus:
             steps_from_client=fields.int("steps_from_client", default=0, low=0) or 0,
             steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
             throughput=fields.float("throughput", low=0.0),
+            batch_growth=fields.float("batch_growth", low=0.0, high=100.0),
             adapters=tuple(adapters),
             precision=fields.str("precision", max_chars=16) or "",
             max_tree_tokens=fields.int("max_tree_tokens", default=0, low=0) or 0,

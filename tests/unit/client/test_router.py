@@ -15,7 +15,7 @@ from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest, MissingBlocks
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.ping import Ping
-from corolla.swarm.routing import Hop
+from corolla.swarm.routing import LOAD_WEIGHT, Hop
 from corolla.wire.records import ServerStatus
 
 
@@ -133,3 +133,13 @@ def test_a_pings_load_already_counts_this_clients_sessions_there():
     assert estimates.estimate(busy).load == 4  # one more since the ping
     estimates.release(mine)
     assert estimates.estimate(busy).load == 2  # two closed since the ping
+
+
+def test_a_servers_measured_batch_growth_prices_its_load_until_then_the_guess():
+    estimates = ServerEstimates()
+    old = span("a", 0, 6)  # a record from a server too old to measure it
+    assert estimates.estimate(old).load_growth == LOAD_WEIGHT
+    said = span("b", 0, 6, batch_growth=0.02)
+    assert estimates.estimate(said).load_growth == 0.02
+    estimates.ping("b", 0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512, batch_growth=0.05))
+    assert estimates.estimate(said).load_growth == 0.05  # the ping's, fresher

@@ -1,4 +1,5 @@
-"""The announced throughput: measured through the engine, cached for a while, then measured again."""
+"""The announced speed: measured through the engine (one sequence's steps, and how a batch's grow), cached
+for a while, then measured again."""
 
 from __future__ import annotations
 
@@ -20,14 +21,19 @@ def test_a_cached_figure_stands_for_max_age_then_is_measured_again(tiny_models, 
     (key,) = json.loads(path.read_text())
 
     def cache(blocks_per_s: float, age: float) -> None:
-        path.write_text(json.dumps({key: {"blocks_per_s": blocks_per_s, "measured_at": time.time() - age}}))
+        entry = {"blocks_per_s": blocks_per_s, "batch_growth": 0.5, "measured_at": time.time() - age}
+        path.write_text(json.dumps({key: entry}))
 
     cache(12345.0, age=10.0)
-    assert throughput.measure_throughput(span) == 12345.0  # fresh: taken from the cache
+    assert throughput.measure_speed(span) == throughput.Speed(12345.0, 0.5)  # fresh: taken from the cache
     cache(12345.0, age=throughput.MAX_AGE + 1)
     measured = throughput.measure_throughput(span)
     assert measured != 12345.0 and json.loads(path.read_text())[key]["blocks_per_s"] == measured
     path.write_text(json.dumps({key: 645.0}))  # an entry of the old format (cached forever) is replaced
     assert throughput.measure_throughput(span) != 645.0
+    old = {"blocks_per_s": 645.0, "measured_at": time.time()}  # as cached before batch growth was measured
+    path.write_text(json.dumps({key: old}))
+    speed = throughput.measure_speed(span)
+    assert speed.blocks_per_s != 645.0 and 0 <= speed.batch_growth < 1  # 8 sequences' step: under 8 one's
     path.write_text("[not a map")
     assert throughput.measure_throughput(span) > 0

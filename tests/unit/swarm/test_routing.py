@@ -66,6 +66,19 @@ def test_costs_steer_the_chain_to_fast_lightly_loaded_servers():
     assert [h.peer_id for h in choose_chain(spans, 0, 4)] == ["far"]  # by default: fewer hops
 
 
+def test_a_servers_own_batch_growth_prices_its_load():
+    """A GPU that batches almost for free (it measured 1% per more session) stays cheapest with 20
+    sessions on it; priced by the constant guess (25% each) it would be passed over for a slower one."""
+    spans = [span("gpu", 0, 4), span("home", 0, 4)]
+    measured = {
+        "gpu": Estimate(seconds_per_block=0.001, load=20, load_growth=0.01),
+        "home": Estimate(seconds_per_block=0.003),
+    }
+    assert choose_chain(spans, 0, 4, estimates=measured)[0].peer_id == "gpu"
+    guessed = {**measured, "gpu": Estimate(seconds_per_block=0.001, load=20)}
+    assert choose_chain(spans, 0, 4, estimates=guessed)[0].peer_id == "home"
+
+
 def test_with_push_the_links_between_servers_count():
     spans = [span("a", 0, 2), span("b1", 2, 4), span("b2", 2, 4)]
     estimates = {peer: Estimate(rtt=0.05) for peer in ("a", "b1", "b2")}

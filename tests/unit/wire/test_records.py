@@ -20,6 +20,8 @@ def record(**changes):
 
 def test_roundtrip():
     assert ServerStatus.from_dict(record()).end == 5
+    assert ServerStatus.from_dict(record()).batch_growth is None  # from a peer too old to say
+    assert ServerStatus.from_dict(record(batch_growth=0.04)).batch_growth == 0.04
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,7 @@ def test_roundtrip():
         (record(start=5, end=5), "'end' must be greater than start=5"),
         (record(version=None), "'version' is required"),
         (record(adapters=[1]), "'adapters' must be a list of strings"),
+        (record(batch_growth=-0.5), "'batch_growth' must be >= 0"),
         ("not a dict", "announcement must be a map"),
     ],
 )
