@@ -1,7 +1,8 @@
 """How a simulated swarm's routing, recovery and sessions hold up as it grows (corolla sim), JSON.
 
-The same scenario at each size: an 80-block model on servers of three classes (crash10's: 10% fast with
-40-80 blocks, 40% middling with 8-16, 50% slow with 2-6), all joined within 60 s (before the first
+The same scenario at each size: an 80-block model on servers of three classes (crash10's: 10% H100s with
+30-40 blocks, 40% RTX 4090s with 8-16, 50% RTX 3060s with 2-6, most of the home GPUs behind NAT), all
+joined within 60 s (before the first
 rebalancing checks: at 10,000 servers each check's placement.best_move takes seconds); `--sessions` sessions
 arriving between 300 s and 1,500 s, one in `--oracle-every` also routed by the oracle; 10% of the servers
 crashing at once at 900 s. For each size: the least-held block before and after the crash, how long some

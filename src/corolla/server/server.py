@@ -105,8 +105,7 @@ class Server:
         # swarm by throughput
         first = min(cut for cut in range(1, total + 1) if sharing.allows(cut))
         probe = await asyncio.to_thread(loader.load_span, (0, first))
-        speed = await asyncio.to_thread(measure_speed, probe)
-        self.throughput, self.batch_growth = speed.blocks_per_s, speed.batch_growth
+        self.speed = await asyncio.to_thread(measure_speed, probe)
         del probe
         blocks = await self._choose_blocks()
         precision = config.quantize or str(self.dtype).removeprefix("torch.")
@@ -145,7 +144,7 @@ class Server:
         period = config.announce_period
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)
         dtype = str(self.dtype).replace("torch.", "")
-        compute = Compute(dtype, self.throughput, device_info(self.device), self.batch_growth)
+        compute = Compute(dtype, self.speed.blocks_per_s, device_info(self.device), self.speed.batch_growth)
         fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
             self.spans, self.inference, config, __version__, compute, self.links, fingerprint
@@ -169,7 +168,7 @@ class Server:
                 self.announcer,
                 self.peer_id,
                 num_blocks,
-                self.throughput or 1.0,
+                self.speed.blocks_per_s or 1.0,
                 config.balance_period,
             )
             self.links.on_read = self.rebalancer.look
@@ -185,7 +184,7 @@ class Server:
             raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
         others = await placed_servers(self.dht, self.dht_prefix, total)
         others.pop(self.peer_id, None)
-        weight = self.throughput or 1.0
+        weight = self.speed.blocks_per_s or 1.0
         return choose_blocks(others.values(), min(num_blocks, total), total, weight, sharing.forbidden_cuts)
 
     def _blocks_in_budget(self) -> int:

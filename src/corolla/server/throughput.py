@@ -55,7 +55,8 @@ def measure_speed(span: Span, use_cache: bool = True) -> Speed:
     entry = cached.get(key)
     if use_cache and entry is not None and time.time() - entry["measured_at"] < MAX_AGE:
         return Speed(float(entry["blocks_per_s"]), float(entry["batch_growth"]))
-    one, batch = _step_seconds(span, 1), _step_seconds(span, BATCH_ROWS)
+    one = _step_seconds(span, 1)
+    batch = _step_seconds(span, BATCH_ROWS)
     speed = Speed((span.end - span.start) / one, max(batch / one - 1, 0.0) / (BATCH_ROWS - 1))
     cached[key] = {**asdict(speed), "measured_at": time.time()}
     try:

@@ -2,9 +2,10 @@
 
 A client reads the servers' records (those the DHT still holds) and pings every server of them: a
 crashed server does not answer, a live one answers with its live load and its announced links (what
-client/swarm_view.py and client/estimates.py get from `rpc_info`). Its round trips come out up to 20%
-above the true ones (a ping's own overhead). The oracle knows every server's true speed and load and
-every true round trip.
+client/swarm_view.py and client/estimates.py get from `rpc_info`, its free cache included). Its round
+trips come out up to 20% above the true ones (a ping's own overhead; a ping carries no hidden states, so
+it says nothing of uploads). The oracle knows every server's true speed and load and every true round
+trip and upload.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def span(server: SimServer, placed: Placed) -> RemoteSpan:
         "sim",
         "float16",
         8192,
-        1 << 20,
+        server.free_cache(),
         throughput=throughput,
+        # what server/throughput.py measures: (a step of 8 sequences / one's - 1) / 7
+        batch_growth=server.cost.per_token / server.cost.seconds(1),
         num_sessions=server.sessions,
         next_pings=tuple(server.links.items()),
     )
@@ -48,19 +51,25 @@ def looked_up(
     estimates = ServerEstimates() if estimates is None else estimates
     for server, found in zip(answering, spans, strict=True):
         rtt = sim.network.rtt(client, server.peer_id)
-        estimates.ping(server.peer_id, rtt * rng.uniform(1.0, 1.2), found.info)
+        estimates.ping(server.peer_id, rtt * rng.uniform(1.0, 1.2) * noisy(sim, rng), found.info)
     return spans, estimates
 
 
+def noisy(sim: Swarm, rng: random.Random) -> float:
+    """A measured round trip's factor over the true one (the scenario's `ping_noise`; no draw without)."""
+    noise = sim.scenario.ping_noise
+    return rng.lognormvariate(0, noise) if noise else 1.0
+
+
 def truth(sim: Swarm, client: str, peer_ids: Iterable[str], joining: bool) -> dict[str, Estimate]:
-    """Each server's true round trip from `client` and true time per block of a step, slowed by the other
-    sessions in its batch (`joining`: the client's session is about to be one more)."""
+    """Each server's true round trip from `client` (its data both ways included) and true time per block
+    of a step, with the other sessions in its batch (`joining`: the client's session is about to be one
+    more)."""
     true = {}
     for peer_id in peer_ids:
         server = sim.servers[peer_id]
         others = server.sessions if joining else max(server.sessions - 1, 0)
-        seconds = server.kind.seconds_per_block * (1 + sim.scenario.batch_growth * others)
-        true[peer_id] = Estimate(sim.network.rtt(client, peer_id), seconds)
+        true[peer_id] = Estimate(sim.network.step_round_trip(client, peer_id), server.step_seconds(others))
     return true
 
 

@@ -71,6 +71,9 @@ def sessions(found: Sessions) -> dict:
         "waited_for_blocks": found.waited,
         "lost": found.lost,
         "lost_while_covered": found.lost_while_covered,
+        "lost_for_cache": found.lost_for_cache,
+        "turned_away_for_cache": found.turned_away,
+        "refusals": found.refusals,
         "chains_through_banned_or_departed": found.misrouted,
         "failovers": found.replaced,
         "failovers_per_finished_session": {

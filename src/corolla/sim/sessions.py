@@ -5,13 +5,20 @@ client/estimates.py from its pings, the records it read), client/bans.py `Bans` 
 `RetryBudget` for failover, and client/estimates.py's silence rule for how long a crashed server's
 silence takes to notice.
 
-A session holds its servers for its decode steps at its chain's true per-token latency (swarm/routing.py
-`chain_cost` at true speeds, round trips and batch loads, push on); the latency is fixed when the chain is
-chosen (loads that change later do not change it). When a server of its chain crashes, the client notices
+Opening a chain is client/links.py `open_links`: a server whose cache cannot take the session's tokens
+(its prompt's and its steps': the engine allocates cache as positions are written, so a session takes what
+it uses, not its max_length) refuses it (the engine's admission, with the client's default alloc_timeout
+of 0), and the client passes that server over for a while (client/bans.py `full`) and routes again, up to
+max_retries times. A session holds its servers (and that much of their caches) for its decode steps
+at its chain's true per-token latency (swarm/routing.py `chain_cost` at true speeds, round trips, uploads
+and batch loads, push on); the latency is fixed when the chain is chosen (loads that change later do not
+change it). When a server of its chain crashes, the client notices
 after the silence limit (at once when a leaving server ends its drain), bans the server and routes the
 failed hop's blocks again (`_fail_over`), as
 client/chain.py `_recover` does; with a block uncovered it waits up to `routing_timeout` (looking every
-LONGEST_WAIT seconds, as the router does), then the session is lost. Lost sessions are counted apart when
+LONGEST_WAIT seconds, as the router does), then the session is lost. When a session ends its client has
+timed its first hop's steps (the only ones push lets it time): its estimates get that server's last
+TIMED_STEPS steps, each its true time with the scenario's `step_noise`. Lost sessions are counted apart when
 every block still had a live server (a routing failure, which must never happen). Simplifications: a
 client pings every server at each decision (the real one re-pings every `refresh_period`), and a
 replacement's replay costs no time.
@@ -29,13 +36,15 @@ from corolla.client.estimates import SILENCE_FACTOR, SILENCE_FLOOR, ServerEstima
 from corolla.client.retries import RetryBudget
 from corolla.client.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
-from corolla.errors import MissingBlocks, ServerUnavailable
+from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
 from corolla.server.placement import coverage
 from corolla.sim.clients import against_oracle, looked_up, truth
 from corolla.sim.scenario import Event
 from corolla.sim.state import Swarm
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.routing import Hop, chain_cost
+
+TIMED_STEPS = 8  # a session's last decode steps a client's moving average of step times mostly holds
 
 
 @dataclass(eq=False)
@@ -52,6 +61,7 @@ class SimClient:
 class SimSession:
     client: SimClient
     steps: int  # decode steps it runs
+    tokens: int  # of cache it takes on each server of its chain: its prompt's and its steps'
     hops: list[Hop] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)  # blocks it has no server for yet
     latency: float = 0.0  # true seconds per token of its chain (0: paused, some blocks have no server)
@@ -60,6 +70,8 @@ class SimSession:
     failovers: int = 0
     version: int = 0  # its end is the one scheduled for this version
     waiting_since: float | None = None  # since when some block has had no server for it
+    opened: bool = False  # it has had a whole chain
+    refused: bool = False  # a server had no cache for it (since it last had a whole chain)
 
     def advance(self, now: float) -> None:
         if self.latency > 0:
@@ -83,6 +95,9 @@ class Sessions:
         self.config = ClientConfig()
         self.on: dict[str, set[SimSession]] = defaultdict(set)  # peer id -> sessions with a hop there
         self.started = self.finished = self.lost = self.lost_while_covered = self.misrouted = 0
+        self.turned_away = 0  # sessions no server had cache for, at their first opening
+        self.lost_for_cache = 0  # sessions lost failing over because no server had cache for them
+        self.refusals = 0  # servers that refused to open a session (no cache), all sessions
         self.failovers: list[int] = []  # per finished session
         self.replaced = 0  # servers replaced in sessions' chains, all sessions
         self.waited = 0  # sessions that waited for a block without a server
@@ -95,7 +110,7 @@ class Sessions:
 
     @property
     def open(self) -> int:
-        return self.started - self.finished - self.lost
+        return self.started - self.finished - self.lost - self.turned_away
 
     def start(self, event: Event) -> None:
         for _ in range(event.count):
@@ -119,14 +134,17 @@ class Sessions:
             return self.rng.choice(self.clients)
         bans = Bans(self.config, clock=lambda: sim.now)
         client = SimClient(f"user{next(self._names)}", bans, ServerEstimates(), pooled=pool > 0)
-        sim.network.place(client.name, self.rng)
+        scenario = sim.scenario
+        behind_nat = self.rng.random() < scenario.clients_behind_nat
+        sim.network.place(client.name, self.rng, scenario.client_upload_mbps, behind_nat)
         if client.pooled:
             self.clients.append(client)
         return client
 
     def _arrive(self) -> None:
         sim = self.sim
-        session = SimSession(self._client(), self.rng.randint(*sim.scenario.session_steps))
+        steps = self.rng.randint(*sim.scenario.session_steps)
+        session = SimSession(self._client(), steps, sim.scenario.prompt_tokens + steps)
         session.gaps.append((0, sim.scenario.num_blocks))
         self.started += 1
         self._repair(session, session.version, first=self.started % sim.scenario.oracle_every == 0)
@@ -159,7 +177,9 @@ class Sessions:
         while session.gaps:
             start, end = session.gaps[-1]
             try:
-                hops = self._choose(session, start, end, oracle=first)
+                hops = self._open(session, start, end, first)
+            except ServerUnavailable:
+                return self._lose(session)
             except MissingBlocks:
                 session.latency = 0.0  # paused
                 if session.waiting_since is None:
@@ -174,20 +194,39 @@ class Sessions:
             session.hops = sorted([*session.hops, *hops], key=lambda hop: hop.start)
             session.client.estimates.acquire(hops)
             for hop in hops:
-                sim.servers[hop.peer_id].sessions += 1
+                server = sim.servers[hop.peer_id]
+                server.sessions += 1
+                server.reserved += session.tokens
                 self.on[hop.peer_id].add(session)
         session.waiting_since = None
+        session.refused = False
         self._resume(session)
 
     def _resume(self, session: SimSession) -> None:
         """A whole chain again: its true latency from now on, and when it will have run its steps."""
         sim = self.sim
+        session.opened = True
         true = truth(sim, session.client.name, {hop.peer_id for hop in session.hops}, joining=False)
         session.latency = chain_cost(session.hops, true, sim.network.links(), push=True)
         self.latencies.append(session.latency)
         session.version += 1
         left = (session.steps - session.done) * session.latency
         sim.at(sim.now + left, self._end, session, session.version)
+
+    def _open(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
+        """client/links.py `open_links`: a chain whose servers all take the session, banning those that
+        refuse it (no cache for it) and routing again, up to max_retries times; then ServerUnavailable."""
+        for _ in range(self.config.max_retries + 1):
+            hops = self._choose(session, start, end, oracle)
+            refused = [hop for hop in hops if not self.sim.servers[hop.peer_id].admits(session.tokens)]
+            if not refused:
+                return hops
+            self.refusals += len(refused)
+            session.refused = True
+            for hop in refused:
+                session.client.bans.failed(hop.peer_id, CacheExhausted("no cache for the session"))
+            oracle = False  # compared once per session
+        raise ServerUnavailable(f"could not open sessions for blocks {start}:{end}")
 
     def _choose(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
         """The client's chain over [start, end) (client/router.py); with `oracle`, also the oracle's."""
@@ -196,7 +235,8 @@ class Sessions:
         spans, estimates = looked_up(sim, client.name, self.rng, client.estimates)
         view = _View(spans, {s.peer_id for s in spans})
         router = Router(self.config, sim.scenario.num_blocks, view, client.bans, estimates, rng=self.rng)
-        hops = router.choose(start, end)
+        tokens = sim.scenario.session_tokens
+        hops = router.choose(start, end, needed_cache=tokens, max_length=tokens)
         self.misrouted += any(
             not sim.servers[hop.peer_id].alive or hop.peer_id in client.bans.banned() for hop in hops
         )
@@ -212,28 +252,41 @@ class Sessions:
         first = session.hops[0]
         true = truth(self.sim, session.client.name, [first.peer_id], joining=False)[first.peer_id]
         blocks = first.end - first.start
-        seconds = true.rtt + blocks * true.seconds_per_block
-        session.client.estimates.observe_step(first.peer_id, seconds, blocks)
+        noise = self.sim.scenario.step_noise
+        for _ in range(min(session.steps, TIMED_STEPS)):  # its last steps: what the moving average holds
+            seconds = (true.rtt + blocks * true.seconds_per_block) * self.rng.lognormvariate(0, noise)
+            session.client.estimates.observe_step(first.peer_id, seconds, blocks)
         self._release(session.hops, session)
         self.finished += 1
         self.failovers.append(session.failovers)
         self._forget(session)
 
     def _lose(self, session: SimSession) -> None:
+        """The session failed: it waited routing_timeout for blocks, its failover budget ran out, or (with
+        `refused` set) servers had no cache for it."""
         sim = self.sim
+        refused = session.refused
+        if refused and not session.opened:
+            self.turned_away += 1  # refused at its first opening: the user's request fails at once
+            return self._forget(session)
         self._release(session.hops, session)
-        live = [(s.start, s.end, 1.0) for s in sim.servers.values() if s.alive]
         self.lost += 1
-        self.lost_while_covered += min(coverage(live, sim.scenario.num_blocks)) > 0
+        if refused:  # failing over, no server had cache for it
+            self.lost_for_cache += 1
+        else:
+            live = [(s.start, s.end, 1.0) for s in sim.servers.values() if s.alive]
+            self.lost_while_covered += min(coverage(live, sim.scenario.num_blocks)) > 0
         self._forget(session)
 
     def _release(self, hops: list[Hop], session: SimSession) -> None:
         session.client.estimates.release(hops)
         for hop in hops:
-            self.sim.servers[hop.peer_id].sessions -= 1
+            server = self.sim.servers[hop.peer_id]
+            server.sessions -= 1
+            server.reserved -= session.tokens
             self.on.get(hop.peer_id, set()).discard(session)
 
     def _forget(self, session: SimSession) -> None:
         session.version = -1
         if not session.client.pooled:
-            del self.sim.network.places[session.client.name]
+            self.sim.network.forget(session.client.name)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from corolla.server.placement import Placed
+from corolla.sim.compute import PassCost
 from corolla.sim.network import Network
 from corolla.sim.scenario import Scenario, ServerClass
 
@@ -19,12 +20,28 @@ class SimServer:
     kind: ServerClass
     blocks: int  # how many it holds
     throughput: float  # announced: its true speed, off by up to the scenario's noise
+    cost: PassCost  # its true speed: a pass over one of its blocks
+    cache: int | None = None  # tokens of attention cache it holds (None: no limit)
     start: int = 0
     end: int = 0
+    fixed: bool = False  # its blocks were given (`corolla server --blocks`): it never moves
     alive: bool = True
     leaving: bool = False  # announced OFFLINE, serving its open sessions until the drain timeout
     links: dict[str, float] = field(default_factory=dict)  # round trips to servers after it, announced
     sessions: int = 0  # open sessions with a hop here
+    reserved: int = 0  # tokens of cache those sessions reserved
+
+    def admits(self, tokens: int) -> bool:
+        """Whether a session reserving `tokens` of cache gets them now (the engine would make it wait
+        for pages up to its alloc_timeout, then refuse it: here it is refused at once)."""
+        return self.cache is None or self.reserved + tokens <= self.cache
+
+    def free_cache(self) -> int:
+        return (1 << 40) if self.cache is None else max(self.cache - self.reserved, 0)
+
+    def step_seconds(self, others: int) -> float:
+        """True seconds per block of a decode step with `others` sessions in the same batch."""
+        return self.cost.seconds(others + 1)
 
 
 class Swarm(Protocol):

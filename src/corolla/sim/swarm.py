@@ -26,7 +26,8 @@ from corolla.config import ServerConfig
 from corolla.errors import MissingBlocks
 from corolla.server.links import MAX_LINKS
 from corolla.server.placement import Placed, best_move, choose_window, coverage
-from corolla.sim.clients import against_oracle, looked_up
+from corolla.sim.clients import against_oracle, looked_up, noisy
+from corolla.sim.compute import cache_tokens, pass_cost
 from corolla.sim.network import Network
 from corolla.sim.records import Record, RecordBook
 from corolla.sim.scenario import Event, Scenario
@@ -34,6 +35,8 @@ from corolla.sim.sessions import Sessions
 from corolla.sim.state import SimServer
 from corolla.swarm.routing import choose_chain
 from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK
+
+BOOTSTRAP = "bootstrap"
 
 
 @dataclass
@@ -57,10 +60,13 @@ class Simulation:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.scenario.seed)
-        self.network = Network(self.scenario.rtt_ms, self.rng)
+        scenario = self.scenario
+        self.network = Network(scenario.rtt_ms, self.rng, scenario.hidden_bytes, scenario.hole_punch_success)
+        self.network.place(BOOTSTRAP)  # a public peer relaying for servers behind routers, as servers do
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._order = itertools.count()
         self._names = itertools.count()
+        self._public: list[str] = []  # servers not behind a router (possible relays), the dead dropped lazily
         self.book = RecordBook(self.scenario.num_blocks)
         self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
         self._best_version = -1  # the book's version _best was computed for
@@ -81,21 +87,26 @@ class Simulation:
     def _start_event(self, event: Event) -> None:
         if event.kind == "crash":
             live = [s for s in self.servers.values() if s.alive]
-            doomed = self.rng.sample(live, round(event.fraction * len(live)))
-            for server in doomed:
-                server.alive = False
-                record = self.book.records[server.peer_id]
-                self.at(record.expires, self.book.expire, server.peer_id, record.expires)
-                stale = record.announced_at + STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
-                self.at(stale + 1e-6, self.book.went_stale, server.peer_id)
-            self.crashes.append((self.now, len(doomed)))
-            self.sessions.crashed({server.peer_id for server in doomed})
+            self.crash(self.rng.sample(live, round(event.fraction * len(live))), event.silent)
         if event.kind == "leave":
             self._leave(event.fraction)
         if event.kind == "sessions":
             self.sessions.start(event)
         for i in range(event.count if event.kind == "join" else 0):
-            self.at(self.now + i * event.every, self._join)
+            self.at(self.now + i * event.every, self._join, event)
+
+    def crash(self, doomed: list[SimServer], silent: bool = True) -> None:
+        """Servers end at once, announcing nothing more (their records go stale, then expire). `silent`:
+        their machines or networks went (clients notice after their silence limit); else only their
+        processes died, and clients see the connections reset at once."""
+        for server in doomed:
+            server.alive = False
+            record = self.book.records[server.peer_id]
+            self.at(record.expires, self.book.expire, server.peer_id, record.expires)
+            stale = record.announced_at + STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
+            self.at(stale + 1e-6, self.book.went_stale, server.peer_id)
+        self.crashes.append((self.now, len(doomed)))
+        self.sessions.crashed({server.peer_id for server in doomed}, silent)
 
     def _leave(self, fraction: float) -> None:
         """Servers stopped gracefully: OFFLINE at once (server.py drain), gone after the drain timeout."""
@@ -115,20 +126,33 @@ class Simulation:
 
     # a server's life: join, announce, check
 
-    def _join(self) -> None:
-        kind = self.rng.choices(self.scenario.classes, weights=[c.share for c in self.scenario.classes])[0]
+    def _join(self, event: Event) -> None:
+        classes = self.scenario.classes
+        if event.server_class is None:
+            kind = self.rng.choices(classes, weights=[c.share for c in classes])[0]
+        else:
+            kind = next(c for c in classes if c.name == event.server_class)
         noise = 1 + self.rng.uniform(-self.scenario.announce_noise, self.scenario.announce_noise)
+        fixed = event.blocks
+        blocks = self.rng.randint(kind.min_blocks, kind.max_blocks) if fixed is None else fixed[1] - fixed[0]
+        cost = pass_cost(kind)
         server = SimServer(
             f"server{next(self._names)}",
             kind,
-            self.rng.randint(kind.min_blocks, kind.max_blocks),
-            noise / kind.seconds_per_block,
+            blocks,
+            noise / cost.seconds(1),
+            cost,
+            cache_tokens(kind, blocks, self.scenario.kv_bytes_per_token),
         )
-        self.network.place(server.peer_id)
+        behind_nat = self.rng.random() < kind.behind_nat
+        self.network.place(server.peer_id, upload_mbps=kind.upload_mbps, behind_nat=behind_nat)
+        if not behind_nat:
+            self._public.append(server.peer_id)
         # placement.choose_blocks over the records placement counts, whose coverage the book keeps
-        server.start, server.end = choose_window(
+        server.start, server.end = fixed or choose_window(
             self.book.cover, server.blocks, self.scenario.num_blocks, server.throughput
         )
+        server.fixed = fixed is not None
         self.servers[server.peer_id] = server
         self._announce(server)
         self.at(self.now + self._balance_delay(), self._check, server)
@@ -136,6 +160,7 @@ class Simulation:
     def _announce(self, server: SimServer) -> None:
         if not server.alive or server.leaving:
             return
+        self._reserve_relay(server)
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
         self.book.store(
             server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
@@ -144,10 +169,32 @@ class Simulation:
         # read of the swarm that the rebalancer looks at too: a block without a server is checked at once
         after = sorted(p for p in self.book.starting.get(server.end, ()) if self.servers[p].alive)
         chosen = self.rng.sample(after, min(len(after), MAX_LINKS))
-        server.links = {peer_id: self.network.rtt(server.peer_id, peer_id) for peer_id in chosen}
+        server.links = {
+            peer_id: self.network.rtt(server.peer_id, peer_id) * noisy(self, self.rng) for peer_id in chosen
+        }
         if self.book.has_hole():
             self._decide(server)
         self.at(self.now + self.scenario.announce_period, self._announce, server)
+
+    def _reserve_relay(self, server: SimServer) -> None:
+        """Behind a router: a reservation on a random reachable server or the bootstrap peer (kept while
+        that peer lives; a dead relay's connections cost nothing more here)."""
+        peer = self.network.peers[server.peer_id]
+        if not peer.behind_nat or (peer.relay is not None and self._relays(peer.relay)):
+            return
+        while True:  # the public servers that joined, the dead among them dropped as they are drawn
+            index = self.rng.randrange(len(self._public) + 1)
+            if index == len(self._public):
+                peer.relay = BOOTSTRAP
+                return
+            if self._relays(self._public[index]):
+                peer.relay = self._public[index]
+                return
+            self._public[index] = self._public[-1]
+            self._public.pop()
+
+    def _relays(self, peer_id: str) -> bool:
+        return peer_id == BOOTSTRAP or self.servers[peer_id].alive
 
     def _check(self, server: SimServer) -> None:
         if server.alive and not server.leaving:
@@ -156,7 +203,7 @@ class Simulation:
 
     def _decide(self, server: SimServer) -> None:
         """Rebalancer.check: move if this server is the one whose move helps most."""
-        best = self._best_move()
+        best = None if server.fixed else self._best_move()
         if best is not None and best[0] == server.peer_id:
             server.start, server.end = best[1]
             self.moves += 1
@@ -202,7 +249,7 @@ class Simulation:
     def _route(self) -> None:
         """One client's chain against the oracle's, from a random point of the plane (no session)."""
         client = f"client{next(self._names)}"
-        self.network.place(client)
+        self.network.place(client, upload_mbps=self.scenario.client_upload_mbps)
         spans, measured = looked_up(self, client, self.rng)
         announced = {span.peer_id: dict(span.info.next_pings) for span in spans}
         total = self.scenario.num_blocks
@@ -215,4 +262,4 @@ class Simulation:
         except MissingBlocks:
             return
         finally:
-            del self.network.places[client]
+            self.network.forget(client)

@@ -54,7 +54,7 @@ def test_clients_chains_use_live_servers_and_cost_no_less_than_the_oracles():
     simulation = Simulation(thin_swarm()).run()
     assert len(simulation.ratios) > 50
     assert min(simulation.ratios) >= 1 / (1 + JITTER)  # the oracle's chain is the cheapest at true speeds
-    assert all(server.peer_id in simulation.network.places for server in simulation.servers.values())
+    assert all(server.peer_id in simulation.network.peers for server in simulation.servers.values())
 
 
 def with_sessions(**changes) -> Scenario:
@@ -114,7 +114,7 @@ def test_long_lived_clients_keep_what_they_learned_across_sessions():
     simulation = Simulation(with_sessions(clients=5)).run()
     clients = simulation.sessions.clients
     assert len(clients) == 5 and simulation.sessions.started == 200
-    assert all(client.name in simulation.network.places for client in clients)  # stay where they are
+    assert all(client.name in simulation.network.peers for client in clients)  # stay where they are
     # with push a client times only its chains' first hops: those servers' speeds are its own measures
     assert all(client.estimates.observed for client in clients)
     assert all(
@@ -154,7 +154,7 @@ def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
 def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
     with pytest.raises(
         InvalidRequest,
-        match="no scenario file .nowhere. \\(bundled: crash10, day, flash, one_by_one, small\\)",
+        match="no scenario file .nowhere. \\(bundled: crash10, day, five, flash, one_by_one, small\\)",
     ):
         load("nowhere")
     path = tmp_path / "bad.json"
@@ -176,3 +176,23 @@ def test_a_simulation_is_drawn_where_asked(tmp_path):
         check_plot_path(tmp_path / "thin.txt")
     with pytest.raises(InvalidRequest, match="no folder"):
         check_plot_path(tmp_path / "nowhere" / "thin.png")
+
+
+def test_servers_take_only_the_sessions_their_caches_hold():
+    """Caches of two or three sessions per server (8 MiB per block per session of 2048 tokens): the
+    client opens where there is room, banning a server that refuses and routing again (client/links.py);
+    a session nobody has room for is turned away, and no server ever holds more than its cache."""
+    classes = [{**c.model_dump(), "cache_gib": 0.08} for c in with_sessions().classes]
+    simulation = Simulation(with_sessions(classes=classes))
+    overfull = []
+
+    def watch():
+        overfull.extend(s.peer_id for s in simulation.servers.values() if s.cache and s.reserved > s.cache)
+        simulation.at(simulation.now + 1, watch)
+
+    simulation.at(0, watch)
+    found = summarize(simulation.run(), 0.0)["sessions"]
+    assert not overfull and found["refusals"] > 0 and found["turned_away_for_cache"] > 0
+    assert found["finished"] > 0 and found["lost_while_covered"] == 0
+    assert found["chains_through_banned_or_departed"] == 0
+    assert all(0 <= s.reserved <= s.cache for s in simulation.servers.values())
