@@ -90,7 +90,9 @@ class Bans:
 
     def full(self, peer_id: str) -> None:
         """Pass over a server that had no cache for a session, for FULL_TIME (not a failure)."""
-        self._full_until[peer_id] = self.clock() + FULL_TIME
+        now = self.clock()
+        self._full_until = {peer: until for peer, until in self._full_until.items() if until > now}
+        self._full_until[peer_id] = now + FULL_TIME
         logger.info("Server ...%s has no cache left; passing it over for %.0fs", peer_id[-6:], FULL_TIME)
 
     def out_of_cache(self) -> set[str]:

@@ -167,7 +167,7 @@ class Router:
         disputes = self._bans.explain(start, end)
         full = self._bans.out_of_cache()
         busy = sum(s.peer_id in full and s.start < end and start < s.end for s in self._view.spans)
-        busy_text = f"; {counted(busy, 'server')} of these blocks had no cache left for it" if busy else ""
+        busy_text = f"; {counted(busy, 'server')} of them had no cache left for this session" if busy else ""
         raise MissingBlocks(
             f"{error.message}; waited {config.routing_timeout:.0f}s for servers{which}{refused}{disputes}"
             f"{busy_text}",

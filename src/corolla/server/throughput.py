@@ -7,7 +7,7 @@ per sequence (`batch_growth`: clients price the sessions already on a server wit
 a constant guess of 25% per session, a CPU's, sent a flash crowd's sessions from H100s that batch almost
 for free onto home GPUs). Clients use them to estimate a chain's step time before they have timed the
 server themselves, and servers use it to weigh the swarm's coverage when they choose
-blocks. Measuring takes about a second, so the result is cached in the corolla cache folder, keyed by
+blocks. Measuring takes a second or two, so the result is cached in the corolla cache folder, keyed by
 everything that changes it, for MAX_AGE: a figure taken on a busy machine (servers starting at once)
 does not stand forever.
 """
@@ -27,6 +27,7 @@ import torch
 from corolla.config import EngineConfig
 from corolla.engine.engine import Engine
 from corolla.engine.sequence import StepWork
+from corolla.engine.states import state_pages
 from corolla.models.devices import device_info
 from corolla.models.source import cache_dir
 from corolla.models.span import Span
@@ -81,8 +82,10 @@ def measure_throughput(span: Span, use_cache: bool = True) -> float:
 
 def _step_seconds(span: Span, rows: int) -> float:
     """The median seconds of a decode step of `rows` sequences with CONTEXT tokens each, through the
-    engine, after the prefill and warm-up."""
-    cache = rows * (CONTEXT + STEPS + 16)
+    engine, after the prefill and warm-up. The cache holds every row at once, recurrent states included
+    (a row short of pages would wait for them for ever)."""
+    page = EngineConfig.page_size
+    cache = rows * (CONTEXT + STEPS + page + state_pages(span, page) * page)
     config = EngineConfig(max_cache_tokens=cache, max_batch_tokens=CONTEXT * rows, max_batch_wait_ms=0)
     engine = Engine(span, config)
     sessions = [

@@ -214,8 +214,9 @@ class Sessions:
         sim.at(sim.now + left, self._end, session, session.version)
 
     def _open(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
-        """client/links.py `open_links`: a chain whose servers all take the session, banning those that
-        refuse it (no cache for it) and routing again, up to max_retries times; then ServerUnavailable."""
+        """client/links.py `open_links`: a chain whose servers all take the session, passing over those
+        that refuse it (no cache for it: `Bans.failed` with CacheExhausted) and routing again, up to
+        max_retries times; then ServerUnavailable."""
         for _ in range(self.config.max_retries + 1):
             hops = self._choose(session, start, end, oracle)
             refused = [hop for hop in hops if not self.sim.servers[hop.peer_id].admits(session.tokens)]

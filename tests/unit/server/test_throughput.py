@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import torch
 
 from corolla.models.span import Span
 from corolla.server import throughput
+from tiny_models import RECURRENT
 
 
 def test_a_cached_figure_stands_for_max_age_then_is_measured_again(tiny_models, tmp_path, monkeypatch):
@@ -37,3 +39,13 @@ def test_a_cached_figure_stands_for_max_age_then_is_measured_again(tiny_models, 
     assert speed.blocks_per_s != 645.0 and 0 <= speed.batch_growth < 1  # 8 sequences' step: under 8 one's
     path.write_text("[not a map")
     assert throughput.measure_throughput(span) > 0
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_spans_with_recurrent_states_are_measured_too(family, tiny_models, tmp_path, monkeypatch):
+    """A batch of 8 rows holding recurrent states fits the measuring engine's cache (a row short of pages
+    would wait for them for ever, and the server would never start)."""
+    monkeypatch.setenv("COROLLA_CACHE", str(tmp_path))
+    span = Span.load(tiny_models[family], 0, 2, torch.float32)
+    speed = throughput.measure_speed(span, use_cache=False)
+    assert speed.blocks_per_s > 0 and speed.batch_growth >= 0
