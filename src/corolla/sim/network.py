@@ -65,20 +65,25 @@ class Network:
         pair = f"{min(caller, called)}|{max(caller, called)}".encode()
         return None if zlib.crc32(pair) < self._punch else other.relay
 
-    def rtt(self, a: str, b: str) -> float:
-        """Seconds of a round trip from `a` to `b`, as a ping measures it."""
+    def path(self, a: str, b: str) -> tuple[float, float]:
+        """From `a` to `b`: seconds of a round trip, as a ping measures it, and seconds a token's hidden
+        state takes (over the relay's upload too if relayed); the relay looked up once for both."""
         relay = self.relay_of(a, b)
-        return self.distance(a, b) if relay is None else self.distance(a, relay) + self.distance(relay, b)
+        if relay is None:
+            return self.distance(a, b), self.peers[a].upload
+        rtt = self.distance(a, relay) + self.distance(relay, b)
+        return rtt, self.peers[a].upload + self.peers[relay].upload
+
+    def rtt(self, a: str, b: str) -> float:
+        return self.path(a, b)[0]
 
     def transfer(self, a: str, b: str) -> float:
-        """Seconds a token's hidden state takes from `a` to `b` (over the relay's upload too if relayed)."""
-        relay = self.relay_of(a, b)
-        seconds = self.peers[a].upload
-        return seconds if relay is None else seconds + self.peers[relay].upload
+        return self.path(a, b)[1]
 
     def step_round_trip(self, client: str, server: str) -> float:
         """A decode step's true round trip between a client and a server, its data both ways included."""
-        return self.rtt(client, server) + self.transfer(client, server) + self.transfer(server, client)
+        rtt, there = self.path(client, server)
+        return rtt + there + self.transfer(server, client)
 
     def links(self) -> Mapping[str, Mapping[str, float]]:
         """Every server's true cost of pushing a step to every other, as routing reads announced round
@@ -117,8 +122,8 @@ class _Row(Mapping[str, float]):
         return self._cost(other) if other in self.network.peers else default
 
     def _cost(self, other: str) -> float:
-        network = self.network
-        return network.rtt(self.peer_id, other) + 2 * network.transfer(self.peer_id, other)
+        rtt, transfer = self.network.path(self.peer_id, other)
+        return rtt + 2 * transfer
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.network.peers)
