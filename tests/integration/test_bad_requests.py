@@ -558,9 +558,9 @@ def frame(message) -> bytes:
 HALF_A_FRAME = P2P.MESSAGE_MARKER + (10_000).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\x00" * 100
 
 
-async def error_from(reader, timeout: float = 15) -> tuple[str, float]:
-    """The error the server ends a stream with, and how long it took to come."""
-    started = time.monotonic()
+async def error_from(reader, timeout: float = 15, since: float | None = None) -> tuple[str, float]:
+    """The error the server ends a stream with, and how long it took to come (from `since` if given)."""
+    started = time.monotonic() if since is None else since
     response, error = await asyncio.wait_for(
         P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), timeout
     )
@@ -569,16 +569,20 @@ async def error_from(reader, timeout: float = 15) -> tuple[str, float]:
 
 async def test_idle_streams_are_closed_within_the_step_timeout(raw_peer):
     p2p, peer = raw_peer
-    streams = {
-        "idle forward stream": await open_raw(p2p, peer, RPC_FORWARD_STREAM),
-        "backward stream cut mid-frame": await open_raw(p2p, peer, RPC_BACKWARD_STREAM, HALF_A_FRAME),
-        "forward stream idle after its first chunk": await open_raw(
-            p2p, peer, RPC_FORWARD_STREAM, frame(request(metadata=meta()))
-        ),
-        "idle push stream": await open_raw(p2p, peer, RPC_PUSH),
-        "push stream cut mid-frame": await open_raw(p2p, peer, RPC_PUSH, HALF_A_FRAME),
+    cases = {
+        "idle forward stream": (RPC_FORWARD_STREAM,),
+        "backward stream cut mid-frame": (RPC_BACKWARD_STREAM, HALF_A_FRAME),
+        "forward stream idle after its first chunk": (RPC_FORWARD_STREAM, frame(request(metadata=meta()))),
+        "idle push stream": (RPC_PUSH,),
+        "push stream cut mid-frame": (RPC_PUSH, HALF_A_FRAME),
     }
-    results = await asyncio.gather(*(error_from(reader) for reader, _ in streams.values()))
+    streams, opened = {}, {}
+    for name, (rpc, *frames) in cases.items():  # each stream's wait counts from its own opening
+        opened[name] = time.monotonic()
+        streams[name] = await open_raw(p2p, peer, rpc, *frames)
+    results = await asyncio.gather(
+        *(error_from(reader, since=opened[name]) for name, (reader, _) in streams.items())
+    )
     for name, (error, waited) in zip(streams, results, strict=True):
         assert "SessionTimeout: no request arrived within step_timeout=4.0s" in error, f"{name}: {error}"
         assert 3.5 < waited < 8, f"{name}: closed after {waited:.1f}s"
