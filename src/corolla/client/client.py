@@ -25,8 +25,10 @@ from corolla.client.swarm_view import SpanReader, SwarmView
 from corolla.client.training import ChainPasses
 from corolla.config import ClientConfig
 from corolla.models.config import ModelConfig
-from corolla.swarm.dht import PeerDHT, RemoteSpan, find_spans, start_dht
+from corolla.swarm.block_records import find_spans
+from corolla.swarm.dht import PeerDHT, RemoteSpan, start_dht
 from corolla.swarm.overview import SwarmOverview, read_overview
+from corolla.swarm.record_cells import random_position
 from corolla.swarm.reports import report_faulty
 from corolla.swarm.transport import P2PTransport, Transport
 
@@ -85,7 +87,8 @@ class Client:
             raise
 
         async def read_spans(tally: Counter) -> list[RemoteSpan]:
-            return await find_spans(dht, dht_prefix, model.num_blocks, tally=tally)
+            # a fresh random path down the records' tree each time (swarm/record_cells.py)
+            return await find_spans(dht, dht_prefix, model.num_blocks, tally=tally, where=random_position())
 
         async def report(faulty: dict[str, str]) -> bool:
             return await report_faulty(dht, dht_prefix, faulty)

@@ -1,4 +1,5 @@
-"""Periodic DHT announcements of a server's status (server/status.py) under every block key it hosts.
+"""Periodic DHT announcements of a server's status (server/status.py) under every block it hosts (in
+its cell of each block's records tree: swarm/record_cells.py, the level its links' walk chose).
 
 Records are signed with the server's identity (swarm/dht.py). They expire after 2.5 announce periods,
 so a server that dies without a word disappears from clients' views on its own; a server that stops
@@ -18,7 +19,9 @@ from dataclasses import replace
 from hivemind.utils import get_dht_time
 
 from corolla.server.periodic import Periodic
-from corolla.swarm.dht import PeerDHT, announce, announce_model
+from corolla.swarm.block_records import announce
+from corolla.swarm.dht import PeerDHT, announce_model
+from corolla.swarm.record_cells import Place
 from corolla.wire.records import RECORD_LIFETIME, ServerState, ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ class Announcer:
         snapshot: Callable[[], ServerStatus],
         num_blocks: int,
         lists_model: Callable[[], bool] = lambda: True,
+        place: Place | None = None,
     ):
         self.dht = dht
         self.dht_prefix = dht_prefix
@@ -40,6 +44,7 @@ class Announcer:
         self.num_blocks = num_blocks  # the model's: listed under the swarm's models key while ONLINE
         self.snapshot = snapshot
         self.lists_model = lists_model  # whether this server is one of those listing the model (swarm/dht.py)
+        self.place = place or Place(0)  # where in the records' tree (swarm/record_cells.py)
         self.leaving: range = range(0)  # blocks this server is moving away from (their records are replaced)
         self._loop = Periodic(
             "corolla-announcer", self.announce, lambda: self.period, "Announcement failed; retrying"
@@ -51,7 +56,10 @@ class Announcer:
 
     async def announce(self) -> bool:
         record = replace(self.snapshot(), announced_at=get_dht_time(), announce_period=self.period)
-        ok = await announce(self.dht, self.dht_prefix, record, self.expiration, self.leaving)
+        place = self.place
+        ok = await announce(
+            self.dht, self.dht_prefix, record, self.expiration, self.leaving, place.level or 0, place.where
+        )
         if record.state == ServerState.ONLINE and self.lists_model():
             ok &= await announce_model(self.dht, self.dht_prefix, self.num_blocks, self.expiration)
         if not ok:

@@ -1,6 +1,7 @@
 """Round trips to the servers that can take this server's outputs, for push-aware routing.
 
-Every announce period the server reads the swarm from the DHT, pings (rpc_info) up to MAX_LINKS servers
+Every announce period the server reads the swarm from the DHT (down its own path of the records' tree,
+which also settles the level it announces at: swarm/record_cells.py), pings (rpc_info) up to MAX_LINKS servers
 whose spans start where its own ends, and keeps the round trips; the announcement carries them, so a
 client can cost a chain's server-to-server hops without measuring them itself. The read is also passed
 to `on_read` (the rebalancer's look for blocks without a server), so nothing else reads it again.
@@ -18,8 +19,9 @@ from hivemind.p2p import P2P
 from corolla.server.periodic import Periodic
 from corolla.server.placement import Placed
 from corolla.server.spans import HostedSpans
-from corolla.swarm.dht import placed_servers
+from corolla.swarm.block_records import placed, read_swarm
 from corolla.swarm.ping import ping
+from corolla.swarm.record_cells import Place, position
 from corolla.swarm.transport import P2PTransport
 
 MAX_LINKS = 8
@@ -37,6 +39,7 @@ class LinkMonitor:
         self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
         self.on_read: Callable[[dict[str, Placed]], Awaitable[object]] | None = None
         self.seen: frozenset[str] = frozenset()  # the servers of the last read (peer ids)
+        self.place = Place(position(peer_id))  # the walk is down this server's own path
         failure = "Measuring the links to the next servers failed"
         self._loop = Periodic(
             "corolla-links", self.measure, lambda: period, failure, at_once=True, level=logging.DEBUG
@@ -49,13 +52,15 @@ class LinkMonitor:
         await self._loop.stop()
 
     async def measure(self) -> None:
-        end = self.spans.primary.blocks[1]
-        placed = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
-        self.seen = frozenset(placed)
+        start, end = self.spans.primary.blocks
+        read = await read_swarm(self.dht, self.spans.dht_prefix, self.num_blocks, self.place.where)
+        self.place.update(read.walk, range(start, end), self.peer_id)  # the next announcement's level
+        servers = placed(read)
+        self.seen = frozenset(servers)
         if self.on_read is not None:
-            await self.on_read(dict(placed))
-        placed.pop(self.peer_id, None)
-        nexts = [peer for peer, (start, stop, _) in placed.items() if start <= end < stop][:MAX_LINKS]
+            await self.on_read(dict(servers))
+        servers.pop(self.peer_id, None)
+        nexts = [peer for peer, (first, stop, _) in servers.items() if first <= end < stop][:MAX_LINKS]
         transport = P2PTransport(self.p2p)
         answers = await asyncio.gather(*(ping(transport, peer, PING_TIMEOUT) for peer in nexts))
         self.pings = {peer: a.seconds for peer, a in zip(nexts, answers, strict=True) if a.answered}

@@ -21,7 +21,7 @@ from corolla.server.inference import InferenceService
 from corolla.server.periodic import Periodic
 from corolla.server.placement import Placed, coverage, my_move
 from corolla.server.spans import HostedSpans
-from corolla.swarm.dht import placed_servers
+from corolla.swarm.block_records import placed_servers
 
 
 class Rebalancer:
@@ -71,7 +71,7 @@ class Rebalancer:
         if self.spans.is_moving or self.inference.draining:
             return None
         if servers is None:
-            servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks)
+            servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks, self.peer_id)
         servers[self.peer_id] = (*self.spans.primary.blocks, self.throughput)
         # where no span may start or end: inside Gemma's layers that share keys and values
         forbidden = self.spans.primary.span.config.kv_sharing.forbidden_cuts

@@ -39,7 +39,7 @@ from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_speed
 from corolla.swarm import reachability
-from corolla.swarm.dht import placed_servers
+from corolla.swarm.block_records import placed_servers
 from corolla.swarm.joining import join
 from corolla.swarm.model_listing import lists_model
 from corolla.swarm.transport import P2PTransport
@@ -153,8 +153,8 @@ class Server:
             self.metrics.serve(config.metrics_host, config.metrics_port, self.status.snapshot)
         await TransformerConnectionHandler(self.inference, passes, self.status).add_p2p_handlers(self.p2p)
         lister = lambda: lists_model(self.peer_id, self.dht_prefix, self.links.seen)  # noqa: E731
-        self.announcer = Announcer(
-            self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks, lister
+        self.announcer = Announcer(  # its records' place in the tree: as its links' walk says
+            self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks, lister, self.links.place
         )
         self.status.state = ServerState.ONLINE
         await self.announcer.announce()
@@ -175,14 +175,14 @@ class Server:
             self.rebalancer.start()
 
     async def _choose_blocks(self) -> tuple[int, int]:
-        total = self.model.num_hidden_layers
-        sharing = self.model.kv_sharing
         if self.config.blocks is not None:
             return self.config.blocks
+        total = self.model.num_hidden_layers
+        sharing = self.model.kv_sharing
         num_blocks = self.config.num_blocks or self._blocks_in_budget()
         if num_blocks < 1:
             raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
-        others = await placed_servers(self.dht, self.dht_prefix, total)
+        others = await placed_servers(self.dht, self.dht_prefix, total, self.peer_id)
         others.pop(self.peer_id, None)
         weight = self.speed.blocks_per_s or 1.0
         return choose_blocks(others.values(), min(num_blocks, total), total, weight, sharing.forbidden_cuts)

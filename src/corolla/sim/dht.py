@@ -42,9 +42,10 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from corolla.config import ServerConfig
 from corolla.sim.dht_nodes import BITS, BUCKET_SIZE, NODE_DEFAULTS, Nodes
 from corolla.sim.dht_wire import PREFIX, Wire
+from corolla.sim.record_tree import RecordTree, seen
 from corolla.swarm.dht import MODELS_KEY
 from corolla.swarm.model_listing import MODEL_LISTERS
-from corolla.wire.records import block_key
+from corolla.swarm.record_cells import cell_key, cell_of, random_position
 
 NUM_REPLICAS = NODE_DEFAULTS["num_replicas"].default  # nodes that store each record
 CACHE_NEAREST = NODE_DEFAULTS["cache_nearest"].default  # after a read, nodes that get the whole value
@@ -68,7 +69,15 @@ class DhtSwarm:
     def add_key(self, key: DHTID, entries: int) -> None:
         self.entries[key] = entries
         self.nearest[key] = heapq.nsmallest(NUM_REPLICAS + 1, self.nodes.ids, key=lambda node: node ^ key)
-        self.holders[key] = set(self.nearest[key][:NUM_REPLICAS])
+        self.holders[key] = set(self.nearest[key][:NUM_REPLICAS]) if entries else set()
+
+    def ids(self, keys: list[str]) -> list[DHTID]:
+        """The DHT ids of `keys` (cells nobody stored in are empty keys)."""
+        ids = [DHTID.generate(source=key) for key in keys]
+        for key in ids:
+            if key not in self.entries:
+                self.add_key(key, 0)
+        return ids
 
     def value_bytes(self, key: DHTID) -> int:
         return self.nodes.wire.value(self.entries[key], key == self.models_key)
@@ -156,10 +165,9 @@ def dht_traffic(
     rng = random.Random(seed)
     swarm = DhtSwarm(servers, seed, _wire())
     spans = _spans(servers, num_blocks, blocks_per_server, rng)
-    coverage = Counter(block for span in spans for block in span)
-    keys = [DHTID.generate(source=block_key(PREFIX, block)) for block in range(num_blocks)]
-    for block, key in enumerate(keys):
-        swarm.add_key(key, coverage[block])
+    tree = RecordTree.settled(PREFIX, num_blocks, spans, rounds=1, rng=rng)
+    for key, peers in tree.cells.items():
+        swarm.add_key(DHTID.generate(source=key), len(peers))
     listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/model_listing.py)
     swarm.add_key(swarm.models_key, listers)
     if server_reads_per_minute is None:
@@ -167,8 +175,8 @@ def dht_traffic(
     announces = servers * 60 / announce_period
     listings = listers * 60 / announce_period
     rates = np.array([announces, listings, servers * server_reads_per_minute, sessions_per_minute])
-    asyncio.run(_simulate(swarm, keys, spans, samples, rng))
-    return _report(swarm, rates / samples, samples, keys)
+    asyncio.run(_simulate(swarm, tree, samples, rng))
+    return _report(swarm, rates / samples, samples, tree)
 
 
 @functools.cache
@@ -188,24 +196,39 @@ def _spans(servers: int, num_blocks: int, blocks_per_server: float, rng: random.
     return spans
 
 
-async def _simulate(swarm: DhtSwarm, keys: list[DHTID], spans: list[range], samples: int, rng) -> None:
-    """The sampled operations, interleaved so that routing tables change as they would."""
+async def _simulate(swarm: DhtSwarm, tree: RecordTree, samples: int, rng) -> None:
+    """The sampled operations, interleaved so that routing tables change as they would: a server's
+    announcement in its cells, its listing of the model, its walk down its own path (links and
+    rebalancing), a new client's walk down a random path (a level's keys in one get_many each)."""
     nodes = swarm.nodes
     for _ in range(samples):
         server = rng.randrange(len(nodes.ids))
         nodes.initiator = nodes.ids[server]
         nodes.kind = KINDS.index("announce")
-        await swarm.announce(nodes.initiator, [keys[block] for block in spans[server]])
+        await swarm.announce(nodes.initiator, swarm.ids(tree.keys_of(f"peer{server}")))
         nodes.kind = KINDS.index("models")
         await swarm.announce(nodes.initiator, [swarm.models_key])
         nodes.kind = KINDS.index("server_reads")
-        nodes.initiator = rng.choice(nodes.ids)
-        await swarm.read(nodes.initiator, keys)
+        reader = rng.randrange(len(nodes.ids))
+        nodes.initiator = nodes.ids[reader]
+        await _walk(swarm, tree, nodes.initiator, tree.places[f"peer{reader}"].where)
         nodes.kind = KINDS.index("client_reads")
-        await swarm.read(DHTID(rng.getrandbits(BITS)), keys)
+        await _walk(swarm, tree, DHTID(rng.getrandbits(BITS)), random_position(rng))
 
 
-def _report(swarm: DhtSwarm, scale: np.ndarray, samples: int, keys: list[DHTID]) -> dict:
+async def _walk(swarm: DhtSwarm, tree: RecordTree, reader: DHTID, where: int) -> None:
+    walk = tree.walk(where)
+    swarm.stats["walks"] += 1
+    swarm.stats["levels"] += len(walk.found)
+    swarm.stats["servers_seen"] += len(seen(walk))
+    for level in range(len(walk.found)):
+        cell = cell_of(where, level)
+        await swarm.read(
+            reader, swarm.ids([cell_key(PREFIX, b, level, cell) for b in range(tree.num_blocks)])
+        )
+
+
+def _report(swarm: DhtSwarm, scale: np.ndarray, samples: int, tree: RecordTree) -> dict:
     nodes = swarm.nodes
     counts = nodes.counts + nodes.own[:, :, None] / len(nodes.ids)  # the servers' own share, evenly
     per_minute = counts * scale[:, None, None]  # [kind, (messages, sent, received, pings), server]
@@ -213,7 +236,9 @@ def _report(swarm: DhtSwarm, scale: np.ndarray, samples: int, keys: list[DHTID])
     traffic = total[1] + total[2]
     hottest = nodes.ids[int(np.argmax(traffic))]
     stats = swarm.stats
-    values = [swarm.value_bytes(key) for key in keys]
+    values = [
+        swarm.value_bytes(key) for key in swarm.entries if swarm.entries[key] and key != swarm.models_key
+    ]
 
     def spread(row: np.ndarray) -> dict:
         return {"mean": round(float(row.mean()), 1), "max": round(float(row.max()), 1)}
@@ -237,6 +262,12 @@ def _report(swarm: DhtSwarm, scale: np.ndarray, samples: int, keys: list[DHTID])
             "bytes": round(float(nodes.clients[-1][1:3].sum()) / samples),
         },
         "value_bytes_per_block_key": {"mean": round(float(np.mean(values))), "max": max(values)},
+        "records_tree": {
+            "cells": len(values),
+            "deepest_level": max(place.level for place in tree.places.values()),
+            "levels_per_walk": round(stats["levels"] / stats["walks"], 2),
+            "servers_per_walk": round(stats["servers_seen"] / stats["walks"], 1),
+        },
         "value_bytes_models_key": swarm.value_bytes(swarm.models_key),
         "largest_message_bytes": nodes.largest,
         "largest_over_limit": nodes.largest > DEFAULT_MAX_MSG_SIZE,

@@ -11,6 +11,7 @@ from typing import Protocol
 from corolla.server.placement import Placed
 from corolla.sim.compute import PassCost
 from corolla.sim.network import Network
+from corolla.sim.record_tree import RecordTree
 from corolla.sim.scenario import Scenario, ServerClass
 
 
@@ -50,6 +51,7 @@ class Swarm(Protocol):
     rng: random.Random
     network: Network
     servers: dict[str, SimServer]
+    tree: RecordTree  # where the records are: what a client's walk finds
 
     def view(self) -> dict[str, Placed]:
         """The servers' records the DHT holds now."""

@@ -29,6 +29,7 @@ from corolla.server.placement import Placed, best_move, choose_window, coverage
 from corolla.sim.clients import against_oracle, looked_up, noisy
 from corolla.sim.compute import cache_tokens, pass_cost
 from corolla.sim.network import Network
+from corolla.sim.record_tree import RecordTree
 from corolla.sim.records import Record, RecordBook
 from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
@@ -68,6 +69,10 @@ class Simulation:
         self._names = itertools.count()
         self._public: list[str] = []  # servers not behind a router (possible relays), the dead dropped lazily
         self.book = RecordBook(self.scenario.num_blocks)
+        self.tree = RecordTree(
+            "sim", self.scenario.num_blocks
+        )  # where the records are (swarm/record_cells.py)
+        self._tree_rng = random.Random(self.scenario.seed)
         self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
         self._best_version = -1  # the book's version _best was computed for
         self.sessions = Sessions(self)
@@ -102,7 +107,7 @@ class Simulation:
         for server in doomed:
             server.alive = False
             record = self.book.records[server.peer_id]
-            self.at(record.expires, self.book.expire, server.peer_id, record.expires)
+            self.at(record.expires, self._expire, server.peer_id, record.expires)
             stale = record.announced_at + STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
             self.at(stale + 1e-6, self.book.went_stale, server.peer_id)
         self.crashes.append((self.now, len(doomed)))
@@ -115,6 +120,7 @@ class Simulation:
         for server in leaving:
             server.leaving = True
             self.book.withdraw(server.peer_id)
+            self.tree.remove(server.peer_id)
         self.leaves.append((self.now, len(leaving)))
         self.at(self.now + ServerConfig.drain_timeout, self._gone, leaving)  # corolla server's default
 
@@ -165,6 +171,7 @@ class Simulation:
         self.book.store(
             server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
         )
+        self.tree.announce(server.peer_id, range(server.start, server.end), self._tree_rng)
         # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py), from a
         # read of the swarm that the rebalancer looks at too: a block without a server is checked at once
         after = sorted(p for p in self.book.starting.get(server.end, ()) if self.servers[p].alive)
@@ -211,6 +218,12 @@ class Simulation:
             self.book.store(
                 server.peer_id, Record((*best[1], server.throughput), record.announced_at, record.expires)
             )
+            self.tree.announce(server.peer_id, range(*best[1]), self._tree_rng)
+
+    def _expire(self, peer_id: str, when: float) -> None:
+        self.book.expire(peer_id, when)
+        if peer_id not in self.book.records:
+            self.tree.remove(peer_id)
 
     def _balance_delay(self) -> float:
         return self.scenario.balance_period * self.rng.uniform(0.8, 1.2)

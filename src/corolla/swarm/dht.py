@@ -1,4 +1,5 @@
-"""The swarm's DHT, as client and server both use it: start a peer, announce spans, read spans.
+"""The swarm's DHT, as client and server both use it: start a peer, store and read signed records (the
+blocks' records: swarm/block_records.py).
 
 hivemind's DHT runs its node in a child process; functions passed to `dht.run_coroutine` execute there,
 so they are module-level (picklable) and return plain data. Every peer has an RSA identity (its own file,
@@ -15,7 +16,7 @@ import os
 import signal
 import tempfile
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -27,14 +28,14 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from corolla.config import SwarmConfig
-from corolla.errors import InvalidRequest, StartFailed
+from corolla.errors import StartFailed
 from corolla.swarm import dial_back, p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
 from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
 from corolla.swarm.reachability import limit_relaying, p2p_options, relay_limit_flags
 from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
-from corolla.wire.records import ServerState, ServerStatus, block_key
+from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -144,21 +145,11 @@ class RemoteSpan:
     start: int
     end: int
     info: ServerStatus
+    level: int = 0  # the level of the records' tree it was found at (swarm/record_cells.py)
 
     @property
     def length(self) -> int:
         return self.end - self.start
-
-
-async def announce(
-    dht: PeerDHT, dht_prefix: str, record: ServerStatus, expiration: float, also: Iterable[int] = ()
-) -> bool:
-    """Store `record`, signed, under every block key of its span (and of the blocks `also`: a server that
-    moves overwrites its records for the blocks it leaves); returns whether every store succeeded."""
-    indices = sorted(set(range(record.start, record.end)) | set(also))
-    keys = [block_key(dht_prefix, i) for i in indices]
-    store = partial(store_records, keys=keys, subkey=dht.subkey, value=record.to_dict(), ttl=expiration)
-    return await dht.run_coroutine(store, return_future=True)
 
 
 async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
@@ -216,63 +207,6 @@ async def store_records(
         keys, [value] * len(keys), expiration, subkeys=[subkey] * len(keys), num_workers=len(keys)
     )
     return all(result.values())
-
-
-async def find_spans(
-    dht: DHT,
-    dht_prefix: str,
-    num_blocks: int,
-    states: Collection[ServerState] = (ServerState.ONLINE,),
-    tally: Counter | None = None,
-) -> list[RemoteSpan]:
-    """Every server that announced one of `states` for some block of the model, with its announced span.
-
-    A server counts only for the blocks under which its record was actually found, so a stale or lying
-    announcement cannot claim blocks it never stored. Unsigned and malformed records are counted in
-    `tally` (by reason) and skipped.
-    """
-    keys = [block_key(dht_prefix, i) for i in range(num_blocks)]
-    found = await dht.run_coroutine(partial(read_records, keys=keys), return_future=True)
-    tally = Counter() if tally is None else tally
-    blocks_by_peer: dict[str, set[int]] = {}
-    records: dict[str, ServerStatus] = {}
-    for index, key in enumerate(keys):
-        for subkey, raw in found.get(key, {}).items():
-            if (peer_id := signer_of(subkey, tally)) is None:
-                continue
-            try:
-                record = ServerStatus.from_dict(raw)
-            except InvalidRequest as e:
-                tally["malformed"] += 1
-                logger.debug("Skipping a malformed record of %s under %s: %s", peer_id, key, e)
-                continue
-            if record.state not in states or not record.start <= index < record.end:
-                continue
-            blocks_by_peer.setdefault(peer_id, set()).add(index)
-            records[peer_id] = record
-    return [
-        _contiguous_span(peer_id, sorted(blocks), records[peer_id])
-        for peer_id, blocks in blocks_by_peer.items()
-    ]
-
-
-async def placed_servers(dht: DHT, dht_prefix: str, num_blocks: int) -> dict[str, tuple[int, int, float]]:
-    """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none):
-    what placement, rebalancing and link measurements read. A server that missed renewing its records
-    (wire/records.py STALE_PERIODS) is left out: it is most likely gone."""
-    spans = await find_spans(dht, dht_prefix, num_blocks)
-    now = get_dht_time()
-    return {s.peer_id: (s.start, s.end, s.info.throughput or 1.0) for s in spans if not s.info.stale(now)}
-
-
-def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus) -> RemoteSpan:
-    # the longest run of consecutive found blocks starting from the first one
-    end = blocks[0] + 1
-    for index in blocks[1:]:
-        if index != end:
-            break
-        end += 1
-    return RemoteSpan(peer_id, blocks[0], end, record)
 
 
 async def read_records(dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:

@@ -24,7 +24,8 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from corolla.errors import counted
-from corolla.swarm.dht import RemoteSpan, find_spans, rejected_records
+from corolla.swarm.block_records import find_spans
+from corolla.swarm.dht import RemoteSpan, rejected_records
 from corolla.swarm.ping import Ping, ping
 from corolla.swarm.reports import find_reports
 from corolla.swarm.transport import P2PTransport

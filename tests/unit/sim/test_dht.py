@@ -1,7 +1,7 @@
 """The DHT cost simulation (corolla.sim.dht): hivemind's own lookups over simulated routing tables find
 the nodes truly nearest to a key, in a number of requests that grows far slower than the swarm; message
-sizes match the protobufs hivemind would send; a block key's value grows with its servers; a seed
-gives the same numbers again."""
+sizes match the protobufs hivemind would send; the records' tree keeps a cell's value and a walk's read
+bounded as the swarm grows; a seed gives the same numbers again."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from corolla.sim.dht import NUM_REPLICAS, DhtSwarm, _wire, dht_traffic
 from corolla.sim.dht_nodes import BUCKET_SIZE
 from corolla.sim.dht_wire import PREFIX
+from corolla.swarm.record_cells import CELL_SERVERS
 from corolla.wire.records import block_key
 
 KEYS = [DHTID.generate(source=block_key(PREFIX, block)) for block in range(8)]
@@ -87,13 +88,19 @@ def _dictionary(wire, entries: int):
     return dictionary
 
 
-def test_a_block_keys_value_grows_with_its_servers():
-    few = dht_traffic(60, num_blocks=8, blocks_per_server=2, samples=1)
-    many = dht_traffic(60, num_blocks=8, blocks_per_server=6, samples=1)
-    assert 2.5 < many["value_bytes_per_block_key"]["mean"] / few["value_bytes_per_block_key"]["mean"] < 3.5
-    # the nodes that hold block keys serve every read of them: the busiest peer holds some
-    assert many["per_peer_per_minute"]["bytes"]["max"] > 2 * many["per_peer_per_minute"]["bytes"]["mean"]
-    assert many["hottest_peer_holds_keys"] > 0
+def test_a_cells_value_stays_bounded_while_the_swarm_grows(wire):
+    small = dht_traffic(60, num_blocks=8, blocks_per_server=2, samples=2)  # 15 servers a block
+    large = dht_traffic(600, num_blocks=8, blocks_per_server=2, samples=2)  # 150
+    assert small["records_tree"]["deepest_level"] == 0  # one key a block, read whole
+    assert small["records_tree"]["servers_per_walk"] == 60
+    assert large["records_tree"]["deepest_level"] >= 2
+    assert large["value_bytes_per_block_key"]["max"] <= wire.value(2 * CELL_SERVERS + 4, False)
+    assert large["records_tree"]["servers_per_walk"] < 0.6 * 600  # a walk reads a sample
+    growth = large["per_peer_per_minute"]["bytes"]["mean"] / small["per_peer_per_minute"]["bytes"]["mean"]
+    assert growth < 4  # ten times the servers (a key a block: about ten times the bytes)
+    # the nodes that hold cells serve every read of them: the busiest peer holds some
+    assert large["per_peer_per_minute"]["bytes"]["max"] > 2 * large["per_peer_per_minute"]["bytes"]["mean"]
+    assert large["hottest_peer_holds_keys"] > 0
 
 
 def test_the_same_seed_gives_the_same_numbers():

@@ -1,0 +1,75 @@
+"""The blocks' records tree (swarm/record_cells.py) held in memory: servers announce by its own rules
+(`Place.update` after a `Walk` down their path) and readers walk it, as the real peers do over the DHT.
+For sim/dht.py, which prices those reads and stores on hivemind's Kademlia code."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from corolla.swarm.record_cells import Place, Walk, cell_key, cell_of, position
+
+
+class RecordTree:
+    def __init__(self, dht_prefix: str, num_blocks: int):
+        self.dht_prefix = dht_prefix
+        self.num_blocks = num_blocks
+        self.cells: dict[str, set[str]] = {}  # key -> peer ids stored there
+        self.places: dict[str, Place] = {}
+        self.blocks: dict[str, range] = {}
+        self._stored: dict[str, list[str]] = {}
+
+    def walk(self, where: int | None) -> Walk:
+        """A reader's walk down the path `where` (None: every path), every level read in one go."""
+        walk = Walk(self.dht_prefix, self.num_blocks, where)
+        while not walk.done:
+            keys = walk.keys()
+            walk.add({cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()})
+        return walk
+
+    def announce(self, peer: str, blocks: range, rng: random.Random) -> list[str]:
+        """`peer` walks its own path, settles its level and stores its record in its cell of each of
+        `blocks` (its records at another level are gone: they expire in the real DHT); returns the keys."""
+        place = self.places.setdefault(peer, Place(position(peer)))
+        self.blocks[peer] = blocks
+        place.update(self.walk(place.where), blocks, peer, rng)
+        keys = [cell_key(self.dht_prefix, b, place.level, cell_of(place.where, place.level)) for b in blocks]
+        for key in self._stored.get(peer, ()):
+            self.cells[key].discard(peer)
+        for key in keys:
+            self.cells.setdefault(key, set()).add(peer)
+        self._stored[peer] = keys
+        return keys
+
+    def remove(self, peer: str) -> None:
+        """`peer`'s records are gone (expired, or overwritten as OFFLINE)."""
+        for key in self._stored.pop(peer, ()):
+            self.cells[key].discard(peer)
+        self.places.pop(peer, None)
+        self.blocks.pop(peer, None)
+
+    def keys_of(self, peer: str) -> list[str]:
+        """The keys `peer`'s records are stored under now."""
+        return self._stored[peer]
+
+    @classmethod
+    def settled(
+        cls, dht_prefix: str, num_blocks: int, spans: Sequence[range], rounds: int, rng: random.Random
+    ) -> RecordTree:
+        """Servers `peer0`, `peer1`, ... with `spans` join one by one, then all announce `rounds` times
+        more, in a random order each time."""
+        tree = cls(dht_prefix, num_blocks)
+        peers = [f"peer{i}" for i in range(len(spans))]
+        for peer, blocks in zip(peers, spans, strict=True):
+            tree.announce(peer, blocks, rng)
+        for _ in range(rounds):
+            for peer in rng.sample(peers, len(peers)):
+                tree.announce(peer, tree.blocks[peer], rng)
+        return tree
+
+
+def seen(walk: Walk) -> dict[str, int]:
+    """The peers a walk found, with the level each was found at."""
+    return {
+        peer: level for level, found in enumerate(walk.found) for peers in found.values() for peer in peers
+    }
