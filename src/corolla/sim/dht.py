@@ -45,7 +45,7 @@ from corolla.sim.dht_wire import PREFIX, Wire
 from corolla.sim.record_tree import RecordTree, seen
 from corolla.swarm.dht import MODELS_KEY
 from corolla.swarm.model_listing import MODEL_LISTERS
-from corolla.swarm.record_cells import cell_key, cell_of, random_position
+from corolla.swarm.record_cells import keys_at, random_position
 
 NUM_REPLICAS = NODE_DEFAULTS["num_replicas"].default  # nodes that store each record
 CACHE_NEAREST = NODE_DEFAULTS["cache_nearest"].default  # after a read, nodes that get the whole value
@@ -222,10 +222,8 @@ async def _walk(swarm: DhtSwarm, tree: RecordTree, reader: DHTID, where: int) ->
     swarm.stats["levels"] += len(walk.found)
     swarm.stats["servers_seen"] += len(seen(walk))
     for level in range(len(walk.found)):
-        cell = cell_of(where, level)
-        await swarm.read(
-            reader, swarm.ids([cell_key(PREFIX, b, level, cell) for b in range(tree.num_blocks)])
-        )
+        keys = keys_at(PREFIX, level, where, range(tree.num_blocks))
+        await swarm.read(reader, swarm.ids(keys))
 
 
 def _report(swarm: DhtSwarm, scale: np.ndarray, samples: int, tree: RecordTree) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from corolla.swarm.record_cells import Place, Walk, cell_key, cell_of, position
+from corolla.swarm.record_cells import Place, Walk, position
 
 
 class RecordTree:
@@ -24,7 +24,8 @@ class RecordTree:
         walk = Walk(self.dht_prefix, self.num_blocks, where)
         while not walk.done:
             keys = walk.keys()
-            walk.add({cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()})
+            found = {cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()}
+            walk.add(found, {peer: self.blocks[peer] for peers in found.values() for peer in peers})
         return walk
 
     def announce(self, peer: str, blocks: range, rng: random.Random) -> list[str]:
@@ -33,7 +34,7 @@ class RecordTree:
         place = self.places.setdefault(peer, Place(position(peer)))
         self.blocks[peer] = blocks
         place.update(self.walk(place.where), blocks, peer, rng)
-        keys = [cell_key(self.dht_prefix, b, place.level, cell_of(place.where, place.level)) for b in blocks]
+        keys = place.keys(self.dht_prefix, blocks)
         for key in self._stored.get(peer, ()):
             self.cells[key].discard(peer)
         for key in keys:

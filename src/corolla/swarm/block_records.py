@@ -1,10 +1,11 @@
-"""The servers' records under the model's block keys: announced by each server for every block it hosts,
-read back by clients (routing), servers (links, placement) and `corolla status`.
+"""The servers' records: announced by each server for the blocks it hosts, read back by clients
+(routing), servers (links, placement) and `corolla status`.
 
-The records of a block fill a tree of DHT keys (swarm/record_cells.py), so that no key, and no read,
-grows with the swarm: a reader walks one path down it (its own position or a random one) and gets a
-sample of every block's servers, each standing for `weight(level)` servers; `corolla status` walks every
-path. With at most record_cells.READ_ON servers per block the tree is one level and every read is whole.
+The records fill a tree of DHT keys (swarm/record_cells.py: the blocks' keys, then cells of whole
+records), so that no key, and no read, grows with the swarm: a reader walks one path down it (its own
+position or a random one) and gets a sample of every block's servers, each standing for `weight(level)`
+servers; `corolla status` walks every path. With at most record_cells.READ_ON servers a block the tree is
+the blocks' keys alone and every read is whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hivemind.utils import get_dht_time
 
 from corolla.errors import InvalidRequest
 from corolla.swarm.dht import PeerDHT, RemoteSpan, read_records, signer_of, store_records
-from corolla.swarm.record_cells import Walk, cell_key, cell_of, position, weight
+from corolla.swarm.record_cells import WHOLE, Walk, keys_at, position, weight
 from corolla.wire.records import ServerState, ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -45,11 +46,11 @@ async def announce(
     level: int = 0,
     where: int = 0,
 ) -> bool:
-    """Store `record`, signed, under the cell at `level` on the path `where` (the server's position) of
-    every block of its span (and of the blocks `also`: a server that moves overwrites its records for the
-    blocks it leaves); returns whether every store succeeded."""
+    """Store `record`, signed, at `level` of the records' tree for the server at `where` (its position):
+    level 0, under every block key of its span (and of the blocks `also`: a server that moves overwrites
+    its records for the blocks it leaves); deeper, in its cell. Returns whether every store succeeded."""
     indices = sorted(set(range(record.start, record.end)) | set(also))
-    keys = [cell_key(dht_prefix, i, level, cell_of(where, level)) for i in indices]
+    keys = keys_at(dht_prefix, level, where, indices)
     store = partial(store_records, keys=keys, subkey=dht.subkey, value=record.to_dict(), ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
 
@@ -65,14 +66,14 @@ async def read_swarm(
     """Every server found down the path `where` (None: every path) that announced one of `states`, with
     its announced span.
 
-    A server counts only for the blocks under which its record was actually found, so a stale or lying
-    announcement cannot claim blocks it never stored. Unsigned and malformed records are counted in
-    `tally` (by reason) and skipped.
+    A server found under block keys (level 0) counts only for the blocks under which its record was
+    actually found, so a stale announcement cannot claim blocks it left; one found in a deeper cell,
+    for the span its signed record announces (a move overwrites that one record). Unsigned and malformed
+    records are counted in `tally` (by reason) and skipped.
     """
     tally = Counter() if tally is None else tally
     walk = Walk(dht_prefix, num_blocks, where)
-    blocks_by_peer: dict[str, set[int]] = {}
-    records: dict[str, tuple[ServerStatus, int]] = {}
+    sightings: dict[str, list[Sighting]] = {}
     while not walk.done:
         keys = walk.keys()
         found = await dht.run_coroutine(partial(read_records, keys=list(keys)), return_future=True)
@@ -80,13 +81,11 @@ async def read_swarm(
         for key, (cell, block) in keys.items():
             for peer_id, record in _valid(found.get(key, {}), key, tally):
                 peers.setdefault((cell, block), []).append(peer_id)
-                if record.state in states and record.start <= block < record.end:
-                    blocks_by_peer.setdefault(peer_id, set()).add(block)
-                    records.setdefault(peer_id, (record, walk.level))
-        walk.add(peers)
+                hosted = _hosted(record, block, num_blocks)
+                sightings.setdefault(peer_id, []).append(Sighting(record, walk.level, hosted))
+        walk.add(peers, {peer: seen[-1].announced for peer, seen in sightings.items()})
     spans = [
-        _contiguous_span(peer_id, sorted(blocks), *records[peer_id])
-        for peer_id, blocks in blocks_by_peer.items()
+        span for peer_id, seen in sightings.items() if (span := _span(peer_id, seen, states)) is not None
     ]
     return SwarmRead(spans, walk)
 
@@ -134,6 +133,41 @@ def _valid(found: dict[str, object], key: str, tally: Counter) -> Iterable[tuple
         except InvalidRequest as e:
             tally["malformed"] += 1
             logger.debug("Skipping a malformed record of %s under %s: %s", peer_id, key, e)
+
+
+@dataclass
+class Sighting:
+    """A server's record found under one key: the record, the level, the blocks it counts for there."""
+
+    record: ServerStatus
+    level: int
+    hosted: range
+
+    @property
+    def announced(self) -> range:
+        return range(self.record.start, self.record.end)
+
+
+def _hosted(record: ServerStatus, block: int, num_blocks: int) -> range:
+    """Level 0: the block it was found under; deeper (WHOLE): the span its signed record announces."""
+    return range(record.start, min(record.end, num_blocks)) if block == WHOLE else range(block, block + 1)
+
+
+def _span(peer_id: str, seen: list[Sighting], states: Collection[ServerState]) -> RemoteSpan | None:
+    """The server's newest record, if it announces one of `states`, counted for the blocks under which
+    a record of it was found that the newest one still announces (a server that moved or changed level
+    leaves older records behind until they expire)."""
+    newest = max(seen, key=lambda s: s.record.announced_at or 0.0)
+    record = newest.record
+    if record.state not in states:
+        return None
+    blocks = {
+        b
+        for s in seen
+        for b in s.hosted
+        if s.record.start <= b < s.record.end and record.start <= b < record.end
+    }
+    return _contiguous_span(peer_id, sorted(blocks), record, newest.level) if blocks else None
 
 
 def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus, level: int) -> RemoteSpan:

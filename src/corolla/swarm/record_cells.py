@@ -1,24 +1,26 @@
 """Where a server's records live in the DHT, so that what a peer reads stays bounded however large the
 swarm grows (a key holding every server of a block grows with the swarm, and so does every read of it).
 
-A block's records fill the cells of a binary tree. Level 0 is the block's key itself (`block_key`); level
-d has 2**d cells, keyed `<block key>.<d>.<cell>`. A server's cell at level d is the top d bits of its
-position (a hash of its peer id): the same path down the tree for every block it hosts, so a reader that
-sees it under one of its blocks sees it under all of them.
+The records form a tree. Level 0 is the blocks' keys themselves (`block_key`): a server there stores its
+record under each block it hosts, and such a record counts for the blocks it was found under. Level
+d >= 1 has 2**d cells, keyed `<prefix>.cells.<d>.<cell>`, each holding whole records (a server's span
+is the one its signed record announces); a server's cell at level d is the top d bits of its position (a
+hash of its peer id). A server is at one level.
 
-Reading (`Walk`): a reader takes a path (a position: its own, or a random one) and reads level 0 of every
-block, then the cells on its path one level deeper, for as long as some block's cell at the last level
-read held READ_ON records or more. With at most that many servers per block the tree is level 0 alone
-and every reader reads every record, as before cells existed.
+Reading (`Walk`): a reader takes a path (a position: its own, or a random one) and reads every block's
+key; if some block's key held READ_ON records or more, the cell on its path at level 1, and one level
+deeper for as long as the last cell held DEEP_READ_ON or more. With at most READ_ON servers a block the
+tree is level 0 alone and every reader reads every record, as before the tree existed. A walk reads
+num_blocks keys and then one key per level: about log2(servers / DEEP_SERVERS) of them.
 
-Writing (`choose_level`): a server announces at one level for all its blocks. It enters at the shallowest
-level, among those a reader on its own path reaches, where each of its blocks' cells holds fewer than
-CELL_SERVERS other servers, and stays there while readers still reach it. Cells are kept between
-READ_ON and 2 x CELL_SERVERS at random, so that servers do not move in herds: a cell overfull past
-2 x CELL_SERVERS (servers that entered at once) sheds servers, each leaving with the share that brings
-it back to that size in expectation; a shallower cell of one of a server's blocks with fewer than
-READ_ON (its servers gone) is filled from below, each server under it coming up with the share that
-fills it in expectation.
+Writing (`choose_level`): a server enters at the shallowest level, among those a reader on its own path
+reaches, with room: every one of its blocks' keys holding fewer than CELL_SERVERS other servers (level
+0), or its cell fewer than DEEP_SERVERS (deeper); it stays there while readers still reach it. Keys are
+kept between their read-on mark and twice their room at random, so that servers do not move in herds: a
+key overfull past twice its room (servers that entered at once) sheds servers, each leaving with the
+share that brings it back in expectation; a shallower key of a server's with fewer than its read-on mark
+(its servers gone) is filled from below, each server under it coming up with the share that fills it in
+expectation.
 
 A server found at level d stands for 2**d servers on average (`weight`): the walk's records, so
 weighted, estimate every block's throughput without reading every record (placement's view).
@@ -33,10 +35,15 @@ from dataclasses import dataclass, field
 
 from corolla.wire.records import block_key
 
-CELL_SERVERS = 32  # a writer enters a cell with fewer other servers than this
-READ_ON = CELL_SERVERS // 2  # a reader goes one level deeper while some cell held this many
-MAX_LEVEL = 20  # 2**20 cells per block: far past any swarm
+CELL_SERVERS = 32  # a server enters level 0 when each of its blocks' keys has fewer other servers
+READ_ON = CELL_SERVERS // 2  # a reader reads level 1 when some block's key held this many
+DEEP_SERVERS = 64  # a server enters a deeper cell holding fewer other servers than this
+DEEP_READ_ON = DEEP_SERVERS // 2  # a reader goes one level deeper while its last cell held this many
+MAX_LEVEL = 40  # 2**40 cells: far past any swarm
 POSITION_BITS = 64
+WHOLE = -1  # the block of a deeper cell's key: it holds whole records
+
+Key = tuple[int, int]  # (cell, block) at a level: level 0's keys are (0, block), deeper ones (cell, WHOLE)
 
 
 def position(peer_id: str) -> int:
@@ -53,10 +60,16 @@ def cell_of(where: int, level: int) -> int:
     return where >> (POSITION_BITS - level) if level else 0
 
 
-def cell_key(dht_prefix: str, block: int, level: int, cell: int) -> str:
-    """The key of `block`'s cell number `cell` at `level` (cell_of a position)."""
-    key = block_key(dht_prefix, block)
-    return key if level == 0 else f"{key}.{level}.{cell}"
+def cell_key(dht_prefix: str, level: int, cell: int, block: int = WHOLE) -> str:
+    """Level 0: `block`'s key; deeper: the key of cell number `cell` (cell_of a position)."""
+    return block_key(dht_prefix, block) if level == 0 else f"{dht_prefix}.cells.{level}.{cell}"
+
+
+def keys_at(dht_prefix: str, level: int, where: int, blocks: Iterable[int]) -> list[str]:
+    """The keys a server at `level` on the path `where` stores its record under."""
+    if level == 0:
+        return [cell_key(dht_prefix, 0, 0, block) for block in blocks]
+    return [cell_key(dht_prefix, level, cell_of(where, level))]
 
 
 def weight(level: int) -> float:
@@ -64,7 +77,12 @@ def weight(level: int) -> float:
     return float(2**level)
 
 
-Cell = tuple[int, int]  # (cell, block) at a level
+def room(level: int) -> int:
+    return CELL_SERVERS if level == 0 else DEEP_SERVERS
+
+
+def read_on(level: int) -> int:
+    return READ_ON if level == 0 else DEEP_READ_ON
 
 
 @dataclass
@@ -77,19 +95,20 @@ class Walk:
     where: int | None
     level: int = 0
     cells: list[int] = field(default_factory=lambda: [0])  # the cells to read at `level`
-    found: list[dict[Cell, list[str]]] = field(default_factory=list)  # per level read
+    found: list[dict[Key, list[str]]] = field(default_factory=list)  # per level read
+    spans: dict[str, range] = field(default_factory=dict)  # the blocks of servers found in cells
 
-    def keys(self) -> dict[str, Cell]:
-        return {
-            cell_key(self.dht_prefix, block, self.level, cell): (cell, block)
-            for cell in self.cells
-            for block in range(self.num_blocks)
-        }
+    def keys(self) -> dict[str, Key]:
+        if self.level == 0:
+            return {cell_key(self.dht_prefix, 0, 0, b): (0, b) for b in range(self.num_blocks)}
+        return {cell_key(self.dht_prefix, self.level, cell): (cell, WHOLE) for cell in self.cells}
 
-    def add(self, peers: Mapping[Cell, Sequence[str]]) -> None:
-        """The peer ids found in the cells `keys()` named."""
-        self.found.append({cell: list(ids) for cell, ids in peers.items()})
-        crowded = sorted({cell for (cell, _), ids in peers.items() if len(ids) >= READ_ON})
+    def add(self, peers: Mapping[Key, Sequence[str]], spans: Mapping[str, range] | None = None) -> None:
+        """The peer ids found under the keys `keys()` named (and the blocks that those found in deeper
+        cells host: a server's choice of level counts them)."""
+        self.found.append({key: list(ids) for key, ids in peers.items()})
+        self.spans.update(spans or {})
+        crowded = sorted({cell for (cell, _), ids in peers.items() if len(ids) >= read_on(self.level)})
         self.level += 1
         if self.where is not None:
             self.cells = [cell_of(self.where, self.level)] if crowded else []
@@ -100,23 +119,36 @@ class Walk:
     def done(self) -> bool:
         return not self.cells or self.level > MAX_LEVEL
 
-    def counts(self, blocks: Iterable[int], me: str) -> list[list[int]]:
-        """Per level read on this walk's path, per block of `blocks`: the servers other than `me` in
-        its cell."""
-        blocks = list(blocks)
-        counts = []
-        for level, found in enumerate(self.found):
-            cell = cell_of(self.where or 0, level)
-            counts.append([len(set(found.get((cell, b), ())) - {me}) for b in blocks])
+    def counts(self, blocks: Sequence[int], me: str) -> list[list[int]]:
+        """Per level read on this walk's path, the servers other than `me`: level 0 under each of
+        `blocks`, deeper in the cell."""
+        counts = [[len(set(self.found[0].get((0, b), ())) - {me}) for b in blocks]] if self.found else []
+        for level in range(1, len(self.found)):
+            counts.append([len(self._cell(level, me))])
         return counts
+
+    def hosting(self, blocks: Sequence[int], me: str) -> list[list[int]]:
+        """Per level read on this walk's path, for each of `blocks`: the servers other than `me` in the
+        cell that host it (level 0: none counted)."""
+        hosting = [[0] * len(blocks)] if self.found else []
+        for level in range(1, len(self.found)):
+            cell = self._cell(level, me)
+            hosting.append([sum(b in self.spans.get(peer, ()) for peer in cell) for b in blocks])
+        return hosting
+
+    def _cell(self, level: int, me: str) -> set[str]:
+        return set(self.found[level].get((cell_of(self.where or 0, level), WHOLE), ())) - {me}
 
 
 def choose_level(
-    others: Sequence[Sequence[int]], current: int | None, rng: random.Random | None = None
+    others: Sequence[Sequence[int]],
+    current: int | None,
+    hosting: Sequence[Sequence[int]] | None = None,
+    rng: random.Random | None = None,
 ) -> int:
-    """The level to announce at, from a walk down this server's own path: `others[d][i]` is the number
-    of other servers in the cell of its i-th block at level d (Walk.counts), for every level a reader
-    reaches; `current` is the level it announced at last (None: not yet)."""
+    """The level to announce at, from a walk down this server's own path: `others` and `hosting` are
+    Walk.counts and Walk.hosting (None: every server of a cell hosts every block), for every level a
+    reader reaches; `current` is the level it announced at last (None: not yet)."""
     rng = rng or random
     reached = len(others)  # a reader on this path reads levels 0 .. reached - 1
     if reached == 0:
@@ -124,33 +156,39 @@ def choose_level(
     if current is None or current >= reached:
         return _first_with_room(others, start=0)
     crowd = max(others[current], default=0)
-    if crowd >= 2 * CELL_SERVERS and rng.random() >= 2 * CELL_SERVERS / (crowd + 1):
+    if crowd >= 2 * room(current) and rng.random() >= 2 * room(current) / (crowd + 1):
         return _first_with_room(others, start=current + 1)
     for level in range(current):
-        if rng.random() < _move_up(others, level, current):
+        if rng.random() < _move_up(others, hosting, level, current):
             return level
     return current
 
 
-def _move_up(others: Sequence[Sequence[int]], level: int, current: int) -> float:
-    """How likely a server at `current` should come up to `level`: a cell of one of its blocks there
-    holds fewer than READ_ON others, and none holds 2 x CELL_SERVERS (the servers below that cell,
-    2**(d - level) cells' worth at each level d, fill it to READ_ON in expectation)."""
-    if max(others[level], default=0) >= 2 * CELL_SERVERS:
-        return 0.0  # another of its blocks' cells there could not take it
+def _move_up(
+    others: Sequence[Sequence[int]], hosting: Sequence[Sequence[int]] | None, level: int, current: int
+) -> float:
+    """How likely a server at `current` should come up to `level`: a key of its there holds fewer than
+    the level's read-on mark, and none twice its room (the servers below that key fill it in
+    expectation: 2**(d - level) cells' worth at each level d, of those on this path only the ones that
+    host its block when it is a block's key)."""
+    if max(others[level], default=0) >= 2 * room(level):
+        return 0.0  # another of its keys there could not take it
     i = min(range(len(others[level])), key=lambda i: others[level][i])
-    room = READ_ON - others[level][i]
-    if room <= 0:
+    missing = read_on(level) - others[level][i]
+    if missing <= 0:
         return 0.0
-    below = sum((others[d][i] + (d == current)) * 2 ** (d - level) for d in range(level + 1, len(others)))
-    return min(1.0, room / max(1, below))
+    below = 0.0
+    for d in range(level + 1, len(others)):
+        under = others[d][0] if level > 0 or hosting is None else hosting[d][i]
+        below += (under + (d == current)) * 2 ** (d - level)
+    return min(1.0, missing / max(1.0, below))
 
 
 def _first_with_room(others: Sequence[Sequence[int]], start: int) -> int:
     for level in range(start, len(others)):
-        if max(others[level], default=0) < CELL_SERVERS:
+        if max(others[level], default=0) < room(level):
             return level
-    return len(others) - 1  # the deepest level a reader reaches: its cells are the emptiest there are
+    return len(others) - 1  # the deepest level a reader reaches: its cell is the emptiest there is
 
 
 @dataclass
@@ -161,7 +199,10 @@ class Place:
     where: int
     level: int | None = None
 
-    def update(self, walk: Walk, blocks: Iterable[int], me: str, rng: random.Random | None = None) -> int:
+    def update(self, walk: Walk, blocks: range, me: str, rng: random.Random | None = None) -> int:
         """The level to announce at now, after `walk` (down this server's own path)."""
-        self.level = choose_level(walk.counts(blocks, me), self.level, rng)
+        self.level = choose_level(walk.counts(blocks, me), self.level, walk.hosting(blocks, me), rng)
         return self.level
+
+    def keys(self, dht_prefix: str, blocks: Iterable[int]) -> list[str]:
+        return keys_at(dht_prefix, self.level or 0, self.where, blocks)

@@ -1,5 +1,5 @@
 """The records' tree over real hivemind DHT peers on 127.0.0.1: four servers' signed records placed by
-record_cells' rules (its bounds lowered to one server a cell, so that four make a tree), read back down
+record_cells' rules (its bounds lowered to one server a key, so that four make a tree), read back down
 each server's own path, down other paths, and whole."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from hivemind.utils import get_dht_time
 
 from corolla.config import SwarmConfig
 from corolla.swarm import record_cells
-from corolla.swarm.block_records import announce, find_spans, placed, read_swarm
+from corolla.swarm.block_records import Sighting, _span, announce, find_spans, placed, read_swarm
 from corolla.swarm.dht import start_dht, visible_addresses
 from corolla.swarm.record_cells import Place, position
-from corolla.wire.records import ServerStatus
+from corolla.wire.records import ServerState, ServerStatus
 
 PREFIX = "tree-test"
 BLOCKS = 4
@@ -54,8 +54,8 @@ def record(throughput: float) -> ServerStatus:
 
 
 def test_servers_fill_the_tree_and_each_is_found_down_its_own_path(peers, monkeypatch):
-    monkeypatch.setattr(record_cells, "CELL_SERVERS", 1)
-    monkeypatch.setattr(record_cells, "READ_ON", 1)
+    for bound in ("CELL_SERVERS", "READ_ON", "DEEP_SERVERS", "DEEP_READ_ON"):
+        monkeypatch.setattr(record_cells, bound, 1)
 
     async def scenario():
         places = {}
@@ -82,3 +82,20 @@ def test_servers_fill_the_tree_and_each_is_found_down_its_own_path(peers, monkey
     other = asyncio.run(find_spans(peers[0], PREFIX, BLOCKS, where=elsewhere))
     assert deep not in {span.peer_id for span in other}
     assert any(span.level == 0 for span in other)  # the root is on every path
+
+
+def test_a_servers_newest_record_decides_and_older_ones_count_only_where_it_agrees():
+    def status(start, end, at, state=ServerState.ONLINE):
+        return ServerStatus(start, end, "test", "float32", 8192, 1000, state=state, announced_at=at)
+
+    old = status(0, 4, 100.0)  # left behind under blocks 0..3 when the server moved into a cell
+    moved = status(2, 8, 200.0)
+    seen = [Sighting(old, 0, range(b, b + 1)) for b in range(4)] + [Sighting(moved, 2, range(2, 8))]
+    span = _span("p", seen, (ServerState.ONLINE,))
+    assert (span.start, span.end, span.level, span.info) == (2, 8, 2, moved)
+    stopped = status(2, 8, 300.0, ServerState.OFFLINE)
+    assert _span("p", [*seen, Sighting(stopped, 0, range(2, 3))], (ServerState.ONLINE,)) is None
+    # under block keys, only the blocks it was found under count: a record claiming 0:4 found under 0, 1
+    partial = [Sighting(old, 0, range(b, b + 1)) for b in range(2)]
+    found = _span("p", partial, (ServerState.ONLINE,))
+    assert (found.start, found.end, found.level) == (0, 2, 0)
