@@ -19,6 +19,7 @@ from hivemind.p2p import P2P
 from corolla.server.periodic import Periodic
 from corolla.server.placement import Placed
 from corolla.server.spans import HostedSpans
+from corolla.server.throughput import Speed
 from corolla.swarm.block_records import placed, read_swarm
 from corolla.swarm.ping import ping
 from corolla.swarm.record_cells import Place, position
@@ -29,13 +30,23 @@ PING_TIMEOUT = 2.0
 
 
 class LinkMonitor:
-    def __init__(self, dht: DHT, p2p: P2P, spans: HostedSpans, peer_id: str, num_blocks: int, period: float):
+    def __init__(
+        self,
+        dht: DHT,
+        p2p: P2P,
+        spans: HostedSpans,
+        peer_id: str,
+        num_blocks: int,
+        period: float,
+        speed: Speed,
+    ):
         self.dht = dht
         self.p2p = p2p
         self.spans = spans
         self.peer_id = peer_id
         self.num_blocks = num_blocks
         self.period = period
+        self.speed = speed.blocks_per_s or 1.0  # as announced: the blocks' keys keep the fastest
         self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
         self.on_read: Callable[[dict[str, Placed]], Awaitable[object]] | None = None
         self.seen: frozenset[str] = frozenset()  # the servers of the last read (peer ids)
@@ -54,7 +65,9 @@ class LinkMonitor:
     async def measure(self) -> None:
         start, end = self.spans.primary.blocks
         read = await read_swarm(self.dht, self.spans.dht_prefix, self.num_blocks, self.place.where)
-        self.place.update(read.walk, range(start, end), self.peer_id)  # the next announcement's level
+        self.place.update(
+            read.walk, range(start, end), self.peer_id, self.speed
+        )  # the next announcement's level
         servers = placed(read)
         self.seen = frozenset(servers)
         if self.on_read is not None:

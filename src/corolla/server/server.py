@@ -142,7 +142,7 @@ class Server:
         )
         passes = PassService(self.spans, config, wire.width, wire.hidden_size)
         period = config.announce_period
-        self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period)
+        self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period, self.speed)
         dtype = str(self.dtype).replace("torch.", "")
         compute = Compute(dtype, self.speed.blocks_per_s, device_info(self.device), self.speed.batch_growth)
         fingerprint = self.model.fingerprint()

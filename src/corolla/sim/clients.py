@@ -78,18 +78,16 @@ def truth(sim: Swarm, client: str, peer_ids: Iterable[str], joining: bool) -> di
 
 
 def against_oracle(
-    sim: Swarm,
-    client: str,
-    spans: list[RemoteSpan],
-    hops: list[Hop],
-    start: int,
-    end: int,
-    rng: random.Random,
+    sim: Swarm, client: str, hops: list[Hop], start: int, end: int, rng: random.Random
 ) -> float:
-    """`hops`' true step time over the oracle's chain's: the oracle routes over the same `spans` knowing
-    every server's true speed and load (the client's session about to be one more there) and every true
-    round trip; both chains are priced at that truth (push on)."""
-    true = truth(sim, client, [span.peer_id for span in spans], joining=True)
+    """`hops`' true step time over the oracle's chain's: the oracle routes over every live server with a
+    record (not only those the client's walk found), knowing every server's true speed and load (the
+    client's session about to be one more there) and every true round trip; both chains are priced at
+    that truth (push on)."""
+    view = sim.view()
+    live = [server for server in sim.servers.values() if server.alive and server.peer_id in view]
+    spans = [span(server, view[server.peer_id]) for server in live]
+    true = truth(sim, client, [server.peer_id for server in live], joining=True)
     links = sim.network.links()
     best = choose_chain(spans, start, end, estimates=true, links=links, push=True, rng=rng)
     return chain_cost(hops, true, links, True) / chain_cost(best, true, links, True)

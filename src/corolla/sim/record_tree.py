@@ -17,6 +17,7 @@ class RecordTree:
         self.cells: dict[str, set[str]] = {}  # key -> peer ids stored there
         self.places: dict[str, Place] = {}
         self.blocks: dict[str, range] = {}
+        self.speeds: dict[str, float] = {}  # announced throughputs
         self._stored: dict[str, list[str]] = {}
 
     def walk(self, where: int | None) -> Walk:
@@ -25,15 +26,16 @@ class RecordTree:
         while not walk.done:
             keys = walk.keys()
             found = {cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()}
-            walk.add(found, {peer: self.blocks[peer] for peers in found.values() for peer in peers})
+            walk.add(found, {peer: self.speeds[peer] for peers in found.values() for peer in peers})
         return walk
 
-    def announce(self, peer: str, blocks: range, rng: random.Random) -> list[str]:
+    def announce(self, peer: str, blocks: range, rng: random.Random, throughput: float = 1.0) -> list[str]:
         """`peer` walks its own path, settles its level and stores its record in its cell of each of
         `blocks` (its records at another level are gone: they expire in the real DHT); returns the keys."""
         place = self.places.setdefault(peer, Place(position(peer)))
         self.blocks[peer] = blocks
-        place.update(self.walk(place.where), blocks, peer, rng)
+        self.speeds[peer] = throughput
+        place.update(self.walk(place.where), blocks, peer, throughput, rng)
         keys = place.keys(self.dht_prefix, blocks)
         for key in self._stored.get(peer, ()):
             self.cells[key].discard(peer)
@@ -48,6 +50,7 @@ class RecordTree:
             self.cells[key].discard(peer)
         self.places.pop(peer, None)
         self.blocks.pop(peer, None)
+        self.speeds.pop(peer, None)
 
     def keys_of(self, peer: str) -> list[str]:
         """The keys `peer`'s records are stored under now."""
@@ -55,17 +58,23 @@ class RecordTree:
 
     @classmethod
     def settled(
-        cls, dht_prefix: str, num_blocks: int, spans: Sequence[range], rounds: int, rng: random.Random
+        cls,
+        dht_prefix: str,
+        num_blocks: int,
+        spans: Sequence[range],
+        rounds: int,
+        rng: random.Random,
+        speeds: Sequence[float] | None = None,
     ) -> RecordTree:
-        """Servers `peer0`, `peer1`, ... with `spans` join one by one, then all announce `rounds` times
-        more, in a random order each time."""
+        """Servers `peer0`, `peer1`, ... with `spans` (and throughputs `speeds`, else 1.0) join one by
+        one, then all announce `rounds` times more, in a random order each time."""
         tree = cls(dht_prefix, num_blocks)
         peers = [f"peer{i}" for i in range(len(spans))]
-        for peer, blocks in zip(peers, spans, strict=True):
-            tree.announce(peer, blocks, rng)
+        for i, (peer, blocks) in enumerate(zip(peers, spans, strict=True)):
+            tree.announce(peer, blocks, rng, 1.0 if speeds is None else speeds[i])
         for _ in range(rounds):
             for peer in rng.sample(peers, len(peers)):
-                tree.announce(peer, tree.blocks[peer], rng)
+                tree.announce(peer, tree.blocks[peer], rng, tree.speeds[peer])
         return tree
 
 

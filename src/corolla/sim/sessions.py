@@ -242,7 +242,7 @@ class Sessions:
             not sim.servers[hop.peer_id].alive or hop.peer_id in client.bans.banned() for hop in hops
         )
         if oracle:
-            self.ratios.append(against_oracle(sim, client.name, spans, hops, start, end, self.rng))
+            self.ratios.append(against_oracle(sim, client.name, hops, start, end, self.rng))
         return hops
 
     def _end(self, session: SimSession, version: int) -> None:

@@ -171,7 +171,7 @@ class Simulation:
         self.book.store(
             server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
         )
-        self.tree.announce(server.peer_id, range(server.start, server.end), self._tree_rng)
+        self.tree.announce(server.peer_id, range(server.start, server.end), self._tree_rng, server.throughput)
         # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py), from a
         # read of the swarm that the rebalancer looks at too: a block without a server is checked at once
         after = sorted(p for p in self.book.starting.get(server.end, ()) if self.servers[p].alive)
@@ -218,7 +218,7 @@ class Simulation:
             self.book.store(
                 server.peer_id, Record((*best[1], server.throughput), record.announced_at, record.expires)
             )
-            self.tree.announce(server.peer_id, range(*best[1]), self._tree_rng)
+            self.tree.announce(server.peer_id, range(*best[1]), self._tree_rng, server.throughput)
 
     def _expire(self, peer_id: str, when: float) -> None:
         self.book.expire(peer_id, when)
@@ -271,7 +271,7 @@ class Simulation:
             chosen = choose_chain(
                 spans, 0, total, estimates=estimates, links=announced, push=True, rng=self.rng
             )
-            self.ratios.append(against_oracle(self, client, spans, chosen, 0, total, self.rng))
+            self.ratios.append(against_oracle(self, client, chosen, 0, total, self.rng))
         except MissingBlocks:
             return
         finally:

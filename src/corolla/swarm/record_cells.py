@@ -13,17 +13,19 @@ deeper for as long as the last cell held DEEP_READ_ON or more. With at most READ
 tree is level 0 alone and every reader reads every record, as before the tree existed. A walk reads
 num_blocks keys and then one key per level: about log2(servers / DEEP_SERVERS) of them.
 
-Writing (`choose_level`): a server enters at the shallowest level, among those a reader on its own path
-reaches, with room: every one of its blocks' keys holding fewer than CELL_SERVERS other servers (level
-0), or its cell fewer than DEEP_SERVERS (deeper); it stays there while readers still reach it. Keys are
-kept between their read-on mark and twice their room at random, so that servers do not move in herds: a
-key overfull past twice its room (servers that entered at once) sheds servers, each leaving with the
-share that brings it back in expectation; a shallower key of a server's with fewer than its read-on mark
-(its servers gone) is filled from below, each server under it coming up with the share that fills it in
-expectation.
+Writing (`choose_level`): the blocks' keys keep the fastest servers, the ones every reader should see:
+a server goes there when it is among the CELL_SERVERS fastest (by announced throughput) under each of
+its blocks' keys, and leaves when it falls behind 2 x CELL_SERVERS under one of them, so a faster
+newcomer displaces the slowest. The others enter the shallowest cell with room (fewer than DEEP_SERVERS
+others) that a reader on their own path reaches, and stay while readers still reach it. Cells are kept
+between DEEP_READ_ON and 2 x DEEP_SERVERS at random, so that servers do not move in herds: a cell
+overfull past that (servers that entered at once) sheds servers, each leaving with the share that brings
+it back in expectation; a shallower cell with fewer than DEEP_READ_ON (its servers gone) is filled from
+below, each server under it coming up with the share that fills it in expectation.
 
-A server found at level d stands for 2**d servers on average (`weight`): the walk's records, so
-weighted, estimate every block's throughput without reading every record (placement's view).
+A server found at level d stands for 2**d servers on average (`weight`; every reader sees all of level
+0): the walk's records, so weighted, estimate every block's throughput without reading every record
+(placement's view), without bias since a server's cell is a hash of its peer id.
 """
 
 from __future__ import annotations
@@ -77,10 +79,6 @@ def weight(level: int) -> float:
     return float(2**level)
 
 
-def room(level: int) -> int:
-    return CELL_SERVERS if level == 0 else DEEP_SERVERS
-
-
 def read_on(level: int) -> int:
     return READ_ON if level == 0 else DEEP_READ_ON
 
@@ -96,18 +94,18 @@ class Walk:
     level: int = 0
     cells: list[int] = field(default_factory=lambda: [0])  # the cells to read at `level`
     found: list[dict[Key, list[str]]] = field(default_factory=list)  # per level read
-    spans: dict[str, range] = field(default_factory=dict)  # the blocks of servers found in cells
+    speeds: dict[str, float] = field(default_factory=dict)  # the throughput each server found announces
 
     def keys(self) -> dict[str, Key]:
         if self.level == 0:
             return {cell_key(self.dht_prefix, 0, 0, b): (0, b) for b in range(self.num_blocks)}
         return {cell_key(self.dht_prefix, self.level, cell): (cell, WHOLE) for cell in self.cells}
 
-    def add(self, peers: Mapping[Key, Sequence[str]], spans: Mapping[str, range] | None = None) -> None:
-        """The peer ids found under the keys `keys()` named (and the blocks that those found in deeper
-        cells host: a server's choice of level counts them)."""
+    def add(self, peers: Mapping[Key, Sequence[str]], speeds: Mapping[str, float] | None = None) -> None:
+        """The peer ids found under the keys `keys()` named (and their announced throughputs: the
+        blocks' keys keep the fastest)."""
         self.found.append({key: list(ids) for key, ids in peers.items()})
-        self.spans.update(spans or {})
+        self.speeds.update(speeds or {})
         crowded = sorted({cell for (cell, _), ids in peers.items() if len(ids) >= read_on(self.level)})
         self.level += 1
         if self.where is not None:
@@ -127,14 +125,13 @@ class Walk:
             counts.append([len(self._cell(level, me))])
         return counts
 
-    def hosting(self, blocks: Sequence[int], me: str) -> list[list[int]]:
-        """Per level read on this walk's path, for each of `blocks`: the servers other than `me` in the
-        cell that host it (level 0: none counted)."""
-        hosting = [[0] * len(blocks)] if self.found else []
-        for level in range(1, len(self.found)):
-            cell = self._cell(level, me)
-            hosting.append([sum(b in self.spans.get(peer, ()) for peer in cell) for b in blocks])
-        return hosting
+    def faster(self, blocks: Sequence[int], me: str, mine: float) -> list[int]:
+        """For each of `blocks`: the servers under its key faster than `me` (announcing more throughput
+        than `mine`; the same: a smaller peer id)."""
+        if not self.found:
+            return [0] * len(blocks)
+        ahead = lambda peer: (-self.speeds.get(peer, 0.0), peer) < (-mine, me)  # noqa: E731
+        return [sum(ahead(peer) for peer in set(self.found[0].get((0, b), ())) - {me}) for b in blocks]
 
     def _cell(self, level: int, me: str) -> set[str]:
         return set(self.found[level].get((cell_of(self.where or 0, level), WHOLE), ())) - {me}
@@ -143,52 +140,49 @@ class Walk:
 def choose_level(
     others: Sequence[Sequence[int]],
     current: int | None,
-    hosting: Sequence[Sequence[int]] | None = None,
+    faster: Sequence[int] | None = None,
     rng: random.Random | None = None,
 ) -> int:
-    """The level to announce at, from a walk down this server's own path: `others` and `hosting` are
-    Walk.counts and Walk.hosting (None: every server of a cell hosts every block), for every level a
-    reader reaches; `current` is the level it announced at last (None: not yet)."""
+    """The level to announce at, from a walk down this server's own path: `others` are Walk.counts for
+    every level a reader reaches, `faster` Walk.faster (None: every other server under a block's key is
+    faster); `current` is the level it announced at last (None: not yet).
+
+    The blocks' keys keep the fastest servers: a server goes there when it is among the CELL_SERVERS
+    fastest under each of its blocks' keys, and leaves when it falls behind 2 x CELL_SERVERS under one
+    of them. Deeper, it enters the shallowest cell with room that readers reach and stays while they
+    still reach it."""
     rng = rng or random
     reached = len(others)  # a reader on this path reads levels 0 .. reached - 1
-    if reached == 0:
+    ahead = max(others[0] if faster is None else faster, default=0) if reached else 0
+    if ahead < CELL_SERVERS or (current == 0 and ahead < 2 * CELL_SERVERS):
         return 0
-    if current is None or current >= reached:
-        return _first_with_room(others, start=0)
-    crowd = max(others[current], default=0)
-    if crowd >= 2 * room(current) and rng.random() >= 2 * room(current) / (crowd + 1):
+    if current is None or current == 0 or current >= reached:
+        return _first_with_room(others, start=1)
+    crowd = others[current][0]
+    if crowd >= 2 * DEEP_SERVERS and rng.random() >= 2 * DEEP_SERVERS / (crowd + 1):
         return _first_with_room(others, start=current + 1)
-    for level in range(current):
-        if rng.random() < _move_up(others, hosting, level, current):
+    for level in range(1, current):
+        if rng.random() < _move_up(others, level, current):
             return level
     return current
 
 
-def _move_up(
-    others: Sequence[Sequence[int]], hosting: Sequence[Sequence[int]] | None, level: int, current: int
-) -> float:
-    """How likely a server at `current` should come up to `level`: a key of its there holds fewer than
-    the level's read-on mark, and none twice its room (the servers below that key fill it in
-    expectation: 2**(d - level) cells' worth at each level d, of those on this path only the ones that
-    host its block when it is a block's key)."""
-    if max(others[level], default=0) >= 2 * room(level):
-        return 0.0  # another of its keys there could not take it
-    i = min(range(len(others[level])), key=lambda i: others[level][i])
-    missing = read_on(level) - others[level][i]
+def _move_up(others: Sequence[Sequence[int]], level: int, current: int) -> float:
+    """How likely a server in a cell at `current` should come up to its cell at `level`, which holds
+    fewer than DEEP_READ_ON others: the servers below it (2**(d - level) cells' worth at each level d)
+    fill it in expectation."""
+    missing = DEEP_READ_ON - others[level][0]
     if missing <= 0:
         return 0.0
-    below = 0.0
-    for d in range(level + 1, len(others)):
-        under = others[d][0] if level > 0 or hosting is None else hosting[d][i]
-        below += (under + (d == current)) * 2 ** (d - level)
+    below = sum((others[d][0] + (d == current)) * 2 ** (d - level) for d in range(level + 1, len(others)))
     return min(1.0, missing / max(1.0, below))
 
 
 def _first_with_room(others: Sequence[Sequence[int]], start: int) -> int:
     for level in range(start, len(others)):
-        if max(others[level], default=0) < room(level):
+        if others[level][0] < DEEP_SERVERS:
             return level
-    return len(others) - 1  # the deepest level a reader reaches: its cell is the emptiest there is
+    return max(start, len(others) - 1)  # the deepest a reader reaches: its cell is the emptiest there is
 
 
 @dataclass
@@ -199,9 +193,12 @@ class Place:
     where: int
     level: int | None = None
 
-    def update(self, walk: Walk, blocks: range, me: str, rng: random.Random | None = None) -> int:
-        """The level to announce at now, after `walk` (down this server's own path)."""
-        self.level = choose_level(walk.counts(blocks, me), self.level, walk.hosting(blocks, me), rng)
+    def update(
+        self, walk: Walk, blocks: range, me: str, mine: float, rng: random.Random | None = None
+    ) -> int:
+        """The level to announce at now, after `walk` (down this server's own path), for a server of
+        throughput `mine`."""
+        self.level = choose_level(walk.counts(blocks, me), self.level, walk.faster(blocks, me, mine), rng)
         return self.level
 
     def keys(self, dht_prefix: str, blocks: Iterable[int]) -> list[str]:

@@ -57,24 +57,27 @@ def test_servers_fill_the_tree_and_each_is_found_down_its_own_path(peers, monkey
     for bound in ("CELL_SERVERS", "READ_ON", "DEEP_SERVERS", "DEEP_READ_ON"):
         monkeypatch.setattr(record_cells, bound, 1)
 
+    speeds = {}
+
     async def scenario():
         places = {}
-        for dht in peers:  # one by one, as servers join: each walks its own path, then announces
-            me = str(dht.peer_id)
+        for i, dht in enumerate(peers):  # one by one, as servers join (each slower than the last): each
+            me = str(dht.peer_id)  # walks its own path, then announces
+            speeds[me] = 4.0 - i
             place = Place(position(me))
             read = await read_swarm(dht, PREFIX, BLOCKS, place.where)
-            place.update(read.walk, range(BLOCKS), me)
-            assert await announce(dht, PREFIX, record(2.0), 60, level=place.level, where=place.where)
+            place.update(read.walk, range(BLOCKS), me, speeds[me])
+            assert await announce(dht, PREFIX, record(speeds[me]), 60, level=place.level, where=place.where)
             places[me] = place
         return places, {me: await read_swarm(peers[0], PREFIX, BLOCKS, p.where) for me, p in places.items()}
 
     places, own_paths = asyncio.run(scenario())
     levels = sorted(place.level for place in places.values())
-    assert levels[0] == 0 and levels[1] == 1 and levels[-1] >= 1  # the root held one: the others went down
+    assert levels[0] == 0 and levels[1] == 1 and levels[-1] >= 1  # the blocks' keys held the fastest
     for me, read in own_paths.items():
         found = {span.peer_id: span for span in read.spans}
         assert found[me].level == places[me].level and (found[me].start, found[me].end) == (0, BLOCKS)
-        assert placed(read)[me][2] == 2.0 * 2 ** places[me].level  # it stands for 2**level servers
+        assert placed(read)[me][2] == speeds[me] * 2 ** places[me].level  # it stands for 2**level servers
     whole = asyncio.run(find_spans(peers[0], PREFIX, BLOCKS))
     assert sorted(span.peer_id for span in whole) == sorted(places)
     deep = next(me for me, place in places.items() if place.level >= 1)
