@@ -28,7 +28,7 @@ from corolla.models.config import ModelConfig
 from corolla.swarm.block_records import find_spans
 from corolla.swarm.dht import PeerDHT, RemoteSpan, start_dht
 from corolla.swarm.overview import SwarmOverview, read_overview
-from corolla.swarm.record_cells import random_position
+from corolla.swarm.record_cells import CLIENT_CELLS
 from corolla.swarm.reports import report_faulty
 from corolla.swarm.transport import P2PTransport, Transport
 
@@ -87,8 +87,8 @@ class Client:
             raise
 
         async def read_spans(tally: Counter) -> list[RemoteSpan]:
-            # a fresh random path down the records' tree each time (swarm/record_cells.py)
-            return await find_spans(dht, dht_prefix, model.num_blocks, tally=tally, where=random_position())
+            # the records' tree as far as CLIENT_CELLS allow, then a random path (swarm/record_cells.py)
+            return await find_spans(dht, dht_prefix, model.num_blocks, tally=tally, budget=CLIENT_CELLS)
 
         async def report(faulty: dict[str, str]) -> bool:
             return await report_faulty(dht, dht_prefix, faulty)

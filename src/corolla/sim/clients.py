@@ -1,7 +1,7 @@
 """What a simulated client knows of the swarm when it routes, and what is true.
 
-A client reads the servers' records (those the DHT still holds, down a random path of the records'
-tree: swarm/record_cells.py) and pings every server of them: a
+A client reads the servers' records (those the DHT still holds, in the records' tree as far as
+CLIENT_CELLS cells allow: swarm/record_cells.py) and pings every server of them: a
 crashed server does not answer, a live one answers with its live load and its announced links (what
 client/swarm_view.py and client/estimates.py get from `rpc_info`, its free cache included). Its round
 trips come out up to 20% above the true ones (a ping's own overhead; a ping carries no hidden states, so
@@ -19,7 +19,7 @@ from corolla.server.placement import Placed
 from corolla.sim.record_tree import seen
 from corolla.sim.state import SimServer, Swarm
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.record_cells import random_position
+from corolla.swarm.record_cells import CLIENT_CELLS
 from corolla.swarm.routing import Estimate, Hop, chain_cost, choose_chain
 from corolla.wire.records import ServerStatus
 
@@ -49,7 +49,7 @@ def looked_up(
     """The spans of the servers that answer `client`'s pings, and its estimates of them (`estimates`: a
     long-lived client's, which its pings update)."""
     view = sim.view()
-    found = seen(sim.tree.walk(random_position(rng)))  # a walk down a random path (client/client.py)
+    found = seen(sim.tree.walk(None, CLIENT_CELLS))  # as client/client.py reads
     answering = [s for s in sim.servers.values() if s.alive and s.peer_id in view and s.peer_id in found]
     spans = [span(s, view[s.peer_id]) for s in answering]
     estimates = ServerEstimates() if estimates is None else estimates

@@ -45,7 +45,7 @@ from corolla.sim.dht_wire import PREFIX, Wire
 from corolla.sim.record_tree import RecordTree, seen
 from corolla.swarm.dht import MODELS_KEY
 from corolla.swarm.model_listing import MODEL_LISTERS
-from corolla.swarm.record_cells import keys_at, random_position
+from corolla.swarm.record_cells import CLIENT_CELLS, Walk, cell_key
 
 NUM_REPLICAS = NODE_DEFAULTS["num_replicas"].default  # nodes that store each record
 CACHE_NEAREST = NODE_DEFAULTS["cache_nearest"].default  # after a read, nodes that get the whole value
@@ -211,18 +211,18 @@ async def _simulate(swarm: DhtSwarm, tree: RecordTree, samples: int, rng) -> Non
         nodes.kind = KINDS.index("server_reads")
         reader = rng.randrange(len(nodes.ids))
         nodes.initiator = nodes.ids[reader]
-        await _walk(swarm, tree, nodes.initiator, tree.places[f"peer{reader}"].where)
+        await _walk(swarm, tree.walk(tree.places[f"peer{reader}"].where), nodes.initiator, "server")
         nodes.kind = KINDS.index("client_reads")
-        await _walk(swarm, tree, DHTID(rng.getrandbits(BITS)), random_position(rng))
+        await _walk(swarm, tree.walk(None, CLIENT_CELLS), DHTID(rng.getrandbits(BITS)), "client")
 
 
-async def _walk(swarm: DhtSwarm, tree: RecordTree, reader: DHTID, where: int) -> None:
-    walk = tree.walk(where)
-    swarm.stats["walks"] += 1
-    swarm.stats["levels"] += len(walk.found)
-    swarm.stats["servers_seen"] += len(seen(walk))
-    for level in range(len(walk.found)):
-        keys = keys_at(PREFIX, level, where, range(tree.num_blocks))
+async def _walk(swarm: DhtSwarm, walk: Walk, reader: DHTID, who: str) -> None:
+    """The reads of `walk`'s keys, a level at a time (one get_many each)."""
+    swarm.stats[f"{who}_walks"] += 1
+    swarm.stats[f"{who}_keys"] += sum(len(found) for found in walk.found)
+    swarm.stats[f"{who}_servers"] += len(seen(walk))
+    for level, found in enumerate(walk.found):
+        keys = [cell_key(PREFIX, level, cell, block) for cell, block in found]
         await swarm.read(reader, swarm.ids(keys))
 
 
@@ -263,8 +263,13 @@ def _report(swarm: DhtSwarm, scale: np.ndarray, samples: int, tree: RecordTree) 
         "records_tree": {
             "cells": len(values),
             "deepest_level": max(place.level for place in tree.places.values()),
-            "levels_per_walk": round(stats["levels"] / stats["walks"], 2),
-            "servers_per_walk": round(stats["servers_seen"] / stats["walks"], 1),
+            **{
+                f"{who}_read": {
+                    "keys": round(stats[f"{who}_keys"] / stats[f"{who}_walks"], 1),
+                    "servers_seen": round(stats[f"{who}_servers"] / stats[f"{who}_walks"], 1),
+                }
+                for who in ("server", "client")
+            },
         },
         "value_bytes_models_key": swarm.value_bytes(swarm.models_key),
         "largest_message_bytes": nodes.largest,

@@ -62,6 +62,7 @@ async def read_swarm(
     where: int | None,
     states: Collection[ServerState] = (ServerState.ONLINE,),
     tally: Counter | None = None,
+    budget: int | None = None,
 ) -> SwarmRead:
     """Every server found down the path `where` (None: every path) that announced one of `states`, with
     its announced span.
@@ -72,7 +73,7 @@ async def read_swarm(
     records are counted in `tally` (by reason) and skipped.
     """
     tally = Counter() if tally is None else tally
-    walk = Walk(dht_prefix, num_blocks, where)
+    walk = Walk(dht_prefix, num_blocks, where, budget)
     sightings: dict[str, list[Sighting]] = {}
     while not walk.done:
         keys = walk.keys()
@@ -97,9 +98,10 @@ async def find_spans(
     states: Collection[ServerState] = (ServerState.ONLINE,),
     tally: Counter | None = None,
     where: int | None = None,
+    budget: int | None = None,
 ) -> list[RemoteSpan]:
-    """The servers `read_swarm` finds (every path unless `where` names one)."""
-    return (await read_swarm(dht, dht_prefix, num_blocks, where, states, tally)).spans
+    """The servers `read_swarm` finds (every path unless `where` names one; `budget`: see Walk)."""
+    return (await read_swarm(dht, dht_prefix, num_blocks, where, states, tally, budget)).spans
 
 
 def placed(read: SwarmRead) -> dict[str, Placed]:

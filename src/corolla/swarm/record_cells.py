@@ -41,6 +41,7 @@ CELL_SERVERS = 32  # a server enters level 0 when each of its blocks' keys has f
 READ_ON = CELL_SERVERS // 2  # a reader reads level 1 when some block's key held this many
 DEEP_SERVERS = 64  # a server enters a deeper cell holding fewer other servers than this
 DEEP_READ_ON = DEEP_SERVERS // 2  # a reader goes one level deeper while its last cell held this many
+CLIENT_CELLS = 32  # a client reads this many cells at most: the tree's first 4 levels whole
 MAX_LEVEL = 40  # 2**40 cells: far past any swarm
 POSITION_BITS = 64
 WHOLE = -1  # the block of a deeper cell's key: it holds whole records
@@ -85,12 +86,14 @@ def read_on(level: int) -> int:
 
 @dataclass
 class Walk:
-    """A read of `num_blocks` blocks down the path `where` (None: down every path, the whole tree):
-    `keys()` to read next, `add()` what was found there (peer ids per key), until `done`."""
+    """A read of `num_blocks` blocks down the path `where` (None: down every path, the whole tree, or
+    as much of it as `budget` cells allow, level by level, then one random path on): `keys()` to read
+    next, `add()` what was found there (peer ids per key), until `done`."""
 
     dht_prefix: str
     num_blocks: int
     where: int | None
+    budget: int | None = None  # every path: the most cells to read, then one random path on (None: all)
     level: int = 0
     cells: list[int] = field(default_factory=lambda: [0])  # the cells to read at `level`
     found: list[dict[Key, list[str]]] = field(default_factory=list)  # per level read
@@ -108,10 +111,17 @@ class Walk:
         self.speeds.update(speeds or {})
         crowded = sorted({cell for (cell, _), ids in peers.items() if len(ids) >= read_on(self.level)})
         self.level += 1
+        children = [child for cell in crowded for child in (2 * cell, 2 * cell + 1)]
+        if self.where is None and self.budget is not None and len(children) > self.budget and crowded:
+            # the budget cannot read this level whole: on down a random path through a crowded cell
+            bits = POSITION_BITS - self.level + 1
+            self.where = random.choice(crowded) << bits | random.getrandbits(bits)
         if self.where is not None:
             self.cells = [cell_of(self.where, self.level)] if crowded else []
         else:
-            self.cells = [child for cell in crowded for child in (2 * cell, 2 * cell + 1)]
+            self.cells = children
+        if self.budget is not None:
+            self.budget -= len(self.cells)
 
     @property
     def done(self) -> bool:

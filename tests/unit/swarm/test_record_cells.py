@@ -84,6 +84,16 @@ def test_the_whole_tree_walk_sees_every_server():
     assert len(everything.found) >= 3
 
 
+def test_a_clients_read_takes_the_first_levels_whole_then_one_path():
+    tree = grow(servers=1500, num_blocks=20, span=6, rounds=2, rng=random.Random(3))
+    walk = tree.walk(None, budget=5)  # levels 1 (2 cells) and 2 (4) do not fit in 5: level 2 on a path
+    assert [len(found) for found in walk.found][:3] == [20, 2, 1]
+    assert all(len(found) == 1 for found in walk.found[2:])
+    found = seen(walk)
+    assert {peer for peer, place in tree.places.items() if place.level <= 1} <= set(found)
+    assert set(seen(tree.walk(None, budget=1000))) == set(tree.places)  # enough for the whole tree
+
+
 def test_a_level_is_kept_while_readers_reach_it_and_left_when_they_do_not():
     full = CELL_SERVERS
     deep = DEEP_SERVERS
