@@ -1,6 +1,7 @@
-"""The blocks' records tree (swarm/record_cells.py) held in memory: servers announce by its own rules
+"""The servers' records tree (swarm/record_cells.py) held in memory: servers announce by its own rules
 (`Place.update` after a `Walk` down their path) and readers walk it, as the real peers do over the DHT.
-For sim/dht.py, which prices those reads and stores on hivemind's Kademlia code."""
+For sim/dht.py, which prices those reads and stores on hivemind's Kademlia code, and for the simulated
+swarm, whose clients route over what their read finds (sim/clients.py)."""
 
 from __future__ import annotations
 

@@ -106,15 +106,15 @@ async def find_spans(
 
 def placed(read: SwarmRead) -> dict[str, Placed]:
     """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none)
-    times the servers it stands for (a walk down one path): what placement, rebalancing and link
-    measurements read. A server that missed renewing its records (wire/records.py STALE_PERIODS) is left
-    out: it is most likely gone."""
+    times the servers it stands for (on a walk down one path; read whole, each stands for itself): what
+    placement, rebalancing and link measurements read. A server that missed renewing its records
+    (wire/records.py STALE_PERIODS) is left out: it is most likely gone."""
     now = get_dht_time()
     return {
         s.peer_id: (
             s.start,
             s.end,
-            (s.info.throughput or 1.0) * weight(s.level if read.walk.where is not None else 0),
+            (s.info.throughput or 1.0) * weight(s.level if read.walk.one_path else 0),
         )
         for s in read.spans
         if not s.info.stale(now)

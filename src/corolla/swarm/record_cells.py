@@ -7,11 +7,13 @@ d >= 1 has 2**d cells, keyed `<prefix>.cells.<d>.<cell>`, each holding whole rec
 is the one its signed record announces); a server's cell at level d is the top d bits of its position (a
 hash of its peer id). A server is at one level.
 
-Reading (`Walk`): a reader takes a path (a position: its own, or a random one) and reads every block's
-key; if some block's key held READ_ON records or more, the cell on its path at level 1, and one level
-deeper for as long as the last cell held DEEP_READ_ON or more. With at most READ_ON servers a block the
-tree is level 0 alone and every reader reads every record, as before the tree existed. A walk reads
-num_blocks keys and then one key per level: about log2(servers / DEEP_SERVERS) of them.
+Reading (`Walk`): a reader takes a path (a position: a server its own) and reads every block's key; if
+some block's key held READ_ON records or more, the cell on its path at level 1, and one level deeper for
+as long as the last cell held DEEP_READ_ON or more. With at most READ_ON servers a block the tree is
+level 0 alone and every reader reads every record, as before the tree existed. A walk reads num_blocks
+keys and then one key per level: about log2(servers / DEEP_SERVERS) of them. A client reads every path
+level by level as far as CLIENT_CELLS cells allow (the whole tree of a swarm of about a thousand
+servers), then one random path on; `corolla status` reads the whole tree.
 
 Writing (`choose_level`): the blocks' keys keep the fastest servers, the ones every reader should see:
 a server goes there when it is among the CELL_SERVERS fastest (by announced throughput) under each of
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 
 from corolla.wire.records import block_key
 
-CELL_SERVERS = 32  # a server enters level 0 when each of its blocks' keys has fewer other servers
+CELL_SERVERS = 32  # a server enters level 0 when fewer of them are faster under each of its blocks' keys
 READ_ON = CELL_SERVERS // 2  # a reader reads level 1 when some block's key held this many
 DEEP_SERVERS = 64  # a server enters a deeper cell holding fewer other servers than this
 DEEP_READ_ON = DEEP_SERVERS // 2  # a reader goes one level deeper while its last cell held this many
@@ -98,6 +100,11 @@ class Walk:
     cells: list[int] = field(default_factory=lambda: [0])  # the cells to read at `level`
     found: list[dict[Key, list[str]]] = field(default_factory=list)  # per level read
     speeds: dict[str, float] = field(default_factory=dict)  # the throughput each server found announces
+
+    @property
+    def one_path(self) -> bool:
+        """Whether this walk went down one path from the start (its servers stand for 2**level each)."""
+        return self.where is not None and self.budget is None
 
     def keys(self) -> dict[str, Key]:
         if self.level == 0:
