@@ -1,8 +1,8 @@
 """Round trips to the servers that can take this server's outputs, for push-aware routing.
 
 Every announce period the server reads the swarm from the DHT (down its own path of the records' tree,
-which also settles the level it announces at: swarm/record_cells.py), pings (rpc_info) up to MAX_LINKS servers
-whose spans start where its own ends, and keeps the round trips; the announcement carries them, so a
+which also settles the level it announces at: swarm/record_cells.py), pings (rpc_info) up to MAX_LINKS
+servers whose spans start where its own ends, and keeps the round trips; the announcement carries them, so a
 client can cost a chain's server-to-server hops without measuring them itself. The read is also passed
 to `on_read` (the rebalancer's look for blocks without a server), so nothing else reads it again.
 """
@@ -65,9 +65,8 @@ class LinkMonitor:
     async def measure(self) -> None:
         start, end = self.spans.primary.blocks
         read = await read_swarm(self.dht, self.spans.dht_prefix, self.num_blocks, self.place.where)
-        self.place.update(
-            read.walk, range(start, end), self.peer_id, self.speed
-        )  # the next announcement's level
+        # the level of the next announcement
+        self.place.update(read.walk, range(start, end), self.peer_id, self.speed)
         servers = placed(read)
         self.seen = frozenset(servers)
         if self.on_read is not None:
