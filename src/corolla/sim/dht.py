@@ -1,11 +1,13 @@
 """What corolla's DHT costs each peer, and how that grows with the swarm: hivemind's own Kademlia code
 (`RoutingTable`, `traverse_dht`) run in one process under asyncio, without sockets or a clock.
 
-The traffic is corolla's (swarm/dht.py): every announce period each server stores its signed record under
-each of its block keys (`store_many`; its cache holds those keys, so hivemind's cache_on_store re-reads
-them at once), and MODEL_LISTERS of them under MODELS_KEY; each server reads every block key once an
-announce period (server/links.py) and once a balance period (server/rebalancer.py); a client session
-reads them once (a client that stays re-reads every refresh_period: count each re-read as a session).
+The traffic is corolla's (swarm/block_records.py, the records' tree of swarm/record_cells.py, settled in
+memory by its own rules: sim/record_tree.py): every announce period each server stores its signed record
+at its level (level 0: under each of its block keys; deeper: in its one cell; `store_many`, and its
+cache holds those keys, so hivemind's cache_on_store re-reads them at once), and MODEL_LISTERS of them
+under MODELS_KEY; each server walks its own path once an announce period (server/links.py) and once a
+balance period (server/rebalancer.py), a level's keys in one get_many; a client reads the tree as far as
+CLIENT_CELLS allow (a client that stays re-reads every refresh_period: count each re-read as a session).
 Lookups get the arguments DHTNode.store_many and get_many_by_id give `traverse_dht`, with DHTNode's
 defaults and corolla's 4 workers; reads want the latest value (sufficient_expiration_time=inf): they
 visit the beam.
@@ -13,12 +15,13 @@ visit the beam.
 Assumed: every server is a reachable DHT node that stays up, whose table is in Kademlia's steady state
 (each bucket holds min(k, nodes in its range), met at random: sim/dht_nodes.py); a client (client mode)
 has such a table, and no node adds it. Every node that holds a key holds its whole dictionary (a record
-from each server of the block); a read caches it (cache_nearest) from the first holder that answered.
+from each server stored there); a read caches it (cache_nearest) from the first holder that answered.
 A request from a node that does not fit its full bucket makes the callee ping the bucket's oldest node,
 which does the same with its pinger (hivemind's update_routing_table): these pings are counted apart.
 Approximated: answers come at once (workers interleave as asyncio schedules them; a real node has at
 most k pings in flight per bucket, which may cut the chains of pings short); spans start at the least
-covered block; records have the size of one real one (sim/dht_wire.py); a reply over hivemind's message
+covered block; servers all announce the same throughput (the block keys keep the smallest peer ids);
+records have the size of one real one (sim/dht_wire.py); a reply over hivemind's message
 limit counts as sent, though a real one fails. Not modelled: churn, joins, table refreshes.
 Sampled: `samples` operations of each kind (by random servers; reads also by new clients), scaled to
 their rate per minute. What an operation costs the server that starts it is shared out evenly (each
