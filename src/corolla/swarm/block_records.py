@@ -163,12 +163,7 @@ def _span(peer_id: str, seen: list[Sighting], states: Collection[ServerState]) -
     record = newest.record
     if record.state not in states:
         return None
-    blocks = {
-        b
-        for s in seen
-        for b in s.hosted
-        if s.record.start <= b < s.record.end and record.start <= b < record.end
-    }
+    blocks = {b for s in seen for b in s.hosted if b in s.announced and b in newest.announced}
     return _contiguous_span(peer_id, sorted(blocks), record, newest.level) if blocks else None
 
 

@@ -57,10 +57,6 @@ def position(peer_id: str) -> int:
     return int.from_bytes(digest[: POSITION_BITS // 8], "big")
 
 
-def random_position(rng: random.Random | None = None) -> int:
-    return (rng or random).getrandbits(POSITION_BITS)
-
-
 def cell_of(where: int, level: int) -> int:
     return where >> (POSITION_BITS - level) if level else 0
 
