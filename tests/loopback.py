@@ -30,13 +30,12 @@ from corolla.config import ClientConfig, EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info
-from corolla.server.backend import SpanLoader, compute_settings
+from corolla.server.backend import SpanLoader, adapter_names, compute_settings
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.inference import InferenceService
 from corolla.server.passes import PassService
 from corolla.server.push import Pusher
-from corolla.server.server import adapter_names
 from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.swarm.dht import RemoteSpan

@@ -9,6 +9,7 @@ import urllib.request
 import torch
 
 from corolla.launch.local import LocalSwarm, free_port
+from corolla.server.pace import MIN_PASSES
 from swarm_helpers import connect
 
 
@@ -24,6 +25,7 @@ def test_server_metrics_follow_sessions_and_passes(tiny_models):
         for blocks, port in zip([(0, 3), (3, 6)], ports, strict=True):
             swarm.add_server(blocks, extra_args=["--metrics-port", str(port)])
         idle = scrape(ports[0])
+        measured = idle["corolla_server_blocks_per_second"]  # at start, before any pass
         assert idle["corolla_server_sessions"] == 0
         assert idle["corolla_server_free_cache_tokens"] == idle["corolla_server_cache_tokens"] == 2048
         with connect(tiny_models["llama"], swarm) as model:
@@ -43,6 +45,8 @@ def test_server_metrics_follow_sessions_and_passes(tiny_models):
                 thread.start()
             for thread in threads:
                 thread.join(120)
+            # one session's decode steps alone: passes of one row, enough for the pace (server/pace.py)
+            model.generate(torch.randint(0, 100, (1, 8)), max_new_tokens=MIN_PASSES + 2)
         for port in ports:
             assert during[port]["corolla_server_sessions"] == 1
             assert during[port]["corolla_server_free_cache_tokens"] < 2048  # two rows of 20 tokens cached
@@ -52,4 +56,8 @@ def test_server_metrics_follow_sessions_and_passes(tiny_models):
             assert after["corolla_server_batch_rows_sum"] == after["corolla_server_engine_rows_total"]
             assert after["corolla_server_pass_seconds_count"] == after["corolla_server_engine_passes_total"]
             assert after["corolla_server_pass_seconds_sum"] > 0
+        paced = scrape(ports[0])["corolla_server_blocks_per_second"]
+        # the same machine's speed, now from its passes (a figure equal to the start-up one to the last
+        # digit would mean the passes were not counted)
+        assert paced != measured and measured / 20 < paced < measured * 20, (measured, paced)
     assert all(not s.alive for s in swarm.servers)

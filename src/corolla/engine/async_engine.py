@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,16 @@ from corolla.models.devices import enter_device
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.02  # while work waits for memory, re-check admission deadlines this often
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """One engine pass as its listeners see it."""
+
+    rows: int  # sequences in it
+    tokens: int  # positions it computed (== rows: every row a decode step)
+    blocks: int  # of the span it ran
+    seconds: float  # from scheduling to the results
 
 
 class ResultStream:
@@ -77,8 +88,8 @@ class AsyncEngine:
         self.pass_delay = pass_delay  # testing aid: simulate a slower machine by sleeping after each pass
         self.commands = CommandQueue()
         self.stats: EngineStats = engine.stats()  # a snapshot, replaced after every pass
-        # called on the loop thread after every pass with (rows run, seconds): metrics, never engine state
-        self.pass_listeners: list[Callable[[int, float], None]] = []
+        # called on the loop thread after every pass: metrics and the server's pace, never engine state
+        self.pass_listeners: list[Callable[[PassTiming], None]] = []
         self._streams: dict[int, ResultStream] = {}  # request id -> stream (loop thread only)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -179,8 +190,7 @@ class AsyncEngine:
                 logger.exception("Engine pass failed; failing every request in flight")
                 completions = self._fail_all(e)
             if self.engine.num_passes != passes:
-                for listener in self.pass_listeners:
-                    listener(self.engine.batched_rows, time.perf_counter() - started)
+                self._tell_listeners(time.perf_counter() - started)
             if self.pass_delay > 0:
                 time.sleep(self.pass_delay)
             self._publish_stats()  # before the results: a client that asks right after sees this pass
@@ -189,6 +199,13 @@ class AsyncEngine:
                 self.commands.wakeup.wait(IDLE_POLL_SECONDS)
                 self.commands.wakeup.clear()
         self._deliver(self._fail_all(ServerUnavailable("the server is shutting down")))
+
+    def _tell_listeners(self, seconds: float) -> None:
+        engine = self.engine
+        blocks = engine.span.end - engine.span.start
+        timing = PassTiming(engine.batched_rows, engine.batched_tokens, blocks, seconds)
+        for listener in self.pass_listeners:
+            listener(timing)
 
     def _fail_all(self, cause: Exception) -> list[Completion]:
         error = (

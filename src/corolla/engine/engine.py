@@ -86,6 +86,7 @@ class Engine:
         self.computed_tokens = 0  # positions run through the span (prefill, decode, recompute), per row
         self.num_passes = 0
         self.batched_rows = 0
+        self.batched_tokens = 0  # tokens run in the last pass (equal to its rows: decode steps only)
         self.total_rows = 0
         self.pass_seconds = 0.0  # a moving average of recent passes' duration
 
@@ -252,6 +253,7 @@ class Engine:
             ]
             self.num_passes += 1
             self.batched_rows = sum(chunk.num_rows for chunk in plan.chunks)
+            self.batched_tokens = sum(chunk.num_rows * chunk.num_tokens for chunk in plan.chunks)
             self.total_rows += self.batched_rows
         if plan.forward is not None and (done := self._forward_slice(plan.forward)) is not None:
             completions.append(done)

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from corolla.config import EngineConfig, ServerConfig
-from corolla.engine.async_engine import AsyncEngine
+from corolla.engine.async_engine import AsyncEngine, PassTiming
 from corolla.engine.engine import Engine
+from corolla.errors import InvalidRequest
 from corolla.models import lora
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.devices import default_dtype, free_memory, resolve_device
@@ -59,8 +60,8 @@ class SpanLoader:
     budgeted: bool = False  # a memory budget sized the span: each block gets BUDGET_CACHE_TOKENS of cache
     pass_delay: float = 0.0  # testing aid: seconds the engine sleeps after each pass
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) pairs loaded for every span
-    # called on the engine's thread after every pass with (rows, seconds): metrics, never engine state
-    pass_listeners: tuple[Callable[[int, float], None], ...] = ()
+    # called on the engine's thread after every pass: metrics and the pace, never engine state
+    pass_listeners: tuple[Callable[[PassTiming], None], ...] = ()
     quantize: str | None = None  # int8 | int4 weight-only (models/quantize.py)
     fault: Fault | None = None  # testing aid: wrong outputs on purpose (server/faults.py)
     device: torch.device = torch.device("cpu")  # of the weights, the cache and the passes (models/devices.py)
@@ -121,3 +122,15 @@ def default_cache_tokens(span: Span, width: int) -> int:
     else:
         tokens = int(free_memory(span.device) * 0.8) // per_token
     return max(1024, min(tokens, 2**18))
+
+
+def adapter_names(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`NAME=PATH` or `PATH` (named after its folder) -> (name, path) pairs, names unique."""
+    pairs = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        pairs.append((name or Path(path).name, path))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise InvalidRequest(f"--adapters: two adapters share a name among {names}")
+    return tuple(pairs)

@@ -19,11 +19,12 @@ from hivemind.p2p import P2P
 from corolla.server.periodic import Periodic
 from corolla.server.placement import Placed
 from corolla.server.spans import HostedSpans
-from corolla.server.throughput import Speed
-from corolla.swarm.block_records import placed, read_swarm
+from corolla.swarm.block_records import SwarmRead, placed, read_swarm
 from corolla.swarm.ping import ping
 from corolla.swarm.record_cells import Place, position
 from corolla.swarm.transport import P2PTransport
+
+logger = logging.getLogger(__name__)
 
 MAX_LINKS = 8
 PING_TIMEOUT = 2.0
@@ -38,7 +39,7 @@ class LinkMonitor:
         peer_id: str,
         num_blocks: int,
         period: float,
-        speed: Speed,
+        speed: Callable[[], float],
     ):
         self.dht = dht
         self.p2p = p2p
@@ -46,7 +47,7 @@ class LinkMonitor:
         self.peer_id = peer_id
         self.num_blocks = num_blocks
         self.period = period
-        self.speed = speed.blocks_per_s or 1.0  # as announced: the blocks' keys keep the fastest
+        self.speed = speed  # as announced now: the blocks' keys keep the fastest
         self.pings: dict[str, float] = {}  # peer id -> seconds; on a failed round, the last figures stay
         self.on_read: Callable[[dict[str, Placed]], Awaitable[object]] | None = None
         self.seen: frozenset[str] = frozenset()  # the servers of the last read (peer ids)
@@ -62,11 +63,24 @@ class LinkMonitor:
     async def stop(self) -> None:
         await self._loop.stop()
 
-    async def measure(self) -> None:
+    async def settle(self) -> SwarmRead:
+        """Read down this server's own path and settle the level of its next announcement (called once
+        before its first: a thousand servers joining at once would otherwise all announce at level 0)."""
         start, end = self.spans.primary.blocks
         read = await read_swarm(self.dht, self.spans.dht_prefix, self.num_blocks, self.place.where)
-        # the level of the next announcement
-        self.place.update(read.walk, range(start, end), self.peer_id, self.speed)
+        self.place.update(read.walk, range(start, end), self.peer_id, self.speed())
+        return read
+
+    async def place_first(self) -> None:
+        """`settle` before the first announcement; if the read fails, that one goes to level 0."""
+        try:
+            await self.settle()
+        except Exception:
+            logger.warning("Could not read the swarm before announcing: announcing at level 0", exc_info=True)
+
+    async def measure(self) -> None:
+        end = self.spans.primary.blocks[1]
+        read = await self.settle()
         servers = placed(read)
         self.seen = frozenset(servers)
         if self.on_read is not None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from corolla.engine.async_engine import PassTiming
 from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,12 @@ class _LiveFigures(Collector):
         )
         yield GaugeMetricFamily(
             "corolla_server_cache_tokens", "attention cache size, in tokens", status.cache_tokens_total or 0
+        )
+        yield GaugeMetricFamily(
+            "corolla_server_blocks_per_second",
+            "announced speed: one sequence's decode step, blocks per second, as the latest passes ran "
+            "(measured at start until enough have)",
+            status.throughput or 0,
         )
         passes = CounterMetricFamily("corolla_server_engine_passes", "engine passes run")
         passes.add_metric([], status.engine_passes)
@@ -78,10 +85,10 @@ class ServerMetrics:
         )
         self._http = None
 
-    def observe_pass(self, rows: int, seconds: float) -> None:
+    def observe_pass(self, timing: PassTiming) -> None:
         """Called by an engine's loop thread after each pass (prometheus-client is thread-safe)."""
-        self.batch_rows.observe(rows)
-        self.pass_seconds.observe(seconds)
+        self.batch_rows.observe(timing.rows)
+        self.pass_seconds.observe(timing.seconds)
 
     def watch(self, snapshot: Callable[[], ServerStatus]) -> None:
         """Report the live figures of `snapshot` (read at every scrape)."""

@@ -24,12 +24,13 @@ from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info, free_memory
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.server.announcer import Announcer
-from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader, compute_settings
+from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader, adapter_names, compute_settings
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
 from corolla.server.metrics import ServerMetrics
+from corolla.server.pace import Pace
 from corolla.server.passes import PassService
 from corolla.server.periodic import Periodic
 from corolla.server.placement import blocks_for_budget, choose_blocks
@@ -56,6 +57,7 @@ class Server:
         self.config = config
         self.adapters = adapter_names(config.adapters)  # (name, folder) pairs
         self.metrics = ServerMetrics() if config.metrics_port is not None else None
+        self.pace = Pace()  # its decode passes' speed (server/pace.py)
         self.dht: DHT | None = None
         self.p2p: P2P | None = None
         self.spans: HostedSpans | None = None
@@ -96,17 +98,12 @@ class Server:
             budgeted=config.memory_budget is not None and config.engine.max_cache_tokens is None,
             pass_delay=config.simulate_slow_ms / 1000,
             adapters=self.adapters,
-            pass_listeners=(self.metrics.observe_pass,) if self.metrics is not None else (),
+            pass_listeners=(self.pace.observe, *([self.metrics.observe_pass] if self.metrics else [])),
             quantize=config.quantize,
             fault=fault,
             device=self.device,
         )
-        # measured on the first blocks a span may hold alone, before choosing blocks: placement weighs the
-        # swarm by throughput
-        first = min(cut for cut in range(1, total + 1) if sharing.allows(cut))
-        probe = await asyncio.to_thread(loader.load_span, (0, first))
-        self.speed = await asyncio.to_thread(measure_speed, probe)
-        del probe
+        await self._measure_speed(loader)
         blocks = await self._choose_blocks()
         precision = config.quantize or str(self.dtype).removeprefix("torch.")
         logger.info(
@@ -117,6 +114,15 @@ class Server:
         await self.spans.start(blocks)
         await self._serve()
         await self._report_serving(blocks)
+
+    async def _measure_speed(self, loader: SpanLoader) -> None:
+        """Measured on the first blocks a span may hold alone, before choosing blocks (placement weighs the
+        swarm by throughput); its passes' pace replaces it once it has served (server/pace.py)."""
+        sharing = self.model.kv_sharing
+        first = min(cut for cut in range(1, self.model.num_hidden_layers + 1) if sharing.allows(cut))
+        probe = await asyncio.to_thread(loader.load_span, (0, first))
+        self.speed = await asyncio.to_thread(measure_speed, probe)
+        self.pace.batch_growth = self.speed.batch_growth
 
     async def _report_serving(self, blocks: tuple[int, int]) -> None:
         """The line scripts wait for, then how other peers reach this server (behind NAT: through which
@@ -142,9 +148,11 @@ class Server:
         )
         passes = PassService(self.spans, config, wire.width, wire.hidden_size)
         period = config.announce_period
-        self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period, self.speed)
         dtype = str(self.dtype).replace("torch.", "")
-        compute = Compute(dtype, self.speed.blocks_per_s, device_info(self.device), self.speed.batch_growth)
+        speed = self.speed
+        compute = Compute(dtype, speed.blocks_per_s, device_info(self.device), speed.batch_growth, self.pace)
+        announced = lambda: compute.blocks_per_s() or 1.0  # noqa: E731
+        self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period, announced)
         fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
             self.spans, self.inference, config, __version__, compute, self.links, fingerprint
@@ -157,6 +165,7 @@ class Server:
             self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks, lister, self.links.place
         )
         self.status.state = ServerState.ONLINE
+        await self.links.place_first()  # its records' place in the tree (swarm/record_cells.py)
         await self.announcer.announce()
         self.announcer.start()
         self.links.start()
@@ -168,7 +177,7 @@ class Server:
                 self.announcer,
                 self.peer_id,
                 num_blocks,
-                self.speed.blocks_per_s or 1.0,
+                announced,
                 config.balance_period,
             )
             self.links.on_read = self.rebalancer.look
@@ -254,18 +263,6 @@ class Server:
         if self.dht is not None:
             self.dht.shutdown()
             logger.info("Server stopped")  # not for a server that never got as far as joining the swarm
-
-
-def adapter_names(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """`NAME=PATH` or `PATH` (named after its folder) -> (name, path) pairs, names unique."""
-    pairs = []
-    for spec in specs:
-        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
-        pairs.append((name or Path(path).name, path))
-    names = [name for name, _ in pairs]
-    if len(set(names)) != len(names):
-        raise InvalidRequest(f"--adapters: two adapters share a name among {names}")
-    return tuple(pairs)
 
 
 async def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:

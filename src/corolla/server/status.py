@@ -14,6 +14,7 @@ from corolla.config import ServerConfig
 from corolla.models.devices import DeviceInfo
 from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
+from corolla.server.pace import Pace
 from corolla.server.spans import HostedSpans
 from corolla.wire.records import ServerState, ServerStatus
 from corolla.wire.tensors import supported_encodings
@@ -22,12 +23,19 @@ from corolla.wire.tensors import supported_encodings
 @dataclass(frozen=True)
 class Compute:
     """What the server computes with, as found at start: the dtype's name, the measured blocks per
-    second, the device, and the measured slowdown per more session in a batch."""
+    second, the device, and the measured slowdown per more session in a batch; then the pace of its own
+    decode passes (server/pace.py), which replaces the start-up figure once it has run enough of them."""
 
     dtype: str
     throughput: float | None
     device: DeviceInfo
     batch_growth: float | None = None
+    pace: Pace | None = None
+
+    def blocks_per_s(self) -> float | None:
+        """What the server announces: its passes' pace, else the figure measured at start."""
+        paced = self.pace.blocks_per_s() if self.pace is not None else None
+        return self.throughput if paced is None else paced
 
 
 class StatusBoard:
@@ -80,7 +88,7 @@ class StatusBoard:
             idle_sessions=sum(s.num_idle for s in stats),
             steps_from_client=self.inference.steps_from_client,
             steps_from_push=self.inference.steps_from_push,
-            throughput=self.compute.throughput,
+            throughput=self.compute.blocks_per_s(),
             batch_growth=self.compute.batch_growth,
             adapters=tuple(sorted(self.spans.adapters)),
             precision=primary.span.precision,

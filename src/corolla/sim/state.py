@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from corolla.server.pace import Pace
 from corolla.server.placement import Placed
 from corolla.sim.compute import PassCost
 from corolla.sim.network import Network
@@ -20,8 +21,11 @@ class SimServer:
     peer_id: str
     kind: ServerClass
     blocks: int  # how many it holds
-    throughput: float  # announced: its true speed, off by up to the scenario's noise
+    # announced: measured at start (its true speed off by up to the scenario's announce_noise), then as
+    # its passes ran (`pace`, server/pace.py)
+    throughput: float
     cost: PassCost  # its true speed: a pass over one of its blocks
+    pace: Pace = field(default_factory=Pace)
     cache: int | None = None  # tokens of attention cache it holds (None: no limit)
     start: int = 0
     end: int = 0

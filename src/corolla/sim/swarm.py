@@ -23,8 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from corolla.config import ServerConfig
+from corolla.engine.async_engine import PassTiming
 from corolla.errors import MissingBlocks
 from corolla.server.links import MAX_LINKS
+from corolla.server.pace import Pace
 from corolla.server.placement import Placed, best_move, choose_window, coverage
 from corolla.sim.clients import against_oracle, looked_up, noisy
 from corolla.sim.compute import cache_tokens, pass_cost
@@ -38,6 +40,7 @@ from corolla.swarm.routing import choose_chain
 from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK
 
 BOOTSTRAP = "bootstrap"
+PASSES_PER_PERIOD = 32
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Simulation:
             "sim", self.scenario.num_blocks
         )  # where the records are (swarm/record_cells.py)
         self._tree_rng = random.Random(self.scenario.seed)
+        self._pass_rng = random.Random(f"{self.scenario.seed}-passes")
         self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
         self._best_version = -1  # the book's version _best was computed for
         self.sessions = Sessions(self)
@@ -148,6 +152,7 @@ class Simulation:
             blocks,
             noise / cost.seconds(1),
             cost,
+            Pace(batch_growth=cost.per_token / cost.seconds(1)),  # as server/throughput.py measures it
             cache_tokens(kind, blocks, self.scenario.kv_bytes_per_token),
         )
         behind_nat = self.rng.random() < kind.behind_nat
@@ -167,6 +172,7 @@ class Simulation:
         if not server.alive or server.leaving:
             return
         self._reserve_relay(server)
+        self._run_passes(server)
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
         self.book.store(
             server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
@@ -182,6 +188,21 @@ class Simulation:
         if self.book.has_hole():
             self._decide(server)
         self.at(self.now + self.scenario.announce_period, self._announce, server)
+
+    def _run_passes(self, server: SimServer) -> None:
+        """Its decode passes since its last announcement feed its pace (server/pace.py), which it then
+        announces: PASSES_PER_PERIOD passes of its batch now, each its true time with the scenario's
+        pass_noise (a real server runs thousands a period; the pace keeps the latest WINDOW)."""
+        rows = server.sessions
+        if rows:
+            blocks = server.end - server.start
+            true = blocks * server.step_seconds(rows - 1)
+            for _ in range(PASSES_PER_PERIOD):
+                seconds = true * self._pass_rng.lognormvariate(0, self.scenario.pass_noise)
+                server.pace.observe(PassTiming(rows, rows, blocks, seconds))
+        paced = server.pace.blocks_per_s()
+        if paced is not None:
+            server.throughput = paced
 
     def _reserve_relay(self, server: SimServer) -> None:
         """Behind a router: a reservation on a random reachable server or the bootstrap peer (kept while

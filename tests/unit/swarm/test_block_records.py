@@ -5,11 +5,14 @@ each server's own path, down other paths, and whole."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
 from hivemind.utils import get_dht_time
 
 from corolla.config import SwarmConfig
+from corolla.server.links import LinkMonitor
 from corolla.swarm import record_cells
 from corolla.swarm.block_records import Sighting, _span, announce, find_spans, placed, read_swarm
 from corolla.swarm.dht import start_dht, visible_addresses
@@ -102,3 +105,28 @@ def test_a_servers_newest_record_decides_and_older_ones_count_only_where_it_agre
     partial = [Sighting(old, 0, range(b, b + 1)) for b in range(2)]
     found = _span("p", partial, (ServerState.ONLINE,))
     assert (found.start, found.end, found.level) == (0, 2, 0)
+
+
+def test_a_server_settles_its_place_before_its_first_announcement(peers, monkeypatch):
+    """server/links.py `place_first`: a server joining where the blocks' keys are full announces in a
+    cell at once (a thousand servers joining together would otherwise all land on the blocks' keys for a
+    period); with the DHT unreachable it announces at level 0 rather than not start."""
+    for bound in ("CELL_SERVERS", "READ_ON", "DEEP_SERVERS", "DEEP_READ_ON"):
+        monkeypatch.setattr(record_cells, bound, 1)
+    prefix = "first-place-test"
+    spans = SimpleNamespace(primary=SimpleNamespace(blocks=(0, BLOCKS)), dht_prefix=prefix)
+
+    def monitor(dht) -> LinkMonitor:
+        return LinkMonitor(dht, None, spans, str(dht.peer_id), BLOCKS, 30.0, lambda: 1.0)
+
+    async def scenario():
+        assert await announce(peers[0], prefix, record(9.0), 60)  # a fast server holds the blocks' keys
+        joining = monitor(peers[1])
+        await joining.place_first()
+        return joining.place.level
+
+    assert asyncio.run(scenario()) == 1
+    gone = SimpleNamespace(peer_id=peers[2].peer_id, run_coroutine=Mock(side_effect=RuntimeError("DHT gone")))
+    broken = monitor(gone)
+    asyncio.run(broken.place_first())  # logged, not raised
+    assert (broken.place.level or 0) == 0
