@@ -72,10 +72,10 @@ class ServerEstimates:
     def estimate(self, span: RemoteSpan) -> Estimate:
         peer_id = span.peer_id
         seconds_per_block = self.observed.get(peer_id)
-        if seconds_per_block is None:
-            throughput = span.info.throughput
-            seconds_per_block = 1 / throughput if throughput else DEFAULT_SECONDS_PER_BLOCK
         info = self.infos.get(peer_id)
+        if seconds_per_block is None:  # its pace (its ping's, the freshest), else its start-up speed
+            speed = (info or span.info).speed
+            seconds_per_block = 1 / speed if speed else DEFAULT_SECONDS_PER_BLOCK
         if info is not None:  # live at the ping, this client's sessions then included
             load = max(info.num_sessions + self.mine[peer_id] - self._mine_when_pinged[peer_id], 0)
         else:  # the announcement: a period old, with or without this client's sessions; count them

@@ -44,9 +44,9 @@ class _LiveFigures(Collector):
         )
         yield GaugeMetricFamily(
             "corolla_server_blocks_per_second",
-            "announced speed: one sequence's decode step, blocks per second, as the latest passes ran "
-            "(measured at start until enough have)",
-            status.throughput or 0,
+            "one sequence's decode step, blocks per second, as the latest passes ran (the speed measured "
+            "at start until enough have): what clients route by",
+            status.speed or 0,
         )
         passes = CounterMetricFamily("corolla_server_engine_passes", "engine passes run")
         passes.add_metric([], status.engine_passes)

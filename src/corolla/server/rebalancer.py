@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 
 from hivemind import DHT
 
@@ -34,7 +33,7 @@ class Rebalancer:
         announcer: Announcer,
         peer_id: str,
         num_blocks: int,
-        throughput: Callable[[], float],
+        throughput: float,
         period: float,
     ):
         self.dht = dht
@@ -43,7 +42,7 @@ class Rebalancer:
         self.announcer = announcer
         self.peer_id = peer_id
         self.num_blocks = num_blocks
-        self.throughput = throughput  # what it announces now (server/pace.py)
+        self.throughput = throughput  # as measured at start: every server weighs it by that figure
         # the jitter spreads the servers' DHT reads; a failed check or move is retried at the next period
         jittered = lambda: period * random.uniform(0.8, 1.2)  # noqa: E731
         self._loop = Periodic("corolla-balancer", self.check, jittered, "Rebalancing failed")
@@ -73,7 +72,7 @@ class Rebalancer:
             return None
         if servers is None:
             servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks, self.peer_id)
-        servers[self.peer_id] = (*self.spans.primary.blocks, self.throughput())
+        servers[self.peer_id] = (*self.spans.primary.blocks, self.throughput)
         # where no span may start or end: inside Gemma's layers that share keys and values
         forbidden = self.spans.primary.span.config.kv_sharing.forbidden_cuts
         target = my_move(servers, self.peer_id, self.num_blocks, forbidden)

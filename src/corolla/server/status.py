@@ -23,19 +23,14 @@ from corolla.wire.tensors import supported_encodings
 @dataclass(frozen=True)
 class Compute:
     """What the server computes with, as found at start: the dtype's name, the measured blocks per
-    second, the device, and the measured slowdown per more session in a batch; then the pace of its own
-    decode passes (server/pace.py), which replaces the start-up figure once it has run enough of them."""
+    second (placement weighs it: a figure that does not move), the device, and the measured slowdown per
+    more session in a batch; then the pace of its own decode passes (server/pace.py: routing's figure)."""
 
     dtype: str
     throughput: float | None
     device: DeviceInfo
     batch_growth: float | None = None
     pace: Pace | None = None
-
-    def blocks_per_s(self) -> float | None:
-        """What the server announces: its passes' pace, else the figure measured at start."""
-        paced = self.pace.blocks_per_s() if self.pace is not None else None
-        return self.throughput if paced is None else paced
 
 
 class StatusBoard:
@@ -88,8 +83,9 @@ class StatusBoard:
             idle_sessions=sum(s.num_idle for s in stats),
             steps_from_client=self.inference.steps_from_client,
             steps_from_push=self.inference.steps_from_push,
-            throughput=self.compute.blocks_per_s(),
+            throughput=self.compute.throughput,
             batch_growth=self.compute.batch_growth,
+            pace=self.compute.pace.blocks_per_s() if self.compute.pace is not None else None,
             adapters=tuple(sorted(self.spans.adapters)),
             precision=primary.span.precision,
             max_tree_tokens=self.config.max_tree_tokens,

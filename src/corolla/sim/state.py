@@ -21,11 +21,9 @@ class SimServer:
     peer_id: str
     kind: ServerClass
     blocks: int  # how many it holds
-    # announced: measured at start (its true speed off by up to the scenario's announce_noise), then as
-    # its passes ran (`pace`, server/pace.py)
-    throughput: float
+    throughput: float  # announced, as measured at start: its true speed off by up to announce_noise
     cost: PassCost  # its true speed: a pass over one of its blocks
-    pace: Pace = field(default_factory=Pace)
+    pace: Pace = field(default_factory=Pace)  # its passes' (server/pace.py), announced beside it
     cache: int | None = None  # tokens of attention cache it holds (None: no limit)
     start: int = 0
     end: int = 0
@@ -43,6 +41,11 @@ class SimServer:
 
     def free_cache(self) -> int:
         return (1 << 40) if self.cache is None else max(self.cache - self.reserved, 0)
+
+    @property
+    def speed(self) -> float:
+        """What clients route by and the blocks' keys rank by (ServerStatus.speed)."""
+        return self.pace.blocks_per_s() or self.throughput
 
     def step_seconds(self, others: int) -> float:
         """True seconds per block of a decode step with `others` sessions in the same batch."""

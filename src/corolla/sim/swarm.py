@@ -177,7 +177,7 @@ class Simulation:
         self.book.store(
             server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
         )
-        self.tree.announce(server.peer_id, range(server.start, server.end), self._tree_rng, server.throughput)
+        self.tree.announce(server.peer_id, range(server.start, server.end), self._tree_rng, server.speed)
         # it pings up to MAX_LINKS servers whose spans start where its own ends (server/links.py), from a
         # read of the swarm that the rebalancer looks at too: a block without a server is checked at once
         after = sorted(p for p in self.book.starting.get(server.end, ()) if self.servers[p].alive)
@@ -190,19 +190,17 @@ class Simulation:
         self.at(self.now + self.scenario.announce_period, self._announce, server)
 
     def _run_passes(self, server: SimServer) -> None:
-        """Its decode passes since its last announcement feed its pace (server/pace.py), which it then
-        announces: PASSES_PER_PERIOD passes of its batch now, each its true time with the scenario's
+        """Its decode passes since its last announcement feed its pace (server/pace.py), which clients
+        route by: PASSES_PER_PERIOD passes of its batch now, each its true time with the scenario's
         pass_noise (a real server runs thousands a period; the pace keeps the latest WINDOW)."""
         rows = server.sessions
-        if rows:
-            blocks = server.end - server.start
-            true = blocks * server.step_seconds(rows - 1)
-            for _ in range(PASSES_PER_PERIOD):
-                seconds = true * self._pass_rng.lognormvariate(0, self.scenario.pass_noise)
-                server.pace.observe(PassTiming(rows, rows, blocks, seconds))
-        paced = server.pace.blocks_per_s()
-        if paced is not None:
-            server.throughput = paced
+        if not rows:
+            return
+        blocks = server.end - server.start
+        true = blocks * server.step_seconds(rows - 1)
+        for _ in range(PASSES_PER_PERIOD):
+            seconds = true * self._pass_rng.lognormvariate(0, self.scenario.pass_noise)
+            server.pace.observe(PassTiming(rows, rows, blocks, seconds))
 
     def _reserve_relay(self, server: SimServer) -> None:
         """Behind a router: a reservation on a random reachable server or the bootstrap peer (kept while
@@ -239,7 +237,7 @@ class Simulation:
             self.book.store(
                 server.peer_id, Record((*best[1], server.throughput), record.announced_at, record.expires)
             )
-            self.tree.announce(server.peer_id, range(*best[1]), self._tree_rng, server.throughput)
+            self.tree.announce(server.peer_id, range(*best[1]), self._tree_rng, server.speed)
 
     def _expire(self, peer_id: str, when: float) -> None:
         self.book.expire(peer_id, when)

@@ -84,7 +84,7 @@ async def read_swarm(
                 peers.setdefault((cell, block), []).append(peer_id)
                 hosted = _hosted(record, block, num_blocks)
                 sightings.setdefault(peer_id, []).append(Sighting(record, walk.level, hosted))
-        walk.add(peers, {peer: seen[-1].record.throughput or 1.0 for peer, seen in sightings.items()})
+        walk.add(peers, {peer: seen[-1].record.speed or 1.0 for peer, seen in sightings.items()})
     spans = [
         span for peer_id, seen in sightings.items() if (span := _span(peer_id, seen, states)) is not None
     ]

@@ -86,7 +86,9 @@ def _row(span: RemoteSpan, state: str) -> dict:
         "end": span.end,
         "state": state,  # "online", "joining" or "other model"
         "model_fingerprint": info.model_fingerprint,
-        "throughput": info.throughput,  # announced (None until measured)
+        # blocks/s clients route by: the pace of its passes, else as measured at start (None: neither)
+        "throughput": info.speed,
+        "pace": info.pace,
         "num_sessions": info.num_sessions,
         "queued_tokens": info.queued_tokens,
         "free_cache_tokens": info.cache_tokens_available,
@@ -211,7 +213,7 @@ def format_table(overview: SwarmOverview) -> str:
             f"...{span.peer_id[-8:]}",
             f"{span.start}:{span.end}",
             overview.state(span),
-            "-" if span.info.throughput is None else f"{span.info.throughput:.1f}",
+            "-" if span.info.speed is None else f"{span.info.speed:.1f}",
             str(span.info.num_sessions),
             str(span.info.queued_tokens),
             str(span.info.cache_tokens_available),

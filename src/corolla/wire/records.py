@@ -83,6 +83,9 @@ class ServerStatus:
     # how much slower a decode step gets per more session in its batch, as measured at start (0.03: 8
     # sessions' step takes 1.21x one's); None: not said (peers too old to measure it)
     batch_growth: float | None = None
+    # blocks per second as its latest decode passes ran (server/pace.py): what routing expects of it;
+    # None until it has run enough of them (then `throughput`, the figure placement weighs, stands in)
+    pace: float | None = None
     adapters: tuple[str, ...] = ()
     precision: str = ""  # of the weights: the dtype's name, or int8 | int4 when quantized ("" = dtype)
     max_tree_tokens: int = 0  # tokens of one speculative tree step it takes (0: a server without trees)
@@ -102,6 +105,12 @@ class ServerStatus:
         if self.announced_at is None or self.announce_period is None:
             return False
         return missed_renewal(self.announced_at, self.announce_period, now)
+
+    @property
+    def speed(self) -> float | None:
+        """Blocks per second of one sequence's decode step as routing expects it: the pace of its passes,
+        else the figure measured at start."""
+        return self.throughput if self.pace is None else self.pace
 
     @property
     def quantized(self) -> bool:
@@ -162,17 +171,10 @@ class ServerStatus:
             max_passes_per_peer=fields.int("max_passes_per_peer", low=1),
             cache_tokens_total=fields.int("cache_tokens_total", low=0),
             cache_bytes_per_token=fields.int("cache_bytes_per_token", low=0),
-            num_sessions=fields.int("num_sessions", default=0, low=0) or 0,
-            queued_tokens=fields.int("queued_tokens", default=0, low=0) or 0,
-            engine_passes=fields.int("engine_passes", default=0, low=0) or 0,
-            engine_rows=fields.int("engine_rows", default=0, low=0) or 0,
-            computed_tokens=fields.int("computed_tokens", default=0, low=0) or 0,
-            forked_tokens=fields.int("forked_tokens", default=0, low=0) or 0,
-            idle_sessions=fields.int("idle_sessions", default=0, low=0) or 0,
-            steps_from_client=fields.int("steps_from_client", default=0, low=0) or 0,
-            steps_from_push=fields.int("steps_from_push", default=0, low=0) or 0,
+            **{name: fields.int(name, default=0, low=0) or 0 for name in COUNTERS},
             throughput=fields.float("throughput", low=0.0),
             batch_growth=fields.float("batch_growth", low=0.0, high=100.0),
+            pace=fields.float("pace", low=0.0),
             adapters=tuple(adapters),
             precision=fields.str("precision", max_chars=16) or "",
             max_tree_tokens=fields.int("max_tree_tokens", default=0, low=0) or 0,
@@ -185,6 +187,20 @@ class ServerStatus:
             announced_at=fields.float("announced_at", low=0.0),
             announce_period=fields.float("announce_period", low=0.0),
         )
+
+
+# live counts, 0 when a record leaves them out
+COUNTERS = (
+    "num_sessions",
+    "queued_tokens",
+    "engine_passes",
+    "engine_rows",
+    "computed_tokens",
+    "forked_tokens",
+    "idle_sessions",
+    "steps_from_client",
+    "steps_from_push",
+)
 
 
 def _read_pings(fields: Fields) -> tuple[tuple[str, float], ...]:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-import torch
 
 from corolla.engine.async_engine import PassTiming
-from corolla.models.devices import device_info
+from corolla.errors import InvalidRequest
 from corolla.server.pace import MIN_PASSES, WINDOW, Pace
-from corolla.server.status import Compute
-
-CPU = device_info(torch.device("cpu"))
+from corolla.wire.records import ServerStatus
 
 
 def decode(rows: int, blocks: int, seconds: float) -> PassTiming:
@@ -48,11 +47,11 @@ def test_the_latest_passes_decide_and_outliers_do_not():
     assert pace.blocks_per_s() == pytest.approx(25.0)
 
 
-def test_a_server_announces_its_pace_once_it_has_one():
-    pace = Pace()
-    compute = Compute("float32", 42.5, CPU, 0.0, pace)
-    assert compute.blocks_per_s() == 42.5  # measured at start
-    for _ in range(MIN_PASSES):
-        pace.observe(decode(1, 2, 0.01))
-    assert compute.blocks_per_s() == pytest.approx(200.0)
-    assert Compute("float32", None, CPU).blocks_per_s() is None  # nothing measured, no pace
+def test_routing_expects_the_pace_and_placement_weighs_the_start_up_figure():
+    status = ServerStatus(0, 2, "v", "float32", 64, 0, throughput=42.5)
+    assert status.speed == 42.5  # no pace yet: the figure measured at start
+    paced = dataclasses.replace(status, pace=200.0)
+    assert paced.speed == 200.0 and paced.throughput == 42.5
+    assert ServerStatus.from_dict(paced.to_dict()) == paced  # carried by the DHT record and rpc_info
+    with pytest.raises(InvalidRequest, match="pace"):
+        ServerStatus.from_dict({**paced.to_dict(), "pace": -1.0})

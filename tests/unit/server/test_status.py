@@ -11,11 +11,13 @@ import torch
 from prometheus_client import generate_latest
 
 from corolla.config import EngineConfig, ServerConfig
+from corolla.engine.async_engine import PassTiming
 from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info
 from corolla.server.backend import SpanLoader
 from corolla.server.inference import InferenceService, StepMessage
 from corolla.server.metrics import ServerMetrics
+from corolla.server.pace import MIN_PASSES, Pace
 from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.swarm.dht import RemoteSpan
@@ -34,9 +36,8 @@ async def board(tiny_models):
     await spans.start((1, 5))
     config = ServerConfig(model=str(path), inference_max_length=128, max_batch_size=4)
     inference = InferenceService(spans, config, 64, pusher=None)
-    board = StatusBoard(
-        spans, inference, config, "9.9.9", Compute("float32", 42.5, device_info(torch.device("cpu")))
-    )
+    compute = Compute("float32", 42.5, device_info(torch.device("cpu")), pace=Pace())
+    board = StatusBoard(spans, inference, config, "9.9.9", compute)
     board.state = ServerState.ONLINE
     yield board
     await spans.stop()
@@ -66,6 +67,7 @@ async def test_every_report_reads_the_same_snapshot(board):
     assert status.cache_bytes_per_token == 4 * (2 * 2 * 16) * 4  # 4 blocks: 2 kv heads of 16, k and v, fp32
     assert status.engine_passes >= 1 and status.engine_rows == 2 * status.engine_passes
     assert (status.throughput, status.adapters, status.version) == (42.5, ("lora-a",), "9.9.9")
+    assert status.pace is None and status.speed == 42.5  # too few passes for a pace yet
     # where it computes: the device and its memory (here the CPU and the host's RAM)
     assert status.device == "cpu" and status.device_name and status.device_memory > 2**30
 
@@ -81,6 +83,19 @@ async def test_every_report_reads_the_same_snapshot(board):
     assert float(scraped["corolla_server_cache_tokens"]) == status.cache_tokens_total
     assert float(scraped["corolla_server_engine_passes_total"]) == status.engine_passes
     assert float(scraped["corolla_server_engine_rows_total"]) == status.engine_rows
+
+    for _ in range(MIN_PASSES):  # once its passes have shown their pace, that is what clients route by
+        board.compute.pace.observe(PassTiming(rows=1, tokens=1, blocks=4, seconds=0.02))
+    paced = board.snapshot()
+    assert (paced.pace, paced.speed, paced.throughput) == (pytest.approx(200.0), paced.pace, 42.5)
+    scraped = dict(
+        re.findall(r"^(corolla_server_\w+) (\S+)$", generate_latest(metrics.registry).decode(), re.M)
+    )
+    assert float(scraped["corolla_server_blocks_per_second"]) == pytest.approx(200.0)
+    assert (
+        build_overview("tiny", 6, [RemoteSpan("peer-1", 1, 5, paced)]).to_dict()["servers"][0]["pace"]
+        == 200.0
+    )
 
     announced = RemoteSpan("peer-123456789", 1, 5, ServerStatus.from_dict(status.to_dict()))
     overview = build_overview("tiny", 6, [announced])
