@@ -1,4 +1,4 @@
-"""A server's speed as its own decode passes show it: what it announces once it has served.
+"""A server's speed as its own decode passes show it: what clients route by once it has served.
 
 The figure measured at start (server/throughput.py) is taken in a second or two, on a machine that may be
 busy with other servers starting: corolla sim found such figures off by up to 20%, and a session's first
@@ -6,9 +6,11 @@ route trusts them (its client has timed nobody yet), which put the p95 of sessio
 servers at 1.33x the oracle's (1.22x with exact figures). Every decode pass a server runs is a better
 measure: its seconds per block, divided by how much slower a batch of its rows is than one sequence (the
 batch growth measured at start), is one sequence's step time at the contexts the server really holds. The
-median of the latest WINDOW such passes, once there are MIN_PASSES, replaces the start-up figure in the
-server's announcements, in the blocks' keys' ranking and in its placement; prefill and tree passes (more
-tokens than rows) say nothing of a decode step and are left out.
+median of the latest WINDOW such passes, once there are MIN_PASSES, is announced beside the start-up figure
+(ServerStatus.pace): clients route by it and the blocks' keys rank by it (ServerStatus.speed). Placement
+keeps weighing the start-up figure, which does not move: servers decide who moves from one shared view,
+and weights that changed with every announcement let two servers move at once. Prefill and tree passes
+(more tokens than rows) say nothing of a decode step and are left out.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import deque
 from corolla.engine.async_engine import PassTiming
 
 WINDOW = 64  # the latest decode passes the median is taken over
-MIN_PASSES = 16  # decode passes seen before the pace replaces the start-up figure
+MIN_PASSES = 16  # decode passes seen before there is a pace
 
 
 class Pace:

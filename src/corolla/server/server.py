@@ -117,7 +117,7 @@ class Server:
 
     async def _measure_speed(self, loader: SpanLoader) -> None:
         """Measured on the first blocks a span may hold alone, before choosing blocks (placement weighs the
-        swarm by throughput); its passes' pace replaces it once it has served (server/pace.py)."""
+        swarm by throughput); clients route by its passes' pace once it has served (server/pace.py)."""
         sharing = self.model.kv_sharing
         first = min(cut for cut in range(1, self.model.num_hidden_layers + 1) if sharing.allows(cut))
         probe = await asyncio.to_thread(loader.load_span, (0, first))
