@@ -14,8 +14,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
+from corolla.client.bans import Bans
 from corolla.client.estimates import ServerEstimates
-from corolla.server.placement import Placed
+from corolla.server.placement import Placed, coverage
 from corolla.sim.record_tree import seen
 from corolla.sim.state import SimServer, Swarm
 from corolla.swarm.dht import RemoteSpan
@@ -58,6 +59,17 @@ def looked_up(
         rtt = sim.network.rtt(client, server.peer_id)
         estimates.ping(server.peer_id, rtt * rng.uniform(1.0, 1.2) * noisy(sim, rng), found.info)
     return spans, estimates
+
+
+def starved_for_cache(sim: Swarm, bans: Bans) -> bool:
+    """Whether every block has a live server but some only has servers `bans` passes over for want of
+    cache (refused by them lately, maybe in another session of the same client): a session that waits
+    then waits for cache, not for servers."""
+    live = [s for s in sim.servers.values() if s.alive]
+    full = bans.out_of_cache()
+    total = sim.scenario.num_blocks
+    roomy = coverage([(s.start, s.end, 1.0) for s in live if s.peer_id not in full], total)
+    return min(coverage([(s.start, s.end, 1.0) for s in live], total)) > 0 and min(roomy) == 0
 
 
 def noisy(sim: Swarm, rng: random.Random) -> float:

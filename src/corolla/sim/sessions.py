@@ -38,7 +38,7 @@ from corolla.client.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
 from corolla.server.placement import coverage
-from corolla.sim.clients import against_oracle, looked_up, truth
+from corolla.sim.clients import against_oracle, looked_up, starved_for_cache, truth
 from corolla.sim.scenario import Event
 from corolla.sim.state import Swarm
 from corolla.swarm.dht import RemoteSpan
@@ -266,7 +266,8 @@ class Sessions:
         """The session failed: it waited routing_timeout for blocks, its failover budget ran out, or (with
         `refused` set) servers had no cache for it."""
         sim = self.sim
-        refused = session.refused
+        # it waited for blocks whose only servers its client passes over for cache: lost for cache too
+        refused = session.refused or starved_for_cache(sim, session.client.bans)
         if refused and not session.opened:
             self.turned_away += 1  # refused at its first opening: the user's request fails at once
             return self._forget(session)

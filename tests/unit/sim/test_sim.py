@@ -214,3 +214,14 @@ def test_servers_that_served_announce_their_passes_pace():
         assert span(server, (server.start, server.end, server.throughput)).info.speed == server.speed
     assert max(abs(s.throughput * s.cost.seconds(1) - 1) for s in served) > 0.06  # start-up, for placement
     assert all(s.speed == s.throughput for s in unserved)
+
+
+def test_sessions_no_server_has_cache_for_are_never_counted_as_routing_failures():
+    """Caches too small for any session (a few tokens a block), clients shared by many sessions: a
+    session may never be refused itself and still wait out routing_timeout, because its client passes
+    over every server for want of cache (its other sessions were refused). Lost for cache, not lost while
+    covered (found by random scenarios: 99 such sessions counted as routing failures)."""
+    tiny = [{**kind.model_dump(), "cache_gib": 0.0001} for kind in thin_swarm().classes]
+    found = simulate(with_sessions(classes=tiny, clients=2))["sessions"]
+    assert found["finished"] == 0 and found["lost_while_covered"] == 0  # 85 of 200 before
+    assert found["turned_away_for_cache"] > 0 and found["turned_away_for_cache"] + found["lost"] == 200
