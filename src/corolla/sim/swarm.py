@@ -110,7 +110,9 @@ class Simulation:
         processes died, and clients see the connections reset at once."""
         for server in doomed:
             server.alive = False
-            record = self.book.records[server.peer_id]
+            record = self.book.records.get(server.peer_id)
+            if record is None:  # it was leaving: its OFFLINE record already took it out
+                continue
             self.at(record.expires, self._expire, server.peer_id, record.expires)
             stale = record.announced_at + STALE_PERIODS * self.scenario.announce_period + STALE_SLACK
             self.at(stale + 1e-6, self.book.went_stale, server.peer_id)

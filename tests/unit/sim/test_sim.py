@@ -225,3 +225,17 @@ def test_sessions_no_server_has_cache_for_are_never_counted_as_routing_failures(
     found = simulate(with_sessions(classes=tiny, clients=2))["sessions"]
     assert found["finished"] == 0 and found["lost_while_covered"] == 0  # 85 of 200 before
     assert found["turned_away_for_cache"] > 0 and found["turned_away_for_cache"] + found["lost"] == 200
+
+
+def test_servers_crashing_while_they_drain_after_leaving():
+    """A crash that takes servers still draining after a graceful leave (their records are gone already;
+    found by random scenarios: the simulator raised KeyError)."""
+    events = [
+        thin_swarm().events[0],
+        {"at": 200, "kind": "leave", "fraction": 0.5},
+        {"at": 210, "kind": "crash", "fraction": 1.0},  # within the 60 s drain
+        {"at": 100, "kind": "sessions", "count": 100, "over": 150},
+    ]
+    result = simulate(with_sessions(events=events))
+    assert [c["servers"] for c in result["crashes"]] == [30]  # the 15 still draining among them
+    assert result["sessions"]["lost_while_covered"] == 0 and result["servers_alive"] == 0
