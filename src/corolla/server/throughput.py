@@ -1,7 +1,7 @@
 """How fast this machine runs a block: measured at start, cached for an hour per machine and model shape.
 
-The figure announced on the DHT until the server has served (then the pace of its own passes:
-server/pace.py) is blocks per second for one decode step of one sequence (with a
+The figure announced on the DHT as `throughput` (placement weighs it; once the server has served, clients
+route by the pace of its own passes: server/pace.py) is blocks per second for one decode step of one sequence (with a
 128-token context), measured through the engine itself (its scheduler, paged cache and packed pass), so
 it is the cost the server will really have; with it, how much slower a step of BATCH_ROWS sequences is
 per sequence (`batch_growth`: clients price the sessions already on a server with it; corolla sim found
@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,12 +82,13 @@ def measure_throughput(span: Span, use_cache: bool = True) -> float:
 
 
 def _step_seconds(span: Span, rows: int) -> float:
-    """The fastest of STEPS decode steps of `rows` sequences with CONTEXT tokens each, through the
-    engine, after the prefill and warm-up. The fastest, not the median: servers start together on shared
-    machines, and contention only ever slows a step (on this machine, five SmolLM2 servers starting at
-    once measured medians 7x their own speed, and routing avoided whichever had not served yet); the
-    pace of a server's passes (server/pace.py) then says what serving really costs. The cache holds every
-    row at once, recurrent states included (a row short of pages would wait for them for ever)."""
+    """The median seconds of a decode step of `rows` sequences with CONTEXT tokens each, through the
+    engine, after the prefill and warm-up. The median, like the pace of a server's passes (server/pace.py)
+    and a client's timing of its steps, so that the three compare: the fastest step (tried in stop 47)
+    made servers that had not served look 2-3x faster on a loaded machine than those clients had timed,
+    and clients gave up reusing a prefix held on the timed ones. (Servers starting together on one machine
+    measure a slow median: there, routing prefers servers that have served.) The cache holds every row
+    at once, recurrent states included (a row short of pages would wait for them for ever)."""
     page = EngineConfig.page_size
     cache = rows * (CONTEXT + STEPS + page + state_pages(span, page) * page)
     config = EngineConfig(max_cache_tokens=cache, max_batch_tokens=CONTEXT * rows, max_batch_wait_ms=0)
@@ -106,14 +108,13 @@ def _step_seconds(span: Span, rows: int) -> float:
         times.append(time.perf_counter() - started)
     for i in range(rows):
         engine.close_session(f"speed{i}")
-    return min(times[3:])
+    return statistics.median(times[3:])
 
 
 def _cache_key(span: Span) -> str:
     config = span.config
     shape = (
         "engine",  # measured through the engine (earlier versions timed a block on its own)
-        "fastest",  # the fastest step (earlier versions took the median)
         config.fingerprint(),  # the blocks' architecture and shapes
         str(span.dtype),
         span.precision,
