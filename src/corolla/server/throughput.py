@@ -1,9 +1,9 @@
 """How fast this machine runs a block: measured at start, cached for an hour per machine and model shape.
 
 The figure announced on the DHT as `throughput` (placement weighs it; once the server has served, clients
-route by the pace of its own passes: server/pace.py) is blocks per second for one decode step of one sequence (with a
-128-token context), measured through the engine itself (its scheduler, paged cache and packed pass), so
-it is the cost the server will really have; with it, how much slower a step of BATCH_ROWS sequences is
+route by the pace of its own passes: server/pace.py) is blocks per second for one decode step of one
+sequence (with a 128-token context), measured through the engine itself (its scheduler, paged cache and
+packed pass), so it is the cost the server will really have; with it, how much slower a step of BATCH_ROWS sequences is
 per sequence (`batch_growth`: clients price the sessions already on a server with it; corolla sim found
 a constant guess of 25% per session, a CPU's, sent a flash crowd's sessions from H100s that batch almost
 for free onto home GPUs). Clients use them to estimate a chain's step time before they have timed the
