@@ -3,14 +3,14 @@
 The figure announced on the DHT as `throughput` (placement weighs it; once the server has served, clients
 route by the pace of its own passes: server/pace.py) is blocks per second for one decode step of one
 sequence (with a 128-token context), measured through the engine itself (its scheduler, paged cache and
-packed pass), so it is the cost the server will really have; with it, how much slower a step of BATCH_ROWS sequences is
-per sequence (`batch_growth`: clients price the sessions already on a server with it; corolla sim found
-a constant guess of 25% per session, a CPU's, sent a flash crowd's sessions from H100s that batch almost
-for free onto home GPUs). Clients use them to estimate a chain's step time before they have timed the
-server themselves, and servers use it to weigh the swarm's coverage when they choose
-blocks. Measuring takes a second or two, so the result is cached in the corolla cache folder, keyed by
-everything that changes it, for MAX_AGE: a figure taken on a busy machine (servers starting at once)
-does not stand forever.
+packed pass), so it is the cost the server will really have; with it, how much slower a step of BATCH_ROWS
+sequences is per sequence (`batch_growth`: clients price the sessions already on a server with it; corolla
+sim found a constant guess of 25% per session, a CPU's, sent a flash crowd's sessions from H100s that
+batch almost for free onto home GPUs). Clients use them to estimate a chain's step time before they have
+timed the server themselves, and servers use it to weigh the swarm's coverage when they choose blocks.
+Measuring takes a second or two, so the result is cached in the corolla cache folder, keyed by everything
+that changes it, for MAX_AGE: a figure taken on a busy machine (servers starting at once) does not stand
+forever.
 """
 
 from __future__ import annotations
