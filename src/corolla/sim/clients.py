@@ -16,9 +16,9 @@ from collections.abc import Iterable
 
 from corolla.client.bans import Bans
 from corolla.client.estimates import ServerEstimates
-from corolla.server.placement import Placed, coverage
+from corolla.server.placement import Placed
 from corolla.sim.record_tree import seen
-from corolla.sim.state import SimServer, Swarm
+from corolla.sim.state import SimServer, Swarm, least_held
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.record_cells import CLIENT_CELLS
 from corolla.swarm.routing import Estimate, Hop, chain_cost, choose_chain
@@ -65,11 +65,9 @@ def starved_for_cache(sim: Swarm, bans: Bans) -> bool:
     """Whether every block has a live server but some only has servers `bans` passes over for want of
     cache (refused by them lately, maybe in another session of the same client): a session that waits
     then waits for cache, not for servers."""
-    live = [s for s in sim.servers.values() if s.alive]
-    full = bans.out_of_cache()
+    servers = sim.servers.values()
     total = sim.scenario.num_blocks
-    roomy = coverage([(s.start, s.end, 1.0) for s in live if s.peer_id not in full], total)
-    return min(coverage([(s.start, s.end, 1.0) for s in live], total)) > 0 and min(roomy) == 0
+    return least_held(servers, total) > 0 and least_held(servers, total, bans.out_of_cache()) == 0
 
 
 def noisy(sim: Swarm, rng: random.Random) -> float:

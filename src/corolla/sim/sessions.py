@@ -37,10 +37,9 @@ from corolla.client.retries import RetryBudget
 from corolla.client.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
-from corolla.server.placement import coverage
 from corolla.sim.clients import against_oracle, looked_up, starved_for_cache, truth
 from corolla.sim.scenario import Event
-from corolla.sim.state import Swarm
+from corolla.sim.state import Swarm, least_held
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.routing import Hop, chain_cost
 
@@ -276,8 +275,7 @@ class Sessions:
         if refused:  # failing over, no server had cache for it
             self.lost_for_cache += 1
         else:
-            live = [(s.start, s.end, 1.0) for s in sim.servers.values() if s.alive]
-            self.lost_while_covered += min(coverage(live, sim.scenario.num_blocks)) > 0
+            self.lost_while_covered += least_held(sim.servers.values(), sim.scenario.num_blocks) > 0
         self._forget(session)
 
     def _release(self, hops: list[Hop], session: SimSession) -> None:

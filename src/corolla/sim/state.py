@@ -4,12 +4,12 @@ clients and sessions see it (sim/swarm.py's Simulation is one)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from corolla.server.pace import Pace
-from corolla.server.placement import Placed
+from corolla.server.placement import Placed, coverage
 from corolla.sim.compute import PassCost
 from corolla.sim.network import Network
 from corolla.sim.record_tree import RecordTree
@@ -50,6 +50,12 @@ class SimServer:
     def step_seconds(self, others: int) -> float:
         """True seconds per block of a decode step with `others` sessions in the same batch."""
         return self.cost.seconds(others + 1)
+
+
+def least_held(servers: Iterable[SimServer], total: int, passed_over: Collection[str] = ()) -> int:
+    """Live servers on the block that has fewest (those in `passed_over` left out)."""
+    spans = [(s.start, s.end, 1.0) for s in servers if s.alive and s.peer_id not in passed_over]
+    return int(min(coverage(spans, total)))
 
 
 class Swarm(Protocol):

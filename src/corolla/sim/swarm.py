@@ -35,7 +35,7 @@ from corolla.sim.record_tree import RecordTree
 from corolla.sim.records import Record, RecordBook
 from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
-from corolla.sim.state import SimServer
+from corolla.sim.state import SimServer, least_held
 from corolla.swarm.routing import choose_chain
 from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK
 
@@ -268,14 +268,10 @@ class Simulation:
     # measuring
 
     def _sample(self) -> None:
-        live = [(s.start, s.end, 1.0) for s in self.servers.values() if s.alive]
         view = [(start, end, 1.0) for start, end, _ in self.placed().values()]
         total = self.scenario.num_blocks
-        self.samples.append(
-            Coverage(
-                self.now, int(min(coverage(live, total))), int(min(coverage(view, total))), self.sessions.open
-            )
-        )
+        live = least_held(self.servers.values(), total)
+        self.samples.append(Coverage(self.now, live, int(min(coverage(view, total))), self.sessions.open))
         for _ in range(self.scenario.routes_per_sample):
             self._route()
         self.at(self.now + self.scenario.sample_every, self._sample)
