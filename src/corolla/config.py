@@ -50,9 +50,11 @@ class SwarmConfig:
     # a private swarm: only these peer ids may use this peer, and only their DHT records count (None: open)
     allowed_peers: frozenset[str] | None = None
     # "public": dialable as it is, and a relay for peers behind NAT; "behind-nat": reachable only through
-    # relays (reservations on the initial peers), a DHT client; "auto": a server asks peers to dial it back
+    # relays it holds reservations on (swarm/reservations.py), a DHT client; "auto": a server asks peers to
+    # dial it back and becomes one or the other (swarm/joining.py)
     reachability: str = "auto"
-    # what a reachable peer relays for peers behind NAT (swarm/reachability.py), per relayed connection: its
+    relay: bool = True  # a reachable peer relays for peers behind NAT (False: it refuses to)
+    # what a reachable peer relays for peers behind NAT (swarm/relay_service.py), per relayed connection: its
     # seconds and MiB each way, and the connections per peer at once; None: libp2p daemon's 30 min, 4 GiB, 16
     relay_time_limit: float | None = None
     relay_data_limit_mib: int | None = None

@@ -74,7 +74,8 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         const="public",
         default="auto",
         help="this machine is reachable at its address (a public IP, or a forwarded port): say so instead "
-        "of asking peers to dial it back, and relay for peers behind NAT",
+        "of asking peers to dial it back (they still do, to warn when it is not), and relay for peers "
+        "behind NAT (the default of `corolla dht`)",
     )
     reachability.add_argument(
         "--behind-nat",
@@ -82,7 +83,14 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         action="store_const",
         const="behind-nat",
         help="this machine cannot be dialed (a home router, no forwarded port): be reachable through "
-        'relays on the --initial-peers instead (see the README, "Running a server at home")',
+        "relays (the initial peers and public servers) instead of asking peers to dial it back first",
+    )
+    group.add_argument(
+        "--relay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="relay for peers behind NAT when this peer is reachable (default: on; --no-relay refuses "
+        "every request to relay)",
     )
     group.add_argument(
         "--relay-time-limit",
@@ -90,8 +98,7 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="SECONDS",
         help="the longest a connection this peer relays may last (a peer relays when started with "
-        "--public, or once libp2p finds it reachable); the peers on it then reconnect, and sessions "
-        "through it fail over exactly (default: 1800)",
+        "--public, or found reachable); clients move their sessions before it (default: 1800)",
     )
     group.add_argument(
         "--relay-data-limit-mib",
@@ -254,6 +261,7 @@ def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> Swar
         client_mode=client_mode,
         allowed_peers=_allowed_peers(args.allowed_peers),
         reachability=args.reachability,
+        relay=args.relay,
         relay_time_limit=args.relay_time_limit,
         relay_data_limit_mib=args.relay_data_limit_mib,
         relay_circuits=args.relay_circuits,

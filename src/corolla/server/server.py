@@ -32,23 +32,22 @@ from corolla.server.links import LinkMonitor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.pace import Pace
 from corolla.server.passes import PassService
-from corolla.server.periodic import Periodic
 from corolla.server.placement import blocks_for_budget, choose_blocks
 from corolla.server.push import Pusher
+from corolla.server.reach import Reach
 from corolla.server.rebalancer import Rebalancer
 from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_speed
-from corolla.swarm import reachability
-from corolla.swarm.block_records import placed_servers
+from corolla.swarm.block_records import find_spans, placed_servers
 from corolla.swarm.joining import join
 from corolla.swarm.model_listing import lists_model
+from corolla.swarm.record_cells import position
 from corolla.swarm.transport import P2PTransport
 from corolla.version import __version__
 from corolla.wire.records import ServerState
 
 logger = logging.getLogger(__name__)
-RELAY_WAIT = 30.0  # seconds a server behind NAT waits for a relay before it says none took it
 DHT_EXIT_GRACE = 0.25  # on a signal, how long to wait for the DHT process to exit (when the group got it)
 
 
@@ -67,7 +66,7 @@ class Server:
         self.announcer: Announcer | None = None
         self.links: LinkMonitor | None = None
         self.rebalancer: Rebalancer | None = None
-        self.relay_watch: Periodic | None = None
+        self.reach: Reach | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -86,8 +85,11 @@ class Server:
                 inside = f"is not a range inside the model's {total} blocks"
                 raise InvalidRequest(f"--blocks {start}:{end} {inside}")
             sharing.check_span(start, end, self.model.model_type)
-        self.dht, self.swarm, self.dialed_back = join(config.swarm)  # behind NAT: restarted behind relays
+        self.dht, swarm, dialed_back = join(config.swarm)  # restarted as a relay, or behind relays
         self.peer_id = str(self.dht.peer_id)
+        self.p2p = await self.dht.replicate_p2p()
+        self.reach = Reach(swarm, dialed_back)
+        self.reach.start(self.p2p, self._public_servers)  # behind NAT: relays reserved while loading
         loader = SpanLoader(
             Path(source.path),
             self.model,
@@ -125,23 +127,22 @@ class Server:
         self.pace.batch_growth = self.speed.batch_growth
 
     async def _report_serving(self, blocks: tuple[int, int]) -> None:
-        """The line scripts wait for, then how other peers reach this server (behind NAT: through which
-        relay, or that none took it)."""
+        """The line scripts wait for, then how other peers reach this server (server/reach.py)."""
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
-        kind, how = await reachability.describe(self.p2p, self.swarm, self.dialed_back, RELAY_WAIT)
-        self.status.reachability = kind  # shown by `corolla status` and the dashboard
-        (logger.warning if kind == "unreachable" else logger.info)(how)
-        if self.swarm.reachability == "behind-nat":  # relays die and come: said, and shown
-            watch = reachability.RelayWatch(self.p2p, self.status)
-            self.relay_watch = Periodic("relay watch", watch.check, watch.period, "Relays not read")
-            self.relay_watch.start()
+        await self.reach.report()
+
+    async def _public_servers(self) -> list[str]:
+        """Servers of this model that its records say are reached directly (relays for peers behind NAT)."""
+        spans = await find_spans(
+            self.dht, self.dht_prefix, self.model.num_hidden_layers, where=position(self.peer_id)
+        )
+        return [span.peer_id for span in spans if span.info.reachability == "direct"]
 
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""
         config = self.config
         wire = self.model.wire  # what travels between spans (models/wire.py)
         num_blocks = self.model.num_hidden_layers
-        self.p2p = await self.dht.replicate_p2p()
         self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
         self.inference = InferenceService(
             self.spans, config, wire.width, self.pusher, num_blocks, wire.hidden_size
@@ -156,7 +157,7 @@ class Server:
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period, announced)
         fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
-            self.spans, self.inference, config, __version__, compute, self.links, fingerprint
+            self.spans, self.inference, config, __version__, compute, self.links, fingerprint, self.reach
         )
         if self.metrics is not None:
             self.metrics.serve(config.metrics_host, config.metrics_port, self.status.snapshot)
@@ -249,7 +250,7 @@ class Server:
             logger.warning("Could not announce OFFLINE", exc_info=True)
 
     async def stop(self) -> None:
-        for part in (self.rebalancer, self.links, self.relay_watch):
+        for part in (self.rebalancer, self.links, self.reach):
             if part is not None:
                 await part.stop()
         await self._announce_offline()

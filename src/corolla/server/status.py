@@ -15,6 +15,7 @@ from corolla.models.devices import DeviceInfo
 from corolla.server.inference import InferenceService
 from corolla.server.links import LinkMonitor
 from corolla.server.pace import Pace
+from corolla.server.reach import Reach
 from corolla.server.spans import HostedSpans
 from corolla.wire.records import ServerState, ServerStatus
 from corolla.wire.tensors import supported_encodings
@@ -43,6 +44,7 @@ class StatusBoard:
         compute: Compute,
         links: LinkMonitor | None = None,
         model_fingerprint: str = "",
+        reach: Reach | None = None,
     ):
         self.spans = spans
         self.inference = inference
@@ -51,8 +53,7 @@ class StatusBoard:
         self.model_fingerprint = model_fingerprint
         self.version = version
         self.compute = compute
-        # direct | relayed | unreachable, once the server knows (swarm/reachability.py)
-        self.reachability = ""
+        self.reach = reach  # how other peers reach it (server/reach.py)
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
     def snapshot(self) -> ServerStatus:
@@ -94,5 +95,6 @@ class StatusBoard:
             device=self.compute.device.kind,
             device_name=self.compute.device.name,
             device_memory=self.compute.device.total_memory,
-            reachability=self.reachability,
+            reachability=self.reach.reachability if self.reach is not None else "",
+            relays=self.reach.paths if self.reach is not None else (),
         )

@@ -20,6 +20,7 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from corolla.errors import InvalidRequest
+from corolla.swarm.circuit_book import BOOK
 from corolla.swarm.dht import PeerDHT, RemoteSpan, read_records, signer_of, store_records
 from corolla.swarm.record_cells import WHOLE, Walk, keys_at, position, weight
 from corolla.wire.records import ServerState, ServerStatus
@@ -88,6 +89,8 @@ async def read_swarm(
     spans = [
         span for peer_id, seen in sightings.items() if (span := _span(peer_id, seen, states)) is not None
     ]
+    for span in spans:  # behind NAT: reached through the relays its record names
+        BOOK.learn(span.peer_id, span.info.relays)
     return SwarmRead(spans, walk)
 
 

@@ -18,12 +18,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
+T = TypeVar("T")
 PARENT_CHECK_PERIOD = 0.25  # seconds between the DHT child's looks at its parent
 
 
@@ -70,16 +72,21 @@ def identity_taken(
         finally:
             await probe.shutdown()
 
-    # start_dht may run inside an event loop (a client's) or outside any: the check gets its own
-    outcome: list[bool | BaseException] = []
+    return run_apart(check)
+
+
+def run_apart(work: Callable[[], Awaitable[T]]) -> T:
+    """`work()` run to completion in an event loop of its own, in a thread of its own: start_dht may be
+    called inside an event loop (a client's) or outside any."""
+    outcome: list[T | BaseException] = []
 
     def run() -> None:
         try:
-            outcome.append(asyncio.run(check()))
+            outcome.append(asyncio.run(work()))
         except BaseException as e:  # re-raised in the caller's thread
             outcome.append(e)
 
-    thread = threading.Thread(target=run, name="corolla-identity-check")
+    thread = threading.Thread(target=run, name="corolla-daemon-check")
     thread.start()
     thread.join()
     if isinstance(outcome[0], BaseException):

@@ -33,8 +33,15 @@ from corolla.swarm import dial_back, p2p_io
 from corolla.swarm.addresses import check_listen_port, explain_start_failure
 from corolla.swarm.daemons import identity_taken, watch_parent
 from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
-from corolla.swarm.reachability import limit_relaying, p2p_options, relay_limit_flags
+from corolla.swarm.reachability import p2p_options, relays_for_others
 from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
+from corolla.swarm.relay_service import (
+    expected,
+    keep_own_limits,
+    limit_relaying,
+    refuse_relaying,
+    relay_limit_flags,
+)
 from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -44,9 +51,19 @@ MAX_MODEL_BLOCKS = 1024
 
 
 def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
-    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready; one that holds
-    DHT keys answers other peers' dial-back requests (swarm/dial_back.py). `identity_checked`: a restart of
-    a peer that checked its identity was free (it may still look taken to the others for a while)."""
+    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready; one that relays
+    for others has its relay's limits checked (swarm/relay_service.py). Every peer but a client answers
+    other peers' dial-back requests (swarm/dial_back.py). `identity_checked`: a restart of a peer that
+    checked its identity was free (it may still look taken to the others for a while)."""
+    dht = _start(config, identity_checked)
+    if not config.client_mode:
+        dht.run_coroutine(dial_back.serve)
+        if not config.relay:
+            dht.run_coroutine(refuse_relaying)
+    return dht
+
+
+def _start(config: SwarmConfig, identity_checked: bool) -> PeerDHT:
     p2p_io.install()
     check_listen_port(config.host, config.port)
     # a peer behind NAT must not hold records others need (swarm/reachability.py)
@@ -57,7 +74,7 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
         try:
             if not fresh and config.initial_peers and not identity_checked:  # hivemind's ignores nat_port_map
                 _check_identity_free(path, config)
-            dht = PeerDHT(
+            return PeerDHT(
                 key,
                 validators,
                 initial_peers=list(config.initial_peers) or None,
@@ -70,13 +87,11 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
                 nat_port_map=config.use_nat_port_map,
                 num_workers=4,
                 relay_flags=relay_limit_flags(config),
+                relay_limits=expected(config) if relays_for_others(config) else None,
                 **p2p_options(config),
             )
         except P2PDaemonError as e:
             raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
-    if not client_mode:
-        dht.run_coroutine(dial_back.serve)
-    return dht
 
 
 def _check_identity_free(path: Path, config: SwarmConfig) -> None:
@@ -106,14 +121,22 @@ class PeerDHT(DHT):
     (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
     A parent that dies without stopping it (kill -9) takes it and its daemon along (swarm/daemons.py).
 
-    A peer's relay limits reach its daemon from the child (swarm/reachability.py `limit_relaying`).
+    A peer's relay limits reach its daemon from the child (swarm/relay_service.py `limit_relaying`).
     It also holds the peer's identity key (`subkey`: what its records are signed under) and its node's
     record checks, whose counters `rejected_records` reads from the child.
     """
 
-    def __init__(self, key: RSAPrivateKey, validators: list, relay_flags: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        key: RSAPrivateKey,
+        validators: list,
+        relay_flags: dict | None = None,
+        relay_limits: tuple[int, int] | None = None,
+        **kwargs,
+    ):
         self.parent_pid = os.getpid()  # the child ends itself when this process is gone (kill -9)
-        self.relay_flags = relay_flags or {}  # the daemon's relay limits (swarm/reachability.py)
+        self.relay_flags = relay_flags or {}  # the daemon's relay limits (swarm/relay_service.py)
+        self.relay_limits = relay_limits  # those its relay must grant (None: it relays for nobody)
         self.identity = key
         self.owner_check = next(v for v in validators if isinstance(v, OwnerCheck))
         super().__init__(record_validators=validators, **kwargs)
@@ -130,6 +153,8 @@ class PeerDHT(DHT):
         watch_parent(self.parent_pid)
         if self.relay_flags:
             limit_relaying(self.relay_flags)
+        if self.relay_limits is not None:
+            keep_own_limits(self.relay_limits)
         super().run()
 
 

@@ -1,17 +1,20 @@
 """A server joining the swarm: its DHT peer started, and how other peers reach it settled.
 
-With `--public` or `--behind-nat` the owner said; otherwise the server asks its initial peers to dial it
-back (swarm/dial_back.py). When some peer reached it, it is served directly. When every peer that
-answered failed, it sits behind NAT or a firewall: its DHT peer restarts as with `--behind-nat` (relay
-reservations, a DHT client). When nobody answered (a swarm of older peers, or no initial peers) nothing
-changes and the server says it could not check.
+With `--behind-nat` the owner said; otherwise the server asks its initial peers to dial it back
+(swarm/dial_back.py). When some peer reached it at a public address, it is served directly and relays
+for peers behind NAT: its DHT peer restarts as with `--public` (swarm/relay_service.py). When every peer
+that answered failed, it sits behind NAT or a firewall: its DHT peer restarts as with `--behind-nat`
+(reservations on relays, a DHT client). When nobody answered (a swarm of older peers, or no initial
+peers) nothing changes and the server says it could not check. A server started with `--public` is
+checked too, and says so in one line when nobody could dial it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from hivemind.dht import DHT, DHTNode
@@ -27,47 +30,111 @@ logger = logging.getLogger(__name__)
 MAX_ASKED = 3  # initial peers asked to dial back
 
 
+@dataclass(frozen=True)
+class Check:
+    """What the peers asked to dial this one back found."""
+
+    asked: int
+    answered: int = 0
+    dialed: tuple[str, ...] = ()  # addresses where they reached it
+    tried: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """direct | unreachable | "" (nobody answered)."""
+        return "direct" if self.dialed else "unreachable" if self.answered else ""
+
+    @property
+    def public(self) -> bool:
+        """Whether some peer reached it at a public (global) address."""
+        return any(ipaddress.ip_address(address.split("/")[2]).is_global for address in self.dialed)
+
+
 def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     """The started DHT peer, the swarm settings it runs with, and whether other peers dialed it back
     ("direct" or "" when not checked: behind NAT it runs with reachability "behind-nat")."""
     dht = start_dht(config)
-    if config.reachability != "auto":
+    if config.reachability == "behind-nat" or config.client_mode:
         return dht, config, ""
-    kind, line = dht.run_coroutine(partial(_check_in_child, initial_peers=tuple(config.initial_peers)))
-    if line:
-        logger.info(line)
-    if kind != "unreachable":
-        return dht, config, kind
+    check = dht.run_coroutine(partial(_check_in_child, initial_peers=tuple(config.initial_peers)))
+    if config.reachability == "public":
+        if check.kind == "unreachable":
+            logger.warning(
+                "Started with --public, but %d peer(s) could not dial this one back at %s: peers will fail "
+                "to reach it (forward that port to this machine, or drop --public)",
+                check.answered,
+                ", ".join(check.tried),
+            )
+        return dht, config, check.kind
+    _say(check)
+    if check.kind == "direct" and check.public and config.relay:
+        dht.shutdown()  # again, as a relay for peers behind NAT (with its own limits, checked)
+        config = replace(config, reachability="public")
+        return start_dht(config, identity_checked=True), config, "direct"
+    if check.kind != "unreachable":
+        return dht, config, check.kind
     dht.shutdown()
     unlimited = dict.fromkeys(RELAY_LIMITS)  # it relays for nobody now
     config = replace(config, reachability="behind-nat", **unlimited)
     return start_dht(config, identity_checked=True), config, ""
 
 
-async def _check_in_child(dht: DHT, node: DHTNode, initial_peers: Sequence[str]) -> tuple[str, str]:
+def _say(check: Check) -> None:
+    if check.kind == "direct":
+        logger.info("%d peer(s) dialed this one back at %s", len(check.dialed), ", ".join(check.dialed))
+    elif check.kind == "unreachable":
+        logger.info(
+            "Not reachable directly: %d peer(s) could not dial this one back at %s (behind NAT or a "
+            "firewall); taking relay reservations as with --behind-nat",
+            check.answered,
+            ", ".join(check.tried),
+        )
+    elif check.asked:
+        logger.info(
+            "Could not check whether other peers can dial this one: none of %d initial peer(s) answered a "
+            "dial-back request (run with --public or --behind-nat to say)",
+            check.asked,
+        )
+
+
+async def _check_in_child(dht: DHT, node: DHTNode, initial_peers: Sequence[str]) -> Check:
     return await checked(node.p2p, initial_peers)  # in the DHT's process, on its daemon
 
 
-async def checked(p2p: P2P, initial_peers: Sequence[str]) -> tuple[str, str]:
-    """(direct | unreachable | "", a line saying so) from the dial-back answers of up to MAX_ASKED
-    initial peers, at this peer's listening ports."""
+async def checked(p2p: P2P, initial_peers: Sequence[str]) -> Check:
+    """What up to MAX_ASKED initial peers found when asked to dial this peer back at its listening ports."""
     peers = list(dict.fromkeys(a.rsplit("/p2p/", 1)[1] for a in initial_peers if "/p2p/" in a))
-    peers = peers[:MAX_ASKED]
+    return await ask_peers(p2p, peers[:MAX_ASKED])
+
+
+async def ask_peers(p2p: P2P, peers: Sequence[str]) -> Check:
+    """What `peers` (peer ids) found when asked to dial this peer back at its listening ports."""
     if not peers:
-        return "", ""
+        return Check(0)
     listening = [str(m) for m in await p2p.get_visible_maddrs() if RELAYED not in str(m)]
     ports = sorted({int(m.split("/tcp/")[1].split("/")[0]) for m in listening if "/tcp/" in m})
     answers = await dial_back.ask(p2p, peers, ports)
-    if not answers:
-        return "", (
-            f"Could not check whether other peers can dial this one: none of {len(peers)} initial peer(s) "
-            "answered a dial-back request (run with --public or --behind-nat to say)"
-        )
     dialed = sorted({address for answer in answers for address in answer.dialed})
-    if dialed:
-        return "direct", f"{len(answers)} peer(s) dialed this one back at {', '.join(dialed)}"
     tried = sorted({address for answer in answers for address in answer.tried})
-    return "unreachable", (
-        f"Not reachable directly: {len(answers)} peer(s) could not dial this one back at "
-        f"{', '.join(tried)} (behind NAT or a firewall); taking relay reservations as with --behind-nat"
-    )
+    return Check(len(peers), len(answers), tuple(dialed), tuple(tried))
+
+
+async def confirm_public(dht: DHT, node: DHTNode) -> bool:
+    """In a public peer's DHT process (`corolla dht`): ask up to MAX_ASKED peers connected to it directly to
+    dial it back, and say what they found in one line; whether any answered (then it need not ask again)."""
+    peers = [
+        str(peer.peer_id)
+        for peer in await node.p2p.list_peers()
+        if any(RELAYED not in str(address) for address in peer.addrs)
+    ]
+    check = await ask_peers(node.p2p, peers[:MAX_ASKED])
+    if check.kind == "unreachable":
+        logger.warning(
+            "This peer runs as public, but %d peer(s) could not dial it back at %s: peers joining through it "
+            "or behind NAT cannot use it (run it on a machine with a public address, or forward its --port)",
+            check.answered,
+            ", ".join(check.tried),
+        )
+    elif check.kind == "direct":
+        logger.info("%d peer(s) dialed this peer back at %s", len(check.dialed), ", ".join(check.dialed))
+    return bool(check.answered)

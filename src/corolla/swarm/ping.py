@@ -14,6 +14,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.errors import NotAllowed, decode_remote_error
+from corolla.swarm.circuit_book import BOOK
 from corolla.swarm.transport import Transport
 from corolla.wire.messages import RPC_INFO
 from corolla.wire.records import ServerStatus
@@ -40,7 +41,9 @@ async def fetch_status(transport: Transport, peer_id: str, timeout: float) -> Se
     reply = await asyncio.wait_for(
         transport.call(peer_id, RPC_INFO, request, runtime_pb2.ExpertInfo), timeout
     )
-    return ServerStatus.from_bytes(reply.serialized_info)
+    status = ServerStatus.from_bytes(reply.serialized_info)
+    BOOK.learn(peer_id, status.relays)  # its relays now (swarm/circuit_book.py)
+    return status
 
 
 async def ping(transport: Transport, peer_id: str, timeout: float) -> Ping:

@@ -1,8 +1,9 @@
 """How a peer reaches another: opening a protobuf stream, or one request and its reply (`Transport`).
 
-`P2PTransport` does it over hivemind's libp2p daemon; it is the only one outside tests, where an
-in-process transport stands in for the network (tests/unit/client/loopback.py) so that everything above
-it, client and server, runs unchanged without sockets. `remote_errors` turns what a failed call raises
+`P2PTransport` does it over hivemind's libp2p daemon, through a server's relays when its record says
+it is behind NAT (swarm/circuit_book.py); it is the only one outside tests, where an in-process transport
+stands in for the network (tests/loopback.py) so that everything above it, client and server, runs
+unchanged without sockets. `remote_errors` turns what a failed call raises
 into corolla's typed errors, whichever transport raised it.
 """
 
@@ -18,6 +19,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 
 from corolla.errors import ConnectionLost, InvalidRequest, ServerUnavailable, decode_remote_error
+from corolla.swarm.circuit_book import BOOK, CircuitBook
 from corolla.swarm.p2p_io import Stream
 
 M = TypeVar("M", bound=Message)
@@ -44,13 +46,16 @@ class Transport(Protocol):
 class P2PTransport:
     """The libp2p network, through a hivemind P2P handle (a DHT's replica)."""
 
-    def __init__(self, p2p: P2P):
+    def __init__(self, p2p: P2P, book: CircuitBook = BOOK):
         self.p2p = p2p
+        self.book = book
 
     async def open_stream(self, peer_id: str, rpc: str) -> MessageStream:
+        await self.book.reach(self.p2p, peer_id)
         return await Stream.open(self.p2p, PeerID.from_base58(peer_id), rpc)
 
     async def call(self, peer_id: str, rpc: str, request: Message, response_type: type[M]) -> M:
+        await self.book.reach(self.p2p, peer_id)
         return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), rpc, request, response_type)
 
 
@@ -74,6 +79,7 @@ async def remote_errors(peer_id: str, timeout: float) -> AsyncIterator[None]:
     except (asyncio.TimeoutError, TimeoutError):
         raise ServerUnavailable(f"server ...{short} did not reply within {timeout:.1f}s") from None
     except (P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError, StopAsyncIteration) as e:
+        BOOK.lost(peer_id)
         raise ConnectionLost(
             f"server ...{short} is unreachable or closed the stream ({type(e).__name__}: {e})"
         ) from None

@@ -9,6 +9,7 @@ malformed record is skipped, never trusted.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,12 @@ from corolla.errors import InvalidRequest
 from corolla.wire.fields import Fields, pack, unpack
 
 MAX_PINGS = 64
+MAX_RELAY_PATHS = 8
+# a relayed address as a server announces it: a relay's address, its peer id, then /p2p-circuit
+CIRCUIT_ADDRESS = re.compile(
+    r"/(ip4|ip6|dns|dns4|dns6)/[0-9A-Za-z.:-]{1,64}/(tcp/\d{1,5}|udp/\d{1,5}/quic-v1)"
+    r"/p2p/[1-9A-HJ-NP-Za-km-z]{40,64}/p2p-circuit"
+)
 QUANTIZED = ("int8", "int4")  # weight precisions that change outputs (models/quantize.py)
 RECORD_LIFETIME = 2.5  # announce periods a record lives after it was stored (server/announcer.py)
 # a record not renewed for this many of its server's announce periods (and STALE_SLACK seconds: an
@@ -45,6 +52,35 @@ def block_key(dht_prefix: str, index: int) -> str:
 def block_uids(dht_prefix: str, start: int, end: int) -> str:
     """The `uid` of a request for blocks [start, end): block keys joined by spaces."""
     return " ".join(block_key(dht_prefix, i) for i in range(start, end))
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPath:
+    """How to reach a server behind NAT through one relay: its relayed address (the relay's address, its
+    peer id, `/p2p-circuit`; dialers add `/p2p/SERVER`) and the limits the relay granted each connection it
+    relays (seconds, bytes each way; None: none), after which it resets that connection."""
+
+    address: str
+    time_limit: int | None = None
+    data_limit: int | None = None
+
+    @property
+    def relay(self) -> str:
+        return self.address.rsplit("/p2p/", 1)[1].split("/")[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {"address": self.address, "time_limit": self.time_limit, "data_limit": self.data_limit}
+        return {name: value for name, value in fields.items() if value is not None}
+
+    @classmethod
+    def read(cls, item: object) -> RelayPath:
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"a relay path must be a map, got {type(item).__name__}")
+        fields = Fields(item, "relay path")
+        address = fields.str("address", required=True, max_chars=256) or ""
+        if not CIRCUIT_ADDRESS.fullmatch(address):
+            raise fields.error("address", "must be a relay's address ending /p2p/RELAY_ID/p2p-circuit")
+        return cls(address, fields.int("time_limit", low=0), fields.int("data_limit", low=0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +131,7 @@ class ServerStatus:
     device_name: str = ""  # "NVIDIA H200", a CPU's model name
     device_memory: int | None = None  # bytes of that device's memory (the host's RAM for a CPU)
     reachability: str = ""  # how other peers reach it: direct | relayed | unreachable ("": not said)
+    relays: tuple[RelayPath, ...] = ()  # relayed: through which relays, and their limits
     # when the announcement was stored (DHT time) and how often it is renewed (None in rpc_info replies
     # and from peers too old to say): a record not renewed for STALE_PERIODS is a gone server's
     announced_at: float | None = None
@@ -128,6 +165,7 @@ class ServerStatus:
         record["adapters"] = list(self.adapters)
         record["encodings"] = list(self.encodings)
         record["next_pings"] = {peer: round(rtt, 6) for peer, rtt in self.next_pings}
+        record["relays"] = [path.to_dict() for path in self.relays] or None
         return {k: v for k, v in record.items() if v is not None}
 
     def to_bytes(self) -> bytes:
@@ -184,6 +222,7 @@ class ServerStatus:
             device_name=fields.str("device_name", max_chars=128) or "",
             device_memory=fields.int("device_memory", low=0),
             reachability=fields.str("reachability", max_chars=16) or "",
+            relays=_read_relays(fields),
             announced_at=fields.float("announced_at", low=0.0),
             announce_period=fields.float("announce_period", low=0.0),
         )
@@ -211,3 +250,10 @@ def _read_pings(fields: Fields) -> tuple[tuple[str, float], ...]:
     ):
         raise fields.error("next_pings", f"must map at most {MAX_PINGS} peer ids to round trips in seconds")
     return tuple((peer, float(rtt)) for peer, rtt in pings.items())
+
+
+def _read_relays(fields: Fields) -> tuple[RelayPath, ...]:
+    try:
+        return tuple(RelayPath.read(item) for item in fields.list("relays", max_items=MAX_RELAY_PATHS))
+    except InvalidRequest as e:
+        raise fields.error("relays", f"holds a malformed relay path ({e})") from None

@@ -4,6 +4,7 @@ during a replacement's replay, push routes after a replacement, rewinds, frozen 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -287,7 +288,7 @@ async def test_a_lost_connection_to_a_relayed_server_is_made_again_without_a_ban
     replayed there, exactly, without a ban; a server reached directly is banned for the same, and its blocks
     wait for the ban to end or for another server."""
     chain = await three_hops(network)
-    chain[1].status.reachability = reachability  # as its record says
+    chain[1].status.reach = SimpleNamespace(reachability=reachability, paths=())  # as its record says
     client = network.client(routing_timeout=0.5)
     ids = torch.cat([PROMPT, LATER], dim=1)
     async with InferenceSession(client.swarm, None, 32) as session:

@@ -1,22 +1,20 @@
-"""How a peer asks libp2p to make it reachable, and what a server says about it at start
-(swarm/reachability.py); served through a relay behind an emulated NAT in tests/integration/test_nat.py."""
+"""How a peer asks libp2p to make it reachable, what a server says about it at start, and the relay a
+reachable peer runs (swarm/reachability.py, swarm/relay_service.py); servers behind emulated NATs in
+tests/integration/test_nat.py."""
 
 import argparse
 import asyncio
-import logging
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from corolla.cli.common import add_swarm_args, swarm_config
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
-from corolla.swarm.dht import start_dht
-from corolla.swarm.reachability import P2P, RelayWatch, describe, p2p_options, relay_limit_flags
+from corolla.swarm.circuit_v2 import reserve
+from corolla.swarm.reachability import describe_direct, p2p_options, relays_for_others
+from corolla.swarm.relay_service import P2P, expected, keep_own_limits, limit_relaying, relay_limit_flags
 
 RELAY = "/ip4/11.79.0.10/tcp/31330/p2p/12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
-ME = "12D3KooWB34BKL7PKe1HK82QCd6UXhZunXNUoZqGNeG6UaB8Hfon"
 
 
 class Visible:
@@ -38,12 +36,13 @@ def parse(*argv: str) -> SwarmConfig:
 def test_the_options_say_what_libp2p_is_told():
     assert parse().reachability == "auto" and p2p_options(parse()) == {}
     assert p2p_options(parse("--public")) == {"force_reachability": "public"}
-    behind = parse("--behind-nat", "--initial-peers", RELAY)
-    assert p2p_options(behind) == {
-        "force_reachability": "private",
-        "use_auto_relay": True,
-        "trusted_relays": [RELAY],
-    }
+    # reservations are corolla's own (swarm/reservations.py), not the daemon's autorelay
+    assert p2p_options(parse("--behind-nat", "--initial-peers", RELAY)) == {"force_reachability": "private"}
+    assert p2p_options(parse("--public", "--no-relay")) == {"force_reachability": "public"}
+    assert relay_limit_flags(parse("--public", "--no-relay")) == {"relayService": 0}  # the rest is refused
+    assert relays_for_others(parse("--public")) and not relays_for_others(parse("--public", "--no-relay"))
+    assert not relays_for_others(parse()) and not relays_for_others(parse("--behind-nat"))
+    assert not relays_for_others(parse("--public", "--host", "127.0.0.1"))  # nobody behind NAT there
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument --public"):
         parse("--public", "--behind-nat")
     with pytest.raises(InvalidRequest, match="reachability must be one of auto, public, behind-nat"):
@@ -68,63 +67,47 @@ def test_relay_limits_are_checked_and_never_for_a_peer_behind_nat():
         parse("--behind-nat", "--relay-data-limit-mib", "8")
 
 
-def test_a_public_peers_relay_limits_reach_its_libp2p_daemon():
-    """A real DHT peer: its daemon (the DHT process's child) runs with the limits; this process's P2P
-    class, whose table carries them there, is left as it was."""
-    modes = {mode: dict(flags) for mode, flags in P2P.DHT_MODE_MAPPING.items()}
-    config = SwarmConfig(
-        host="127.0.0.1", nat_port_map=False, reachability="public", relay_time_limit=20, relay_circuits=4
-    )
-    dht = start_dht(config)
+def test_a_relays_daemon_is_started_again_until_its_own_limits_answer():
+    """The bundled daemon answers reservations with libp2p's built-in limits (120 s, 128 KiB) in most
+    starts (swarm/relay_service.py): `keep_own_limits` starts it until its flags' limits answer. Real
+    daemons on loopback; this process's P2P class is restored afterwards."""
+    config = parse("--public", "--relay-time-limit", "20", "--relay-data-limit-mib", "64")
+    want = expected(config)
+    assert want == (20, 64 << 20)
+    modes, create = {m: dict(f) for m, f in P2P.DHT_MODE_MAPPING.items()}, P2P.create
+
+    async def started() -> list:
+        relay = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, force_reachability="public"
+        )
+        probe = await create(
+            initial_peers=[str(a) for a in await relay.get_visible_maddrs()], nat_port_map=False
+        )
+        try:
+            grant = await reserve(probe, str(relay.peer_id), 5)
+            return [grant.time_limit, grant.data_limit]
+        finally:
+            await probe.shutdown()
+            await relay.shutdown()
+
     try:
-        children = Path(f"/proc/{dht.pid}/task/{dht.pid}/children").read_text().split()
-        commands = [Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0") for child in children]
-        (daemon,) = [c for c in commands if c[0].endswith(b"p2pd")]
-        assert b"-forceReachabilityPublic=1" in daemon
-        assert b"-relayTimeLimit=20s" in daemon and b"-relayMaxCircuits=4" in daemon
-        assert not any(arg.startswith(b"-relayDataLimit") for arg in daemon)  # not set: the default
+        limit_relaying(relay_limit_flags(config))
+        keep_own_limits(want)
+        grants = [asyncio.run(started()) for _ in range(3)]
     finally:
-        dht.shutdown()
-    assert modes == P2P.DHT_MODE_MAPPING
+        P2P.DHT_MODE_MAPPING, P2P.create = modes, create
+    assert grants == [list(want)] * 3
 
 
-def test_a_server_behind_nat_names_its_relay_or_says_clearly_that_none_took_it():
-    config = SwarmConfig(reachability="behind-nat", initial_peers=(RELAY,))
-    relayed = f"{RELAY}/p2p-circuit/p2p/{ME}"
-    kind, line = asyncio.run(describe(Visible([f"/ip4/10.89.1.2/tcp/4000/p2p/{ME}", relayed]), config, "", 1))
-    assert kind == "relayed" and line == (
-        "Behind NAT, reachable through 1 relay(s) (12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A): "
-        f"{relayed}"
+def test_a_server_reached_directly_says_so_at_start():
+    visible = Visible(["/ip4/11.79.0.12/tcp/4000", "/ip4/11.79.0.10/tcp/1/p2p/X/p2p-circuit/p2p/Y"])
+    kind, line = asyncio.run(describe_direct(visible, parse("--public"), ""))
+    assert kind == "direct" and line == (
+        "Reachable directly at /ip4/11.79.0.12/tcp/4000 (and relays for peers behind NAT)"
     )
-    kind, line = asyncio.run(describe(Visible([f"/ip4/10.89.1.2/tcp/4000/p2p/{ME}"]), config, "", 0.6))
-    assert kind == "unreachable" and "\n" not in line
-    assert line.startswith("Behind NAT and no relay took a reservation within 1s: no client can reach")
-    visible = Visible(["/ip4/11.79.0.12/tcp/4000"])
-    kind, line = asyncio.run(describe(visible, parse("--public"), "", 0))
-    assert kind == "direct" and line == "Reachable directly at /ip4/11.79.0.12/tcp/4000"
-    assert asyncio.run(describe(visible, parse(), "direct", 0)) == (kind, line)  # peers dialed it back
-    kind, line = asyncio.run(describe(visible, parse(), "", 0))
+    kind, line = asyncio.run(describe_direct(visible, parse("--public", "--no-relay"), ""))
+    assert line == "Reachable directly at /ip4/11.79.0.12/tcp/4000"
+    kind, line = asyncio.run(describe_direct(visible, parse(), "direct"))  # peers dialed it back
+    assert kind == "direct" and line.startswith("Reachable directly at /ip4/11.79.0.12/tcp/4000")
+    kind, line = asyncio.run(describe_direct(visible, parse(), ""))
     assert kind == "" and line.startswith("Listening at /ip4/11.79.0.12/tcp/4000; whether other peers")
-
-
-def test_a_server_behind_nat_says_when_its_relays_change(caplog):
-    other = RELAY.replace("31330", "31331").rsplit("/p2p/", 1)[0] + "/p2p/" + ME  # a relay with another id
-    caplog.set_level("INFO", logger="corolla.swarm.reachability")
-    p2p = Visible([f"{RELAY}/p2p-circuit/p2p/{ME}"])
-    status = SimpleNamespace(reachability="relayed")
-    watch = RelayWatch(p2p, status)
-    asyncio.run(watch.check())
-    assert caplog.records == [] and status.reachability == "relayed"
-    p2p.addresses = [f"{other}/p2p-circuit/p2p/{ME}"]  # the first relay died, libp2p took another
-    asyncio.run(watch.check())
-    assert (
-        caplog.records[-1].message
-        == f"Relays changed (gone: {RELAY.rsplit('/', 1)[1]}); reachable through {ME}"
-    )
-    p2p.addresses = ["/ip4/10.89.1.2/tcp/4000"]
-    asyncio.run(watch.check())
-    assert caplog.records[-1].levelno == logging.WARNING and status.reachability == "unreachable"
-    assert caplog.records[-1].message.startswith(f"No relay holds a reservation now (gone: {ME})")
-    p2p.addresses = [f"{RELAY}/p2p-circuit/p2p/{ME}"]
-    asyncio.run(watch.check())
-    assert status.reachability == "relayed"

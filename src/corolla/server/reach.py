@@ -1,0 +1,71 @@
+"""How other peers reach a server, settled when it joins and kept true while it runs.
+
+Behind NAT it takes relay reservations from right after joining, before its weights load, so it is
+reachable by the time it serves (swarm/reservations.py), and renews them every few seconds. Once it
+serves it says in one line how it is reached; behind NAT, later changes of its relays are said too. Its
+status (`corolla status`, the dashboard, its records) shows the same: direct, relayed (through which
+relays, with their limits) or unreachable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from hivemind.p2p import P2P
+
+from corolla.config import SwarmConfig
+from corolla.server.periodic import Periodic
+from corolla.swarm.reachability import describe_direct
+from corolla.swarm.reservations import RENEW_PERIOD, Reservations
+from corolla.wire.records import RelayPath
+
+logger = logging.getLogger(__name__)
+
+RELAY_WAIT = 30.0  # seconds a server behind NAT waits for a relay before it says none took it
+
+
+class Reach:
+    def __init__(self, swarm: SwarmConfig, dialed_back: str):
+        self.swarm = swarm
+        self.dialed_back = dialed_back
+        self.p2p: P2P | None = None
+        self.reservations: Reservations | None = None
+        self.kind = ""  # direct | relayed | unreachable, once said ("" also: not checked)
+        self._loop: Periodic | None = None
+
+    @property
+    def behind_nat(self) -> bool:
+        return self.swarm.reachability == "behind-nat"
+
+    @property
+    def reachability(self) -> str:
+        return self.reservations.reachability if self.reservations is not None else self.kind
+
+    @property
+    def paths(self) -> tuple[RelayPath, ...]:
+        return self.reservations.paths if self.reservations is not None else ()
+
+    def start(self, p2p: P2P, find_public: Callable[[], Awaitable[Sequence[str]]]) -> None:
+        """Right after joining: behind NAT, reservations on relays begin."""
+        self.p2p = p2p
+        if self.behind_nat:
+            self.reservations = Reservations(p2p, self.swarm.initial_peers, find_public)
+            failure = "Renewing the relay reservations failed"
+            renew = self.reservations.renew
+            self._loop = Periodic("corolla-relays", renew, lambda: RENEW_PERIOD, failure, at_once=True)
+            self._loop.start()
+
+    async def report(self) -> None:
+        """Once serving: say how other peers reach it (behind NAT: after up to RELAY_WAIT seconds for a
+        relay), and from then on say when that changes."""
+        if self.reservations is None:
+            self.kind, line = await describe_direct(self.p2p, self.swarm, self.dialed_back)
+            logger.info(line)
+            return
+        await self.reservations.wait_for_one(RELAY_WAIT)
+        self.reservations.speak()
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            await self._loop.stop()
