@@ -1,24 +1,24 @@
-"""Servers behind emulated home routers: the same SmolLM2 chain direct and relayed (JSON).
+"""Servers behind emulated home routers in a swarm whose only public peer is `corolla dht` started as the
+README says (no --public), every server started plainly: how soon they serve, and what relays cost (JSON).
 
 Builds tests/nat_harness.py's namespaces (needs root, iptables, and ../shared/tools/wan/delayer.py for the
-delay), starts 4 `corolla dht --public` relays on the public host, then, for each layout, three SmolLM2
-servers (blocks 0:10, 10:20, 20:30) and a client on the relays' host that generates `--new-tokens` greedy
-tokens `--repeats` times (after one warm-up):
-- direct: every server on a public host of its own (`--public`);
-- punched: the first server public, the other two behind cone NATs (found behind NAT by the dial-back:
-  reached through a relay, then directly: libp2p's hole punching has them dial out to the client);
-- relayed: the first server public, the other two behind symmetric NATs (`--behind-nat`: relay only).
-Every packet crossing the bridge is held `--delay-ms` where it arrives: 2 x that between two hosts (a
-relayed hop crosses twice). Reports per layout the median time to first token and decode tokens/s, whether
-the tokens equal the direct layout's, the share of the client's hops to servers that ended up direct, and
-each server's time from its start to serving (for one behind NAT: until a relay took its reservation).
-With `--relay-time-limit S` the relays end every connection they relay after S seconds, and the relayed
-layout adds a run past it: a client without push (each step goes to each server over its relayed
-connection) pauses for S + 5 seconds after half its tokens; reported: its tokens equal, the failovers it
-logged (the cut connections), and the time from resuming to its next token. JSON to stdout, logs to stderr.
+delay; every packet crossing the bridge is held `--delay-ms` where it arrives: 2 x that between two hosts)
+and runs SmolLM2 (30 blocks) through it, phase by phase:
+- first_client: the DHT peer, a public server for 0:15 and a server for 15:30 behind a cone NAT; a public
+  client launched the moment that server logs "Serving blocks"; seconds from that line to the client's
+  first token. Then the same with the server behind a symmetric NAT (no hole punching: relays only).
+- home_chain: servers for 0:15 and 15:30 behind two routers (push through relays), a client behind a third:
+  its tokens against transformers', seconds from its launch to its first token, its decode rate against
+  an all-public chain's (run first), and which of its hops ended up direct (hole punching).
+- dht_gone: the DHT peer killed; a server behind a cone NAT then started with the public server as its only
+  initial peer: seconds from its start, and from its "Serving blocks", to its line naming the relay.
+- only_relay_dies: that server, holding one relay, keeps a client's session (paused) open while a second
+  public server joins; the first is killed once the server holds the second too (and the client has read
+  the records again), or 25 s after the join: seconds from the kill to the server's line naming the
+  second relay (reachable all along when it held it before); whether the session then ended with the
+  tokens of transformers.
 
-    sudo python bench/nat.py [--new-tokens 32] [--repeats 3] [--delay-ms 25] [--layouts relayed]
-                             [--relay-time-limit 30]
+    sudo python bench/nat.py [--new-tokens 24] [--delay-ms 25]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,162 +39,221 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.models.source import resolve_model
 from corolla.swarm.addresses import peer_args
-from nat_harness import PUBLIC_IP, NatHarness
+from nat_harness import NatHarness
 
 CLIENT = Path(__file__).resolve().parents[1] / "tests" / "nat_client.py"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-SPANS = ["0:10", "10:20", "20:30"]
-LAYOUTS = ("direct", "punched", "relayed")
 PROMPT = "The capital of France is"
+READY_DHT = re.compile(r"--initial-peers (/ip4/11\.79\.0\.10/\S+)")
+SERVING = re.compile(r"Serving blocks")
+RELAYED = re.compile(r"reachable through (\d) relay\(s\) \(([^)]*)\)")
+PORT = 31340  # every public server's, each on a host of its own
+CLIENT_REFRESH = 11.0  # seconds for a client to read the records again (ClientConfig.refresh_period, 10 s)
 
 
-def start_chain(net: NatHarness, layout: str, model: Path, relays: list[str], env: dict, logs: Path):
-    """Three servers of `layout`; (their processes, seconds from each one's start to serving)."""
-    servers, ready_s, peer_ids = [], [], []
-    for index, blocks in enumerate(SPANS):
-        behind = layout != "direct" and index > 0
-        host = index + 3 * LAYOUTS.index(layout)  # a public host of its own, per layout
-        home = 10 + index + 3 * LAYOUTS.index(layout)
-        namespace = net.home(home, symmetric=layout == "relayed") if behind else net.public_host(host)
-        public = ["--host", f"11.79.0.{20 + host}", "--public"]
-        nat = ["--host", "0.0.0.0", *(["--behind-nat"] if layout == "relayed" else [])]
-        where = nat if behind else public
-        args = ["server", str(model), "--blocks", blocks, *where, "--no-nat-port-map", "--num-threads", "1"]
-        log = logs / f"{layout}-{index}.log"
-        started = time.perf_counter()
-        servers.append(
-            PeerProcess(f"{layout} {blocks}", [*args, *peer_args(relays)], log, env, net.exec(namespace))
+class Bench:
+    def __init__(self, net: NatHarness, model: Path, args: argparse.Namespace, logs: Path):
+        self.net, self.model, self.args, self.logs = net, model, args, logs
+        self.env = {**os.environ, **ENV}
+        self.peers: list[PeerProcess] = []
+        self.homes = 0
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.ids = AutoTokenizer.from_pretrained(model)(PROMPT).input_ids
+        reference = AutoModelForCausalLM.from_pretrained(model)
+        out = reference.generate(
+            __import__("torch").tensor([self.ids]), max_new_tokens=args.new_tokens, do_sample=False
         )
-        peer_ids.append(servers[-1].wait_for(READY_SERVER, 300).group(1))
-        ready_s.append(round(time.perf_counter() - started, 2))
-    return servers, ready_s, peer_ids
+        self.expected = out[0].tolist()
+
+    def dht(self) -> tuple[PeerProcess, str]:
+        args = ["dht", "--host", "0.0.0.0", "--port", "31337", "--no-nat-port-map"]
+        dht = self.start("dht", args, self.net.PUBLIC)
+        return dht, dht.wait_for(READY_DHT, 120).group(1)
+
+    def server(
+        self, name: str, blocks: str, peers: list[str], place: str, index: int, prefix: str | None = None
+    ) -> PeerProcess:
+        """`place`: public (a host of its own), cone or symmetric (behind a router of its own)."""
+        if place == "public":
+            namespace, listen = self.net.public_host(index), ["--host", "0.0.0.0", "--port", str(PORT)]
+        else:
+            self.homes += 1
+            namespace = self.net.home(10 + self.homes, symmetric=place == "symmetric")
+            listen = ["--host", "0.0.0.0"]
+        args = [
+            "server",
+            str(self.model),
+            "--blocks",
+            blocks,
+            *listen,
+            "--no-nat-port-map",
+            "--num-threads",
+            "1",
+        ]
+        args += ["--dht-prefix", prefix] if prefix else []
+        server = self.start(name, [*args, *peer_args(peers)], namespace)
+        server.started_at = time.time()
+        return server
+
+    def start(self, name: str, args: list[str], namespace: str) -> PeerProcess:
+        peer = PeerProcess(name, args, self.logs / f"{name}.log", self.env, self.net.exec(namespace))
+        self.peers.append(peer)
+        return peer
+
+    def client(self, namespace: str, peers: list[str], extra: dict | None = None) -> subprocess.Popen:
+        """tests/nat_client.py in `namespace`; `extra`: its environment's settings (a pause, a prefix)."""
+        env = {**self.env, **(extra or {})}
+        command = [sys.executable, str(CLIENT), str(self.model), "0.0.0.0", json.dumps(self.ids)]
+        command += [str(self.args.new_tokens), *peers]
+        log = (self.logs / f"client-{time.time():.0f}.log").open("w")
+        return subprocess.Popen(
+            [*self.net.exec(namespace), *command], stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
+
+    def result(self, client: subprocess.Popen) -> dict:
+        out, _ = client.communicate(timeout=600)
+        if client.returncode != 0:
+            raise RuntimeError(f"a client failed (logs in {self.logs})")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def stop(self, *peers: PeerProcess) -> None:
+        for peer in peers:
+            peer.stop(timeout=15)
 
 
-def client_command(net: NatHarness, model: Path, relays: list[str], new_tokens: int) -> list[str]:
-    """tests/nat_client.py on the public host, generating after PROMPT."""
-    from transformers import AutoTokenizer
-
-    ids = json.dumps(AutoTokenizer.from_pretrained(model)(PROMPT).input_ids)
-    client = [sys.executable, str(CLIENT), str(model), PUBLIC_IP, ids, str(new_tokens), *relays]
-    return [*net.exec(net.PUBLIC), *client]
+def seen_at(peer: PeerProcess, pattern: re.Pattern, timeout: float) -> float:
+    """Wall-clock time at which `peer` logged `pattern` (to within the 50 ms this polls at)."""
+    peer.wait_for(pattern, timeout)
+    return time.time()
 
 
-def run_client(net: NatHarness, model: Path, relays: list[str], new_tokens: int, env: dict) -> dict:
-    command = client_command(net, model, relays, new_tokens)
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"the client failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def run_past_limit(net: NatHarness, model: Path, relays: list[str], args, env: dict, logs: Path) -> dict:
-    """A client without push paused past the relays' time limit halfway (see the module's doc)."""
-    resume = logs / "resume-past-limit"
-    env = {**env, "NAT_CLIENT_PAUSE_AT": str(args.new_tokens // 2), "NAT_CLIENT_RESUME": str(resume)}
-    env["NAT_CLIENT_PUSH"] = "0"
-    command = client_command(net, model, relays, args.new_tokens)
-    log = logs / "client-past-limit.log"
-    with log.open("w") as stderr:
-        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-        try:
-            if client.stdout.readline().strip() != "paused":
-                raise RuntimeError(f"the client failed:\n{log.read_text()[-4000:]}")
-            time.sleep(args.relay_time_limit + 5)
-            resume.touch()
-            out, _ = client.communicate(timeout=600)
-        finally:
-            client.kill()
-            client.wait()
-    result = json.loads(out.strip().splitlines()[-1])
-    return {
-        "paused_s": args.relay_time_limit + 5,
-        "failovers_logged": log.read_text().count(" failed (server "),
-        "resumed_to_next_token_s": round(result["resumed_to_next_token_s"], 3),
-        "tokens": result["tokens"],
-    }
-
-
-def measure(net, layout, model, relays, args, env, logs) -> dict:
-    servers, ready_s, peer_ids = start_chain(net, layout, model, relays, env, logs)
-    try:
-        runs = [run_client(net, model, relays, args.new_tokens, env) for _ in range(args.repeats + 1)][1:]
-        past = None
-        if args.relay_time_limit and layout == "relayed":
-            past = run_past_limit(net, model, relays, args, env, logs)
-    finally:
-        for server in reversed(servers):
-            server.stop(timeout=15)
-    connections = runs[-1]["connections"]
-    direct = [any("/p2p-circuit" not in a for a in connections.get(peer, [])) for peer in peer_ids]
-    measured = {
-        "direct_hops": f"{sum(direct)} of {len(direct)}",
-        "first_token_s": round(statistics.median(r["first_token_s"] for r in runs), 3),
-        "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
-        "server_start_to_serving_s": ready_s,
-        "tokens": runs[0]["tokens"],
-    }
-    if past is not None:
-        past["tokens_equal"] = past.pop("tokens") == measured["tokens"]
-        measured["past_relay_time_limit"] = past
+def first_client(bench: Bench, dht_address: str, public: PeerProcess) -> dict:
+    measured = {}
+    for place in ("cone", "symmetric"):
+        home = bench.server(f"{place}-15:30", "15:30", [dht_address], place, 0)
+        serving = seen_at(home, SERVING, 300)
+        client = bench.client(bench.net.PUBLIC, [dht_address])
+        result = bench.result(client)
+        measured[place] = {
+            "serving_to_first_token_s": round(result["first_token_at"] - serving, 2),
+            "client_launch_to_first_token_s": round(result["first_token_at"] - result["launched_at"], 2),
+            "server_start_to_serving_s": round(serving - home.started_at, 2),
+            "relays": int(home.wait_for(RELAYED, 30).group(1)),
+            "tokens_equal": result["tokens"] == bench.expected,
+        }
+        bench.stop(home)
     return measured
+
+
+def chain(bench: Bench, dht_address: str, places: tuple[str, str], index: int) -> dict:
+    """Two servers (a model of their own: a DHT prefix no other server uses) and a client."""
+    prefix = f"chain-{index}"
+    servers = [
+        bench.server(f"{places[0]}-0:15-{index}", "0:15", [dht_address], places[0], index, prefix),
+        bench.server(f"{places[1]}-15:30-{index}", "15:30", [dht_address], places[1], index + 1, prefix),
+    ]
+    for server in servers:
+        server.wait_for(READY_SERVER, 300)
+    where = bench.net.PUBLIC if places[0] == "public" else bench.net.home(30 + index, symmetric=False)
+    prefixed = {"NAT_CLIENT_DHT_PREFIX": prefix}
+    results = [bench.result(bench.client(where, [dht_address], prefixed)) for _ in range(2)]  # 2nd timed
+    last = results[-1]
+    ids = [server.wait_for(re.compile(r"peer_id=(\S+)"), 1).group(1) for server in servers]
+    bench.stop(*servers)
+    return {
+        "client_launch_to_first_token_s": round(results[0]["first_token_at"] - results[0]["launched_at"], 2),
+        "decode_tokens_per_s": round(last["decode_tokens_per_s"], 2),
+        "direct_hops": sum(
+            any("/p2p-circuit" not in a for a in last["connections"].get(peer, [])) for peer in ids
+        ),
+        "tokens_equal": all(result["tokens"] == bench.expected for result in results),
+    }
+
+
+def dht_gone(bench: Bench, dht: PeerProcess, public: PeerProcess) -> tuple[dict, PeerProcess, str]:
+    dht.kill_group()
+    public_id = public.wait_for(re.compile(r"peer_id=(\S+)"), 1).group(1)
+    public_address = f"/ip4/11.79.0.21/tcp/{PORT}/p2p/{public_id}"
+    late = bench.server("late-15:30", "15:30", [public_address], "cone", 0)
+    serving = seen_at(late, SERVING, 300)
+    relayed = seen_at(late, RELAYED, 60)
+    return (
+        {
+            "server_start_to_reservation_s": round(relayed - late.started_at, 2),
+            "serving_to_reservation_s": round(relayed - serving, 2),
+            "relay_is_the_public_server": late.wait_for(RELAYED, 1).group(2) == public_id,
+        },
+        late,
+        public_address,
+    )
+
+
+def only_relay_dies(bench: Bench, late: PeerProcess, public: PeerProcess, public_address: str) -> dict:
+    resume = bench.logs / "resume"
+    pause = {"NAT_CLIENT_PAUSE_AT": str(bench.args.new_tokens // 2), "NAT_CLIENT_RESUME": str(resume)}
+    client = bench.client(bench.net.home(40, symmetric=False), [public_address], pause)
+    if client.stdout.readline().strip() != "paused":
+        raise RuntimeError(f"the paused client failed (logs in {bench.logs})")
+    second = bench.server("second-0:15", "0:15", [public_address], "public", 2)
+    second.wait_for(READY_SERVER, 300)
+    second_id = second.wait_for(re.compile(r"peer_id=(\S+)"), 1).group(1)
+    try:  # the server behind NAT looks for more relays every 10 s; the kill comes at most 25 s after the join
+        held_before = bool(
+            late.wait_for(re.compile(rf"reachable through 2 relay\(s\) \([^)]*{second_id}"), 25)
+        )
+        time.sleep(CLIENT_REFRESH)  # the client's view has the path through the second relay
+    except Exception:
+        held_before = False
+    killed = time.time()
+    public.kill_group()
+    moved = seen_at(late, re.compile(rf"Relays changed \(gone: [^)]*\)\. Behind NAT, [^\n]*{second_id}"), 120)
+    resume.touch()
+    result = bench.result(client)
+    return {
+        "second_relay_held_before_the_kill": held_before,
+        "kill_to_line_naming_the_second_relay_s": round(moved - killed, 2),
+        "tokens_equal": result["tokens"] == bench.expected,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--delay-ms", type=int, default=25, help="one way, per bridge crossing")
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    parser.add_argument(
-        "--relay-time-limit", type=int, default=None, help="seconds (default: the daemon's 30 minutes)"
-    )
     args = parser.parse_args()
     if NatHarness.available() is not None:
         sys.exit(NatHarness.available())
     model = resolve_model("smollm2").path
-    env = {**os.environ, **ENV}
     logs = Path(tempfile.mkdtemp(prefix="corolla-nat-"))
-    peers: list[PeerProcess] = []
     started = time.perf_counter()
     with NatHarness(args.delay_ms) as net:
+        bench = Bench(net, model, args, logs)
         try:
-            limit = (
-                [] if args.relay_time_limit is None else ["--relay-time-limit", str(args.relay_time_limit)]
+            dht, address = bench.dht()
+            public = bench.server("public-0:15", "0:15", [address], "public", 1)
+            public.wait_for(READY_SERVER, 300)
+            result = {"first_client": first_client(bench, address, public)}
+            baseline = chain(bench, address, ("public", "public"), 3)
+            home = chain(bench, address, ("cone", "cone"), 5)
+            home["decode_vs_all_public"] = round(
+                home["decode_tokens_per_s"] / baseline["decode_tokens_per_s"], 2
             )
-            relays = net.start_relays(logs, env, peers, 31340, limit)
-            layouts = {
-                layout: measure(net, layout, model, relays, args, env, logs) for layout in args.layouts
-            }
+            result["home_chain"] = {"all_public": baseline, "behind_routers": home}
+            result["dht_gone"], late, public_address = dht_gone(bench, dht, public)
+            result["only_relay_dies"] = only_relay_dies(bench, late, public, public_address)
         finally:
-            for peer in reversed(peers):
+            for peer in reversed(bench.peers):
                 peer.stop(timeout=10)
-    first = next(iter(layouts.values()))
-    direct = layouts.get("direct")
-    result = {
-        "layouts": {
-            name: {k: v for k, v in layout.items() if k != "tokens"} for name, layout in layouts.items()
-        },
-        "tokens_equal": all(layout["tokens"] == first["tokens"] for layout in layouts.values()),
-        **{
-            f"{name}_vs_direct_{what}": round(layouts[name][key] / direct[key], 2)
-            for name in layouts
-            if direct is not None and name != "direct"
-            for what, key in (("decode", "decode_tokens_per_s"), ("first_token", "first_token_s"))
-        },
-        "config": {
-            "model": "SmolLM2-135M-Instruct (fp32)",
-            "servers": SPANS,
-            "new_tokens": args.new_tokens,
-            "repeats": args.repeats,
-            "relays": 4,
-            "relay_time_limit_s": args.relay_time_limit,
-            "emulated_delay_ms": args.delay_ms,
-            "round_trip_ms": 2 * args.delay_ms,
-            "logs": str(logs),
-            "wall_s": round(time.perf_counter() - started, 1),
-        },
+    result["config"] = {
+        "model": "SmolLM2-135M-Instruct (fp32), 30 blocks",
+        "new_tokens": args.new_tokens,
+        "round_trip_ms": 2 * args.delay_ms,
+        "public_peers": "corolla dht (no --public), public servers as each phase says",
+        "logs": str(logs),
+        "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(result, indent=2))
 

@@ -137,6 +137,9 @@ class LoopbackTransport:
     async def open_stream(self, peer_id: str, rpc: str) -> LoopbackStream:
         return LoopbackStream(self.network.reachable(peer_id), rpc, self.caller)
 
+    async def limit_ahead(self, peer_id: str, nbytes: int) -> str | None:
+        return None  # no relays in process
+
     async def call(self, peer_id: str, rpc: str, request: Message, response_type: type) -> Any:
         server = self.network.reachable(peer_id)
         if request.ByteSize() > UNARY_LIMIT:

@@ -30,7 +30,7 @@ CLIENT_LAYERS = [
     {"runtime"},
     {"span_stream", "peers", "silence"},
     {"estimates", "bans", "swarm_view", "router"},
-    {"swarm", "retries", "hop_history", "push_trust", "links", "pipeline", "chain", "passes"},
+    {"swarm", "retries", "hop_history", "push_trust", "relayed", "links", "pipeline", "chain", "passes"},
     {"session"},
     {"agreement", "judge", "shadows", "spot_checks"},
     {"ptune", "training", "lm_outputs", "head_batcher", "speculative", "generation", "embeddings"},

@@ -73,6 +73,7 @@ def test_the_dashboard_draws_every_block_and_server(api, smol_swarm, tmp_path):
     rows = set(re.findall(r'data-peer="([^"]+)" data-start="(\d+)" data-end="(\d+)"', dom))
     assert rows == {(s.peer_id, str(s.blocks[0]), str(s.blocks[1])) for s in smol_swarm.servers}
     assert "30 blocks, 5 servers, every block covered" in dom
+    assert dom.count('class="reached"') == 5  # how each is reached (and through which relays)
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     screenshot = ARTIFACTS / "dashboard.png"

@@ -28,11 +28,12 @@ from hivemind.proto import runtime_pb2
 from corolla.client.links import ChainSpec, Link, fork_links, open_links
 from corolla.client.pipeline import PIPELINE_CHUNK, run_pipelined
 from corolla.client.push_trust import PushTrust
+from corolla.client.relayed import relay_cut, relay_limit_ahead
 from corolla.client.retries import RetryBudget
 from corolla.client.silence import unless_silent
 from corolla.client.span_stream import ForgedPush, ForkGone, Reply, SpanStream, Step, StepRoute
 from corolla.client.swarm import Swarm
-from corolla.errors import RETRYABLE, ConnectionLost
+from corolla.errors import RETRYABLE
 from corolla.swarm.routing import Hop
 from corolla.wire.messages import NextServer
 
@@ -111,15 +112,14 @@ class Chain:
             hop_prompts = None if prompts is None else prompts[link.hop.start : link.hop.end]
             step = Step(hidden, position, hop_prompts, hypo_ids, tree, link.history.accepted_at(position))
             route = self._step_route(index, step_id, push, pushed_to)
+            if await self._move_before_relay_limit(index, step, budget):
+                step_id = uuid.uuid4().hex  # as after a failover (below)
+                encoded = None
+                continue
             try:
                 reply = await self.send(link, step, route, encoded)
             except RETRYABLE as e:
-                forged = self._forgery(forged, isinstance(e, ForgedPush), route, link)
-                # a server that a forged push (here or upstream in this step) made refuse is not at fault,
-                # nor one whose relay ended the connection (at its time or data limit; a new one is made)
-                excused = forged and self.push_trust.excuse(link.hop.peer_id)
-                excused = excused or isinstance(e, ForkGone) or self._relay_cut(link, e)
-                await self._recover(index, e, budget, ban=not excused)
+                forged = await self._failed(index, e, route, forged, budget)
                 # later servers may hold this step as pushed by the failed one: a new id makes the rest
                 # of the chain run it again (servers refuse a step id reused for other inputs)
                 step_id = uuid.uuid4().hex
@@ -239,10 +239,26 @@ class Chain:
                 logger.warning("A replacement for server ...%s failed (%s); trying another", short, e)
                 error = e
 
-    def _relay_cut(self, link: Link, error: Exception) -> bool:
-        """Whether `error` is a lost connection to a server reached only through relays (by its record)."""
-        status = self.swarm.view.status_of(link.hop.peer_id)
-        return isinstance(error, ConnectionLost) and status is not None and status.reachability == "relayed"
+    async def _failed(
+        self, index: int, error: Exception, route: StepRoute, forged: bool, budget: RetryBudget
+    ) -> bool:
+        """Replace the hop at `index`, whose server failed a step with `error`; whether the step met a
+        forged push so far. A server that a forged push (here or upstream in this step) made refuse is not
+        at fault, nor one whose relay ended the connection (at its time or data limit; a new one is made)."""
+        link = self.links[index]
+        forged = self._forgery(forged, isinstance(error, ForgedPush), route, link)
+        excused = forged and self.push_trust.excuse(link.hop.peer_id)
+        excused = excused or isinstance(error, ForkGone) or relay_cut(self.swarm, link.hop.peer_id, error)
+        await self._recover(index, error, budget, ban=not excused)
+        return forged
+
+    async def _move_before_relay_limit(self, index: int, step: Step, budget: RetryBudget) -> bool:
+        """Whether the hop at `index` was moved to a new connection (replayed there, without a ban) because
+        the relay between the client and its server would soon cut the one it has."""
+        moved = await relay_limit_ahead(self.swarm, self.links[index].hop.peer_id, step.hidden)
+        if moved:
+            await self._recover(index, None, budget, ban=False)
+        return moved
 
     async def _replacement(self, failed: Link) -> list[Link]:
         """A new chain over the failed hop's blocks, brought to the same state by replaying its inputs."""

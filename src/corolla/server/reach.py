@@ -12,11 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from hivemind import DHT
 from hivemind.p2p import P2P
 
 from corolla.config import SwarmConfig
 from corolla.server.periodic import Periodic
+from corolla.swarm.block_records import find_spans
 from corolla.swarm.reachability import describe_direct
+from corolla.swarm.record_cells import position
 from corolla.swarm.reservations import RENEW_PERIOD, Reservations
 from corolla.wire.records import RelayPath
 
@@ -31,7 +34,8 @@ class Reach:
         self.dialed_back = dialed_back
         self.p2p: P2P | None = None
         self.reservations: Reservations | None = None
-        self.kind = ""  # direct | relayed | unreachable, once said ("" also: not checked)
+        # not behind NAT: direct when it said so or peers dialed it back ("": not checked)
+        self.kind = "direct" if swarm.reachability == "public" or dialed_back == "direct" else ""
         self._loop: Periodic | None = None
 
     @property
@@ -46,21 +50,33 @@ class Reach:
     def paths(self) -> tuple[RelayPath, ...]:
         return self.reservations.paths if self.reservations is not None else ()
 
-    def start(self, p2p: P2P, find_public: Callable[[], Awaitable[Sequence[str]]]) -> None:
-        """Right after joining: behind NAT, reservations on relays begin."""
+    def start(
+        self,
+        p2p: P2P,
+        find_public: Callable[[], Awaitable[Sequence[str]]],
+        announce: Callable[[], Awaitable[object]],
+    ) -> None:
+        """Right after joining: behind NAT, reservations on relays begin; whenever its relays change, the
+        server announces its new relayed addresses at once (`announce`), not at its next period."""
         self.p2p = p2p
         if self.behind_nat:
             self.reservations = Reservations(p2p, self.swarm.initial_peers, find_public)
+            self.announce = announce
             failure = "Renewing the relay reservations failed"
-            renew = self.reservations.renew
-            self._loop = Periodic("corolla-relays", renew, lambda: RENEW_PERIOD, failure, at_once=True)
+            self._loop = Periodic("corolla-relays", self._renew, lambda: RENEW_PERIOD, failure, at_once=True)
             self._loop.start()
+
+    async def _renew(self) -> None:
+        before = set(self.reservations.held)
+        await self.reservations.renew()
+        if set(self.reservations.held) != before:
+            await self.announce()
 
     async def report(self) -> None:
         """Once serving: say how other peers reach it (behind NAT: after up to RELAY_WAIT seconds for a
         relay), and from then on say when that changes."""
         if self.reservations is None:
-            self.kind, line = await describe_direct(self.p2p, self.swarm, self.dialed_back)
+            _, line = await describe_direct(self.p2p, self.swarm, self.dialed_back)
             logger.info(line)
             return
         await self.reservations.wait_for_one(RELAY_WAIT)
@@ -69,3 +85,10 @@ class Reach:
     async def stop(self) -> None:
         if self._loop is not None:
             await self._loop.stop()
+
+
+async def public_servers(dht: DHT, dht_prefix: str, num_blocks: int, peer_id: str) -> list[str]:
+    """Servers of the model that its records (down this server's path) say are reached directly: they
+    relay for peers behind NAT."""
+    spans = await find_spans(dht, dht_prefix, num_blocks, where=position(peer_id))
+    return [span.peer_id for span in spans if span.info.reachability == "direct"]

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,15 +35,14 @@ from corolla.server.pace import Pace
 from corolla.server.passes import PassService
 from corolla.server.placement import blocks_for_budget, choose_blocks
 from corolla.server.push import Pusher
-from corolla.server.reach import Reach
+from corolla.server.reach import Reach, public_servers
 from corolla.server.rebalancer import Rebalancer
 from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.server.throughput import measure_speed
-from corolla.swarm.block_records import find_spans, placed_servers
+from corolla.swarm.block_records import placed_servers
 from corolla.swarm.joining import join
 from corolla.swarm.model_listing import lists_model
-from corolla.swarm.record_cells import position
 from corolla.swarm.transport import P2PTransport
 from corolla.version import __version__
 from corolla.wire.records import ServerState
@@ -89,7 +89,8 @@ class Server:
         self.peer_id = str(self.dht.peer_id)
         self.p2p = await self.dht.replicate_p2p()
         self.reach = Reach(swarm, dialed_back)
-        self.reach.start(self.p2p, self._public_servers)  # behind NAT: relays reserved while loading
+        public = partial(public_servers, self.dht, self.dht_prefix, total, self.peer_id)
+        self.reach.start(self.p2p, public, self._announce_now)  # behind NAT: relays reserved while loading
         loader = SpanLoader(
             Path(source.path),
             self.model,
@@ -131,12 +132,9 @@ class Server:
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
         await self.reach.report()
 
-    async def _public_servers(self) -> list[str]:
-        """Servers of this model that its records say are reached directly (relays for peers behind NAT)."""
-        spans = await find_spans(
-            self.dht, self.dht_prefix, self.model.num_hidden_layers, where=position(self.peer_id)
-        )
-        return [span.peer_id for span in spans if span.info.reachability == "direct"]
+    async def _announce_now(self) -> None:
+        if self.announcer is not None and self.status.state == ServerState.ONLINE:
+            await self.announcer.announce()
 
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""

@@ -114,7 +114,7 @@ async def reserve(p2p: P2P, relay: str, timeout: float) -> Grant:
             body = HopMessage(type=0).SerializeToString()  # RESERVE
             writer.write(varint.encode(len(body)) + body)
             await writer.drain()
-            return _grant(relay, await _read_message(reader))
+            return _grant(relay, await read_message(reader))
         finally:
             writer.close()
 
@@ -128,7 +128,7 @@ async def reserve(p2p: P2P, relay: str, timeout: float) -> Grant:
         raise ReservationFailed(f"{type(e).__name__}: {e}") from None
 
 
-async def _read_message(reader: asyncio.StreamReader):
+async def read_message(reader: asyncio.StreamReader):
     length = shift = 0
     while True:
         byte = (await reader.readexactly(1))[0]

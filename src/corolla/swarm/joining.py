@@ -1,9 +1,9 @@
 """A server joining the swarm: its DHT peer started, and how other peers reach it settled.
 
-With `--behind-nat` the owner said; otherwise the server asks its initial peers to dial it back
-(swarm/dial_back.py). When some peer reached it at a public address, it is served directly and relays
-for peers behind NAT: its DHT peer restarts as with `--public` (swarm/relay_service.py). When every peer
-that answered failed, it sits behind NAT or a firewall: its DHT peer restarts as with `--behind-nat`
+With `--behind-nat` the owner said; otherwise the server starts as a public peer (one that relays for
+peers behind NAT: swarm/relay_service.py) and asks its initial peers to dial it back
+(swarm/dial_back.py). When some peer reached it, it is served directly as it is. When every peer that
+answered failed, it sits behind NAT or a firewall: its DHT peer restarts as with `--behind-nat`
 (reservations on relays, a DHT client). When nobody answered (a swarm of older peers, or no initial
 peers) nothing changes and the server says it could not check. A server started with `--public` is
 checked too, and says so in one line when nobody could dial it.
@@ -11,7 +11,6 @@ checked too, and says so in one line when nobody could dial it.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -44,11 +43,6 @@ class Check:
         """direct | unreachable | "" (nobody answered)."""
         return "direct" if self.dialed else "unreachable" if self.answered else ""
 
-    @property
-    def public(self) -> bool:
-        """Whether some peer reached it at a public (global) address."""
-        return any(ipaddress.ip_address(address.split("/")[2]).is_global for address in self.dialed)
-
 
 def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     """The started DHT peer, the swarm settings it runs with, and whether other peers dialed it back
@@ -67,10 +61,6 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
             )
         return dht, config, check.kind
     _say(check)
-    if check.kind == "direct" and check.public and config.relay:
-        dht.shutdown()  # again, as a relay for peers behind NAT (with its own limits, checked)
-        config = replace(config, reachability="public")
-        return start_dht(config, identity_checked=True), config, "direct"
     if check.kind != "unreachable":
         return dht, config, check.kind
     dht.shutdown()

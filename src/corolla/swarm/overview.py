@@ -97,8 +97,16 @@ def _row(span: RemoteSpan, state: str) -> dict:
         "precision": info.precision or info.dtype,  # of the weights: int8 | int4 when quantized
         "device": device_label(info),
         "reachability": info.reachability,  # direct | relayed | unreachable, as the server says
+        # relayed: through which relays, and the limits each puts on a relayed connection
+        "relays": [{"relay": path.relay, **path.to_dict()} for path in info.relays],
         "version": info.version,
     }
+
+
+def reached_label(info: ServerStatus) -> str:
+    """How a server says it is reached, for people: "direct", "relayed via ...abcd1234, ...ef567890"."""
+    relays = list(dict.fromkeys(f"...{path.relay[-8:]}" for path in info.relays))
+    return f"{info.reachability} via {', '.join(relays)}" if relays else info.reachability or "-"
 
 
 def device_label(info: ServerStatus) -> str:
@@ -219,7 +227,7 @@ def format_table(overview: SwarmOverview) -> str:
             str(span.info.cache_tokens_available),
             span.info.precision or span.info.dtype,
             device_label(span.info),
-            span.info.reachability or "-",
+            reached_label(span.info),
         )
         for span in overview.servers
     ]

@@ -14,6 +14,7 @@ written and read by its owner instead, on the same wire format: the end of the s
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -42,17 +43,28 @@ def install() -> None:
 class Stream:
     """One open stream to a peer's protobuf stream handler (e.g. a server's `rpc_inference`)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str):
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        name: str,
+        meter: Callable[[int, int], None] | None = None,
+    ):
         self._reader = reader
         self._writer = writer
         self._name = name
+        self._meter = meter  # told the bytes of each message: (sent, received)
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: PeerID, handler: str) -> Stream:
+    async def open(
+        cls, p2p: P2P, peer_id: PeerID, handler: str, meter: Callable[[int, int], None] | None = None
+    ) -> Stream:
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler)
-        return cls(reader, writer, f"`{handler}` at {peer_id}")
+        return cls(reader, writer, f"`{handler}` at {peer_id}", meter)
 
     async def send(self, message: Message) -> None:
+        if self._meter is not None:
+            self._meter(message.ByteSize(), 0)
         await P2P.send_protobuf(message, self._writer)
 
     async def receive(self, message_type: type[M]) -> M | None:
@@ -69,6 +81,8 @@ class Stream:
             raise ConnectionError(f"malformed message on {self._name}: {e}") from None
         if error is not None:
             raise P2PHandlerError(f"Failed to call handler {self._name}: {error.message}")
+        if self._meter is not None:
+            self._meter(0, message.ByteSize())
         return message
 
     async def end(self) -> None:

@@ -5,8 +5,9 @@ forced public and relays for peers behind NAT (swarm/relay_service.py; `corolla 
 otherwise). `--behind-nat` says it cannot: its daemon is forced private, its hivemind DHT node runs in
 client mode (it must not hold records others need to fetch), and it holds reservations on relays that
 corolla makes itself (swarm/reservations.py; not the daemon's autorelay: swarm/circuit_v2.py says why).
-Without either, a server asks its initial peers to dial it back and becomes one or the other
-(swarm/joining.py). `--no-relay` keeps a reachable peer from relaying (swarm/relay_service.py).
+Without either, a server starts as a public one and asks its initial peers to dial it back; when none
+can, it restarts as one behind NAT (swarm/joining.py). `--no-relay` keeps a reachable peer from relaying
+(swarm/relay_service.py).
 """
 
 from __future__ import annotations
@@ -21,23 +22,23 @@ RELAYED = "/p2p-circuit"
 
 
 def p2p_options(config: SwarmConfig) -> dict:
-    """The libp2p daemon's options for the peer's reachability (hivemind's P2P.create arguments)."""
-    options: dict = {}
-    if config.reachability == "public":
-        options["force_reachability"] = "public"
-    elif config.reachability == "behind-nat":
-        options["force_reachability"] = "private"
-    return options
+    """The libp2p daemon's options for the peer's reachability (hivemind's P2P.create arguments): a peer
+    not said to be behind NAT starts public (a server found behind NAT then restarts: swarm/joining.py)."""
+    if config.reachability == "behind-nat":
+        return {"force_reachability": "private"}
+    return {} if config.client_mode else {"force_reachability": "public"}
 
 
 def relays_for_others(config: SwarmConfig) -> bool:
-    """Whether this peer runs a relay with its own limits for peers behind NAT (checked at start): a
-    public one that relays and listens beyond loopback (nobody behind NAT could use a relay there)."""
+    """Whether this peer runs a relay with its own limits for peers behind NAT (checked at start): any but
+    a client or one behind NAT, unless --no-relay, that listens beyond loopback (nobody behind NAT could
+    use a relay there)."""
     try:
         loopback = ipaddress.ip_address(config.host).is_loopback
     except ValueError:
         loopback = False
-    return config.reachability == "public" and config.relay and not loopback
+    not_behind = config.reachability != "behind-nat" and not config.client_mode
+    return not_behind and config.relay and not loopback
 
 
 async def describe_direct(p2p: P2P, config: SwarmConfig, dialed_back: str) -> tuple[str, str]:

@@ -27,7 +27,15 @@ from hivemind.dht import DHT, DHTNode
 from hivemind.p2p import P2P, PeerID
 
 from corolla.config import SwarmConfig
-from corolla.swarm.circuit_v2 import HOP, PERMISSION_DENIED, Address, Grant, HopMessage, reserve
+from corolla.swarm.circuit_v2 import (
+    HOP,
+    PERMISSION_DENIED,
+    Address,
+    Grant,
+    HopMessage,
+    read_message,
+    reserve,
+)
 from corolla.swarm.daemons import run_apart
 
 logger = logging.getLogger(__name__)
@@ -65,6 +73,7 @@ async def refuse_relaying(dht: DHT, node: DHTNode) -> None:
 
     async def refuse(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            await asyncio.wait_for(read_message(reader), CHECK_TIMEOUT)  # the request, whatever it is
             body = HopMessage(type=2, status=PERMISSION_DENIED).SerializeToString()  # STATUS
             writer.write(varint.encode(len(body)) + body)
             await writer.drain()

@@ -1,14 +1,14 @@
 """A peer behind NAT keeps itself reachable: reservations on relays, made and renewed by corolla.
 
 The relays it knows are its initial peers and the servers the swarm's records say are reached directly
-and relay for others (`find_public`); it holds reservations on WANT of them where that many exist, at
-once from its start. Every RENEW_PERIOD seconds it renews each (a relay that fails to answer is dropped,
-and another taken in its place), which also keeps its connection to every relay busy, below the idle
-timeout of a home router's flows. A relay that refused or failed is not asked again for BACKOFF seconds.
-Each grant tells the limits the relay puts on the connections it relays; the server announces its
-relayed addresses with them (wire/records.py `RelayPath`), so clients dial it through them (swarm/
-circuit_book.py) and know when a relay will cut them. Changes are said in one line, and so is having no
-relay at all, with what the owner can do.
+(`find_public`, read every round while it holds fewer than WANT); it holds reservations on WANT of them
+where that many exist, at once from its start. Every RENEW_PERIOD
+seconds it renews each (a relay that fails to answer is dropped, and another taken in its place), which
+also keeps its connection to every relay busy, below the idle timeout of a home router's flows. A relay
+that refused or failed is not asked again for BACKOFF seconds. Each grant tells the limits the relay puts
+on the connections it relays; the server announces its relayed addresses with them (wire/records.py
+`RelayPath`), so clients dial it through them (swarm/circuit_book.py) and know when a relay will cut
+them. Changes are said in one line, and so is having no relay at all, with what the owner can do.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ WANT = 2  # relays to hold reservations on, where that many exist
 RENEW_PERIOD = 10.0  # seconds between renewals (and looks for more relays while short of WANT)
 RESERVE_TIMEOUT = 5.0
 BACKOFF = 60.0  # seconds a relay that refused or failed is left alone
-FIND_PERIOD = 30.0  # seconds between reads of the records for public servers while short of relays
+FIND_PERIOD = RENEW_PERIOD  # seconds between reads of the records for public servers, while short of WANT
 ADVICE = (
     "give --initial-peers of a peer with a public address (`corolla dht` there relays), or forward a TCP "
     "port to this machine and run with --port PORT --announce-host YOUR_PUBLIC_IP --public"
@@ -102,15 +102,17 @@ class Reservations:
 
     async def _fill(self) -> None:
         now = self.clock()
-        if now - self._found_at >= FIND_PERIOD and len(self._candidates(now)) < WANT:
+        if now - self._found_at >= FIND_PERIOD and len(self._candidates(now)) < WANT - len(self.held):
             self._found_at = now
             try:
-                self.found = [peer for peer in await self.find_public() if peer != self.me]
+                found = await asyncio.wait_for(self.find_public(), RESERVE_TIMEOUT * 3)
+                self.found = [peer for peer in found if peer != self.me]
             except Exception as e:  # the DHT may be unreachable for a moment: the next round reads again
                 logger.debug("Could not read the swarm's public servers: %s", e)
         for relay in self._candidates(now):
             if len(self.held) >= WANT:
                 break
+            await self._direct_to(relay)
             await self._ask(relay)
 
     def _candidates(self, now: float) -> list[str]:
@@ -143,6 +145,14 @@ class Reservations:
             return None
         self.held[relay] = (grant, circuits)
         return grant
+
+    async def _direct_to(self, relay: str) -> None:
+        """Before a first reservation: a relay refuses one asked over a relayed connection, which a public
+        server may have opened to this peer (to ping it, to push to it); that one is closed, and the daemon
+        dials the relay directly at the next stream."""
+        for peer in await self.p2p.list_peers():
+            if str(peer.peer_id) == relay and all("/p2p-circuit" in str(a) for a in peer.addrs):
+                await self.p2p._client.disconnect(peer.peer_id)
 
     async def _dialed_address(self, relay: str) -> str | None:
         """The address of our direct connection to a relay that gave no public address of its own."""

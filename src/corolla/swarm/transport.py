@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Protocol, TypeVar
 
 from google.protobuf.message import Message
@@ -42,6 +43,11 @@ class Transport(Protocol):
 
     async def call(self, peer_id: str, rpc: str, request: Message, response_type: type[M]) -> M: ...
 
+    async def limit_ahead(self, peer_id: str, nbytes: int) -> str | None:
+        """Why the path to `peer_id` should be made anew before `nbytes` more go to it (a relay's limit
+        is near), or None."""
+        ...
+
 
 class P2PTransport:
     """The libp2p network, through a hivemind P2P handle (a DHT's replica)."""
@@ -52,11 +58,15 @@ class P2PTransport:
 
     async def open_stream(self, peer_id: str, rpc: str) -> MessageStream:
         await self.book.reach(self.p2p, peer_id)
-        return await Stream.open(self.p2p, PeerID.from_base58(peer_id), rpc)
+        meter = partial(self.book.count, peer_id)
+        return await Stream.open(self.p2p, PeerID.from_base58(peer_id), rpc, meter)
 
     async def call(self, peer_id: str, rpc: str, request: Message, response_type: type[M]) -> M:
         await self.book.reach(self.p2p, peer_id)
         return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), rpc, request, response_type)
+
+    async def limit_ahead(self, peer_id: str, nbytes: int) -> str | None:
+        return await self.book.limit_ahead(self.p2p, peer_id, nbytes)
 
 
 @asynccontextmanager

@@ -8,7 +8,7 @@ import dataclasses
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.overview import build_overview, format_table
 from corolla.swarm.reports import MAX_REASON, MAX_REPORTED, well_formed
-from corolla.wire.records import ServerStatus
+from corolla.wire.records import RelayPath, ServerStatus
 
 
 def server(peer_id: str, start: int, end: int, fingerprint: str) -> RemoteSpan:
@@ -73,3 +73,24 @@ def test_reports_of_faulty_servers_are_shown_and_only_well_formed_ones_read():
         too_many,
     ):
         assert not well_formed(value), value
+
+
+def test_how_each_server_is_reached_is_shown_with_its_relays_and_their_limits():
+    relay = "12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
+    path = RelayPath(
+        f"/ip4/11.79.0.10/tcp/31337/p2p/{relay}/p2p-circuit", time_limit=1800, data_limit=4 << 30
+    )
+    status = ServerStatus(0, 8, "1.0", "float32", 64, 100, reachability="relayed", relays=(path,))
+    home = RemoteSpan("peer-h", 0, 8, ServerStatus.from_dict(status.to_dict()))
+    public = dataclasses.replace(SERVERS[0], info=dataclasses.replace(SERVERS[0].info, reachability="direct"))
+    overview = build_overview("m", 8, [home, public])
+    rows = {row["peer_id"]: row for row in overview.to_dict()["servers"]}
+    assert rows["peer-h"]["reachability"] == "relayed" and rows["peer-a"]["relays"] == []
+    assert rows["peer-h"]["relays"] == [
+        {"relay": relay, "address": path.address, "time_limit": 1800, "data_limit": 4 << 30}
+    ]
+    lines = format_table(overview).splitlines()
+    assert [line for line in lines if line.startswith("...peer-h")][0].endswith(
+        f"relayed via ...{relay[-8:]}"
+    )
+    assert [line for line in lines if line.startswith("...peer-a")][0].endswith("direct")

@@ -34,14 +34,17 @@ def parse(*argv: str) -> SwarmConfig:
 
 
 def test_the_options_say_what_libp2p_is_told():
-    assert parse().reachability == "auto" and p2p_options(parse()) == {}
+    # a server not said to be behind NAT starts public (and restarts if peers cannot dial it back)
+    assert parse().reachability == "auto" and p2p_options(parse()) == {"force_reachability": "public"}
+    assert p2p_options(SwarmConfig(client_mode=True)) == {}  # a client: libp2p's own guess
     assert p2p_options(parse("--public")) == {"force_reachability": "public"}
     # reservations are corolla's own (swarm/reservations.py), not the daemon's autorelay
     assert p2p_options(parse("--behind-nat", "--initial-peers", RELAY)) == {"force_reachability": "private"}
     assert p2p_options(parse("--public", "--no-relay")) == {"force_reachability": "public"}
     assert relay_limit_flags(parse("--public", "--no-relay")) == {"relayService": 0}  # the rest is refused
     assert relays_for_others(parse("--public")) and not relays_for_others(parse("--public", "--no-relay"))
-    assert not relays_for_others(parse()) and not relays_for_others(parse("--behind-nat"))
+    assert relays_for_others(parse()) and not relays_for_others(parse("--behind-nat"))
+    assert not relays_for_others(SwarmConfig(client_mode=True))
     assert not relays_for_others(parse("--public", "--host", "127.0.0.1"))  # nobody behind NAT there
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument --public"):
         parse("--public", "--behind-nat")

@@ -18,7 +18,9 @@ from corolla.swarm.circuit_v2 import Address, ReservationFailed, reserve
 from corolla.swarm.dht import start_dht
 from corolla.swarm.reservations import Reservations
 from corolla.swarm.transport import P2PTransport, remote_errors
+from corolla.wire.records import RelayPath
 
+RELAY_ID = "12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
 BUILT_IN = (120, 128 << 10)  # libp2p's own relay limits, which a peer not found public grants (relay_service)
 
 
@@ -74,6 +76,14 @@ def test_a_peer_nobody_can_dial_is_reached_through_the_relay_its_record_names():
             assert reply.serialized_info == b"from behind NAT"
             (connection,) = [p for p in await client.list_peers() if p.peer_id == home.peer_id]
             assert all("/p2p-circuit" in str(address) for address in connection.addrs)
+            # near the relay's data limit (128 KiB each way here), the connection is made anew first
+            assert await book.limit_ahead(client, str(home.peer_id), 1000) is None
+            book.count(str(home.peer_id), 0, 120 << 10)
+            reason = await book.limit_ahead(client, str(home.peer_id), 1000)
+            assert reason.endswith("the relay's limit is 131072 each way")
+            assert home.peer_id not in [p.peer_id for p in await client.list_peers()]
+            reply = await transport.call(str(home.peer_id), "hello", request, runtime_pb2.ExpertInfo)
+            assert reply.serialized_info == b"from behind NAT" and book.traffic[str(home.peer_id)] == [0, 0]
         finally:
             for peer in (client, home, first):
                 await peer.shutdown()
@@ -163,3 +173,17 @@ def test_a_relay_that_refuses_is_left_alone_for_a_while():
         asyncio.run(run())
     finally:
         refusing.shutdown()
+
+
+def test_a_relayed_connection_is_made_anew_before_the_relays_time_limit():
+    """The relay's time limit less a margin (10 s, or 5% of longer limits), counted from the connection."""
+    clock = Clock()
+    book = CircuitBook(clock)
+    paths = [RelayPath(f"/ip4/11.79.0.10/tcp/1/p2p/{RELAY_ID}/p2p-circuit", time_limit=30, data_limit=None)]
+    assert book._near(paths, 19.9, 10**12) is None
+    assert book._near(paths, 20.0, 0) == "its relayed connection is 20 s old, the relay's limit is 30 s"
+    long = [RelayPath(paths[0].address, time_limit=1800, data_limit=100)]
+    assert book._near(long, 1709, 89) is None and book._near(long, 1710, 0) is not None
+    assert book._near(long, 0, 90) is not None  # 90% of the data limit
+    book.learn("server", paths)
+    assert asyncio.run(book.limit_ahead(None, "server", 0)) is None  # never connected: nothing to move
