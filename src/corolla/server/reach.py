@@ -10,6 +10,7 @@ relays, with their limits) or unreachable.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from hivemind import DHT
@@ -37,6 +38,7 @@ class Reach:
         # not behind NAT: direct when it said so or peers dialed it back ("": not checked)
         self.kind = "direct" if swarm.reachability == "public" or dialed_back == "direct" else ""
         self._loop: Periodic | None = None
+        self._round_started = 0.0
 
     @property
     def behind_nat(self) -> bool:
@@ -63,14 +65,19 @@ class Reach:
             self.reservations = Reservations(p2p, self.swarm.initial_peers, find_public)
             self.announce = announce
             failure = "Renewing the relay reservations failed"
-            self._loop = Periodic("corolla-relays", self._renew, lambda: RENEW_PERIOD, failure, at_once=True)
+            self._loop = Periodic("corolla-relays", self._renew, self._until_next, failure, at_once=True)
             self._loop.start()
 
     async def _renew(self) -> None:
+        self._round_started = time.monotonic()
         before = set(self.reservations.held)
         await self.reservations.renew()
         if set(self.reservations.held) != before:
             await self.announce()
+
+    def _until_next(self) -> float:
+        """Renewals come every RENEW_PERIOD however long a round took (they keep the router's flows)."""
+        return max(0.5, RENEW_PERIOD - (time.monotonic() - self._round_started))
 
     async def report(self) -> None:
         """Once serving: say how other peers reach it (behind NAT: after up to RELAY_WAIT seconds for a

@@ -35,7 +35,8 @@ class Check:
 
     asked: int
     answered: int = 0
-    dialed: tuple[str, ...] = ()  # addresses where they reached it
+    reached: int = 0  # peers that reached it
+    dialed: tuple[str, ...] = ()  # addresses where they did
     tried: tuple[str, ...] = ()
 
     @property
@@ -71,7 +72,7 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
 
 def _say(check: Check) -> None:
     if check.kind == "direct":
-        logger.info("%d peer(s) dialed this one back at %s", len(check.dialed), ", ".join(check.dialed))
+        logger.info("%d peer(s) dialed this one back at %s", check.reached, ", ".join(check.dialed))
     elif check.kind == "unreachable":
         logger.info(
             "Not reachable directly: %d peer(s) could not dial this one back at %s (behind NAT or a "
@@ -106,7 +107,8 @@ async def ask_peers(p2p: P2P, peers: Sequence[str]) -> Check:
     answers = await dial_back.ask(p2p, peers, ports)
     dialed = sorted({address for answer in answers for address in answer.dialed})
     tried = sorted({address for answer in answers for address in answer.tried})
-    return Check(len(peers), len(answers), tuple(dialed), tuple(tried))
+    reached = sum(1 for answer in answers if answer.dialed)
+    return Check(len(peers), len(answers), reached, tuple(dialed), tuple(tried))
 
 
 async def confirm_public(dht: DHT, node: DHTNode) -> bool:
@@ -126,5 +128,5 @@ async def confirm_public(dht: DHT, node: DHTNode) -> bool:
             ", ".join(check.tried),
         )
     elif check.kind == "direct":
-        logger.info("%d peer(s) dialed this peer back at %s", len(check.dialed), ", ".join(check.dialed))
+        logger.info("%d peer(s) dialed this peer back at %s", check.reached, ", ".join(check.dialed))
     return bool(check.answered)
