@@ -223,7 +223,7 @@ def test_servers_behind_nat_serve_through_relays(swarm):
     swarm.servers.remove(wrong)
     assert swarm.dht.wait_for(RELAYS_OWN_LIMITS, 1)
     assert swarm.dht.wait_for(
-        re.compile(r"\d peer\(s\) dialed this peer back at /ip4/11\.79\.0\.10/tcp/31330"), 30
+        re.compile(r"\d peer\(s\) dialed this one back at /ip4/11\.79\.0\.10/tcp/31330"), 30
     )
     assert public.wait_for(DIALED_BACK, 1) and public.wait_for(RELAYS_OWN_LIMITS, 1)  # said at start
     relays = {swarm.initial_peer.rsplit("/p2p/", 1)[1], peer_id(public)}

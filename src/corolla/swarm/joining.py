@@ -40,6 +40,14 @@ class Check:
     tried: tuple[str, ...] = ()
 
     @property
+    def failed(self) -> str:
+        return f"{self.answered} peer(s) could not dial this one back at {', '.join(self.tried)}"
+
+    @property
+    def succeeded(self) -> str:
+        return f"{self.reached} peer(s) dialed this one back at {', '.join(self.dialed)}"
+
+    @property
     def kind(self) -> str:
         """direct | unreachable | "" (nobody answered)."""
         return "direct" if self.dialed else "unreachable" if self.answered else ""
@@ -54,11 +62,9 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     check = dht.run_coroutine(partial(_check_in_child, initial_peers=tuple(config.initial_peers)))
     if config.reachability == "public":
         if check.kind == "unreachable":
+            advice = "forward that port to this machine, or drop --public"
             logger.warning(
-                "Started with --public, but %d peer(s) could not dial this one back at %s: peers will fail "
-                "to reach it (forward that port to this machine, or drop --public)",
-                check.answered,
-                ", ".join(check.tried),
+                "Started with --public, but %s: peers will fail to reach it (%s)", check.failed, advice
             )
         return dht, config, check.kind
     _say(check)
@@ -72,13 +78,12 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
 
 def _say(check: Check) -> None:
     if check.kind == "direct":
-        logger.info("%d peer(s) dialed this one back at %s", check.reached, ", ".join(check.dialed))
+        logger.info(check.succeeded)
     elif check.kind == "unreachable":
         logger.info(
-            "Not reachable directly: %d peer(s) could not dial this one back at %s (behind NAT or a "
-            "firewall); taking relay reservations as with --behind-nat",
-            check.answered,
-            ", ".join(check.tried),
+            "Not reachable directly: %s (behind NAT or a firewall); taking relay reservations as with "
+            "--behind-nat",
+            check.failed,
         )
     elif check.asked:
         logger.info(
@@ -122,11 +127,10 @@ async def confirm_public(dht: DHT, node: DHTNode) -> bool:
     check = await ask_peers(node.p2p, peers[:MAX_ASKED])
     if check.kind == "unreachable":
         logger.warning(
-            "This peer runs as public, but %d peer(s) could not dial it back at %s: peers joining through it "
-            "or behind NAT cannot use it (run it on a machine with a public address, or forward its --port)",
-            check.answered,
-            ", ".join(check.tried),
+            "This peer runs as public, but %s: peers joining through it or behind NAT cannot use it (run it "
+            "on a machine with a public address, or forward its --port)",
+            check.failed,
         )
     elif check.kind == "direct":
-        logger.info("%d peer(s) dialed this peer back at %s", check.reached, ", ".join(check.dialed))
+        logger.info(check.succeeded)
     return bool(check.answered)
