@@ -97,8 +97,8 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="the longest a connection this peer relays may last (a peer relays when started with "
-        "--public, or found reachable); clients move their sessions before it (default: 1800)",
+        help="the longest a connection this peer relays may last (every peer not behind NAT relays, unless "
+        "--no-relay); clients move their sessions before it (default: 1800)",
     )
     group.add_argument(
         "--relay-data-limit-mib",

@@ -57,7 +57,7 @@ def test_relay_limits_are_checked_and_never_for_a_peer_behind_nat():
     flags = {"relayTimeLimit": "20.0s", "relayDataLimit": 8 << 20, "relayMaxCircuits": 4}
     assert relay_limit_flags(parse("--public", *limits)) == flags
     assert relay_limit_flags(parse("--public")) == {}  # the daemon's own defaults
-    assert relay_limit_flags(parse(*limits)) == flags  # found reachable, libp2p makes it a relay too
+    assert relay_limit_flags(parse(*limits)) == flags  # not said: it starts as a relay
     with pytest.raises(
         InvalidRequest, match=r"relay_time_limit \(--relay-time-limit\) must be greater than 0"
     ):
