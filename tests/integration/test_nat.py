@@ -43,6 +43,7 @@ RELAYS_OWN_LIMITS = re.compile(r"Relaying for peers behind NAT: each relayed con
 RELAYED = re.compile(
     r"Behind NAT, reachable through (\d+) relay\(s\) \(([^)]*)\); each relayed connection 20 s"
 )
+TWO_RELAYS = re.compile(r"reachable through 2 relay\(s\) \(([^)]*)\)")
 DIALED_BACK = re.compile(r"peer\(s\) dialed this one back at /ip4/11\.79\.0\.21/tcp/")
 NOT_DIALED_BACK = re.compile(r"Not reachable directly: \d peer\(s\) could not dial this one back at /ip4/11")
 PEER_ID = re.compile(r"peer_id=(\S+)")
@@ -229,8 +230,10 @@ def test_servers_behind_nat_serve_through_relays(swarm):
     relays = {swarm.initial_peer.rsplit("/p2p/", 1)[1], peer_id(public)}
     for server in (symmetric, cone):
         assert server.wait_for(NOT_DIALED_BACK, 1)
-        held = server.wait_for(RELAYED, 30)
-        assert int(held.group(1)) == 2 and set(held.group(2).split(", ")) == relays
+        held = server.wait_for(
+            TWO_RELAYS, 30
+        )  # at once, or one round (10 s) after the public server's record
+        assert set(held.group(1).split(", ")) == relays
     public_client = run_client(swarm.net.exec(swarm.net.PUBLIC), PUBLIC_IP, swarm.args, swarm.env)
     assert public_client["tokens"] == swarm.expected
     assert direct(public_client["connections"], public) and not direct(
