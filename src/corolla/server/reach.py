@@ -70,9 +70,7 @@ class Reach:
 
     async def _renew(self) -> None:
         self._round_started = time.monotonic()
-        before = set(self.reservations.held)
-        await self.reservations.renew()
-        if set(self.reservations.held) != before:
+        if await self.reservations.renew():
             await self.announce()
 
     def _until_next(self) -> float:

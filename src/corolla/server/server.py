@@ -85,7 +85,7 @@ class Server:
                 inside = f"is not a range inside the model's {total} blocks"
                 raise InvalidRequest(f"--blocks {start}:{end} {inside}")
             sharing.check_span(start, end, self.model.model_type)
-        self.dht, swarm, dialed_back = join(config.swarm)  # restarted as a relay, or behind relays
+        self.dht, swarm, dialed_back = join(config.swarm)  # behind NAT: restarted behind relays
         self.peer_id = str(self.dht.peer_id)
         self.p2p = await self.dht.replicate_p2p()
         self.reach = Reach(swarm, dialed_back)

@@ -88,7 +88,7 @@ class CircuitBook:
             return None
         for peer in await p2p.list_peers():
             if str(peer.peer_id) == peer_id and any("/p2p-circuit" not in str(a) for a in peer.addrs):
-                self.connected_at.pop(peer_id)  # direct now: no relay's limit applies
+                self.lost(peer_id)  # direct now: no relay's limit applies (looked at again a limit later)
                 return None
         await p2p._client.disconnect(PeerID.from_base58(peer_id))
         self.lost(peer_id)

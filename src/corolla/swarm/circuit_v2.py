@@ -21,7 +21,6 @@ peer id as the raw multihash the daemon expects.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import varint
@@ -89,12 +88,11 @@ class ReservationFailed(ConnectionError):
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """A reservation a relay granted: how to reach this peer through it, until when, and the limits it puts
-    on each connection it relays (None: none)."""
+    """A reservation a relay granted: how to reach this peer through it, and the limits it puts on each
+    connection it relays (None: none). Its expiry is not kept: reservations are renewed every few seconds."""
 
     relay: str  # its peer id
     addresses: tuple[str, ...]  # the relay's public addresses, each ending /p2p/RELAY (may be empty)
-    expires: float  # unix time
     time_limit: int | None  # seconds
     data_limit: int | None  # bytes each way
 
@@ -162,7 +160,6 @@ def _grant(relay: str, reply) -> Grant:
     return Grant(
         relay,
         tuple(addresses),
-        float(reply.reservation.expire) if reply.reservation.expire else time.time() + 3600,
         (limit.duration or None) if limit is not None else None,
         (limit.data or None) if limit is not None else None,
     )

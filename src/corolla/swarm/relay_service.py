@@ -36,7 +36,6 @@ from corolla.swarm.circuit_v2 import (
     read_message,
     reserve,
 )
-from corolla.swarm.daemons import run_apart
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,8 @@ async def refuse_relaying(dht: DHT, node: DHTNode) -> None:
             body = HopMessage(type=2, status=PERMISSION_DENIED).SerializeToString()  # STATUS
             writer.write(varint.encode(len(body)) + body)
             await writer.drain()
+        except Exception as e:  # a peer that sends garbage or goes away gets nothing more
+            logger.debug("A request to relay ended: %s", e)
         finally:
             writer.close()
 
@@ -128,7 +129,7 @@ def keep_own_limits(want: tuple[int, int]) -> None:
     P2P.create = create
 
 
-async def _probe(host_maddrs: list, create: Any = P2P.create) -> P2P:
+async def _probe(host_maddrs: list, create: Any) -> P2P:
     """A throwaway peer that asks a relay on `host_maddrs` for reservations, listening where it does."""
     host = str(host_maddrs[0]).rsplit("/tcp/", 1)[0] + "/tcp/0"
     return await create(
@@ -144,18 +145,3 @@ async def _ask_own_relay(probe: P2P, peer_id: str, addresses: list[str]) -> Gran
         return await reserve(probe, peer_id, CHECK_TIMEOUT)
     except Exception:  # a daemon that cannot be reached from here refused nothing: start it again
         return None
-
-
-def granted(dht: DHT, host_maddrs: list[str]) -> Grant | None:
-    """What the relay of a DHT peer listening on `host_maddrs` grants a peer that asks for a reservation
-    now (None: it refused or could not be reached)."""
-
-    async def ask() -> Grant | None:
-        probe = await _probe(host_maddrs)
-        try:
-            addresses = [str(address) for address in dht.get_visible_maddrs()]
-            return await _ask_own_relay(probe, str(dht.peer_id), addresses)
-        finally:
-            await probe.shutdown()
-
-    return run_apart(ask)

@@ -76,8 +76,9 @@ class Reservations:
             for address in circuits
         )
 
-    async def renew(self) -> None:
-        """One round: renew every reservation held, then take new ones while short of WANT."""
+    async def renew(self) -> bool:
+        """One round: renew every reservation held, then take new ones while short of WANT; whether the
+        relays held changed."""
         before = set(self.held)
         renewed = await asyncio.gather(*(self._ask(relay) for relay in list(self.held)))
         for relay, grant in zip(list(self.held), renewed, strict=True):
@@ -85,9 +86,11 @@ class Reservations:
                 del self.held[relay]
         if len(self.held) < WANT:
             await self._fill()
-        if set(self.held) != before:
+        changed = set(self.held) != before
+        if changed:
             self.changed.set()
         self._say()
+        return changed
 
     async def wait_for_one(self, timeout: float) -> bool:
         """Whether a relay holds a reservation within `timeout` seconds."""

@@ -58,7 +58,7 @@ class P2PTransport:
 
     async def open_stream(self, peer_id: str, rpc: str) -> MessageStream:
         await self.book.reach(self.p2p, peer_id)
-        meter = partial(self.book.count, peer_id)
+        meter = partial(self.book.count, peer_id) if self.book.paths(peer_id) else None  # relayed only
         return await Stream.open(self.p2p, PeerID.from_base58(peer_id), rpc, meter)
 
     async def call(self, peer_id: str, rpc: str, request: Message, response_type: type[M]) -> M:
