@@ -26,7 +26,7 @@ from corolla.client.training import ChainPasses
 from corolla.config import ClientConfig
 from corolla.models.config import ModelConfig
 from corolla.swarm.block_records import find_spans
-from corolla.swarm.dht import PeerDHT, RemoteSpan, start_dht
+from corolla.swarm.dht import PeerDHT, RemoteSpan, Spawning, spawn_dht
 from corolla.swarm.overview import SwarmOverview, read_overview
 from corolla.swarm.record_cells import CLIENT_CELLS
 from corolla.swarm.reports import report_faulty
@@ -76,10 +76,13 @@ class Client:
         self._transport = transport
 
     @classmethod
-    async def connect(cls, config: ClientConfig, dht_prefix: str, model: ServedModel) -> Client:
-        """A client of the swarm `config.swarm` names: its DHT peer started, its view refreshed in the
-        background."""
-        dht = await asyncio.to_thread(start_dht, config.swarm)
+    async def connect(
+        cls, config: ClientConfig, dht_prefix: str, model: ServedModel, spawning: Spawning | None = None
+    ) -> Client:
+        """A client of the swarm `config.swarm` names: its DHT peer started (or `spawning` already, see
+        swarm/dht.py), its view refreshed in the background."""
+        spawning = spawning or await asyncio.to_thread(spawn_dht, config.swarm)
+        dht = await asyncio.to_thread(spawning.ready)
         try:
             p2p = await dht.replicate_p2p()
         except BaseException:

@@ -37,6 +37,7 @@ from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.head import ModelHead
 from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
+from corolla.swarm.dht import spawn_dht
 
 
 class DistributedModelForCausalLM(TransformersModel):
@@ -84,18 +85,23 @@ class DistributedModelForCausalLM(TransformersModel):
             config = replace(config, swarm=replace(config.swarm, initial_peers=tuple(initial_peers)))
         source = resolve_model(model)
         model_config = ModelConfig.from_folder(source.path)
-        head = ModelHead.load(source.path, parse_dtype(config.dtype, model_config))
-        ptune = None
-        if tuning_mode is not None:
-            ptune = PromptTuning(tuning_mode, pre_seq_len, model_config.num_hidden_layers, head.embed_tokens)
         prefix = dht_prefix or config.dht_prefix or dht_prefix_for(source.name)
-        speculation = config.speculation
-        speculator = speculation and Speculator.create(speculation, model_config, source.path)
+        # join the swarm (and read it) while the local parts load: both take about a second; the DHT
+        # peer's process is forked first, before this thread loads anything (swarm/dht.py Spawning)
+        spawning = spawn_dht(config.swarm)
         runtime = LoopThread()
+        joining = runtime.submit(Client.connect(config, prefix, ServedModel.of(model_config), spawning))
         try:
-            client = runtime.run(Client.connect(config, prefix, ServedModel.of(model_config)))
+            head = ModelHead.load(source.path, parse_dtype(config.dtype, model_config))
+            ptune = None
+            if tuning_mode is not None:
+                layers = model_config.num_hidden_layers
+                ptune = PromptTuning(tuning_mode, pre_seq_len, layers, head.embed_tokens)
+            speculation = config.speculation
+            speculator = speculation and Speculator.create(speculation, model_config, source.path)
+            client = joining.result()
         except BaseException:
-            runtime.stop()
+            runtime.stop_after(joining, Client.shutdown)
             raise
         return cls(source, model_config, head, client, runtime, ptune, speculator)
 

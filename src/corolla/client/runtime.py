@@ -8,10 +8,11 @@ loop. Any number of threads may call in at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -51,6 +52,24 @@ class LoopThread:
             future.cancel()
             _wait_out(ended, CANCEL_TIMEOUT)
             raise
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on the loop without waiting (its future's cancel() cancels it)."""
+        if not self.loop.is_running():
+            coro.close()
+            raise RuntimeError("the client is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop_after(self, started: concurrent.futures.Future[T], close: Callable[[T], Coroutine]) -> None:
+        """Stop once `started` (from submit) has ended, closing what it returned: work started alongside
+        it failed, and cancelling it could leave running what it started in threads (a DHT peer)."""
+        try:
+            result = started.result()
+        except BaseException:
+            logger.debug("The coroutine started alongside failed too", exc_info=True)
+        else:
+            self.run(close(result))
+        self.stop()
 
     def iterate(self, stream: AsyncIterator[T]) -> Iterator[T]:
         """An async iterator of this loop, iterated from another thread (closed when left)."""

@@ -55,19 +55,24 @@ class SwarmView:
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None  # the refresh in progress, shared by its callers
         self._probing: asyncio.Future | None = None  # pings of avoided servers: are they back?
+        self._settling: set[asyncio.Task] = set()  # further pings of servers met for the first time
 
     def start(self) -> None:
+        """Read the swarm at once (a first session finds the servers read, connected and pinged), then every
+        `refresh_period`."""
         self._refresher = asyncio.create_task(self._refresh_forever(), name="corolla-swarm-refresh")
 
     async def shutdown(self) -> None:
-        for task in (self._refresher, self._refreshing, self._probing):
+        for task in (self._refresher, self._refreshing, self._probing, *self._settling):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
     @property
     def stale(self) -> bool:
-        return time.monotonic() - self.refreshed_at > self.refresh_period or not self.spans
+        """Due for a refresh, or in the first one before any server answered (a first session waits)."""
+        first = not self.answered and self._refreshing is not None and not self._refreshing.done()
+        return first or time.monotonic() - self.refreshed_at > self.refresh_period or not self.spans
 
     def status_of(self, peer_id: str) -> ServerStatus | None:
         """A server's record as last read from the DHT (None: not seen)."""
@@ -92,11 +97,11 @@ class SwarmView:
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_period)
             try:
                 await self.refresh()
             except Exception:  # a DHT hiccup; the next round tries again
                 logger.debug("Background refresh failed", exc_info=True)
+            await asyncio.sleep(self.refresh_period)
 
     async def _refresh(self) -> list[RemoteSpan]:
         spans = [span for span in await self._read_spans(self.rejected_records) if self._same_model(span)]
@@ -115,17 +120,31 @@ class SwarmView:
             self._probing = asyncio.ensure_future(asyncio.gather(*(self._ping(p) for p in avoided)))
 
     async def _ping(self, peer_id: str) -> None:
-        # a server met for the first time gets a few pings: one round trip alone is noise
-        for _ in range(1 if self._estimates.has_rtt(peer_id) else 3):
-            answer = await self._peers.ping(peer_id)
-            self._bans.pinged(peer_id, answer.answered)
-            if not answer.answered:
-                if answer.refusal is not None:
-                    self.refusals[peer_id] = answer.refusal
-                return  # unreachable now: its steps will fail over if it is used anyway
-            self.refusals.pop(peer_id, None)
-            self._estimates.ping(peer_id, answer.seconds, answer.status)
-            self.answered.add(peer_id)
+        first = not self._estimates.has_rtt(peer_id)
+        if await self._ping_once(peer_id) and first:
+            # one round trip alone is noise (the first one also opened the connection): a server met for
+            # the first time gets two more, in the background, so that a first session waits for one
+            task = asyncio.create_task(self._ping_again(peer_id, 2))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _ping_again(self, peer_id: str, times: int) -> None:
+        for _ in range(times):
+            if not await self._ping_once(peer_id):
+                return
+
+    async def _ping_once(self, peer_id: str) -> bool:
+        """One ping; whether the server answered."""
+        answer = await self._peers.ping(peer_id)
+        self._bans.pinged(peer_id, answer.answered)
+        if not answer.answered:
+            if answer.refusal is not None:
+                self.refusals[peer_id] = answer.refusal
+            return False  # unreachable now: its steps will fail over if it is used anyway
+        self.refusals.pop(peer_id, None)
+        self._estimates.ping(peer_id, answer.seconds, answer.status)
+        self.answered.add(peer_id)
+        return True
 
     def _same_model(self, span: RemoteSpan) -> bool:
         if span.info.serves_model(self.model_fingerprint):

@@ -17,7 +17,7 @@ import signal
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -48,50 +48,89 @@ logger = logging.getLogger(__name__)
 
 MODELS_KEY = "corolla.models"  # subkey = a server's (signed), value = {"dht_prefix": ..., "num_blocks": N}
 MAX_MODEL_BLOCKS = 1024
+# a client's DHT node returns once an initial peer answered and this long has passed, and looks for the
+# nodes nearest to it in the background (hivemind waits up to 3 s for those: for every node in its
+# initial peers' routing tables that no longer answers, a server gone or restarted behind NAT)
+CLIENT_BOOTSTRAP_S = 0.1
 
 
-def start_dht(config: SwarmConfig, identity_checked: bool = False) -> PeerDHT:
-    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready; one that relays
-    for others has its relay's limits checked (swarm/relay_service.py). Every peer but a client answers
-    other peers' dial-back requests (swarm/dial_back.py). `identity_checked`: a restart of a peer that
-    checked its identity was free (it may still look taken to the others for a while)."""
-    dht = _start(config, identity_checked)
-    if not config.client_mode:
-        dht.run_coroutine(dial_back.serve)
-        if not config.relay:
-            dht.run_coroutine(refuse_relaying)
-    return dht
+def start_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: bool = False) -> PeerDHT:
+    """Start a DHT peer (its own process plus a libp2p daemon) and wait until it is ready: `spawn_dht`, then
+    its `ready()`."""
+    return spawn_dht(config, identity_checked, unconfirmed).ready()
 
 
-def _start(config: SwarmConfig, identity_checked: bool) -> PeerDHT:
+def spawn_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: bool = False) -> Spawning:
+    """Fork a DHT peer's process, which starts its libp2p daemon and joins; `ready()` waits for that.
+
+    One that relays for others has its relay's limits checked (swarm/relay_service.py). Every peer but a
+    client answers other peers' dial-back requests (swarm/dial_back.py). `identity_checked`: a restart
+    of a peer that checked its identity was free (it may still look taken to the others for a while).
+    `unconfirmed`: its DHT node stays out of others' routing tables (as a client's) until
+    swarm/joining.py's `publish`."""
     p2p_io.install()
     check_listen_port(config.host, config.port)
     # a peer behind NAT must not hold records others need (swarm/reachability.py)
     client_mode = config.client_mode or config.reachability == "behind-nat"
-    with _identity_file(config.identity_path) as (path, fresh):
+    # an unconfirmed one only looks like a client to the DHT: its daemon is a public peer's
+    daemon_mode = {"dht_mode": "server"} if unconfirmed and not client_mode else {}
+    identity = ExitStack()  # a temporary identity's folder stays until the daemon has read it
+    path, fresh = identity.enter_context(_identity_file(config.identity_path))
+    try:
         key = load_identity(path)
         validators = record_validators(key, config.allowed_peers)
+        if not fresh and config.initial_peers and not identity_checked:  # hivemind's ignores nat_port_map
+            _check_identity_free(path, config)
+        dht = PeerDHT(
+            key,
+            validators,
+            initial_peers=list(config.initial_peers) or None,
+            start=False,
+            client_mode=client_mode or unconfirmed,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs,
+            identity_path=str(path),
+            check_if_identity_free=False,  # checked above
+            nat_port_map=config.use_nat_port_map,
+            num_workers=4,
+            bootstrap_timeout=CLIENT_BOOTSTRAP_S if config.client_mode else None,
+            relay_flags=relay_limit_flags(config),
+            relay_limits=expected(config) if relays_for_others(config) else None,
+            **p2p_options(config),
+            **daemon_mode,
+        )
+        dht.run_in_background(await_ready=False)
+    except P2PDaemonError as e:
+        identity.close()
+        raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+    except BaseException:
+        identity.close()
+        raise
+    return Spawning(dht, config, identity)
+
+
+class Spawning:
+    """A DHT peer whose process is starting. Forking copies the locks other threads hold at that moment:
+    a fork while another thread loads weights left the child waiting forever on one of torch's, so a
+    caller with other work forks first (`spawn_dht`), works, then waits (`ready`)."""
+
+    def __init__(self, dht: PeerDHT, config: SwarmConfig, identity: ExitStack):
+        self.dht = dht
+        self.config = config
+        self._identity = identity
+
+    def ready(self) -> PeerDHT:
+        config = self.config
         try:
-            if not fresh and config.initial_peers and not identity_checked:  # hivemind's ignores nat_port_map
-                _check_identity_free(path, config)
-            return PeerDHT(
-                key,
-                validators,
-                initial_peers=list(config.initial_peers) or None,
-                start=True,
-                client_mode=client_mode,
-                host_maddrs=config.host_maddrs,
-                announce_maddrs=config.announce_maddrs,
-                identity_path=str(path),
-                check_if_identity_free=False,  # checked above
-                nat_port_map=config.use_nat_port_map,
-                num_workers=4,
-                relay_flags=relay_limit_flags(config),
-                relay_limits=expected(config) if relays_for_others(config) else None,
-                **p2p_options(config),
-            )
+            with self._identity:
+                self.dht.wait_until_ready()
         except P2PDaemonError as e:
             raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+        if not config.client_mode:
+            self.dht.run_coroutine(dial_back.serve)
+            if not config.relay:
+                self.dht.run_coroutine(refuse_relaying)
+        return self.dht
 
 
 def _check_identity_free(path: Path, config: SwarmConfig) -> None:

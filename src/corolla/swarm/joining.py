@@ -2,10 +2,11 @@
 
 With `--behind-nat` the owner said; otherwise the server starts as a public peer (one that relays for
 peers behind NAT: swarm/relay_service.py) and asks its initial peers to dial it back
-(swarm/dial_back.py). When some peer reached it, it is served directly as it is. When every peer that
+(swarm/dial_back.py), its DHT node meanwhile out of the others' routing tables. When some peer reached
+it, its node joins those tables (`publish`) and it is served directly as it is. When every peer that
 answered failed, it sits behind NAT or a firewall: its DHT peer restarts as with `--behind-nat`
 (reservations on relays, a DHT client). When nobody answered (a swarm of older peers, or no initial
-peers) nothing changes and the server says it could not check. A server started with `--public` is
+peers) it is published all the same and says it could not check. A server started with `--public` is
 checked too, and says so in one line when nobody could dial it.
 """
 
@@ -18,6 +19,8 @@ from functools import partial
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.p2p import P2P
+from hivemind.proto import dht_pb2
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
 from corolla.config import RELAY_LIMITS, SwarmConfig
 from corolla.swarm import dial_back
@@ -55,10 +58,15 @@ class Check:
 
 def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     """The started DHT peer, the swarm settings it runs with, and whether other peers dialed it back
-    ("direct" or "" when not checked: behind NAT it runs with reachability "behind-nat")."""
-    dht = start_dht(config)
+    ("direct" or "" when not checked: behind NAT it runs with reachability "behind-nat").
+
+    Until the check says it is not behind NAT, the DHT node of a server left to find out keeps out of
+    the others' routing tables: else, once restarted behind NAT, it would stay there unreachable, and every
+    peer that bootstraps or reads through them would wait for it (each time up to hivemind's 3 s)."""
     if config.reachability == "behind-nat" or config.client_mode:
-        return dht, config, ""
+        return start_dht(config), config, ""
+    unconfirmed = config.reachability != "public"
+    dht = start_dht(config, unconfirmed=unconfirmed)
     check = dht.run_coroutine(partial(_check_in_child, initial_peers=tuple(config.initial_peers)))
     if config.reachability == "public":
         if check.kind == "unreachable":
@@ -69,6 +77,7 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
         return dht, config, check.kind
     _say(check)
     if check.kind != "unreachable":
+        dht.run_coroutine(publish)
         return dht, config, check.kind
     dht.shutdown()
     unlimited = dict.fromkeys(RELAY_LIMITS)  # it relays for nobody now
@@ -91,6 +100,21 @@ def _say(check: Check) -> None:
             "dial-back request (run with --public or --behind-nat to say)",
             check.asked,
         )
+
+
+async def publish(dht: DHT, node: DHTNode) -> None:
+    """In the DHT's process of a peer started `unconfirmed` (swarm/dht.py): serve the DHT as a full node
+    from now on and meet the nodes nearest to it, each of which adds it to its routing table. hivemind
+    fixes a node's mode at start (a client sends no node id and registers no handlers): this does what its
+    DHTProtocol.create does for a full node."""
+    protocol = node.protocol
+    if not protocol.client_mode:
+        return
+    protocol.client_mode = False
+    protocol.node_info = dht_pb2.NodeInfo(node_id=node.node_id.to_bytes())
+    servicer = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer)
+    await protocol.add_p2p_handlers(protocol.p2p, servicer)
+    await node.find_nearest_nodes([node.node_id])
 
 
 async def _check_in_child(dht: DHT, node: DHTNode, initial_peers: Sequence[str]) -> Check:

@@ -92,9 +92,32 @@ async def test_a_client_restricted_to_some_servers_routes_through_parts_of_their
 async def test_a_server_that_missed_its_ping_is_pinged_again_once_before_waiting():
     route, _, pings = router([span("late", 0, 6)], Pings(silent={"late": 1}))  # misses the first ping
     assert await route.route() == [Hop("late", 0, 6)]
+    await asyncio.sleep(0.01)
     # pinged again at once (answering: 3 pings, one round trip alone is noise), not after a wait and a
     # second read of the DHT
     assert pings.count["late"] == 4 and pings.reads == 1
+
+
+async def test_a_first_route_waits_for_one_answer_from_a_new_server_not_three():
+    class HeldPings(Pings):
+        """Every ping after a server's first waits until `go` is set."""
+
+        def __init__(self):
+            super().__init__()
+            self.go = asyncio.Event()
+
+        async def ping(self, peer_id: str) -> Ping:
+            if self.count.get(peer_id, 0) >= 1:
+                await self.go.wait()
+            return await super().ping(peer_id)
+
+    pings = HeldPings()
+    route, _, _ = router([span("a", 0, 3), span("b", 3, 6)], pings)
+    assert await route.route() == [Hop("a", 0, 3), Hop("b", 3, 6)]
+    assert pings.count == {"a": 1, "b": 1}  # the further pings still held
+    pings.go.set()
+    await asyncio.sleep(0.01)
+    assert pings.count == {"a": 3, "b": 3}
 
 
 async def test_the_router_waits_for_a_server_to_join_then_routes_through_it():

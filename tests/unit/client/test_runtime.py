@@ -39,3 +39,30 @@ def test_second_ctrl_c_while_a_step_unwinds_raises_keyboard_interrupt(terminal_s
         assert runtime.run(asyncio.sleep(0, "still serving")) == "still serving"
     finally:
         runtime.stop()
+
+
+def test_work_started_alongside_a_failed_load_is_closed_once_it_ends():
+    """from_pretrained joins the swarm while it loads weights: when the load fails, the join is waited for
+    and what it started shut down (a DHT peer, there), never left running."""
+    closed = []
+
+    class Joined:
+        async def shutdown(self) -> None:
+            closed.append(self)
+
+    async def join() -> Joined:
+        await asyncio.sleep(0.2)  # still joining when the load fails
+        return Joined()
+
+    runtime = LoopThread("test-runtime")
+    joining = runtime.submit(join())
+    runtime.stop_after(joining, Joined.shutdown)
+    assert len(closed) == 1 and not runtime.loop.is_running()
+
+    failing = LoopThread("test-runtime")
+
+    async def fail() -> Joined:
+        raise ConnectionError("no initial peer answered")
+
+    failing.stop_after(failing.submit(fail()), Joined.shutdown)  # nothing to close; no error of its own
+    assert len(closed) == 1 and not failing.loop.is_running()

@@ -2,13 +2,17 @@
 between real libp2p daemons on loopback; behind an emulated NAT in tests/integration/test_nat.py."""
 
 import asyncio
+from functools import partial
 
 import pytest
+from hivemind.dht import DHT, DHTNode
 from hivemind.p2p import P2P, P2PContext
 
+from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
+from corolla.swarm.dht import start_dht, visible_addresses
 from corolla.swarm.dial_back import MAX_PER_HOST, Answer, DialBackService, direct_hosts, read_ports
-from corolla.swarm.joining import checked
+from corolla.swarm.joining import checked, join, publish
 from corolla.wire.fields import pack
 
 ME = "12D3KooWB34BKL7PKe1HK82QCd6UXhZunXNUoZqGNeG6UaB8Hfon"
@@ -72,3 +76,26 @@ def test_peers_dial_back_a_listening_peer_and_not_a_closed_port():
             await answering.shutdown()
 
     asyncio.run(run())
+
+
+async def _knows(dht: DHT, node: DHTNode, peer_id) -> bool:
+    return node.protocol.routing_table.get(peer_id=peer_id) is not None
+
+
+def test_a_server_enters_the_routing_tables_only_once_peers_dialed_it_back():
+    first = start_dht(SwarmConfig(host="127.0.0.1", nat_port_map=False, reachability="public"))
+    config = SwarmConfig(host="127.0.0.1", nat_port_map=False, initial_peers=tuple(visible_addresses(first)))
+    started = []
+    try:
+        # unconfirmed (as a server that may turn out to be behind NAT): it reads and asks, nobody lists it
+        started.append(unconfirmed := start_dht(config, unconfirmed=True))
+        assert not first.run_coroutine(partial(_knows, peer_id=unconfirmed.peer_id))
+        unconfirmed.run_coroutine(publish)
+        assert first.run_coroutine(partial(_knows, peer_id=unconfirmed.peer_id))
+        # join does both: on loopback the first peer dials it back, so it serves the DHT as a full node
+        joined, _, kind = join(config)
+        started.append(joined)
+        assert kind == "direct" and first.run_coroutine(partial(_knows, peer_id=joined.peer_id))
+    finally:
+        for dht in [*started, first]:
+            dht.shutdown()
