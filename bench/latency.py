@@ -39,7 +39,7 @@ from corolla.models.source import resolve_model
 try:
     from corolla.launch.local import LocalSwarm, even_spans
 except ImportError:  # commits before launch/ (comparing against an older corolla)
-    from corolla.swarm.local import LocalSwarm, even_spans
+    from corolla.launch.local import LocalSwarm, even_spans
 
 PROMPT = "Write a short story about a lighthouse keeper."
 TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a robot", "the moon", "a garden"]

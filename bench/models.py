@@ -164,7 +164,7 @@ def cache_bytes(path: Path, config) -> dict:
         "expanded_kv_bytes_per_token_per_block": expanded,
         "cache_vs_expanded": round(cached / expanded, 4),
         "state_bytes_per_sequence": span.state_bytes_per_row,
-        # what travels between servers per token (models/wire.py: Gemma's per-layer inputs and streams)
+        # what travels between servers per token (models/handoff.py: Gemma's per-layer inputs and streams)
         "wire_floats_per_token": span.config.wire.width,
         "wire_vs_hidden": round(span.config.wire.width / span.config.hidden_size, 2),
     }

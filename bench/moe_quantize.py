@@ -26,7 +26,7 @@ import torch
 
 from corolla.models.quantize import weight_bytes
 from corolla.models.span import Span
-from corolla.server.throughput import measure_throughput
+from corolla.server.hosting.startup_speed import measure_throughput
 from corolla.utils import peak_rss_bytes, release_freed_memory
 
 SHAPES = dict(

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.models.source import resolve_model
-from corolla.swarm.addresses import peer_args
+from corolla.swarm.p2p.addresses import peer_args
 from nat_harness import NatHarness
 
 CLIENT = Path(__file__).resolve().parents[1] / "tests" / "nat_client.py"

@@ -170,7 +170,7 @@ def measure(plain_url: str, reuse_url: str, model) -> dict:
     """Both workloads through the two APIs; `model`: a Python client of the swarm (servers' counters)."""
     from openai import OpenAI
 
-    from corolla.swarm.ping import fetch_status
+    from corolla.swarm.p2p.ping import fetch_status
 
     plain, reuse = (OpenAI(base_url=f"{u}/v1", api_key="-", timeout=600) for u in (plain_url, reuse_url))
     transport = model.client.swarm.peers.transport
@@ -215,7 +215,7 @@ def wan_client(peers: list[str]) -> dict:
 
     from corolla.launch.local import PeerProcess, answers_http, free_port
     from corolla.models.source import resolve_model
-    from corolla.swarm.addresses import peer_args
+    from corolla.swarm.p2p.addresses import peer_args
     from wan import address
 
     path = str(resolve_model("smollm2").path)

@@ -22,7 +22,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
-from corolla.swarm.ping import fetch_status
+from corolla.swarm.p2p.ping import fetch_status
 
 NEW_TOKENS = 64
 

@@ -40,8 +40,8 @@ from corolla.launch.local import LocalSwarm
 from corolla.models.quantize import quantize_blocks, weight_bytes
 from corolla.models.source import resolve_model
 from corolla.models.span import Span
-from corolla.swarm.ping import fetch_status
-from corolla.swarm.routing import Hop
+from corolla.swarm.p2p.ping import fetch_status
+from corolla.swarm.policy.routing import Hop
 from corolla.utils import peak_rss_bytes
 
 logger = logging.getLogger("bench.quantize")

@@ -1,4 +1,5 @@
-"""How long a client takes to choose a chain as the swarm grows (swarm/routing.py `choose_chain`), JSON.
+"""How long a client takes to choose a chain as the swarm grows (swarm/policy/routing.py `choose_chain`),
+JSON.
 
 A random swarm of an 80-block model: each server holds 8 to 24 consecutive blocks (the first and the
 last block always held), round trips of 5 to 300 ms, 1 to 20 ms per block, 0 to 5 sessions; every server
@@ -18,7 +19,7 @@ import statistics
 import time
 
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Estimate, choose_chain
+from corolla.swarm.policy.routing import Estimate, choose_chain
 from corolla.wire.records import ServerStatus
 
 BLOCKS = 80

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from corolla.swarm.ping import fetch_status
+from corolla.swarm.p2p.ping import fetch_status
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))

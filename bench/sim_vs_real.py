@@ -44,7 +44,7 @@ from corolla.errors import CorollaError
 from corolla.launch.local import LocalSwarm
 from corolla.sim.records import Record
 from corolla.sim.scenario import Event, Scenario, load
-from corolla.sim.swarm import Simulation
+from corolla.sim.simulation import Simulation
 from real_timings import round_trips, spread, watch  # bench/real_timings.py
 
 SPANS = {"A": (0, 30), "B": (0, 15), "C": (15, 30), "D": (0, 20), "E": (20, 30)}

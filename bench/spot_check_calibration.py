@@ -1,5 +1,5 @@
 """How far honest replicas' outputs drift from each other, and how far faulty servers' do: the spot-check
-tolerance is set between the two (client/spot_checks.py).
+tolerance is set between the two (client/checks/spot_checks.py).
 
 SmolLM2-135M-Instruct's spans 0:10, 10:20 and 20:30, loaded here in every precision a server can run
 (float32, bfloat16 and float16 computation; int8 and int4 weights), each run over the same inputs: the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 
-from corolla.client.spot_checks import deviation
+from corolla.client.checks.spot_checks import deviation
 from corolla.models.head import ModelHead
 from corolla.models.source import resolve_model
 from corolla.models.span import Span

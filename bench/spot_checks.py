@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 
 from corolla.client.model import DistributedModelForCausalLM
-from corolla.client.training import RemoteChain
+from corolla.client.training.remote_chain import RemoteChain
 from corolla.launch.local import LocalSwarm
 from prompts import PROMPTS
 

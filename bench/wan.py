@@ -49,7 +49,7 @@ class WanSwarm:
     def __enter__(self) -> WanSwarm:
         from corolla.launch.local import READY_SERVER, PeerProcess
         from corolla.models.source import resolve_model
-        from corolla.swarm.addresses import peer_args
+        from corolla.swarm.p2p.addresses import peer_args
 
         resolve_model("smollm2")  # converted once, before any server needs it
         netsim("up", str(HOSTS), str(self.delay_ms), *([self.rate] if self.rate else []))

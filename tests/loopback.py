@@ -5,7 +5,7 @@ inference and pass services, the status board, the RPC handlers, the pusher), bu
 tiny model. Clients and servers reach each other through `LoopbackTransport`, which hands each message to
 the handler the server registered, as libp2p would: a copy of the message, a stream handler's error as
 its text, a unary handler's as its repr, the end of a stream when the handler returns, a stream message
-over its handler's cap refused as the real stream reader refuses it (swarm/stream_handlers.py; the
+over its handler's cap refused as the real stream reader refuses it (swarm/p2p/stream_handlers.py; the
 server lowers a session's cap after its first message). Servers can be
 killed (their streams end, calls to them fail, as with a dead process), frozen (they take requests and
 never answer) or made to lie (server/faults.py). Everything runs on the caller's event loop.
@@ -30,13 +30,13 @@ from corolla.config import ClientConfig, EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info
-from corolla.server.backend import SpanLoader, adapter_names, compute_settings
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.inference import InferenceService
-from corolla.server.passes import PassService
-from corolla.server.push import Pusher
-from corolla.server.spans import HostedSpans
+from corolla.server.hosting.backend import SpanLoader, adapter_names, compute_settings
+from corolla.server.hosting.spans import HostedSpans
+from corolla.server.inference.forward_passes import PassService
+from corolla.server.inference.push import Pusher
+from corolla.server.inference.service import InferenceService
 from corolla.server.status import Compute, StatusBoard
 from corolla.swarm.dht import RemoteSpan
 from corolla.wire.messages import RPC_INFERENCE
@@ -129,7 +129,7 @@ class LoopbackStream:
 
 
 class LoopbackTransport:
-    """How `caller` reaches the network's servers (swarm/transport.py's Transport)."""
+    """How `caller` reaches the network's servers (swarm/p2p/transport.py's Transport)."""
 
     def __init__(self, network: LoopbackNetwork, caller: str):
         self.network, self.caller = network, caller
@@ -161,7 +161,7 @@ class LoopbackTransport:
 
 
 class _Handlers:
-    """What a server's handler registers, by RPC name (swarm/stream_handlers.py's ProtobufHandlers)."""
+    """What a server's handler registers, by RPC name (swarm/p2p/stream_handlers.py's ProtobufHandlers)."""
 
     def __init__(self) -> None:
         self.handlers: dict[str, Any] = {}
@@ -337,7 +337,7 @@ class LoopbackSwarm:
     ) -> DistributedModelForCausalLM:
         """A model of this swarm (`config`: ClientConfig fields), closed with the swarm."""
         from corolla.client.model import DistributedModelForCausalLM
-        from corolla.client.ptune import PromptTuning
+        from corolla.client.training.ptune import PromptTuning
         from corolla.decoding.speculator import Speculator
         from corolla.models.head import ModelHead
         from corolla.models.source import resolve_model

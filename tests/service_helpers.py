@@ -10,9 +10,9 @@ import torch
 
 from corolla.config import EngineConfig, ServerConfig
 from corolla.models.config import ModelConfig
-from corolla.server.backend import SpanLoader
-from corolla.server.inference import InferenceService, StepMessage
-from corolla.server.spans import HostedSpans
+from corolla.server.hosting.backend import SpanLoader
+from corolla.server.hosting.spans import HostedSpans
+from corolla.server.inference.service import InferenceService, StepMessage
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep
 from corolla.wire.records import block_uids

@@ -16,7 +16,8 @@ from corolla.errors import InvalidRequest
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
 WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
-# how other peers reach this one: the owner says, or a server asks peers to dial it back (swarm/joining.py)
+# how other peers reach this one: the owner says, or a server asks peers to dial it back
+# (swarm/nat/joining.py)
 REACHABILITY = ("auto", "public", "behind-nat")
 RELAY_LIMITS = ("relay_time_limit", "relay_data_limit_mib", "relay_circuits")  # SwarmConfig's
 
@@ -50,12 +51,13 @@ class SwarmConfig:
     # a private swarm: only these peer ids may use this peer, and only their DHT records count (None: open)
     allowed_peers: frozenset[str] | None = None
     # "public": dialable as it is, and a relay for peers behind NAT; "behind-nat": reachable only through
-    # relays it holds reservations on (swarm/reservations.py), a DHT client; "auto": a server asks peers to
-    # dial it back and becomes one or the other (swarm/joining.py)
+    # relays it holds reservations on (swarm/nat/reservations.py), a DHT client; "auto": a server asks peers
+    # to dial it back and becomes one or the other (swarm/nat/joining.py)
     reachability: str = "auto"
     relay: bool = True  # a reachable peer relays for peers behind NAT (False: it refuses to)
-    # what a reachable peer relays for peers behind NAT (swarm/relay_service.py), per relayed connection: its
-    # seconds and MiB each way, and the connections per peer at once; None: libp2p daemon's 30 min, 4 GiB, 16
+    # what a reachable peer relays for peers behind NAT (swarm/nat/relay_service.py), per relayed connection:
+    # its seconds and MiB each way, and the connections per peer at once; None: libp2p daemon's 30 min, 4 GiB,
+    # 16
     relay_time_limit: float | None = None
     relay_data_limit_mib: int | None = None
     relay_circuits: int | None = None
@@ -102,7 +104,7 @@ class EngineConfig:
     """A server's continuous-batching engine: its attention cache and what one pass may hold."""
 
     # the attention cache pool, in tokens of a session spanning every hosted block, in pages of page_size
-    # positions; None: the server takes a quarter of the memory available at start (server/spans.py)
+    # positions; None: the server takes a quarter of the memory available at start (server/hosting/spans.py)
     max_cache_tokens: int | None = None
     page_size: int = 16  # positions per cache page (`--block-size` in older versions)
     max_batch_tokens: int = 128  # tokens per engine pass (decode steps + prefill chunks)
@@ -191,8 +193,9 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Speculative decoding on the client (client/speculative.py): a drafter guesses the next tokens, the
-    swarm verifies them in one step, and the output is exactly what decoding without a draft gives."""
+    """Speculative decoding on the client (client/generation/speculative.py): a drafter guesses the next
+    tokens, the swarm verifies them in one step, and the output is exactly what decoding without a draft
+    gives."""
 
     # "lookup": n-grams of the prompt and the text so far (no model); else a causal LM sharing the target's
     # tokenizer (a folder, a .gguf file, a hub id or `smollm2`), run on the client
@@ -241,10 +244,12 @@ class ClientConfig:
     # hidden states between hops: "lossless", or, lossy and opt-in, "float16" or "blockwise8" (8-bit), for
     # tensors of at least 32 KiB (prefills): less to send on slow links (wire/tensors.py)
     wire_encoding: str = "lossless"
-    # the share of each server's inference steps and training passes re-run elsewhere (client/spot_checks.py)
+    # the share of each server's inference steps and training passes re-run elsewhere
+    # (client/checks/spot_checks.py)
     spot_checks: float = 0.0
     # reused prefixes: this many ended sessions are kept (by their servers) and indexed by their tokens, so
-    # a generation sharing a prefix with one sends and computes only the rest (client/prefixes.py); 0: off
+    # a generation sharing a prefix with one sends and computes only the rest (client/generation/prefixes.py);
+    # 0: off
     prefix_cache: int = 16
 
     def __post_init__(self) -> None:

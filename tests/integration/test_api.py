@@ -20,7 +20,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from corolla.swarm.ping import fetch_status
+from corolla.swarm.p2p.ping import fetch_status
 from swarm_helpers import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

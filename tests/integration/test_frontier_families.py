@@ -15,7 +15,7 @@ gemma4: sliding and global layers of different head sizes (a pool tensor per sha
 and a last layer that attends with the one before's keys and values: the second span starts on that
 source, the only cut before it that keeps them together.
 gemma3n: the same sharing, with per-layer inputs and 4 parallel residual streams (AltUp) beside the
-hidden states (models/wire.py): what travels between the servers is 4.75 times the hidden size wide.
+hidden states (models/handoff.py): what travels between the servers is 4.75 times the hidden size wide.
 hy_v4: sparse latent attention (as DeepSeek-V3.2) with 4 hyper-connection streams between layers, which
 travel between the servers as 4 times the hidden size.
 glm5_next: KDA linear attention 1:1 with sparse latent attention whose indexer ranks pools of keys and

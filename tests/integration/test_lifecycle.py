@@ -17,9 +17,9 @@ from corolla.config import SwarmConfig
 from corolla.errors import MissingBlocks, StartFailed
 from corolla.launch.local import READY_SERVER, LocalSwarm, PeerProcess
 from corolla.models.devices import best_device
-from corolla.swarm.daemons import identity_taken
 from corolla.swarm.dht import start_dht
-from corolla.swarm.identity import load_identity
+from corolla.swarm.p2p.daemons import identity_taken
+from corolla.swarm.p2p.identity import load_identity
 from corolla.wire.records import ServerState
 from swarm_helpers import connect, fresh_spans, run_corolla
 

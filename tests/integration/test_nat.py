@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from corolla.launch.local import READY_SERVER, PeerProcess
-from corolla.swarm.addresses import peer_args
+from corolla.swarm.p2p.addresses import peer_args
 from nat_harness import PUBLIC_IP, NatHarness
 from swarm_helpers import reference_generate
 from tiny_models import load_reference
@@ -216,7 +216,7 @@ def test_servers_behind_nat_serve_through_relays(swarm):
     client and one behind a router of its own (it needs nothing: it dials out) get the reference tokens;
     `corolla status` shows how each server is reached and through which relays."""
     public, symmetric, cone, wrong = swarm.servers
-    line = wrong.wait_for(re.compile(r"WARN corolla.swarm.joining: (.*)"), 60).group(1)
+    line = wrong.wait_for(re.compile(r"WARN corolla.swarm.nat.joining: (.*)"), 60).group(1)
     assert line.startswith(
         "Started with --public, but 1 peer(s) could not dial this one back at /ip4/11.79.0.105"
     )

@@ -13,8 +13,8 @@ import torch
 from corolla.errors import ServerUnavailable
 from corolla.launch.local import LocalSwarm
 from corolla.models.source import dht_prefix_for, resolve_model
-from corolla.swarm.overview import read_overview
-from corolla.swarm.routing import Hop
+from corolla.swarm.policy.routing import Hop
+from corolla.swarm.records.overview import read_overview
 from swarm_helpers import connect, run_corolla
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2]

@@ -10,7 +10,7 @@ import time
 import torch
 
 from corolla.launch.local import LocalSwarm
-from corolla.server.placement import coverage
+from corolla.swarm.policy.placement import coverage
 from swarm_helpers import connect
 
 BUDGET_2_BLOCKS = "2400000"  # 2 x (148 KB of weights + 4096 tokens x 256 B of cache) for the tiny llama

@@ -20,9 +20,9 @@ from hivemind.proto import runtime_pb2
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.errors import MissingBlocks, NotAllowed
 from corolla.launch.local import LocalSwarm
-from corolla.swarm.identity import load_identity, peer_id_of_identity, read_allowed_peers
-from corolla.swarm.overview import read_overview
-from corolla.swarm.routing import Hop
+from corolla.swarm.p2p.identity import load_identity, peer_id_of_identity, read_allowed_peers
+from corolla.swarm.policy.routing import Hop
+from corolla.swarm.records.overview import read_overview
 from corolla.wire.messages import RPC_INFERENCE, RPC_INFO
 from corolla.wire.records import block_uids
 from swarm_helpers import reference_generate

@@ -1,5 +1,6 @@
-"""Servers measure their links to the next servers and announce them in the DHT (server/links.py), which
-needs real peers; push itself is tested socket-free in tests/unit/client/test_push.py."""
+"""Servers measure their links to the next servers and announce them in the DHT
+(server/upkeep/link_monitor.py), which needs real peers; push itself is tested socket-free in
+tests/unit/client/test_push.py."""
 
 from __future__ import annotations
 

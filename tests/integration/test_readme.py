@@ -1,5 +1,5 @@
-"""The README's Python snippets run as pasted, against a local swarm: only the addresses change (the
-initial peer that `corolla dht` prints, the API's port)."""
+"""The Python snippets of the README and of docs/ run as pasted, against a local swarm: only the addresses
+change (the initial peer that `corolla dht` prints, the API's port)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,45 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).parents[2] / "README.md"
+ROOT = Path(__file__).parents[2]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PEER_PLACEHOLDER = "/ip4/HOST/tcp/31337/p2p/PEER"
 API_PLACEHOLDER = "http://127.0.0.1:8000/v1"
 
 
 def snippets() -> dict[str, str]:
-    """The README's ```python blocks, by the heading of their section."""
-    found, heading = {}, "top"
-    for block in re.split(r"^(## .*)$", README.read_text(), flags=re.M):
-        if block.startswith("## "):
-            heading = block[3:].strip()
-            continue
-        for i, code in enumerate(re.findall(r"^```python\n(.*?)^```", block, flags=re.M | re.S)):
-            found[heading if i == 0 else f"{heading} {i + 1}"] = code
+    """Every ```python block, named by its document and the heading of its section."""
+    found: dict[str, str] = {}
+    for document in DOCUMENTS:
+        heading, code, fence = "top", None, None
+        for line in document.read_text().splitlines(keepends=True):
+            if code is not None:  # inside a python block
+                if line.startswith("```"):
+                    name = f"{document.relative_to(ROOT)}: {heading}"
+                    found[
+                        name if name not in found else f"{name} {sum(n.startswith(name) for n in found) + 1}"
+                    ] = code
+                    code = None
+                else:
+                    code += line
+            elif fence is not None:  # inside another block: a "# comment" there is no heading
+                fence = None if line.startswith("```") else fence
+            elif line.startswith("```python"):
+                code = ""
+            elif line.startswith("```"):
+                fence = line
+            elif re.match(r"#{1,3} ", line):
+                heading = line.lstrip("#").strip()
     return found
 
 
 SNIPPETS = snippets()
 
 
-def test_the_readme_has_its_snippets():
-    assert {"The OpenAI API", "From Python", "Fine-tuning"} <= set(SNIPPETS)
+def test_the_documents_have_their_snippets():
+    assert {"README.md: The OpenAI API", "README.md: From Python", "docs/python.md: Fine-tuning"} <= set(
+        SNIPPETS
+    )
     for name, code in SNIPPETS.items():
         assert PEER_PLACEHOLDER in code or API_PLACEHOLDER in code, f"{name}: no swarm address to replace"
 
@@ -51,7 +68,7 @@ def test_every_snippet_runs_as_pasted(smol_swarm, smol_api):
         for name, run in runs.items():
             stdout, stderr = run.communicate(timeout=300)
             assert run.returncode == 0, f"{name}:\n{stderr[-3000:]}"
-            if name != "Fine-tuning":
+            if not name.endswith("Fine-tuning"):
                 assert stdout.strip(), f"{name} printed nothing"
     finally:
         for run in runs.values():

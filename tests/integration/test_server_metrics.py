@@ -9,7 +9,7 @@ import urllib.request
 import torch
 
 from corolla.launch.local import LocalSwarm, free_port
-from corolla.server.pace import MIN_PASSES
+from corolla.server.hosting.pace import MIN_PASSES
 from swarm_helpers import connect
 
 
@@ -45,7 +45,8 @@ def test_server_metrics_follow_sessions_and_passes(tiny_models):
                 thread.start()
             for thread in threads:
                 thread.join(120)
-            # one session's decode steps alone: passes of one row, enough for the pace (server/pace.py)
+            # one session's decode steps alone: passes of one row, enough for the pace
+            # (server/hosting/pace.py)
             model.generate(torch.randint(0, 100, (1, 8)), max_new_tokens=MIN_PASSES + 2)
         for port in ports:
             assert during[port]["corolla_server_sessions"] == 1

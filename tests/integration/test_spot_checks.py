@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from corolla.launch.local import LocalSwarm
-from corolla.swarm.overview import format_table, read_overview
+from corolla.swarm.records.overview import format_table, read_overview
 from swarm_helpers import connect, reference_generate, wait_until
 from tiny_models import load_reference
 

@@ -20,8 +20,8 @@ from hivemind.utils import get_dht_time
 
 from corolla.launch.local import LocalSwarm
 from corolla.swarm.dht import MODELS_KEY, read_records
-from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity
-from corolla.swarm.overview import format_table
+from corolla.swarm.p2p.identity import load_identity, owned_subkey, peer_id_of_identity
+from corolla.swarm.records.overview import format_table
 from corolla.wire.records import ServerState, ServerStatus, block_key
 from swarm_helpers import connect, reference_generate, run_corolla
 from tiny_models import load_reference

@@ -26,7 +26,7 @@ from corolla.api.http import EventStreamResponse, parse, until_disconnected
 from corolla.api.protocol import CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
-from corolla.client.embeddings import Pooling
+from corolla.client.training.embeddings import Pooling
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def build_app(  # noqa: C901 (a table of small routes)
     stats_interval: float = 10.0,
 ) -> FastAPI:
     """The app; with `api_keys`, /v1 routes, /tokenize and /detokenize need one; `allowed_origins` for
-    CORS (api/access.py); `embedding_pooling` for /v1/embeddings (client/embeddings.py); every
+    CORS (api/access.py); `embedding_pooling` for /v1/embeddings (client/training/embeddings.py); every
     `stats_interval` seconds with traffic (0: never), a log line of running requests and throughput."""
 
     @contextlib.asynccontextmanager

@@ -1,4 +1,5 @@
-"""POST /v1/embeddings: each input's final hidden states, pooled into one unit vector (client/embeddings.py).
+"""POST /v1/embeddings: each input's final hidden states, pooled into one unit vector
+(client/training/embeddings.py).
 
 `EmbeddingServing` tokenizes and checks the inputs here, on the API's loop, then runs the forward pass as
 a job on the model's loop and awaits it without blocking the HTTP server; a client that goes away
@@ -19,7 +20,7 @@ from fastapi.responses import Response
 
 from corolla.api.extra_protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from corolla.api.protocol import ErrorResponse, error_for
-from corolla.client.embeddings import Pooling
+from corolla.client.training.embeddings import Pooling
 
 if TYPE_CHECKING:
     from corolla.api.http import Generate

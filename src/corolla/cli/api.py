@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 
-from corolla.cli.common import add_client_args, add_swarm_args, client_config
+from corolla.cli.common import add_client_args, add_dht_prefix, add_swarm_args, client_config
 from corolla.cli.signals import exit_on
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest, StartFailed
@@ -52,9 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="how long a request waits for servers to cover every block before it gets a 503 naming the "
         "missing ones (default: %(default)ss)",
     )
-    parser.add_argument(
-        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
-    )
+    add_dht_prefix(parser)
     _add_embedding_args(parser)
     _add_access_args(parser)
     add_client_args(parser)
@@ -63,7 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_embedding_args(parser: argparse.ArgumentParser) -> None:
-    """How /v1/embeddings makes one vector of an input (client/embeddings.py), and what the API logs."""
+    """How /v1/embeddings makes one vector of an input (client/training/embeddings.py), and what the API
+    logs."""
     parser.add_argument(
         "--stats-interval",
         type=float,
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace) -> None:
 
 def check_http_port(host: str, port: int) -> None:
     """StartFailed unless this process can listen on host:port (another program may hold it)."""
-    from corolla.swarm.addresses import listen_error
+    from corolla.swarm.p2p.addresses import listen_error
 
     try:
         code = listen_error(host, port)

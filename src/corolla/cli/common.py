@@ -9,7 +9,7 @@ from typing import Any
 
 from corolla.config import QUANTIZE_MODES, WIRE_ENCODINGS, ClientConfig, SpeculationConfig, SwarmConfig
 from corolla.errors import InvalidRequest
-from corolla.swarm.addresses import parse_peer
+from corolla.swarm.p2p.addresses import parse_peer
 
 
 def setup_logging(level: str) -> None:
@@ -20,6 +20,13 @@ def setup_logging(level: str) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("corolla").setLevel(level)
+
+
+def add_dht_prefix(parser: argparse.ArgumentParser) -> None:
+    """The one --dht-prefix: servers, clients and the API must agree on it."""
+    parser.add_argument(
+        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
+    )
 
 
 def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen_flag: str = "") -> None:
@@ -271,7 +278,7 @@ def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> Swar
 def _allowed_peers(path: str | None) -> frozenset[str] | None:
     if path is None:
         return None
-    from corolla.swarm.identity import read_allowed_peers  # here: `corolla --help` stays quick
+    from corolla.swarm.p2p.identity import read_allowed_peers  # here: `corolla --help` stays quick
 
     try:
         return read_allowed_peers(path)

@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from corolla.swarm.dht import start_dht, visible_addresses  # here: `corolla --help` stays quick
-    from corolla.swarm.joining import confirm_public
+    from corolla.swarm.nat.joining import confirm_public
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from corolla.cli.common import add_client_args, add_swarm_args, client_config
+from corolla.cli.common import add_client_args, add_dht_prefix, add_swarm_args, client_config
 from corolla.cli.signals import exit_now, exit_on
 from corolla.errors import InvalidRequest, LengthLimit
 
@@ -27,9 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
     )
     parser.add_argument("prompt", metavar="PROMPT", help="the user's message (or raw text with --raw)")
-    parser.add_argument(
-        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
-    )
+    add_dht_prefix(parser)
     add_generation_args(parser)
     add_client_args(parser)
     add_swarm_args(parser, default_host="127.0.0.1")

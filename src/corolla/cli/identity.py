@@ -18,6 +18,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from corolla.swarm.identity import load_identity, peer_id_of_identity
+    from corolla.swarm.p2p.identity import load_identity, peer_id_of_identity
 
     print(peer_id_of_identity(load_identity(args.path)), flush=True)

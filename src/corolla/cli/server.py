@@ -11,7 +11,7 @@ import asyncio
 import re
 from typing import TYPE_CHECKING
 
-from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.cli.common import add_dht_prefix, add_swarm_args, swarm_config
 from corolla.config import DTYPES, QUANTIZE_MODES, EngineConfig, ServerConfig
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
@@ -95,9 +95,7 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="host N blocks where the swarm has the fewest servers (default: all blocks)",
     )
-    parser.add_argument(
-        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
-    )
+    add_dht_prefix(parser)
     parser.add_argument(
         "--device",
         default=None,

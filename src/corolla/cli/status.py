@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from corolla.swarm.dht import find_models, start_dht
-    from corolla.swarm.overview import confirmed_models, format_table, read_overview
+    from corolla.swarm.records.overview import confirmed_models, format_table, read_overview
 
     config = swarm_config(args, client_mode=True)
     if not config.initial_peers:

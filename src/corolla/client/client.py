@@ -14,23 +14,23 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
-from corolla.client.bans import Bans, Report
-from corolla.client.estimates import ServerEstimates
-from corolla.client.peers import Peers
-from corolla.client.prefixes import PrefixCache
-from corolla.client.router import Router
-from corolla.client.spot_checks import SpotChecker
-from corolla.client.swarm import Swarm
-from corolla.client.swarm_view import SpanReader, SwarmView
-from corolla.client.training import ChainPasses
+from corolla.client.checks.spot_checks import SpotChecker
+from corolla.client.generation.prefixes import PrefixCache
+from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.bans import Bans, Report
+from corolla.client.routing.estimates import ServerEstimates
+from corolla.client.routing.router import Router
+from corolla.client.routing.swarm_view import SpanReader, SwarmView
+from corolla.client.rpc.peers import Peers
+from corolla.client.training.remote_chain import ChainPasses
 from corolla.config import ClientConfig
 from corolla.models.config import ModelConfig
-from corolla.swarm.block_records import find_spans
 from corolla.swarm.dht import PeerDHT, RemoteSpan, Spawning, spawn_dht
-from corolla.swarm.overview import SwarmOverview, read_overview
-from corolla.swarm.record_cells import CLIENT_CELLS
-from corolla.swarm.reports import report_faulty
-from corolla.swarm.transport import P2PTransport, Transport
+from corolla.swarm.p2p.transport import P2PTransport, Transport
+from corolla.swarm.records.block_records import find_spans
+from corolla.swarm.records.faulty_reports import report_faulty
+from corolla.swarm.records.overview import SwarmOverview, read_overview
+from corolla.swarm.records.record_cells import CLIENT_CELLS
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Client:
         peers = Peers(transport, dht_prefix, config)
         view = SwarmView(config, model.fingerprint, read_spans, peers, estimates, bans)
         router = Router(config, model.num_blocks, view, bans, estimates, forbidden_cuts=model.forbidden_cuts)
-        self.swarm = Swarm(config, model.num_blocks, peers, view, bans, estimates, router)
+        self.swarm = SwarmAccess(config, model.num_blocks, peers, view, bans, estimates, router)
         self.checker = SpotChecker(self.swarm, config.spot_checks) if config.spot_checks > 0 else None
         self.passes = ChainPasses(self.swarm, self.checker)
         self.prefixes = PrefixCache(config.prefix_cache) if config.prefix_cache else None
@@ -90,7 +90,8 @@ class Client:
             raise
 
         async def read_spans(tally: Counter) -> list[RemoteSpan]:
-            # the records' tree as far as CLIENT_CELLS allow, then a random path (swarm/record_cells.py)
+            # the records' tree as far as CLIENT_CELLS allow, then a random path
+            # (swarm/records/record_cells.py)
             return await find_spans(dht, dht_prefix, model.num_blocks, tally=tally, budget=CLIENT_CELLS)
 
         async def report(faulty: dict[str, str]) -> bool:

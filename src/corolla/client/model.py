@@ -17,18 +17,18 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from corolla.client import hf_generate
+from corolla.client.chain.session import InferenceSession
 from corolla.client.client import Client, ServedModel
-from corolla.client.embeddings import Pooling, embed_sequences
-from corolla.client.generation import Withdrawals, first_step, generate_steps
-from corolla.client.head_batcher import HeadBatcher
-from corolla.client.hf_model import TransformersModel
-from corolla.client.lm_outputs import CausalLMOutput, causal_lm_output, chain_inputs
-from corolla.client.prefixes import Opened
-from corolla.client.ptune import PromptTuning
+from corolla.client.generation.head_batcher import HeadBatcher
+from corolla.client.generation.loop import Withdrawals, first_step, generate_steps
+from corolla.client.generation.prefixes import Opened
+from corolla.client.hf import generate as hf_generate
+from corolla.client.hf.transformers_model import TransformersModel
 from corolla.client.runtime import LoopThread
-from corolla.client.session import InferenceSession
-from corolla.client.training import RemoteChain
+from corolla.client.training.embeddings import Pooling, embed_sequences
+from corolla.client.training.lm_outputs import CausalLMOutput, causal_lm_output, chain_inputs
+from corolla.client.training.ptune import PromptTuning
+from corolla.client.training.remote_chain import RemoteChain
 from corolla.config import ClientConfig
 from corolla.decoding.chooser import Chooser, GenerationStep, RowEnds
 from corolla.decoding.sampling import SamplingParams
@@ -77,7 +77,7 @@ class DistributedModelForCausalLM(TransformersModel):
         """Load the local parts of `model` and join the swarm through `initial_peers`.
 
         `tuning_mode` "ptune" adds `pre_seq_len` trainable input embeddings, "deep_ptune" also a trainable
-        prompt per block (see client/ptune.py). `overrides` are ClientConfig fields (request_timeout,
+        prompt per block (see client/training/ptune.py). `overrides` are ClientConfig fields (request_timeout,
         routing_timeout, allowed_servers, speculation, ...).
         """
         config = replace(config or ClientConfig(), **overrides)
@@ -206,15 +206,16 @@ class DistributedModelForCausalLM(TransformersModel):
 
     async def _adopt(self, session: InferenceSession, input_ids: torch.Tensor) -> Opened:
         """A user's session at its first generation: moved onto the servers holding the longest prefix of its
-        one prompt row (client/prefixes.py), when reuse is on and it has sent nothing yet."""
+        one prompt row (client/generation/prefixes.py), when reuse is on and it has sent nothing yet."""
         prefixes = self.client.prefixes
         if prefixes is None or self.ptune is not None or input_ids.shape[0] != 1 or not session.fresh:
             return Opened(session)
         return await prefixes.adopt(session, input_ids)
 
     async def _open(self, input_ids: torch.Tensor, params: SamplingParams) -> Opened:
-        """A generation's own session, from the longest prefix the servers hold (client/prefixes.py) when
-        reuse is on and its rows are one prompt (trained prompts: never)."""
+        """A generation's own session, from the longest prefix the servers hold
+        (client/generation/prefixes.py) when reuse is on and its rows are one prompt (trained prompts:
+        never)."""
         prefix = 0 if self.ptune is None else self.ptune.pre_seq_len
         length = prefix + input_ids.shape[1] + params.max_new_tokens
         prefixes = self.client.prefixes
@@ -269,7 +270,7 @@ class DistributedModelForCausalLM(TransformersModel):
         repetition_penalty, seed, stop, ignore_eos) or transformers' max_length and stop_strings.
         `attention_mask`: padded rows (left or right) each run without their padding, and get exactly the
         tokens they get alone. `streamer`: a transformers streamer or a callable of each step's tokens [B]
-        (client/hf_generate.py).
+        (client/hf/generate.py).
         """
         ids = _as_batch(input_ids)
         return hf_generate.generate(self, ids, params, session, streamer, attention_mask, kwargs)
@@ -297,8 +298,8 @@ class DistributedModelForCausalLM(TransformersModel):
     __call__ = forward
 
     async def aembed(self, sequences: list[list[int]], pooling: Pooling = "mean") -> torch.Tensor:
-        """Unit vectors [N, hidden] (float32) of sequences of token ids (client/embeddings.py), on the
-        model's loop."""
+        """Unit vectors [N, hidden] (float32) of sequences of token ids (client/training/embeddings.py), on
+        the model's loop."""
         if self.ptune is not None:
             raise InvalidRequest("embeddings of a model with trained prompts are not supported")
         return await embed_sequences(self.client.passes, self.head, self.pad_token_id, sequences, pooling)

@@ -9,7 +9,8 @@ second: deep drafts when round trips are long and drafts are good, none at all w
 more than it saves (a fast local swarm and a drafter that guesses badly). Every EXPLORE_EVERY steps it
 tries one level more or less, so the figures of the neighbouring depths stay fresh; while the best depth
 stays the same, twice as rarely each time (at most every MAX_EXPLORE_EVERY steps). One budget serves all
-generations of a model (client/speculative.py `Speculator`): each starts from what the others measured.
+generations of a model (client/generation/speculative.py `Speculator`): each starts from what the others
+measured.
 """
 
 from __future__ import annotations

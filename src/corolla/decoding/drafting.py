@@ -3,8 +3,8 @@
 A drafter proposes a `Draft`: tokens that may follow the current text, as a chain or a tree (each drafted
 token's parent is another drafted token or the tree's root, the last token chosen). The swarm runs the
 root and the draft in one step; the client keeps what the model itself would have chosen
-(client/speculative.py), so a draft can only change the speed, never the output. A drafter serves many
-generations: `start()` gives the state of one (`DraftSession`).
+(client/generation/speculative.py), so a draft can only change the speed, never the output. A drafter serves
+many generations: `start()` gives the state of one (`DraftSession`).
 
 - `PromptLookup`: n-grams of the prompt and the text so far (no model; helps most where answers quote
   their input), a chain or a tree of every place the last tokens appeared.

@@ -2,7 +2,8 @@
 
 `Speculator.start` gives each one-row generation its `Speculation`: the drafter's state for that text,
 the budget (shared by every generation of the model: what one measured, the next starts from) and the
-thread a draft model runs in. Drafting itself needs no network; client/speculative.py sends the drafts.
+thread a draft model runs in. Drafting itself needs no network; client/generation/speculative.py sends the
+drafts.
 """
 
 from __future__ import annotations

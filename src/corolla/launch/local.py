@@ -29,7 +29,7 @@ from typing import Any
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.errors import CorollaError
 from corolla.launch.forked import ForkedPeer, fork_peer
-from corolla.swarm.addresses import peer_args
+from corolla.swarm.p2p.addresses import peer_args
 
 logger = logging.getLogger(__name__)
 

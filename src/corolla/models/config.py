@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
+from corolla.models.handoff import WireLayout
 from corolla.models.kv_sharing import KVSharing
 from corolla.models.lm_class import CHECKED_WRAPPERS, causal_lm_class, lm_class
-from corolla.models.wire import WireLayout
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_NAME = "corolla"  # the attention function corolla registers with transformers (attention.py)
@@ -91,7 +91,7 @@ class ModelConfig:
     @functools.cached_property
     def wire(self) -> WireLayout:
         """What one layer hands the next: hidden states, and with them per-layer inputs and parallel
-        streams where the family has them (Gemma 3n, Gemma 4 E2B/E4B: models/wire.py)."""
+        streams where the family has them (Gemma 3n, Gemma 4 E2B/E4B: models/handoff.py)."""
         return WireLayout.of(self.hf)
 
     def layer_attribute(self, layer: int, name: str) -> Any:

@@ -58,7 +58,7 @@ def _cuda(device: torch.device, asked: str) -> torch.device:
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise InvalidRequest(
             f"{asked}: no CUDA device is visible (torch {torch.__version__} is {build}; "
-            "see the README's 'Installing' for the CUDA install)"
+            "see docs/operators.md, 'Installing and deploying', for the CUDA install)"
         )
     count = torch.cuda.device_count()
     index = torch.cuda.current_device() if device.index is None else device.index

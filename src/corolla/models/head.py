@@ -22,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ATTENTION_NAME, ModelConfig
+from corolla.models.handoff import WireLayout, merge_streams, wire_modules
 from corolla.models.loading import (
     check_layer_inputs,
     decoder_of,
@@ -31,7 +32,6 @@ from corolla.models.loading import (
     missing_on_meta,
     target_name,
 )
-from corolla.models.wire import WireLayout, merge_streams, wire_modules
 
 
 class _Embedded(Exception):
@@ -55,7 +55,7 @@ class _Outputs(BaseModelOutputWithPast):
 
 class _FinalNorm(nn.Module):
     """Stands in for the decoder inside the causal LM: its `inputs_embeds` are what the last block hands
-    on (models/wire.py), to which it applies what the decoder does after its layers: merging parallel
+    on (models/handoff.py), to which it applies what the decoder does after its layers: merging parallel
     streams (Gemma 3n, HY-V4), then the final norm. Plain attributes the causal LM reads from its decoder
     (Falcon-H1's `lm_head_multiplier`) are the decoder's."""
 
@@ -138,7 +138,7 @@ class ModelHead(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids -> [B, T, width], what the first block receives: its hidden states (or parallel
-        streams), and every layer's per-layer input where the family has them (models/wire.py)."""
+        streams), and every layer's per-layer input where the family has them (models/handoff.py)."""
         if input_ids.dim() != 2:
             return self.embed(input_ids.reshape(1, -1)).view(*input_ids.shape, -1)
         input_ids = input_ids.to(self.embed_tokens.weight.device)

@@ -24,8 +24,8 @@ from corolla.errors import UnsupportedModel
 from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.config import ModelConfig
+from corolla.models.handoff import wire_modules
 from corolla.models.lm_class import lm_class
-from corolla.models.wire import wire_modules
 
 logger = logging.getLogger(__name__)
 # init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another
@@ -93,7 +93,7 @@ def check_layer_inputs(model_type: str, layers: nn.ModuleList) -> None:
 
 def final_norm(decoder: nn.Module) -> nn.Module:
     """The decoder's norm after its last layer: its one child besides the embeddings, the layers, the
-    rotary embedding, dropouts and what makes the wire's extras (models/wire.py: `norm`, `final_layernorm`,
+    rotary embedding, dropouts and what makes the wire's extras (models/handoff.py: `norm`, `final_layernorm`,
     `final_layer_norm`, ... by family)."""
     rotary = getattr(decoder, "rotary_emb", None)
     skip = (decoder.get_input_embeddings(), decoder.layers, rotary, *wire_modules(decoder).values())

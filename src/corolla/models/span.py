@@ -165,7 +165,7 @@ class Span(nn.Module):
 
         hidden: [B, T, width] for tokens at positions [position, position + T), or at `positions` [T]
         when given (packed batches of several sequences); width is the model's wire width, the hidden
-        size for most families (models/wire.py).
+        size for most families (models/handoff.py).
         prompts: optional deep-prompt additions aligned with hidden, [b - a, B or 1, T, hidden] (see
         `align_prompts`), added to each block's input. The context's cache layer i belongs to block a + i.
         """
@@ -174,7 +174,7 @@ class Span(nn.Module):
             positions = torch.arange(position, position + hidden.shape[1], device=hidden.device)
         position_ids = positions[None]
         rotary = self._rotary(hidden, position_ids, first, last)
-        # the hidden states (or parallel streams) and each layer's per-layer input (models/wire.py)
+        # the hidden states (or parallel streams) and each layer's per-layer input (models/handoff.py)
         hidden, per_layer_inputs = self.config.wire.unpack(hidden)
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()

@@ -1,6 +1,6 @@
 """A testing aid: a server that computes wrong outputs on purpose (`--simulate-faulty MODE`).
 
-Clients spot-check servers (client/spot_checks.py); these modes make the faults they must catch
+Clients spot-check servers (client/checks/spot_checks.py); these modes make the faults they must catch
 reproducible, through the span's own modules (forward hooks and weights), so every path (inference
 steps, pushes, forward and backward passes) carries the fault:
 

@@ -1,16 +1,16 @@
 """The server's RPC layer: wire messages <-> the services, and nothing else.
 
 Handler names follow Petals ("TransformerConnectionHandler.rpc_*"). Each handler parses metadata into
-typed messages, hands them to the service that owns the work (inference sessions: server/inference.py;
-forward and backward passes: server/passes.py; the status: server/status.py) and encodes what comes
-back. Any error a request causes is raised as a typed `CorollaError`; its text goes to the caller
-(swarm/stream_handlers.py for streams, hivemind for unary calls), and only that request or session
+typed messages, hands them to the service that owns the work (inference sessions: server/inference/service.py;
+forward and backward passes: server/inference/forward_passes.py; the status: server/status.py) and encodes
+what comes back. Any error a request causes is raised as a typed `CorollaError`; its text goes to the caller
+(swarm/p2p/stream_handlers.py for streams, hivemind for unary calls), and only that request or session
 ends. An unexpected error is logged with its traceback and reaches the caller as a `ServerUnavailable`,
 never as a raw Python exception (server/rpc_errors.py).
 
 What arrives is bounded before it is used: every read of a stream waits at most the step timeout, each
 stream message at most the bytes its handler's limits allow (a session's own, after its first message;
-refused from the length header, before the body is read: swarm/stream_handlers.py), a tensor stream at
+refused from the length header, before the body is read: swarm/p2p/stream_handlers.py), a tensor stream at
 most its byte limit and the chunk count that limit allows, and hidden states are checked against the
 session's or pass's limits from their declared shape, before they are decoded.
 """
@@ -29,12 +29,12 @@ from hivemind.proto import runtime_pb2
 from corolla.engine.sequence import Gradients
 from corolla.errors import InvalidRequest, NotAllowed
 from corolla.server import validation
-from corolla.server.inference import InferenceService, StepMessage, next_within
-from corolla.server.passes import PassService, output_compression
+from corolla.server.inference.forward_passes import PassService, output_compression
+from corolla.server.inference.service import InferenceService, StepMessage, next_within
+from corolla.server.inference.sessions import Completed
 from corolla.server.rpc_errors import Unary, reading_to_the_end, typed_errors
-from corolla.server.sessions import Completed
 from corolla.server.status import StatusBoard
-from corolla.swarm.stream_handlers import ProtobufHandlers, limit_messages
+from corolla.swarm.p2p.stream_handlers import ProtobufHandlers, limit_messages
 from corolla.wire import messages
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import ForwardRequest, InferenceStep, StepReply

@@ -24,26 +24,26 @@ from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info, free_memory
 from corolla.models.source import dht_prefix_for, resolve_model
-from corolla.server.announcer import Announcer
-from corolla.server.backend import BUDGET_CACHE_TOKENS, SpanLoader, adapter_names, compute_settings
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.inference import InferenceService
-from corolla.server.links import LinkMonitor
+from corolla.server.hosting.backend import BUDGET_CACHE_TOKENS, SpanLoader, adapter_names, compute_settings
+from corolla.server.hosting.pace import Pace
+from corolla.server.hosting.spans import HostedSpans
+from corolla.server.hosting.startup_speed import measure_speed
+from corolla.server.inference.forward_passes import PassService
+from corolla.server.inference.push import Pusher
+from corolla.server.inference.service import InferenceService
 from corolla.server.metrics import ServerMetrics
-from corolla.server.pace import Pace
-from corolla.server.passes import PassService
-from corolla.server.placement import blocks_for_budget, choose_blocks
-from corolla.server.push import Pusher
-from corolla.server.reach import Reach, public_servers
-from corolla.server.rebalancer import Rebalancer
-from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
-from corolla.server.throughput import measure_speed
-from corolla.swarm.block_records import placed_servers
-from corolla.swarm.joining import join
-from corolla.swarm.model_listing import lists_model
-from corolla.swarm.transport import P2PTransport
+from corolla.server.upkeep.announcer import Announcer
+from corolla.server.upkeep.link_monitor import LinkMonitor
+from corolla.server.upkeep.reach import Reach, public_servers
+from corolla.server.upkeep.rebalancer import Rebalancer
+from corolla.swarm.nat.joining import join
+from corolla.swarm.p2p.transport import P2PTransport
+from corolla.swarm.policy.placement import blocks_for_budget, choose_blocks
+from corolla.swarm.records.block_records import placed_servers
+from corolla.swarm.records.model_listing import lists_model
 from corolla.version import __version__
 from corolla.wire.records import ServerState
 
@@ -56,7 +56,7 @@ class Server:
         self.config = config
         self.adapters = adapter_names(config.adapters)  # (name, folder) pairs
         self.metrics = ServerMetrics() if config.metrics_port is not None else None
-        self.pace = Pace()  # its decode passes' speed (server/pace.py)
+        self.pace = Pace()  # its decode passes' speed (server/hosting/pace.py)
         self.dht: DHT | None = None
         self.p2p: P2P | None = None
         self.spans: HostedSpans | None = None
@@ -120,7 +120,8 @@ class Server:
 
     async def _measure_speed(self, loader: SpanLoader) -> None:
         """Measured on the first blocks a span may hold alone, before choosing blocks (placement weighs the
-        swarm by throughput); clients route by its passes' pace once it has served (server/pace.py)."""
+        swarm by throughput); clients route by its passes' pace once it has served
+        (server/hosting/pace.py)."""
         sharing = self.model.kv_sharing
         first = min(cut for cut in range(1, self.model.num_hidden_layers + 1) if sharing.allows(cut))
         probe = await asyncio.to_thread(loader.load_span, (0, first))
@@ -128,7 +129,7 @@ class Server:
         self.pace.batch_growth = self.speed.batch_growth
 
     async def _report_serving(self, blocks: tuple[int, int]) -> None:
-        """The line scripts wait for, then how other peers reach this server (server/reach.py)."""
+        """The line scripts wait for, then how other peers reach this server (server/upkeep/reach.py)."""
         logger.info("Serving blocks %d:%d of %s as %s", *blocks, self.dht_prefix, self.peer_id)
         await self.reach.report()
 
@@ -139,7 +140,7 @@ class Server:
     async def _serve(self) -> None:
         """The services over the loaded span, their RPC handlers, then the announcements."""
         config = self.config
-        wire = self.model.wire  # what travels between spans (models/wire.py)
+        wire = self.model.wire  # what travels between spans (models/handoff.py)
         num_blocks = self.model.num_hidden_layers
         self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
         self.inference = InferenceService(
@@ -165,7 +166,7 @@ class Server:
             self.dht, self.dht_prefix, period, self.status.snapshot, num_blocks, lister, self.links.place
         )
         self.status.state = ServerState.ONLINE
-        await self.links.place_first()  # its records' place in the tree (swarm/record_cells.py)
+        await self.links.place_first()  # its records' place in the tree (swarm/records/record_cells.py)
         await self.announcer.announce()
         self.announcer.start()
         self.links.start()

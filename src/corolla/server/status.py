@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from corolla.config import ServerConfig
 from corolla.models.devices import DeviceInfo
-from corolla.server.inference import InferenceService
-from corolla.server.links import LinkMonitor
-from corolla.server.pace import Pace
-from corolla.server.reach import Reach
-from corolla.server.spans import HostedSpans
+from corolla.server.hosting.pace import Pace
+from corolla.server.hosting.spans import HostedSpans
+from corolla.server.inference.service import InferenceService
+from corolla.server.upkeep.link_monitor import LinkMonitor
+from corolla.server.upkeep.reach import Reach
 from corolla.wire.records import ServerState, ServerStatus
 from corolla.wire.tensors import supported_encodings
 
@@ -25,7 +25,8 @@ from corolla.wire.tensors import supported_encodings
 class Compute:
     """What the server computes with, as found at start: the dtype's name, the measured blocks per
     second (placement weighs it: a figure that does not move), the device, and the measured slowdown per
-    more session in a batch; then the pace of its own decode passes (server/pace.py: routing's figure)."""
+    more session in a batch; then the pace of its own decode passes (server/hosting/pace.py: routing's
+    figure)."""
 
     dtype: str
     throughput: float | None
@@ -53,7 +54,7 @@ class StatusBoard:
         self.model_fingerprint = model_fingerprint
         self.version = version
         self.compute = compute
-        self.reach = reach  # how other peers reach it (server/reach.py)
+        self.reach = reach  # how other peers reach it (server/upkeep/reach.py)
         self.state = ServerState.JOINING  # ONLINE once it serves, OFFLINE when it leaves
 
     def snapshot(self) -> ServerStatus:

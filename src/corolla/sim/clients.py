@@ -1,12 +1,12 @@
 """What a simulated client knows of the swarm when it routes, and what is true.
 
 A client reads the servers' records (those the DHT still holds, in the records' tree as far as
-CLIENT_CELLS cells allow: swarm/record_cells.py) and pings every server of them: a
+CLIENT_CELLS cells allow: swarm/records/record_cells.py) and pings every server of them: a
 crashed server does not answer, a live one answers with its live load and its announced links (what
-client/swarm_view.py and client/estimates.py get from `rpc_info`, its free cache included). Its round
-trips come out up to 20% above the true ones (a ping's own overhead; a ping carries no hidden states, so
-it says nothing of uploads). The oracle knows every server's true speed and load and every true round
-trip and upload.
+client/routing/swarm_view.py and client/routing/estimates.py get from `rpc_info`, its free cache included).
+Its round trips come out up to 20% above the true ones (a ping's own overhead; a ping carries no hidden
+states, so it says nothing of uploads). The oracle knows every server's true speed and load and every true
+round trip and upload.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-from corolla.client.bans import Bans
-from corolla.client.estimates import ServerEstimates
-from corolla.server.placement import Placed
+from corolla.client.routing.bans import Bans
+from corolla.client.routing.estimates import ServerEstimates
 from corolla.sim.record_tree import seen
-from corolla.sim.state import SimServer, Swarm, least_held
+from corolla.sim.state import SimServer, SimSwarm, least_held
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.record_cells import CLIENT_CELLS
-from corolla.swarm.routing import Estimate, Hop, chain_cost, choose_chain
+from corolla.swarm.policy.placement import Placed
+from corolla.swarm.policy.routing import Estimate, Hop, chain_cost, choose_chain
+from corolla.swarm.records.record_cells import CLIENT_CELLS
 from corolla.wire.records import ServerStatus
 
 
@@ -37,7 +37,7 @@ def span(server: SimServer, placed: Placed) -> RemoteSpan:
         server.free_cache(),
         throughput=throughput,
         pace=server.pace.blocks_per_s(),  # as its ping says now
-        # what server/throughput.py measures: (a step of 8 sequences / one's - 1) / 7
+        # what server/hosting/startup_speed.py measures: (a step of 8 sequences / one's - 1) / 7
         batch_growth=server.cost.per_token / server.cost.seconds(1),
         num_sessions=server.sessions,
         next_pings=tuple(server.links.items()),
@@ -46,7 +46,7 @@ def span(server: SimServer, placed: Placed) -> RemoteSpan:
 
 
 def looked_up(
-    sim: Swarm, client: str, rng: random.Random, estimates: ServerEstimates | None = None
+    sim: SimSwarm, client: str, rng: random.Random, estimates: ServerEstimates | None = None
 ) -> tuple[list[RemoteSpan], ServerEstimates]:
     """The spans of the servers that answer `client`'s pings, and its estimates of them (`estimates`: a
     long-lived client's, which its pings update)."""
@@ -61,7 +61,7 @@ def looked_up(
     return spans, estimates
 
 
-def starved_for_cache(sim: Swarm, bans: Bans) -> bool:
+def starved_for_cache(sim: SimSwarm, bans: Bans) -> bool:
     """Whether every block has a live server but some only has servers `bans` passes over for want of
     cache (refused by them lately, maybe in another session of the same client): a session that waits
     then waits for cache, not for servers."""
@@ -70,13 +70,13 @@ def starved_for_cache(sim: Swarm, bans: Bans) -> bool:
     return least_held(servers, total) > 0 and least_held(servers, total, bans.out_of_cache()) == 0
 
 
-def noisy(sim: Swarm, rng: random.Random) -> float:
+def noisy(sim: SimSwarm, rng: random.Random) -> float:
     """A measured round trip's factor over the true one (the scenario's `ping_noise`; no draw without)."""
     noise = sim.scenario.ping_noise
     return rng.lognormvariate(0, noise) if noise else 1.0
 
 
-def truth(sim: Swarm, client: str, peer_ids: Iterable[str], joining: bool) -> dict[str, Estimate]:
+def truth(sim: SimSwarm, client: str, peer_ids: Iterable[str], joining: bool) -> dict[str, Estimate]:
     """Each server's true round trip from `client` (its data both ways included) and true time per block
     of a step, with the other sessions in its batch (`joining`: the client's session is about to be one
     more)."""
@@ -89,7 +89,7 @@ def truth(sim: Swarm, client: str, peer_ids: Iterable[str], joining: bool) -> di
 
 
 def against_oracle(
-    sim: Swarm, client: str, hops: list[Hop], start: int, end: int, rng: random.Random
+    sim: SimSwarm, client: str, hops: list[Hop], start: int, end: int, rng: random.Random
 ) -> float:
     """`hops`' true step time over the oracle's chain's: the oracle routes over every live server with a
     record (not only those the client's walk found), knowing every server's true speed and load (the

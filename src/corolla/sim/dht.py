@@ -1,14 +1,14 @@
 """What corolla's DHT costs each peer, and how that grows with the swarm: hivemind's own Kademlia code
 (`RoutingTable`, `traverse_dht`) run in one process under asyncio, without sockets or a clock.
 
-The traffic is corolla's (swarm/block_records.py, the records' tree of swarm/record_cells.py, settled in
-memory by its own rules: sim/record_tree.py): every announce period each server stores its signed record
-at its level (level 0: under each of its block keys; deeper: in its one cell; `store_many`, and its
+The traffic is corolla's (swarm/records/block_records.py, the records' tree of swarm/records/record_cells.py,
+settled in memory by its own rules: sim/record_tree.py): every announce period each server stores its signed
+record at its level (level 0: under each of its block keys; deeper: in its one cell; `store_many`, and its
 cache holds those keys, so hivemind's cache_on_store re-reads them at once), and MODEL_LISTERS of them
-under MODELS_KEY; each server walks its own path once an announce period (server/links.py) and once a
-balance period (server/rebalancer.py), a level's keys in one get_many; a client reads the tree as far as
-CLIENT_CELLS allow (a client that stays re-reads every refresh_period: count each re-read as a session).
-Lookups get the arguments DHTNode.store_many and get_many_by_id give `traverse_dht`, with DHTNode's
+under MODELS_KEY; each server walks its own path once an announce period (server/upkeep/link_monitor.py) and
+once a balance period (server/upkeep/rebalancer.py), a level's keys in one get_many; a client reads the tree
+as far as CLIENT_CELLS allow (a client that stays re-reads every refresh_period: count each re-read as a
+session). Lookups get the arguments DHTNode.store_many and get_many_by_id give `traverse_dht`, with DHTNode's
 defaults and corolla's 4 workers; reads want the latest value (sufficient_expiration_time=inf): they
 visit the beam.
 
@@ -47,8 +47,8 @@ from corolla.sim.dht_nodes import BITS, BUCKET_SIZE, NODE_DEFAULTS, Nodes
 from corolla.sim.dht_wire import PREFIX, Wire
 from corolla.sim.record_tree import RecordTree, seen
 from corolla.swarm.dht import MODELS_KEY
-from corolla.swarm.model_listing import MODEL_LISTERS
-from corolla.swarm.record_cells import CLIENT_CELLS, Walk, cell_key
+from corolla.swarm.records.model_listing import MODEL_LISTERS
+from corolla.swarm.records.record_cells import CLIENT_CELLS, Walk, cell_key
 
 NUM_REPLICAS = NODE_DEFAULTS["num_replicas"].default  # nodes that store each record
 CACHE_NEAREST = NODE_DEFAULTS["cache_nearest"].default  # after a read, nodes that get the whole value
@@ -171,7 +171,7 @@ def dht_traffic(
     tree = RecordTree.settled(PREFIX, num_blocks, spans, rounds=1, rng=rng)
     for key, peers in tree.cells.items():
         swarm.add_key(DHTID.generate(source=key), len(peers))
-    listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/model_listing.py)
+    listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/records/model_listing.py)
     swarm.add_key(swarm.models_key, listers)
     if server_reads_per_minute is None:
         server_reads_per_minute = 60 / announce_period + 60 / BALANCE_PERIOD

@@ -18,8 +18,8 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from corolla.swarm.identity import owned_subkey, peer_id_of_identity
-from corolla.swarm.record_checks import record_validators
+from corolla.swarm.p2p.identity import owned_subkey, peer_id_of_identity
+from corolla.swarm.records.record_checks import record_validators
 from corolla.version import __version__
 from corolla.wire.records import ServerStatus, block_key
 
@@ -40,7 +40,7 @@ class Wire:
         key = RSAPrivateKey()
         peer_id = peer_id_of_identity(key)
         self.subkey = owned_subkey(peer_id, key)
-        pings = tuple((peer_id, 0.0421) for _ in range(8))  # server/links.py: MAX_LINKS round trips
+        pings = tuple((peer_id, 0.0421) for _ in range(8))  # upkeep/link_monitor.py: MAX_LINKS round trips
         status = ServerStatus(
             0, 12, __version__, "bfloat16", 8192, 400_000, dht_prefix=PREFIX, model_fingerprint="f" * 16,
             max_batch_size=8, max_sessions_per_peer=16, max_passes_per_peer=64, cache_tokens_total=10**6,

@@ -1,4 +1,4 @@
-"""The servers' records tree (swarm/record_cells.py) held in memory: servers announce by its own rules
+"""The servers' records tree (swarm/records/record_cells.py) held in memory: servers announce by its own rules
 (`Place.update` after a `Walk` down their path) and readers walk it, as the real peers do over the DHT.
 For sim/dht.py, which prices those reads and stores on hivemind's Kademlia code, and for the simulated
 swarm, whose clients route over what their read finds (sim/clients.py)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from corolla.swarm.record_cells import Place, Walk, position
+from corolla.swarm.records.record_cells import Place, Walk, position
 
 
 class RecordTree:

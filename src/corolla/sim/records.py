@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corolla.server.placement import Placed
+from corolla.swarm.policy.placement import Placed
 
 
 @dataclass

@@ -8,7 +8,7 @@ import time
 
 from corolla.sim.scenario import Scenario
 from corolla.sim.sessions import Sessions
-from corolla.sim.swarm import Coverage, Simulation
+from corolla.sim.simulation import Coverage, Simulation
 
 
 def simulate(scenario: Scenario) -> dict:

@@ -81,7 +81,7 @@ class Scenario(BaseModel):
     # a decode step's time as a client times it: its truth times a log-normal draw of this sigma (0.86:
     # the 90th percentile 3x the median, as timed on this shared machine by bench/sim_vs_real.py)
     step_noise: float = Field(default=0.3, ge=0, le=3)
-    # a server's own decode pass likewise (server/pace.py times them; no network in it)
+    # a server's own decode pass likewise (server/hosting/pace.py times them; no network in it)
     pass_noise: float = Field(default=0.1, ge=0, le=3)
     # a ping's round trip likewise (clients' pings and the links servers announce): 0 on the internet's
     # tens of milliseconds; on one loaded machine a loopback ping takes a busy peer's turn to answer

@@ -1,21 +1,21 @@
 """Inference sessions in a simulated swarm, each from a client (one of its own, or one of the scenario's
 long-lived `clients`) deciding with corolla's client code under the simulation's clock:
-client/router.py `Router.choose` (the routable filter and the cheapest chain over what the client knows:
-client/estimates.py from its pings, the records it read), client/bans.py `Bans` and client/retries.py
-`RetryBudget` for failover, and client/estimates.py's silence rule for how long a crashed server's
-silence takes to notice.
+client/routing/router.py `Router.choose` (the routable filter and the cheapest chain over what the client
+knows: client/routing/estimates.py from its pings, the records it read), client/routing/bans.py `Bans` and
+client/chain/retries.py `RetryBudget` for failover, and client/routing/estimates.py's silence rule for how
+long a crashed server's silence takes to notice.
 
-Opening a chain is client/links.py `open_links`: a server whose cache cannot take the session's tokens
+Opening a chain is client/chain/opening.py `open_links`: a server whose cache cannot take the session's tokens
 (its prompt's and its steps': the engine allocates cache as positions are written, so a session takes what
 it uses, not its max_length) refuses it (the engine's admission, with the client's default alloc_timeout
-of 0), and the client passes that server over for a while (client/bans.py `full`) and routes again, up to
-max_retries times. A session holds its servers (and that much of their caches) for its decode steps
-at its chain's true per-token latency (swarm/routing.py `chain_cost` at true speeds, round trips, uploads
-and batch loads, push on); the latency is fixed when the chain is chosen (loads that change later do not
-change it). When a server of its chain crashes, the client notices
+of 0), and the client passes that server over for a while (client/routing/bans.py `full`) and routes again, up
+to max_retries times. A session holds its servers (and that much of their caches) for its decode steps
+at its chain's true per-token latency (swarm/policy/routing.py `chain_cost` at true speeds, round trips,
+uploads and batch loads, push on); the latency is fixed when the chain is chosen (loads that change later do
+not change it). When a server of its chain crashes, the client notices
 after the silence limit (at once when a leaving server ends its drain), bans the server and routes the
 failed hop's blocks again (`_fail_over`), as
-client/chain.py `_recover` does; with a block uncovered it waits up to `routing_timeout` (looking every
+client/chain/chain.py `_recover` does; with a block uncovered it waits up to `routing_timeout` (looking every
 LONGEST_WAIT seconds, as the router does), then the session is lost. When a session ends its client has
 timed its first hop's steps (the only ones push lets it time): its estimates get that server's last
 TIMED_STEPS steps, each its true time with the scenario's `step_noise`. Lost sessions are counted apart when
@@ -31,17 +31,17 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from corolla.client.bans import Bans
-from corolla.client.estimates import SILENCE_FACTOR, SILENCE_FLOOR, ServerEstimates
-from corolla.client.retries import RetryBudget
-from corolla.client.router import LONGEST_WAIT, Router
+from corolla.client.chain.retries import RetryBudget
+from corolla.client.routing.bans import Bans
+from corolla.client.routing.estimates import SILENCE_FACTOR, SILENCE_FLOOR, ServerEstimates
+from corolla.client.routing.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
 from corolla.sim.clients import against_oracle, looked_up, starved_for_cache, truth
 from corolla.sim.scenario import Event
-from corolla.sim.state import Swarm, least_held
+from corolla.sim.state import SimSwarm, least_held
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Hop, chain_cost
+from corolla.swarm.policy.routing import Hop, chain_cost
 
 TIMED_STEPS = 8  # a session's last decode steps a client's moving average of step times mostly holds
 
@@ -80,7 +80,8 @@ class SimSession:
 
 @dataclass
 class _View:
-    """What client/router.py reads of client/swarm_view.py's SwarmView: the spans read and who answered."""
+    """What client/routing/router.py reads of client/routing/swarm_view.py's SwarmView: the spans read and who
+    answered."""
 
     spans: list[RemoteSpan]
     answered: set[str]
@@ -89,7 +90,7 @@ class _View:
 
 
 class Sessions:
-    def __init__(self, sim: Swarm):
+    def __init__(self, sim: SimSwarm):
         self.sim = sim
         self.config = ClientConfig()
         self.on: dict[str, set[SimSession]] = defaultdict(set)  # peer id -> sessions with a hop there
@@ -213,8 +214,8 @@ class Sessions:
         sim.at(sim.now + left, self._end, session, session.version)
 
     def _open(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
-        """client/links.py `open_links`: a chain whose servers all take the session, passing over those
-        that refuse it (no cache for it: `Bans.failed` with CacheExhausted) and routing again, up to
+        """client/chain/opening.py `open_links`: a chain whose servers all take the session, passing over
+        those that refuse it (no cache for it: `Bans.failed` with CacheExhausted) and routing again, up to
         max_retries times; then ServerUnavailable."""
         for _ in range(self.config.max_retries + 1):
             hops = self._choose(session, start, end, oracle)
@@ -229,7 +230,8 @@ class Sessions:
         raise ServerUnavailable(f"could not open sessions for blocks {start}:{end}")
 
     def _choose(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
-        """The client's chain over [start, end) (client/router.py); with `oracle`, also the oracle's."""
+        """The client's chain over [start, end) (client/routing/router.py); with `oracle`, also the
+        oracle's."""
         sim = self.sim
         client = session.client
         spans, estimates = looked_up(sim, client.name, self.rng, client.estimates)
@@ -247,7 +249,7 @@ class Sessions:
     def _end(self, session: SimSession, version: int) -> None:
         if version != session.version:
             return
-        # with push the client times only its first hop (client/chain.py: pushed-to servers' replies
+        # with push the client times only its first hop (client/chain/chain.py: pushed-to servers' replies
         # may come before its own copy left): what it learns of that server's true speed
         first = session.hops[0]
         true = truth(self.sim, session.client.name, [first.peer_id], joining=False)[first.peer_id]

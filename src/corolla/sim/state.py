@@ -1,5 +1,5 @@
 """What the simulated swarm's parts share: a server as the simulation tracks it, and the swarm as
-clients and sessions see it (sim/swarm.py's Simulation is one)."""
+clients and sessions see it (sim/simulation.py's Simulation is one)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from corolla.server.pace import Pace
-from corolla.server.placement import Placed, coverage
+from corolla.server.hosting.pace import Pace
 from corolla.sim.compute import PassCost
 from corolla.sim.network import Network
 from corolla.sim.record_tree import RecordTree
 from corolla.sim.scenario import Scenario, ServerClass
+from corolla.swarm.policy.placement import Placed, coverage
 
 
 @dataclass(eq=False)
@@ -23,7 +23,7 @@ class SimServer:
     blocks: int  # how many it holds
     throughput: float  # announced, as measured at start: its true speed off by up to announce_noise
     cost: PassCost  # its true speed: a pass over one of its blocks
-    pace: Pace = field(default_factory=Pace)  # its passes' (server/pace.py), announced beside it
+    pace: Pace = field(default_factory=Pace)  # its passes' (server/hosting/pace.py), announced beside it
     cache: int | None = None  # tokens of attention cache it holds (None: no limit)
     start: int = 0
     end: int = 0
@@ -58,7 +58,7 @@ def least_held(servers: Iterable[SimServer], total: int, passed_over: Collection
     return int(min(coverage(spans, total)))
 
 
-class Swarm(Protocol):
+class SimSwarm(Protocol):
     scenario: Scenario
     now: float
     rng: random.Random

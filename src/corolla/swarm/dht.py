@@ -1,11 +1,11 @@
 """The swarm's DHT, as client and server both use it: start a peer, store and read signed records (the
-blocks' records: swarm/block_records.py).
+blocks' records: swarm/records/block_records.py).
 
 hivemind's DHT runs its node in a child process; functions passed to `dht.run_coroutine` execute there,
 so they are module-level (picklable) and return plain data. Every peer has an RSA identity (its own file,
 or a new one per run) whose key signs the records it writes; its node refuses records signed in another
-peer's name, or (a private swarm) by peers not allowed (swarm/record_checks.py). Every record read back
-is validated again here: unsigned ones are ignored, the rest read into typed records
+peer's name, or (a private swarm) by peers not allowed (swarm/records/record_checks.py). Every record read
+back is validated again here: unsigned ones are ignored, the rest read into typed records
 (`ServerStatus.from_dict`); what is refused is counted by reason (`tally`), never trusted.
 """
 
@@ -29,19 +29,20 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from corolla.config import SwarmConfig
 from corolla.errors import StartFailed
-from corolla.swarm import dial_back, p2p_io
-from corolla.swarm.addresses import check_listen_port, explain_start_failure
-from corolla.swarm.daemons import identity_taken, watch_parent
-from corolla.swarm.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
-from corolla.swarm.reachability import p2p_options, relays_for_others
-from corolla.swarm.record_checks import OwnerCheck, record_validators, rejected_counts
-from corolla.swarm.relay_service import (
+from corolla.swarm.nat import dial_back
+from corolla.swarm.nat.reachability import p2p_options, relays_for_others
+from corolla.swarm.nat.relay_service import (
     expected,
     keep_own_limits,
     limit_relaying,
     refuse_relaying,
     relay_limit_flags,
 )
+from corolla.swarm.p2p import p2p_io
+from corolla.swarm.p2p.addresses import check_listen_port, explain_start_failure
+from corolla.swarm.p2p.daemons import identity_taken, watch_parent
+from corolla.swarm.p2p.identity import load_identity, owned_subkey, peer_id_of_identity, record_owner
+from corolla.swarm.records.record_checks import OwnerCheck, record_validators, rejected_counts
 from corolla.wire.records import ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,14 @@ def start_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: 
 def spawn_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: bool = False) -> Spawning:
     """Fork a DHT peer's process, which starts its libp2p daemon and joins; `ready()` waits for that.
 
-    One that relays for others has its relay's limits checked (swarm/relay_service.py). Every peer but a
-    client answers other peers' dial-back requests (swarm/dial_back.py). `identity_checked`: a restart
+    One that relays for others has its relay's limits checked (swarm/nat/relay_service.py). Every peer but a
+    client answers other peers' dial-back requests (swarm/nat/dial_back.py). `identity_checked`: a restart
     of a peer that checked its identity was free (it may still look taken to the others for a while).
     `unconfirmed`: its DHT node stays out of others' routing tables (as a client's) until
-    swarm/joining.py's `publish`."""
+    swarm/nat/joining.py's `publish`."""
     p2p_io.install()
     check_listen_port(config.host, config.port)
-    # a peer behind NAT must not hold records others need (swarm/reachability.py)
+    # a peer behind NAT must not hold records others need (swarm/nat/reachability.py)
     client_mode = config.client_mode or config.reachability == "behind-nat"
     # an unconfirmed one only looks like a client to the DHT: its daemon is a public peer's
     daemon_mode = {"dht_mode": "server"} if unconfirmed and not client_mode else {}
@@ -158,9 +159,9 @@ class PeerDHT(DHT):
     wrote it into the parent's event loop (a second signal there: no drain) and never exited, not even on
     DHT.shutdown()'s SIGTERM, so the parent hung at exit joining it. SIGTERM and SIGHUP end the child
     (its libp2p daemon exits with it); SIGINT stays ignored (hivemind's choice), the parent stops it.
-    A parent that dies without stopping it (kill -9) takes it and its daemon along (swarm/daemons.py).
+    A parent that dies without stopping it (kill -9) takes it and its daemon along (swarm/p2p/daemons.py).
 
-    A peer's relay limits reach its daemon from the child (swarm/relay_service.py `limit_relaying`).
+    A peer's relay limits reach its daemon from the child (swarm/nat/relay_service.py `limit_relaying`).
     It also holds the peer's identity key (`subkey`: what its records are signed under) and its node's
     record checks, whose counters `rejected_records` reads from the child.
     """
@@ -174,7 +175,7 @@ class PeerDHT(DHT):
         **kwargs,
     ):
         self.parent_pid = os.getpid()  # the child ends itself when this process is gone (kill -9)
-        self.relay_flags = relay_flags or {}  # the daemon's relay limits (swarm/relay_service.py)
+        self.relay_flags = relay_flags or {}  # the daemon's relay limits (swarm/nat/relay_service.py)
         self.relay_limits = relay_limits  # those its relay must grant (None: it relays for nobody)
         self.identity = key
         self.owner_check = next(v for v in validators if isinstance(v, OwnerCheck))
@@ -209,7 +210,7 @@ class RemoteSpan:
     start: int
     end: int
     info: ServerStatus
-    level: int = 0  # the level of the records' tree it was found at (swarm/record_cells.py)
+    level: int = 0  # the level of the records' tree it was found at (swarm/records/record_cells.py)
 
     @property
     def length(self) -> int:
@@ -218,7 +219,7 @@ class RemoteSpan:
 
 async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expiration: float) -> bool:
     """List the model under MODELS_KEY, so that tools (`corolla status`) find it without being told (by a
-    few of its servers: swarm/model_listing.py)."""
+    few of its servers: swarm/records/model_listing.py)."""
     value = {"dht_prefix": dht_prefix, "num_blocks": num_blocks}
     store = partial(store_records, keys=[MODELS_KEY], subkey=dht.subkey, value=value, ttl=expiration)
     return await dht.run_coroutine(store, return_future=True)
@@ -226,8 +227,8 @@ async def announce_model(dht: PeerDHT, dht_prefix: str, num_blocks: int, expirat
 
 async def find_models(dht: DHT, tally: Counter | None = None) -> dict[str, dict[str, int]]:
     """The models servers have announced recently: DHT prefix -> {peer id of the signer: number of
-    blocks it claims}. Claims, not facts: any peer can sign one (swarm/overview.py's `confirmed_models`
-    keeps those of servers that answer)."""
+    blocks it claims}. Claims, not facts: any peer can sign one (swarm/records/overview.py's
+    `confirmed_models` keeps those of servers that answer)."""
     found = await dht.run_coroutine(partial(read_records, keys=[MODELS_KEY]), return_future=True)
     tally = Counter() if tally is None else tally
     models: dict[str, dict[str, int]] = {}

@@ -1,11 +1,11 @@
 """What identifies a step's inputs: the digest a server records for each step it runs and names in the
 step's reply, and that the client checks against what it sent.
 
-With push (server/push.py), a step can reach a server twice: pushed by the previous server and sent by the
-client. The digest tells a second copy of a step (it runs nothing more) from other inputs under the same
-step id (server/ledger.py), and a reply names the digest and position of what it ran, so that a client
-never takes outputs computed from inputs it did not send, such as a copy the previous server forged and
-pushed ahead of the client's own (client/span_stream.py).
+With push (server/inference/push.py), a step can reach a server twice: pushed by the previous server and sent
+by the client. The digest tells a second copy of a step (it runs nothing more) from other inputs under the
+same step id (server/inference/ledger.py), and a reply names the digest and position of what it ran, so that a
+client never takes outputs computed from inputs it did not send, such as a copy the previous server forged and
+pushed ahead of the client's own (client/rpc/span_stream.py).
 
 It covers everything in a step that changes its outputs: each tensor's bytes, dtype, shape and encoding
 (hidden states, and deep prompts and beam order when sent), the token tree the step forms and the path

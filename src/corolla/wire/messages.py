@@ -83,8 +83,9 @@ class InferenceStep:
     active_adapter: str | None = None
     points: float = 0.0
     output_encoding: str | None = None  # how the server encodes this session's outputs (wire/tensors.py)
-    # prefix reuse (server/sessions.py): start from this session of the same peer, at the first step's
-    # start_from_position; and keep this session, idle and evictable, for later forks once its stream ends
+    # prefix reuse (server/inference/sessions.py): start from this session of the same peer, at the first
+    # step's start_from_position; and keep this session, idle and evictable, for later forks once its stream
+    # ends
     fork_of: str | None = None
     keep: bool = False
 
@@ -175,7 +176,7 @@ class StepReply:
 
     A reply with outputs names what ran: the position and the digest of the inputs (wire/digest.py, in
     hex). A step id has a second reply when a pushed copy with other inputs ran and replied before the
-    client's copy arrived; the client takes the reply to what it sent (client/span_stream.py).
+    client's copy arrived; the client takes the reply to what it sent (client/rpc/span_stream.py).
     """
 
     step_id: str | None = None
@@ -231,8 +232,9 @@ class ForwardRequest:
 
 
 def _indices(fields: Fields, name: str, low: int = 0) -> tuple[int, ...] | None:
-    """A list of token indices; what they must point to is checked against the session (server/steps.py),
-    so a bad one is refused as that step's error, not the whole session's."""
+    """A list of token indices; what they must point to is checked against the session
+    (server/inference/step_inputs.py), so a bad one is refused as that step's error, not the whole
+    session's."""
     if name not in fields:
         return None
     values = fields.list(name, max_items=MAX_TREE_TOKENS)

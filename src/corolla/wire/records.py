@@ -24,7 +24,7 @@ CIRCUIT_ADDRESS = re.compile(
     r"/p2p/[1-9A-HJ-NP-Za-km-z]{40,64}/p2p-circuit"
 )
 QUANTIZED = ("int8", "int4")  # weight precisions that change outputs (models/quantize.py)
-RECORD_LIFETIME = 2.5  # announce periods a record lives after it was stored (server/announcer.py)
+RECORD_LIFETIME = 2.5  # announce periods a record lives after it was stored (server/upkeep/announcer.py)
 # a record not renewed for this many of its server's announce periods (and STALE_SLACK seconds: an
 # announcement's own DHT stores, clocks a little apart) is a gone server's: a live one renews it every
 # period. It lives on until RECORD_LIFETIME, but placement and rebalancing stop counting it (swarm/dht.py
@@ -119,7 +119,7 @@ class ServerStatus:
     # how much slower a decode step gets per more session in its batch, as measured at start (0.03: 8
     # sessions' step takes 1.21x one's); None: not said (peers too old to measure it)
     batch_growth: float | None = None
-    # blocks per second as its latest decode passes ran (server/pace.py): what routing expects of it;
+    # blocks per second as its latest decode passes ran (server/hosting/pace.py): what routing expects of it;
     # None until it has run enough of them (then `throughput`, the figure placement weighs, stands in)
     pace: float | None = None
     adapters: tuple[str, ...] = ()

@@ -16,8 +16,8 @@ from corolla.api.app import build_app
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import ModelCard, ModelList
 from corolla.api.request_log import RequestLog
-from corolla.client.embeddings import MAX_PASS_ROWS, batches, embed_sequences, pool
 from corolla.client.runtime import LoopThread
+from corolla.client.training.embeddings import MAX_PASS_ROWS, batches, embed_sequences, pool
 from corolla.errors import MissingBlocks
 
 HIDDEN, VOCAB = 8, 100

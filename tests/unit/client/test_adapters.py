@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from corolla.client.peers import Peers
+from corolla.client.rpc.peers import Peers
 from corolla.errors import MissingBlocks, ServerUnavailable
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate

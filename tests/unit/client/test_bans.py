@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from corolla.client.bans import FULL_TIME, Bans, Undecided
+from corolla.client.routing.bans import FULL_TIME, Bans, Undecided
 from corolla.config import ClientConfig, EngineConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
 from loopback import LoopbackSwarm
@@ -21,7 +21,7 @@ NEW_TOKENS = 24
 
 def test_one_failure_seen_by_many_sessions_counts_once(caplog):
     bans = Bans(ClientConfig(ban_time=15.0))
-    with caplog.at_level(logging.INFO, logger="corolla.client.bans"):
+    with caplog.at_level(logging.INFO, logger="corolla.client.routing.bans"):
         for _ in range(5):  # five sessions were on the server when it died
             bans.ban("peer-A")
     assert bans.banned() == {"peer-A"}

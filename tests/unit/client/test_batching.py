@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from corolla.client.session import InferenceSession
+from corolla.client.chain.session import InferenceSession
 from corolla.config import EngineConfig
-from corolla.swarm.ping import fetch_status
+from corolla.swarm.p2p.ping import fetch_status
 from loopback import LoopbackNetwork, LoopbackSwarm
 
 NEW_TOKENS = 16

@@ -10,11 +10,11 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.session import InferenceSession
-from corolla.client.span_stream import Opening, SpanStream, Step, StepRoute
+from corolla.client.chain.session import InferenceSession
+from corolla.client.rpc.span_stream import Opening, SpanStream, Step, StepRoute
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.models.head import ModelHead
-from corolla.swarm.routing import Hop
+from corolla.swarm.policy.routing import Hop
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.digest import step_digest
 from corolla.wire.messages import StepReply

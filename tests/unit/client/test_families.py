@@ -64,7 +64,7 @@ def test_block_boundaries_and_logits_are_transformers_hidden_states(family):
         outputs = session.step(model.head.embed(input_ids))
         assert [(hop.start, hop.end) for hop in session.route] == SPANS
         boundary = session.chain.links[1].history.inputs  # what the first server sent the second
-    boundary, _ = model.head.wire.unpack(boundary)  # beside it, Gemma's per-layer inputs (models/wire.py)
+    boundary, _ = model.head.wire.unpack(boundary)  # beside it, Gemma's per-layer inputs (models/handoff.py)
     torch.testing.assert_close(boundary, expected[3], atol=1e-4, rtol=1e-4)
     if model.head.wire.streams == 1:  # transformers records Gemma 3n's last streams before it merges them
         torch.testing.assert_close(model.head.norm(outputs), expected[6], atol=1e-4, rtol=1e-4)

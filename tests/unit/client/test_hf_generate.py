@@ -1,4 +1,4 @@
-"""`model.generate` called as transformers users call it (client/hf_generate.py), over corolla's own servers
+"""`model.generate` called as transformers users call it (client/hf/generate.py), over corolla's own servers
 in this process (tests/loopback.py): attention masks and padded batches, transformers' streamers, its
 argument names, and sampling that leaves the caller's random generator alone."""
 
@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from corolla.client.hf_generate import transformers_names, unpadded_rows
+from corolla.client.hf.generate import transformers_names, unpadded_rows
 from corolla.errors import InvalidRequest
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate

@@ -3,8 +3,8 @@ outputs it replied for them (for spot checks), through rollbacks, beam reorderin
 
 import torch
 
-from corolla.client.hop_history import HopHistory
-from corolla.client.span_stream import Step
+from corolla.client.chain.hop_history import HopHistory
+from corolla.client.rpc.span_stream import Step
 
 
 def record(history, hidden, position, prompts=None, hypo=None, tree=None):

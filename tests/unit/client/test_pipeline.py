@@ -1,13 +1,13 @@
-"""A long prompt through a chain as a pipeline of chunks (client/pipeline.py), over corolla's own servers in
-this process (tests/loopback.py): every hop gets it in chunks, in order, the tokens are transformers'
-own, and a server that dies in the middle of the pipeline is replaced like any failed one."""
+"""A long prompt through a chain as a pipeline of chunks (client/chain/pipeline.py), over corolla's own
+servers in this process (tests/loopback.py): every hop gets it in chunks, in order, the tokens are
+transformers' own, and a server that dies in the middle of the pipeline is replaced like any failed one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from corolla.client.pipeline import PIPELINE_CHUNK
+from corolla.client.chain.pipeline import PIPELINE_CHUNK
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate
 

@@ -1,9 +1,9 @@
-"""Whether forking the chain that holds a prefix pays (client/prefix_cost.py): pure arithmetic over routing's
-step-time estimates and the length of this client's recent answers."""
+"""Whether forking the chain that holds a prefix pays (client/generation/prefix_cost.py): pure arithmetic over
+routing's step-time estimates and the length of this client's recent answers."""
 
 from __future__ import annotations
 
-from corolla.client.prefix_cost import (
+from corolla.client.generation.prefix_cost import (
     ALIKE,
     DEFAULT_ANSWER,
     PREFILL_TOKENS_PER_STEP,

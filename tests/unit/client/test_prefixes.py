@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from corolla.client.prefixes import Prefix, PrefixCache
+from corolla.client.generation.prefixes import Prefix, PrefixCache
 from corolla.config import SpeculationConfig
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from corolla.client.push_trust import PushTrust
-from corolla.client.session import InferenceSession
-from corolla.client.span_stream import Step, StepRoute
+from corolla.client.chain.push_trust import PushTrust
+from corolla.client.chain.session import InferenceSession
+from corolla.client.rpc.span_stream import Step, StepRoute
 from corolla.models.head import ModelHead
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import RPC_INFERENCE, RPC_PUSH, InferenceStep, NextServer, StepReply

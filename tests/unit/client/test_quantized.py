@@ -10,8 +10,8 @@ import torch
 
 from corolla.models.head import ModelHead
 from corolla.models.span import Span
-from corolla.swarm.overview import build_overview, format_table
-from corolla.swarm.ping import fetch_status
+from corolla.swarm.p2p.ping import fetch_status
+from corolla.swarm.records.overview import build_overview, format_table
 from loopback import PREFIX, LoopbackSwarm
 from swarm_helpers import reference_generate
 from tiny_models import load_reference

@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
-from corolla.client.bans import Bans
-from corolla.client.estimates import ServerEstimates
-from corolla.client.router import Router
-from corolla.client.swarm_view import SwarmView
+from corolla.client.routing.bans import Bans
+from corolla.client.routing.estimates import ServerEstimates
+from corolla.client.routing.router import Router
+from corolla.client.routing.swarm_view import SwarmView
 from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest, MissingBlocks
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.ping import Ping
-from corolla.swarm.routing import LOAD_WEIGHT, Hop
+from corolla.swarm.p2p.ping import Ping
+from corolla.swarm.policy.routing import LOAD_WEIGHT, Hop
 from corolla.wire.records import ServerStatus
 
 

@@ -9,8 +9,8 @@ from collections import Counter
 
 import torch
 
-from corolla.client.session import InferenceSession
-from corolla.swarm.ping import fetch_status
+from corolla.client.chain.session import InferenceSession
+from corolla.swarm.p2p.ping import fetch_status
 
 
 async def test_concurrent_sessions_split_between_two_replicas(network):

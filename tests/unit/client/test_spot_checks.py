@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from corolla.client.agreement import (
+from corolla.client.checks.compare import (
     GRADIENT_TOLERANCE,
     TOLERANCE,
     deviation,
@@ -20,13 +20,13 @@ from corolla.client.agreement import (
     gradients_agree,
     outputs_agree,
 )
-from corolla.client.judge import Dispute, Judge
-from corolla.client.spot_checks import SpotChecker
-from corolla.client.training import RemoteChain
+from corolla.client.checks.disputes import Dispute, Judge
+from corolla.client.checks.spot_checks import SpotChecker
+from corolla.client.training.remote_chain import RemoteChain
 from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import ServerUnavailable
-from corolla.swarm.routing import Hop
+from corolla.swarm.policy.routing import Hop
 from loopback import LoopbackSwarm
 from swarm_helpers import reference_generate
 

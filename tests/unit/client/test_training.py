@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from autograd_reference import PREFIX
-from corolla.client.lm_outputs import causal_lm_output, chain_inputs
-from corolla.client.training import RemoteChain
+from corolla.client.training.lm_outputs import causal_lm_output, chain_inputs
+from corolla.client.training.remote_chain import RemoteChain
 from corolla.wire.messages import RPC_BACKWARD, RPC_FORWARD
 from loopback import LoopbackServer, LoopbackSwarm
 

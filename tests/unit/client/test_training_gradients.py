@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autograd_reference import PREFIX, check_gradients, run_blocks
-from corolla.client.training import RemoteChain
+from corolla.client.training.remote_chain import RemoteChain
 from corolla.wire.messages import RPC_BACKWARD_STREAM
 from loopback import LoopbackSwarm
 from swarm_helpers import TINY_CHAINS, TINY_SPANS

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.client.session import InferenceSession
+from corolla.client.chain.session import InferenceSession
 from corolla.models.head import ModelHead
 from corolla.wire import tensors
 from corolla.wire.messages import RPC_INFERENCE, RPC_PUSH

@@ -1,4 +1,4 @@
-"""Layers that take more than the previous layer's hidden states (models/wire.py): Gemma 3n's 4 parallel
+"""Layers that take more than the previous layer's hidden states (models/handoff.py): Gemma 3n's 4 parallel
 streams (AltUp) and per-layer inputs, Gemma 4 E2B/E4B's per-layer inputs, HY-V4's and GLM-5-Next's 4
 hyper-connection streams. What travels between spans is one [B, T, width] tensor; the engine batches, pages
 and rolls it back like any hidden states."""
@@ -6,9 +6,9 @@ and rolls it back like any hidden states."""
 import pytest
 import torch
 
+from corolla.models.handoff import WireLayout
 from corolla.models.head import ModelHead
 from corolla.models.span import Span
-from corolla.models.wire import WireLayout
 from engine_helpers import check_batched_sessions_match_each_alone, check_tree_step_and_kept_path, make_engine
 from tiny_models import load_reference, save_tiny_model
 

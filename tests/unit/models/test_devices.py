@@ -12,7 +12,7 @@ from corolla.models.attention import CacheShape
 from corolla.models.config import ModelConfig
 from corolla.models.devices import default_dtype, free_memory, resolve_device
 from corolla.models.span import Span
-from corolla.server.backend import compute_settings
+from corolla.server.hosting.backend import compute_settings
 
 
 @pytest.fixture

@@ -209,7 +209,7 @@ def test_a_quantized_moe_span_serves_through_the_engine(tiny_models, family, mod
     engine = Engine(span, EngineConfig(max_cache_tokens=512, page_size=4, max_batch_wait_ms=0))
     session = engine.open_session("s", (0, 6), 1, 32)
     generator = torch.Generator().manual_seed(3)
-    width = span.config.wire.width  # HY-V4: 4 streams of 64 (models/wire.py)
+    width = span.config.wire.width  # HY-V4: 4 streams of 64 (models/handoff.py)
     steps = [torch.randn(1, n, width, generator=generator) for n in (4, 1, 1)]
     outputs = []
     for position, hidden in zip((0, 4, 5), steps, strict=True):  # a prefill, then decode steps

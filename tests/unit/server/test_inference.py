@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from corolla.errors import InvalidRequest, ServerUnavailable
-from corolla.server.inference import PIPELINE_DEPTH, StepMessage
+from corolla.server.inference.service import PIPELINE_DEPTH, StepMessage
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.digest import step_digest
 from corolla.wire.messages import NextServer

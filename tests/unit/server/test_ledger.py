@@ -2,7 +2,7 @@
 
 import torch
 
-from corolla.server.ledger import REMEMBERED_STEPS, StepLedger
+from corolla.server.inference.ledger import REMEMBERED_STEPS, StepLedger
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.digest import step_digest
 

@@ -1,4 +1,4 @@
-"""server/pace.py: the speed a server announces once its own decode passes have shown it."""
+"""server/hosting/pace.py: the speed a server announces once its own decode passes have shown it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from corolla.engine.async_engine import PassTiming
 from corolla.errors import InvalidRequest
-from corolla.server.pace import MIN_PASSES, WINDOW, Pace
+from corolla.server.hosting.pace import MIN_PASSES, WINDOW, Pace
 from corolla.wire.records import ServerStatus
 
 

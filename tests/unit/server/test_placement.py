@@ -6,8 +6,8 @@ import pytest
 
 from corolla.errors import InvalidRequest
 from corolla.models.config import ModelConfig
-from corolla.server import placement
-from corolla.server.placement import (
+from corolla.swarm.policy import placement
+from corolla.swarm.policy.placement import (
     best_move,
     better_blocks,
     block_bytes,

@@ -14,14 +14,14 @@ from corolla.config import EngineConfig, ServerConfig
 from corolla.engine.async_engine import PassTiming
 from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info
-from corolla.server.backend import SpanLoader
-from corolla.server.inference import InferenceService, StepMessage
+from corolla.server.hosting.backend import SpanLoader
+from corolla.server.hosting.pace import MIN_PASSES, Pace
+from corolla.server.hosting.spans import HostedSpans
+from corolla.server.inference.service import InferenceService, StepMessage
 from corolla.server.metrics import ServerMetrics
-from corolla.server.pace import MIN_PASSES, Pace
-from corolla.server.spans import HostedSpans
 from corolla.server.status import Compute, StatusBoard
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.overview import build_overview, format_table
+from corolla.swarm.records.overview import build_overview, format_table
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep
 from corolla.wire.records import ServerState, ServerStatus, block_uids

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from corolla.models.span import Span
-from corolla.server import throughput
+from corolla.server.hosting import startup_speed as throughput
 from tiny_models import RECURRENT
 
 

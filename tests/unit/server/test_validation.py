@@ -17,7 +17,7 @@ from hivemind.proto import runtime_pb2
 from corolla.errors import InvalidRequest, ServerUnavailable, WireError
 from corolla.server import validation
 from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.passes import PassService
+from corolla.server.inference.forward_passes import PassService
 from corolla.wire import tensors as wire_tensors
 
 H = 64
@@ -105,7 +105,8 @@ def test_optional_tensors_still_read_as_before():
     assert validation.read_hypo_ids([*protos, wire_tensors.empty()], 2) is None
 
 
-# --- the RPC layer's receive side (server/handler.py, server/passes.py), fed by fake peers ------------------
+# --- the RPC layer's receive side (server/handler.py, server/inference/forward_passes.py), fed by fake peers
+# ------------------
 
 STEP_TIMEOUT = 0.3
 PEER = SimpleNamespace(remote_id="peer")  # the P2PContext of a call

@@ -17,7 +17,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from corolla.sim.dht import NUM_REPLICAS, DhtSwarm, _wire, dht_traffic
 from corolla.sim.dht_nodes import BUCKET_SIZE
 from corolla.sim.dht_wire import PREFIX
-from corolla.swarm.record_cells import CELL_SERVERS
+from corolla.swarm.records.record_cells import CELL_SERVERS
 from corolla.wire.records import block_key
 
 KEYS = [DHTID.generate(source=block_key(PREFIX, block)) for block in range(8)]

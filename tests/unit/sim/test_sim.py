@@ -14,8 +14,8 @@ from corolla.sim.clients import span
 from corolla.sim.plot import check_plot_path, plot
 from corolla.sim.report import simulate, summarize
 from corolla.sim.scenario import Scenario, load
-from corolla.sim.swarm import Simulation
-from corolla.swarm.routing import JITTER
+from corolla.sim.simulation import Simulation
+from corolla.swarm.policy.routing import JITTER
 
 
 def thin_swarm(**changes) -> Scenario:
@@ -182,8 +182,9 @@ def test_a_simulation_is_drawn_where_asked(tmp_path):
 
 def test_servers_take_only_the_sessions_their_caches_hold():
     """Caches of two or three sessions per server (8 MiB per block per session of 2048 tokens): the
-    client opens where there is room, banning a server that refuses and routing again (client/links.py);
-    a session nobody has room for is turned away, and no server ever holds more than its cache."""
+    client opens where there is room, banning a server that refuses and routing again
+    (client/chain/opening.py); a session nobody has room for is turned away, and no server ever holds more
+    than its cache."""
     classes = [{**c.model_dump(), "cache_gib": 0.08} for c in with_sessions().classes]
     simulation = Simulation(with_sessions(classes=classes))
     overfull = []
@@ -202,7 +203,7 @@ def test_servers_take_only_the_sessions_their_caches_hold():
 
 def test_servers_that_served_announce_their_passes_pace():
     """Speeds measured at start are off by up to 20% (announce_noise); a server that has served announces
-    the pace of its passes too (server/pace.py), its true speed within its passes' noise, and clients
+    the pace of its passes too (server/hosting/pace.py), its true speed within its passes' noise, and clients
     route by that."""
     simulation = Simulation(with_sessions(announce_noise=0.2, pass_noise=0.1)).run()
     served = [s for s in simulation.servers.values() if s.pace.blocks_per_s() is not None]

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from corolla.errors import StartFailed
-from corolla.swarm.addresses import check_listen_port, explain_start_failure, parse_peer, peer_args
+from corolla.swarm.p2p.addresses import check_listen_port, explain_start_failure, parse_peer, peer_args
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmXfmJmpNSm5pjFXvEMcXxf2NAzAvmbeWRbxeAjJwHiFHf"
 

@@ -12,11 +12,11 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from corolla.config import SwarmConfig
-from corolla.server.links import LinkMonitor
-from corolla.swarm import record_cells
-from corolla.swarm.block_records import Sighting, _span, announce, find_spans, placed, read_swarm
+from corolla.server.upkeep.link_monitor import LinkMonitor
 from corolla.swarm.dht import start_dht, visible_addresses
-from corolla.swarm.record_cells import Place, position
+from corolla.swarm.records import record_cells
+from corolla.swarm.records.block_records import Sighting, _span, announce, find_spans, placed, read_swarm
+from corolla.swarm.records.record_cells import Place, position
 from corolla.wire.records import ServerState, ServerStatus
 
 PREFIX = "tree-test"
@@ -108,8 +108,8 @@ def test_a_servers_newest_record_decides_and_older_ones_count_only_where_it_agre
 
 
 def test_a_server_settles_its_place_before_its_first_announcement(peers, monkeypatch):
-    """server/links.py `place_first`: a server joining where the blocks' keys are full announces in a
-    cell at once (a thousand servers joining together would otherwise all land on the blocks' keys for a
+    """server/upkeep/link_monitor.py `place_first`: a server joining where the blocks' keys are full announces
+    in a cell at once (a thousand servers joining together would otherwise all land on the blocks' keys for a
     period); with the DHT unreachable it announces at level 0 rather than not start."""
     for bound in ("CELL_SERVERS", "READ_ON", "DEEP_SERVERS", "DEEP_READ_ON"):
         monkeypatch.setattr(record_cells, bound, 1)

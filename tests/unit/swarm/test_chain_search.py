@@ -1,5 +1,5 @@
-"""swarm/chain_search.py: the servers sorted once by what they cost over a guessed link give what trying
-every server after every previous one gives, so routing in time about linear in the servers chooses the
+"""swarm/policy/chain_search.py: the servers sorted once by what they cost over a guessed link give what
+trying every server after every previous one gives, so routing in time about linear in the servers chooses the
 chains the quadratic search chose."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import Estimate, choose_chain
+from corolla.swarm.policy.routing import Estimate, choose_chain
 from corolla.wire.records import ServerStatus
 
 

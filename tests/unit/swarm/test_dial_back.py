@@ -1,5 +1,6 @@
-"""Dial-back requests (swarm/dial_back.py) and what a server concludes from the answers (swarm/joining.py):
-between real libp2p daemons on loopback; behind an emulated NAT in tests/integration/test_nat.py."""
+"""Dial-back requests (swarm/nat/dial_back.py) and what a server concludes from the answers
+(swarm/nat/joining.py): between real libp2p daemons on loopback; behind an emulated NAT in
+tests/integration/test_nat.py."""
 
 import asyncio
 from functools import partial
@@ -11,8 +12,8 @@ from hivemind.p2p import P2P, P2PContext
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm.dht import start_dht, visible_addresses
-from corolla.swarm.dial_back import MAX_PER_HOST, Answer, DialBackService, direct_hosts, read_ports
-from corolla.swarm.joining import checked, join, publish
+from corolla.swarm.nat.dial_back import MAX_PER_HOST, Answer, DialBackService, direct_hosts, read_ports
+from corolla.swarm.nat.joining import checked, join, publish
 from corolla.wire.fields import pack
 
 ME = "12D3KooWB34BKL7PKe1HK82QCd6UXhZunXNUoZqGNeG6UaB8Hfon"

@@ -13,14 +13,14 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 
 from corolla.errors import InvalidRequest
-from corolla.swarm.identity import (
+from corolla.swarm.p2p.identity import (
     load_identity,
     owned_subkey,
     peer_id_of_identity,
     read_allowed_peers,
     record_owner,
 )
-from corolla.swarm.record_checks import record_validators
+from corolla.swarm.records.record_checks import record_validators
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""Which servers list their model under the models key (swarm/model_listing.py): a fixed few however
+"""Which servers list their model under the models key (swarm/records/model_listing.py): a fixed few however
 large the swarm, the same few whoever decides, every server while it knows too few."""
 
 from __future__ import annotations
 
-from corolla.swarm.model_listing import MODEL_LISTERS, lists_model
+from corolla.swarm.records.model_listing import MODEL_LISTERS, lists_model
 
 
 def test_a_fixed_few_list_the_model_whoever_decides():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.overview import build_overview, format_table
-from corolla.swarm.reports import MAX_REASON, MAX_REPORTED, well_formed
+from corolla.swarm.records.faulty_reports import MAX_REASON, MAX_REPORTED, well_formed
+from corolla.swarm.records.overview import build_overview, format_table
 from corolla.wire.records import RelayPath, ServerStatus
 
 

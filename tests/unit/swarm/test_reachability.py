@@ -1,5 +1,5 @@
 """How a peer asks libp2p to make it reachable, what a server says about it at start, and the relay a
-reachable peer runs (swarm/reachability.py, swarm/relay_service.py); servers behind emulated NATs in
+reachable peer runs (swarm/nat/reachability.py, swarm/nat/relay_service.py); servers behind emulated NATs in
 tests/integration/test_nat.py."""
 
 import argparse
@@ -10,9 +10,9 @@ import pytest
 from corolla.cli.common import add_swarm_args, swarm_config
 from corolla.config import SwarmConfig
 from corolla.errors import InvalidRequest
-from corolla.swarm.circuit_v2 import reserve
-from corolla.swarm.reachability import describe_direct, p2p_options, relays_for_others
-from corolla.swarm.relay_service import P2P, expected, keep_own_limits, limit_relaying, relay_limit_flags
+from corolla.swarm.nat.circuit_v2 import reserve
+from corolla.swarm.nat.reachability import describe_direct, p2p_options, relays_for_others
+from corolla.swarm.nat.relay_service import P2P, expected, keep_own_limits, limit_relaying, relay_limit_flags
 
 RELAY = "/ip4/11.79.0.10/tcp/31330/p2p/12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
 
@@ -38,7 +38,7 @@ def test_the_options_say_what_libp2p_is_told():
     assert parse().reachability == "auto" and p2p_options(parse()) == {"force_reachability": "public"}
     assert p2p_options(SwarmConfig(client_mode=True)) == {}  # a client: libp2p's own guess
     assert p2p_options(parse("--public")) == {"force_reachability": "public"}
-    # reservations are corolla's own (swarm/reservations.py), not the daemon's autorelay
+    # reservations are corolla's own (swarm/nat/reservations.py), not the daemon's autorelay
     assert p2p_options(parse("--behind-nat", "--initial-peers", RELAY)) == {"force_reachability": "private"}
     assert p2p_options(parse("--public", "--no-relay")) == {"force_reachability": "public"}
     assert relay_limit_flags(parse("--public", "--no-relay")) == {"relayService": 0}  # the rest is refused
@@ -72,7 +72,7 @@ def test_relay_limits_are_checked_and_never_for_a_peer_behind_nat():
 
 def test_a_relays_daemon_is_started_again_until_its_own_limits_answer():
     """The bundled daemon answers reservations with libp2p's built-in limits (120 s, 128 KiB) in most
-    starts (swarm/relay_service.py): `keep_own_limits` starts it until its flags' limits answer. Real
+    starts (swarm/nat/relay_service.py): `keep_own_limits` starts it until its flags' limits answer. Real
     daemons on loopback; this process's P2P class is restored afterwards."""
     config = parse("--public", "--relay-time-limit", "20", "--relay-data-limit-mib", "64")
     want = expected(config)

@@ -1,4 +1,4 @@
-"""The records' tree (swarm/record_cells.py): servers placed by its own rules in an in-memory DHT
+"""The records' tree (swarm/records/record_cells.py): servers placed by its own rules in an in-memory DHT
 (sim/record_tree.py), read back by its own walks."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from corolla.sim.record_tree import RecordTree, seen
-from corolla.swarm.record_cells import (
+from corolla.swarm.records.record_cells import (
     CELL_SERVERS,
     DEEP_READ_ON,
     DEEP_SERVERS,

@@ -1,5 +1,5 @@
-"""A peer behind NAT keeps reservations on relays (swarm/reservations.py) and others reach it through the
-relayed addresses its records announce (swarm/circuit_book.py). Real libp2p daemons on loopback; the peer
+"""A peer behind NAT keeps reservations on relays (swarm/nat/reservations.py) and others reach it through the
+relayed addresses its records announce (swarm/nat/circuit_book.py). Real libp2p daemons on loopback; the peer
 "behind NAT" listens on no address at all, so a relay is its only way in. Behind emulated home routers:
 tests/integration/test_nat.py."""
 
@@ -12,12 +12,12 @@ from hivemind.proto import runtime_pb2
 
 from corolla.config import SwarmConfig
 from corolla.errors import ConnectionLost
-from corolla.swarm import reservations
-from corolla.swarm.circuit_book import CircuitBook
-from corolla.swarm.circuit_v2 import Address, ReservationFailed, reserve
 from corolla.swarm.dht import start_dht
-from corolla.swarm.reservations import Reservations
-from corolla.swarm.transport import P2PTransport, remote_errors
+from corolla.swarm.nat import reservations
+from corolla.swarm.nat.circuit_book import CircuitBook
+from corolla.swarm.nat.circuit_v2 import Address, ReservationFailed, reserve
+from corolla.swarm.nat.reservations import Reservations
+from corolla.swarm.p2p.transport import P2PTransport, remote_errors
 from corolla.wire.records import RelayPath
 
 RELAY_ID = "12D3KooWRakRqGMCZWZvmwggU793aGxsVVidMZQRoxjCmPvNrR8A"
@@ -95,7 +95,7 @@ def test_a_dead_relay_is_replaced_and_each_change_said_in_one_line(caplog):
     """Two initial relays: both held. One dies: dropped at the next renewal, the other still held, the
     change said. The second dies too: a warning that nobody can reach it, with what the owner can do. A
     public server then appears in the records: reserved at the next round."""
-    caplog.set_level(logging.INFO, logger="corolla.swarm.reservations")
+    caplog.set_level(logging.INFO, logger="corolla.swarm.nat.reservations")
 
     async def run():
         relays = [await relay() for _ in range(3)]

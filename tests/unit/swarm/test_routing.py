@@ -4,7 +4,7 @@ import pytest
 
 from corolla.errors import MissingBlocks
 from corolla.swarm.dht import RemoteSpan
-from corolla.swarm.routing import JITTER, Estimate, Hop, chain_cost, choose_chain, format_blocks
+from corolla.swarm.policy.routing import JITTER, Estimate, Hop, chain_cost, choose_chain, format_blocks
 from corolla.wire.records import ServerStatus
 
 

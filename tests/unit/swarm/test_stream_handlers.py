@@ -1,4 +1,4 @@
-"""A server's stream handlers on hivemind's wire format (swarm/stream_handlers.py), driven byte by byte
+"""A server's stream handlers on hivemind's wire format (swarm/p2p/stream_handlers.py), driven byte by byte
 without a daemon: a message over its stream's cap is refused from its length header, before its body
 arrives; a handler's error reaches the caller, and the log as one line, rate-limited."""
 
@@ -13,8 +13,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.errors import InvalidRequest, WireError
-from corolla.swarm import stream_handlers
-from corolla.swarm.stream_handlers import (
+from corolla.swarm.p2p import stream_handlers
+from corolla.swarm.p2p.stream_handlers import (
     ProtobufHandlers,
     RateLimitedLog,
     StreamContext,
@@ -140,7 +140,7 @@ async def test_refusals_are_one_line_each_and_a_flood_of_them_is_cut(monkeypatch
     now[0] = 61.0
     await serve(refusing, frame(request(10)), cap=100)
     lines = [r for r in caplog.records if r.levelno >= logging.INFO]
-    assert [r.name for r in lines] == ["corolla.swarm.stream_handlers"] * 4
+    assert [r.name for r in lines] == ["corolla.swarm.p2p.stream_handlers"] * 4
     assert all(r.exc_info is None and "\n" not in r.getMessage() for r in lines)
     assert lines[0].getMessage() == (
         "Refused rpc_inference from ...abcdef: InvalidRequest: tree: must hold one parent per token"

@@ -1,0 +1,1 @@
+"""Spot checks: results compared with other servers', disputes decided, liars banned."""

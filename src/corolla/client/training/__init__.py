@@ -1,0 +1,1 @@
+"""Training and embeddings through the swarm: a chain as a differentiable function, trainable prompts."""

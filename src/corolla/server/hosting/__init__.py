@@ -1,0 +1,1 @@
+"""The hosted span: its weights and engine, its sessions' cache, how fast it runs."""

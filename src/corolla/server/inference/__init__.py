@@ -1,0 +1,2 @@
+"""An inference session as the server runs it: steps taken, checked and ledgered, pushed on; cache-free
+passes."""

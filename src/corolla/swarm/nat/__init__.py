@@ -1,0 +1,1 @@
+"""Peers behind NAT: reachability checked by dial-back, relays, reservations and relayed paths."""

@@ -1,0 +1,1 @@
+"""Libp2p through hivemind: transports, streams, pings, addresses, the daemons and identities."""

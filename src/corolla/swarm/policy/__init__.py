@@ -1,0 +1,1 @@
+"""Pure decisions that servers, clients and `corolla sim` run alike: routing and placement."""
