@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -35,6 +34,7 @@ from corolla.launch.local import LocalSwarm
 from corolla.wire import tensors
 from corolla.wire.messages import RPC_INFERENCE
 from corolla.wire.records import block_uids
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 HIDDEN, NUM_BLOCKS = 576, 30
 CACHE_TOKENS = 2048
@@ -181,7 +181,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(json.dumps(asyncio.run(bench(args))))
+    report(__file__, asyncio.run(bench(args)))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a robot", "the moon", "a garden",
@@ -214,13 +215,16 @@ def main() -> None:
             "client_mask_cost": [mask_cost(model, rows) for rows in (1, 16)],
             "api": constrained_levels(port, args.levels, args.new_tokens, args.repeats),
         }
-    print(
-        json.dumps(
-            {"model": MODEL, "servers": 3, "new_tokens": args.new_tokens, "levels": results,
-             "constrained_decoding": constrained},
-            indent=2,
-        )
-    )  # fmt: skip
+    report(
+        __file__,
+        {
+            "model": MODEL,
+            "servers": 3,
+            "new_tokens": args.new_tokens,
+            "levels": results,
+            "constrained_decoding": constrained,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ growing like log N (the Kademlia lookups) and like N would do.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
 from corolla.sim.dht import dht_traffic
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 
 def growth(small: dict, large: dict) -> dict:
@@ -79,7 +79,7 @@ def main() -> None:
         "sessions_per_minute": round(sessions_per_minute, 2),
         "samples": args.samples,
     }
-    print(json.dumps({"setup": setup, "servers": results, "growth": ratios}, indent=2))
+    report(__file__, {"setup": setup, "servers": results, "growth": ratios})
 
 
 if __name__ == "__main__":

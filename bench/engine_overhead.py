@@ -12,7 +12,6 @@ cache. Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,7 @@ from corolla.engine.sequence import StepWork
 from corolla.models.contiguous import ContiguousCache
 from corolla.models.source import resolve_model
 from corolla.models.span import Span
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 PROMPT = 120  # tokens already in each session's cache
 
@@ -97,17 +97,15 @@ def main() -> None:
                 "paged_vs_contiguous": round(forward / statistics.median(plain), 3),
             }
         )
-    print(
-        json.dumps(
-            {
-                "model": "SmolLM2-135M-Instruct",
-                "blocks": "0:10",
-                "torch_threads": 1,
-                "context_tokens": PROMPT,
-                "passes": results,
-            },
-            indent=2,
-        )
+    report(
+        __file__,
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "blocks": "0:10",
+            "torch_threads": 1,
+            "context_tokens": PROMPT,
+            "passes": results,
+        },
     )
 
 

@@ -12,7 +12,6 @@ between the tokens around the kill) and the normal step time, as medians over --
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 NEW_TOKENS, KILL_AT = 64, 32
@@ -79,17 +79,15 @@ def main() -> None:
                 "max_stall_s": round(max(r["stall"] for r in runs), 3),
                 "median_step_s": round(statistics.median(r["step"] for r in runs), 3),
             }
-    print(
-        json.dumps(
-            {
-                "model": "SmolLM2-135M-Instruct",
-                "servers": "2 per span of 10 blocks",
-                "new_tokens": NEW_TOKENS,
-                "killed_after": KILL_AT,
-                "hops": results,
-            },
-            indent=2,
-        )
+    report(
+        __file__,
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "servers": "2 per span of 10 blocks",
+            "new_tokens": NEW_TOKENS,
+            "killed_after": KILL_AT,
+            "hops": results,
+        },
     )
 
 

@@ -18,7 +18,6 @@ linear layer, and how many sessions of `--context` tokens a 4 GiB cache holds fo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import torch
 
 from corolla.models.span import Span
 from mla import CACHE_BUDGET, serve_and_measure
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 TEXT = dict(
     hidden_size=4096,
@@ -110,7 +110,7 @@ def main() -> None:
         "same_if_every_layer_cached_expanded_kv": round(CACHE_BUDGET / expanded_session, 3),
         "torch_threads_per_process": 1,
     }
-    print(json.dumps(result, indent=2))
+    report(__file__, result)
 
 
 if __name__ == "__main__":

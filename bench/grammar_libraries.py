@@ -19,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from stamp import report  # bench/stamp.py: stamped into bench/results/
+
 VOCAB = 49152
 ANSWER = {"city": "Paris", "days": [  # keys in the schema's order, as the libraries generate them
     {"date": f"2026-12-0{i}", "high": 12.5 + i, "low": 3, "summary": "cloudy with a chance of rain"}
@@ -109,7 +111,7 @@ def main() -> None:
             results[name] = f"not installed ({e.name})"
         except Exception as e:  # a library that cannot walk the answer is reported, not skipped
             results[name] = f"failed: {type(e).__name__}: {e}"
-    print(json.dumps(results, indent=2))
+    report(__file__, results)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -35,6 +34,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.models.source import resolve_model
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 try:
     from corolla.launch.local import LocalSwarm, even_spans
@@ -185,7 +185,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "levels": levels,
     }
-    print(json.dumps(result, indent=2))
+    report(__file__, result)
 
 
 if __name__ == "__main__":

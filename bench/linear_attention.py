@@ -19,7 +19,6 @@ stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch
 
 from corolla.models.span import Span
 from mla import CACHE_BUDGET, serve_and_measure
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 REAL_LAYERS = 32
 
@@ -73,14 +73,10 @@ def main() -> None:
         kv_per_layer = attention.cache_bytes_per_token
         del linear, attention
         rss, swarm_rate, announced, local = serve_and_measure(folder, args.layers, ids, args.new_tokens)
-    print(
-        json.dumps(
-            report(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss), indent=2
-        )
-    )
+    report(__file__, summary(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss))
 
 
-def report(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss) -> dict:
+def summary(args, config, announced, state_per_layer, kv_per_layer, swarm_rate, local, rss) -> dict:
     cached = sum(s.info.cache_bytes_per_token for s in announced)
     linear_layers = sum(kind == "linear_attention" for kind in config.layer_types)
     real_linear = REAL_LAYERS * linear_layers // args.layers

@@ -10,7 +10,6 @@ forward pass. Prints JSON.
 
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +21,7 @@ from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
 from corolla.models.source import resolve_model
 from corolla.utils import peak_rss_bytes, whole_model_peak_rss_bytes
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 MIB = 2**20
 
@@ -41,16 +41,14 @@ def main() -> None:
                 "helper_processes_uss_mib": round(sum(p.memory_full_info().uss for p in helpers) / MIB),
             }
     full_peak = whole_model_peak_rss_bytes(source.path) / MIB
-    print(
-        json.dumps(
-            {
-                "model": source.name,
-                "servers": servers,
-                "whole_model_process_peak_rss_mib": round(full_peak),
-                "ratio_server_10_20_to_whole_model": round(servers["10:20"]["peak_rss_mib"] / full_peak, 3),
-            },
-            indent=2,
-        )
+    report(
+        __file__,
+        {
+            "model": source.name,
+            "servers": servers,
+            "whole_model_process_peak_rss_mib": round(full_peak),
+            "ratio_server_10_20_to_whole_model": round(servers["10:20"]["peak_rss_mib"] / full_peak, 3),
+        },
     )
 
 

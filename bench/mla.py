@@ -16,7 +16,6 @@ One torch thread per process. JSON on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -29,6 +28,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 REAL = dict(
     hidden_size=7168,
@@ -155,7 +155,7 @@ def main() -> None:
         },
         "torch_threads_per_process": 1,
     }
-    print(json.dumps(result, indent=2))
+    report(__file__, result)
 
 
 if __name__ == "__main__":

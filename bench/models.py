@@ -17,7 +17,6 @@ client's head and the reference moved there), in `--dtype` (float32 by default, 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -37,6 +36,7 @@ import torch
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm
 from corolla.models.span import Span
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 from tiny_models import FAMILIES, load_reference, save_tiny_model, tiny_config
 
 logger = logging.getLogger("bench.models")
@@ -240,7 +240,7 @@ def main() -> None:
         "families_run": args.families,
         "wall_s": round(time.perf_counter() - started, 2),
     }
-    print(json.dumps({"families": results, "config": config}, indent=2))
+    report(__file__, {"families": results, "config": config})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from corolla.models.quantize import weight_bytes
 from corolla.models.span import Span
 from corolla.server.hosting.startup_speed import measure_throughput
 from corolla.utils import peak_rss_bytes, release_freed_memory
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 SHAPES = dict(
     hidden_size=2048,
@@ -97,7 +98,7 @@ def main() -> None:
         speed = results[mode]["blocks_per_s_decode"] / base["blocks_per_s_decode"]
         results[mode]["decode_speed_vs_bfloat16"] = round(speed, 3)
     shapes = f"Qwen3-30B-A3B shapes, {args.layers} layers, random bfloat16 weights"
-    print(json.dumps({"model": shapes, "torch_threads": 1, "results": results}, indent=2))
+    report(__file__, {"model": shapes, "torch_threads": 1, "results": results})
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.models.source import resolve_model
 from corolla.swarm.p2p.addresses import peer_args
 from nat_harness import NatHarness
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 CLIENT = Path(__file__).resolve().parents[1] / "tests" / "nat_client.py"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -246,7 +247,7 @@ def main() -> None:
             )
             if args.chain_only:
                 result["home_chain"] = {"all_public": baseline, "behind_routers": home}
-                return print(json.dumps(result, indent=2))
+                return report(__file__, result)
             result["home_chain"] = {"all_public": baseline, "behind_routers": home}
             result["dht_gone"], late, public_address = dht_gone(bench, dht, public)
             result["only_relay_dies"] = only_relay_dies(bench, late, public, public_address)
@@ -261,7 +262,7 @@ def main() -> None:
         "logs": str(logs),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    print(json.dumps(result, indent=2))
+    report(__file__, result)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from prompts import COUNCIL, LIGHTHOUSE, PROMPTS, SOURDOUGH
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 SYSTEM_TOKENS = 1500
@@ -266,7 +267,7 @@ def main() -> None:
         results["loopback"] = loopback()
     if args.wan:
         results["wan"] = wan(args.delay_ms, args.rate)
-    print(json.dumps(results, indent=2))
+    report(__file__, results)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ the ratio, and how the servers say the steps arrived (by push or from the client
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ import torch
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
 from corolla.swarm.p2p.ping import fetch_status
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 NEW_TOKENS = 64
 
@@ -64,22 +64,20 @@ def main() -> None:
             for s in swarm.servers
         ]
     on, off = statistics.median(gaps[True]), statistics.median(gaps[False])
-    print(
-        json.dumps(
-            {
-                "model": "SmolLM2-135M-Instruct",
-                "servers": 3,
-                "network": "loopback",
-                "runs_each": args.runs,
-                "median_token_ms_push_on": round(1000 * on, 2),
-                "median_token_ms_push_off": round(1000 * off, 2),
-                "ratio_on_to_off": round(on / off, 3),
-                "steps_by_server": [
-                    {"from_client": i.steps_from_client, "from_push": i.steps_from_push} for i in infos
-                ],
-            },
-            indent=2,
-        )
+    report(
+        __file__,
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "servers": 3,
+            "network": "loopback",
+            "runs_each": args.runs,
+            "median_token_ms_push_on": round(1000 * on, 2),
+            "median_token_ms_push_off": round(1000 * off, 2),
+            "ratio_on_to_off": round(on / off, 3),
+            "steps_by_server": [
+                {"from_client": i.steps_from_client, "from_push": i.steps_from_push} for i in infos
+            ],
+        },
     )
 
 

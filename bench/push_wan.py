@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 from wan import HOSTS, WanSwarm, address
 
 
@@ -79,21 +80,19 @@ def main() -> None:
     with WanSwarm(args.delay_ms) as swarm:
         gaps = swarm.run_client(__file__, ["--new-tokens", str(args.new_tokens), "--runs", str(args.runs)])
     on, off = statistics.median(gaps["true"]), statistics.median(gaps["false"])
-    print(
-        json.dumps(
-            {
-                "model": "SmolLM2-135M-Instruct",
-                "servers": 3,
-                "one_way_delay_ms": args.delay_ms,
-                "round_trip_ms": 2 * args.delay_ms,
-                "token_latency_push_ms": round(1000 * on, 1),
-                "token_latency_no_push_ms": round(1000 * off, 1),
-                "push_vs_no_push": round(on / off, 2),
-                "saved_per_token_ms": round(1000 * (off - on), 1),
-                "tokens_measured": {"push": len(gaps["true"]), "no_push": len(gaps["false"])},
-            },
-            indent=2,
-        )
+    report(
+        __file__,
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "servers": 3,
+            "one_way_delay_ms": args.delay_ms,
+            "round_trip_ms": 2 * args.delay_ms,
+            "token_latency_push_ms": round(1000 * on, 1),
+            "token_latency_no_push_ms": round(1000 * off, 1),
+            "push_vs_no_push": round(on / off, 2),
+            "saved_per_token_ms": round(1000 * (off - on), 1),
+            "tokens_measured": {"push": len(gaps["true"]), "no_push": len(gaps["false"])},
+        },
     )
 
 

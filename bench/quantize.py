@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from corolla.models.span import Span
 from corolla.swarm.p2p.ping import fetch_status
 from corolla.swarm.policy.routing import Hop
 from corolla.utils import peak_rss_bytes
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 logger = logging.getLogger("bench.quantize")
 
@@ -294,7 +294,7 @@ def main() -> None:
         "client": "embeddings and LM head in float32; one torch thread in every process",
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    print(json.dumps(output, indent=2))
+    report(__file__, output)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ from corolla.cli.generate import encode_prompt
 from corolla.models.quantize import _torchao, quantize_blocks
 from corolla.models.source import resolve_model
 from quantize import CHAT_PROMPTS, NEW_TOKENS  # bench/quantize.py's
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 
 def linears(model: nn.Module) -> list[nn.Linear]:
@@ -175,7 +175,7 @@ def main() -> None:
         results[variant] = agreement(tokens, reference) | {"ms_per_token": round(seconds * 1e3, 2)}
         results[variant] |= teacher_forced(model, sequences, starts, expected)
         print(variant, results[variant], flush=True, file=sys.stderr)
-    print(json.dumps(results, indent=2))
+    report(__file__, results)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ the whole model, with and without push, and how many hops the chain has.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -21,6 +20,7 @@ import time
 from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.policy.routing import Estimate, choose_chain
 from corolla.wire.records import ServerStatus
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 BLOCKS = 80
 
@@ -67,7 +67,7 @@ def main() -> None:
             "push": timed(spans, estimates, links, True, args.repeats, rng),
             "no_push": timed(spans, estimates, links, False, args.repeats, rng),
         }
-    print(json.dumps({"blocks": BLOCKS, "servers": results}, indent=2))
+    report(__file__, {"blocks": BLOCKS, "servers": results})
 
 
 if __name__ == "__main__":

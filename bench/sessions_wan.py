@@ -29,6 +29,7 @@ from corolla.swarm.p2p.ping import fetch_status
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 from wan import SPANS, WanSwarm, address
 
 DELAYERS = Path("/run/wan-netsim/delayer.pids")
@@ -194,7 +195,7 @@ def main() -> None:
             groups = {"servers": [s.popen.pid for s in local.servers], "dht": [local.dht.popen.pid]}
             config = client_config("127.0.0.1", local.initial_peers)
             results["loopback"] = measure(config, counts, args.new_tokens, args.runs, groups)
-    print(json.dumps(results, indent=2))
+    report(__file__, results)
 
 
 if __name__ == "__main__":

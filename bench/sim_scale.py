@@ -19,6 +19,7 @@ import json
 
 from corolla.sim.report import simulate
 from corolla.sim.scenario import Scenario, load
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 
 def scenario(servers: int, sessions: int, oracle_every: int) -> Scenario:
@@ -48,7 +49,7 @@ def main() -> None:
         found.pop("coverage")
         results[str(size)] = found
         print(json.dumps({str(size): found}), flush=True)  # progress: a size at a time
-    print(json.dumps({"servers": results}, indent=2))
+    report(__file__, {"servers": results})
 
 
 if __name__ == "__main__":

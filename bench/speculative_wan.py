@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from prompts import PROMPTS
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 from ttft import ENCODINGS, LONG_PROMPT_TOKENS, measure_agreement, measure_ttft
 from wan import SPANS, WanSwarm, address
 
@@ -99,10 +100,10 @@ def measure(configs: dict, runs: int, new_tokens: int) -> dict:
     finally:
         for model in models.values():
             model.shutdown()
-    return report(models, records, outputs)
+    return summary(models, records, outputs)
 
 
-def report(models: dict, records: dict, outputs: dict) -> dict:
+def summary(models: dict, records: dict, outputs: dict) -> dict:
     names = list(models)
     identical = all(
         outputs[f"{name}/{i}"] == outputs[f"{names[0]}/{i}"] for name in names for i in range(len(PROMPTS))
@@ -210,7 +211,7 @@ def main() -> None:
         results["wan"] = wan(args)
     if not args.no_loopback:
         results["loopback"] = loopback(args)
-    print(json.dumps(results, indent=2))
+    report(__file__, results)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ spot checks of training compare them against GRADIENT_TOLERANCE). JSON to stdout
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -142,7 +141,7 @@ def main() -> None:
     report["gradients_faults_vs_float32"] = {mode: summary(torch.cat(v)) for mode, v in grad_faulty.items()}
     report["gradients_honest_pairs_blocks_0_30"] = {pair: summary(v[-1]) for pair, v in grad_honest.items()}
     report["gradients_honest_max"] = max(s["max"] for s in report["gradients_honest_pairs"].values())
-    print(json.dumps(report, indent=2))
+    report(__file__, report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ JSON to stdout, logs to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -208,7 +207,7 @@ def main() -> None:
                 report["detection"] = detection(swarm, args.share, prompts[:4], honest)
             if "training" in args.sections:
                 report["training_detection"] = training_detection(swarm, args.share, prompts, TRAINING_PASSES)
-    print(json.dumps(report, indent=2))
+    report(__file__, report)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch
 
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 TOPICS = [
     "the sea",
@@ -133,7 +133,7 @@ def main() -> None:
             "throughput_vs_single_session>=6": r["throughput_vs_single_session"] >= 6,
             "p50_latency_vs_single_session<=4": r["p50_latency_vs_single_session"] <= 4,
         }
-    print(json.dumps(result, indent=2))
+    report(__file__, result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ waits at most a few inference passes; see engine/scheduler.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -28,6 +27,7 @@ import torch
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.config import ClientConfig, SwarmConfig
 from corolla.launch.local import LocalSwarm, even_spans
+from stamp import report  # bench/stamp.py: stamped into bench/results/
 
 
 def train_forever(peers: list[str]) -> None:
@@ -119,24 +119,22 @@ def main() -> None:
                 trainer.kill()
                 trainer.wait()
     ratio = training / alone
-    print(
-        json.dumps(
-            {
-                "model": "SmolLM2-135M-Instruct",
-                "servers": 3,
-                "token_latency_alone_ms": round(1000 * alone, 1),
-                "token_latency_with_training_ms": round(1000 * training, 1),
-                "ratio": round(ratio, 2),
-                "p95_alone_ms": round(1000 * alone_p95, 1),
-                "p95_with_training_ms": round(1000 * training_p95, 1),
-                "p95_ratio": round(training_p95 / alone_p95, 2),
-                "target_ratio": 2.0,
-                "meets_target": ratio <= 2.0,
-                "training_steps_meanwhile": steps,
-                "training_steps_per_s": round(steps / elapsed, 2),
-            },
-            indent=2,
-        )
+    report(
+        __file__,
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "servers": 3,
+            "token_latency_alone_ms": round(1000 * alone, 1),
+            "token_latency_with_training_ms": round(1000 * training, 1),
+            "ratio": round(ratio, 2),
+            "p95_alone_ms": round(1000 * alone_p95, 1),
+            "p95_with_training_ms": round(1000 * training_p95, 1),
+            "p95_ratio": round(training_p95 / alone_p95, 2),
+            "target_ratio": 2.0,
+            "meets_target": ratio <= 2.0,
+            "training_steps_meanwhile": steps,
+            "training_steps_per_s": round(steps / elapsed, 2),
+        },
     )
 
 

@@ -65,6 +65,11 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidRequest(f"port (--port) must lie in 0..65535, got {self.port}")
+        if self.announce_host is not None and self.port == 0:  # peers would be told no port to dial
+            raise InvalidRequest(
+                f"announce_host (--announce-host {self.announce_host}) needs a fixed port (--port): the "
+                "port other peers dial, forwarded to this machine if it is behind NAT"
+            )
         if self.reachability not in REACHABILITY:
             raise InvalidRequest(
                 f"reachability must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}"

@@ -25,6 +25,7 @@ from corolla.errors import InvalidRequest
         ),
         (lambda: ServerConfig(model="m", metrics_port=70000), "metrics_port .* must lie in 1..65535"),
         (lambda: SwarmConfig(port=-1), "port .* must lie in 0..65535"),
+        (lambda: SwarmConfig(announce_host="203.0.113.7"), r"needs a fixed port \(--port\)"),
         (lambda: ClientConfig(request_timeout=0), "request_timeout must be greater than 0"),
     ],
 )

@@ -250,29 +250,27 @@ def _peer(text: str) -> str:
 
 
 def swarm_config(args: argparse.Namespace, *, client_mode: bool = False) -> SwarmConfig:
-    port_flag = getattr(args, "port_flag", "--port")
-    if not 0 <= args.port <= 65535:
-        raise InvalidRequest(f"{port_flag} must lie in 0..65535, got {args.port}")
-    if args.announce_host is not None and args.port == 0:  # peers would be told no port to dial
-        raise InvalidRequest(
-            f"--announce-host {args.announce_host} needs a fixed {port_flag} (the port other peers dial, "
-            "forwarded to this machine if it is behind NAT)"
+    """SwarmConfig checks the values; its errors name this command's flags (`corolla api`'s --p2p-port)."""
+    try:
+        return SwarmConfig(
+            initial_peers=tuple(args.initial_peers),
+            host=args.host,
+            port=args.port,
+            announce_host=args.announce_host,
+            nat_port_map=args.nat_port_map,
+            identity_path=args.identity,
+            client_mode=client_mode,
+            allowed_peers=_allowed_peers(args.allowed_peers),
+            reachability=args.reachability,
+            relay=args.relay,
+            relay_time_limit=args.relay_time_limit,
+            relay_data_limit_mib=args.relay_data_limit_mib,
+            relay_circuits=args.relay_circuits,
         )
-    return SwarmConfig(
-        initial_peers=tuple(args.initial_peers),
-        host=args.host,
-        port=args.port,
-        announce_host=args.announce_host,
-        nat_port_map=args.nat_port_map,
-        identity_path=args.identity,
-        client_mode=client_mode,
-        allowed_peers=_allowed_peers(args.allowed_peers),
-        reachability=args.reachability,
-        relay=args.relay,
-        relay_time_limit=args.relay_time_limit,
-        relay_data_limit_mib=args.relay_data_limit_mib,
-        relay_circuits=args.relay_circuits,
-    )
+    except InvalidRequest as e:
+        raise InvalidRequest(
+            str(e).replace("(--port)", f"({getattr(args, 'port_flag', '--port')})")
+        ) from None
 
 
 def _allowed_peers(path: str | None) -> frozenset[str] | None:

@@ -14,6 +14,7 @@ from corolla.sim.network import Network
 from corolla.sim.record_tree import RecordTree
 from corolla.sim.scenario import Scenario, ServerClass
 from corolla.swarm.policy.placement import Placed, coverage
+from corolla.wire.records import routing_speed
 
 
 @dataclass(eq=False)
@@ -45,7 +46,7 @@ class SimServer:
     @property
     def speed(self) -> float:
         """What clients route by and the blocks' keys rank by (ServerStatus.speed)."""
-        return self.pace.blocks_per_s() or self.throughput
+        return routing_speed(self.pace.blocks_per_s(), self.throughput)
 
     def step_seconds(self, others: int) -> float:
         """True seconds per block of a decode step with `others` sessions in the same batch."""

@@ -54,6 +54,12 @@ def block_uids(dht_prefix: str, start: int, end: int) -> str:
     return " ".join(block_key(dht_prefix, i) for i in range(start, end))
 
 
+def routing_speed(pace: float | None, throughput: float | None) -> float | None:
+    """What routing expects of a server: the pace of its passes, else (none yet, or a meaningless zero)
+    the figure measured at start. Servers' records and `corolla sim`'s servers both go through here."""
+    return pace if pace else throughput
+
+
 @dataclass(frozen=True, slots=True)
 class RelayPath:
     """How to reach a server behind NAT through one relay: its relayed address (the relay's address, its
@@ -145,9 +151,8 @@ class ServerStatus:
 
     @property
     def speed(self) -> float | None:
-        """Blocks per second of one sequence's decode step as routing expects it: the pace of its passes,
-        else the figure measured at start."""
-        return self.throughput if self.pace is None else self.pace
+        """Blocks per second of one sequence's decode step as routing expects it (`routing_speed`)."""
+        return routing_speed(self.pace, self.throughput)
 
     @property
     def quantized(self) -> bool:

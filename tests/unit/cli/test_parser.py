@@ -69,7 +69,9 @@ def test_announce_host_without_a_port_is_refused_by_name(command, port):
     from corolla.errors import InvalidRequest
 
     args = build_parser().parse_args([*command, "--announce-host", "203.0.113.7"])
-    with pytest.raises(InvalidRequest, match=rf"--announce-host 203\.0\.113\.7 needs a fixed {port} "):
+    with pytest.raises(
+        InvalidRequest, match=rf"--announce-host 203\.0\.113\.7\) needs a fixed port \({port}\)"
+    ):
         swarm_config(args)
     with_port = build_parser().parse_args([*command, "--announce-host", "203.0.113.7", port, "31337"])
     assert swarm_config(with_port).announce_maddrs == ["/ip4/203.0.113.7/tcp/31337"]

@@ -9,13 +9,18 @@ import json
 
 import pytest
 
+from corolla.engine.async_engine import PassTiming
 from corolla.errors import InvalidRequest
+from corolla.server.hosting.pace import MIN_PASSES
 from corolla.sim.clients import span
+from corolla.sim.compute import PassCost
 from corolla.sim.plot import check_plot_path, plot
 from corolla.sim.report import simulate, summarize
-from corolla.sim.scenario import Scenario, load
+from corolla.sim.scenario import Scenario, ServerClass, load
 from corolla.sim.simulation import Simulation
+from corolla.sim.state import SimServer
 from corolla.swarm.policy.routing import JITTER
+from corolla.wire.records import ServerStatus
 
 
 def thin_swarm(**changes) -> Scenario:
@@ -240,3 +245,18 @@ def test_servers_crashing_while_they_drain_after_leaving():
     result = simulate(with_sessions(events=events))
     assert [c["servers"] for c in result["crashes"]] == [30]  # the 15 still draining among them
     assert result["sessions"]["lost_while_covered"] == 0 and result["servers_alive"] == 0
+
+
+def test_the_simulator_ranks_a_server_by_the_speed_its_record_would_give():
+    """SimServer.speed and a real server's record go through one rule: the pace of its passes once it has
+    one (a zero from a peer is no pace), else its start-up figure."""
+    kind = ServerClass(name="cpu", share=1.0, min_blocks=4, max_blocks=4, seconds_per_block=0.01)
+    server = SimServer("s", kind, 4, throughput=3.0, cost=PassCost(0.01, 0.0))
+
+    def record(pace: float | None) -> ServerStatus:
+        return ServerStatus(0, 4, "0.1.0", "float32", 1024, 512, throughput=3.0, pace=pace)
+
+    assert server.speed == record(None).speed == record(0.0).speed == 3.0
+    for _ in range(MIN_PASSES):
+        server.pace.observe(PassTiming(rows=1, tokens=1, blocks=4, seconds=1.0))  # 4 blocks a second
+    assert server.speed == record(server.pace.blocks_per_s()).speed == 4.0
