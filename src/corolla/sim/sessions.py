@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from corolla.client.chain.retries import RetryBudget
 from corolla.client.routing.bans import Bans
-from corolla.client.routing.estimates import SILENCE_FACTOR, SILENCE_FLOOR, ServerEstimates
+from corolla.client.routing.estimates import ServerEstimates, silence_after
 from corolla.client.routing.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
@@ -120,7 +120,7 @@ class Sessions:
         """Servers crashed: each session on them notices after its silence limit (`silent`; else at once:
         a server that ends its drain closes its connections) and fails over."""
         for session in set().union(*(self.on.pop(peer_id, set()) for peer_id in peer_ids)):
-            silence = max(SILENCE_FLOOR, SILENCE_FACTOR * session.latency) if silent else 0.0
+            silence = silence_after(session.latency) if silent else 0.0
             session.advance(self.sim.now)
             session.latency = 0.0  # paused: its next step waits on a dead server
             session.version += 1  # and it does not end as planned

@@ -26,6 +26,12 @@ SILENCE_FLOOR = 1.5
 RECENT_STEPS = 8
 
 
+def silence_after(step_seconds: float) -> float:
+    """How long a decode step of a server whose slowest recent step took `step_seconds` may go unanswered
+    before it counts as silent (clients and `corolla sim` alike)."""
+    return max(SILENCE_FLOOR, SILENCE_FACTOR * step_seconds)
+
+
 class ServerEstimates:
     def __init__(self) -> None:
         self.rtt: dict[str, float] = {}
@@ -61,7 +67,7 @@ class ServerEstimates:
         """How long a decode step may go unanswered before its server counts as failed (None: no decode
         step seen yet, so no measure of its pace: the request timeout applies)."""
         recent = self._recent_steps.get(peer_id)
-        return max(SILENCE_FLOOR, SILENCE_FACTOR * max(recent)) if recent else None
+        return silence_after(max(recent)) if recent else None
 
     def acquire(self, hops: Iterable[Hop]) -> None:
         self.mine.update(hop.peer_id for hop in hops)
