@@ -15,6 +15,7 @@ from corolla.errors import InvalidRequest
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
+EMBEDDING_POOLINGS = ("mean", "last")  # of an input's final hidden states (client/training/embeddings.py)
 WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
 # how other peers reach this one: the owner says, or a server asks peers to dial it back
 # (swarm/nat/joining.py)
@@ -268,3 +269,31 @@ class ClientConfig:
             raise InvalidRequest(
                 f"wire_encoding must be one of {', '.join(WIRE_ENCODINGS)}, got {self.wire_encoding!r}"
             )
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """`corolla api`'s own settings (its client's are a ClientConfig): checked here, for the CLI and for
+    Python callers of api/app.py's build_app alike."""
+
+    host: str = "127.0.0.1"  # HTTP address
+    port: int = 8000  # HTTP port
+    served_model_name: str | None = None  # the model id clients pass (None: the model's name)
+    max_model_len: int = 4096  # prompt + completion a request may ask for (capped by the model's context)
+    stats_interval: float = 10.0  # seconds between log lines of running requests and throughput (0: never)
+    embedding_pooling: str = "mean"  # how /v1/embeddings pools final hidden states: mean or last
+    api_keys: tuple[str, ...] = ()  # bearer keys every /v1 route needs (none: open)
+    allowed_origins: tuple[str, ...] = ()  # CORS origins (or "*")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port <= 65535:
+            raise InvalidRequest(f"port (--port) must lie in 1..65535, got {self.port}")
+        _check(self, 2, ("max_model_len",), strict=False)
+        _check(self, 0, ("stats_interval",), strict=False)
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise InvalidRequest(
+                f"embedding_pooling (--embedding-pooling) must be one of {', '.join(EMBEDDING_POOLINGS)}, "
+                f"got {self.embedding_pooling!r}"
+            )
+        if any(not key.strip() for key in self.api_keys):
+            raise InvalidRequest("api_keys (--api-key) must not be empty")

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from corolla.cli import server as server_cli
-from corolla.config import ClientConfig, EngineConfig, ServerConfig, SwarmConfig
+from corolla.config import ApiConfig, ClientConfig, EngineConfig, ServerConfig, SwarmConfig
 from corolla.errors import InvalidRequest
 
 
@@ -26,6 +26,14 @@ from corolla.errors import InvalidRequest
         (lambda: ServerConfig(model="m", metrics_port=70000), "metrics_port .* must lie in 1..65535"),
         (lambda: SwarmConfig(port=-1), "port .* must lie in 0..65535"),
         (lambda: SwarmConfig(announce_host="203.0.113.7"), r"needs a fixed port \(--port\)"),
+        (lambda: ApiConfig(port=0), r"port \(--port\) must lie in 1..65535, got 0"),
+        (lambda: ApiConfig(max_model_len=1), r"max_model_len \(--max-model-len\) must be at least 2, got 1"),
+        (lambda: ApiConfig(stats_interval=-1), r"stats_interval \(--stats-interval\) must be at least 0"),
+        (
+            lambda: ApiConfig(embedding_pooling="max"),
+            r"embedding_pooling \(--embedding-pooling\) must be one",
+        ),
+        (lambda: ApiConfig(api_keys=("ok", " ")), r"api_keys \(--api-key\) must not be empty"),
         (lambda: ClientConfig(request_timeout=0), "request_timeout must be greater than 0"),
     ],
 )

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.resources import files
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -27,20 +27,17 @@ from corolla.api.protocol import CompletionRequest, ErrorResponse
 from corolla.api.serving import OpenAIServing
 from corolla.api.streams import EventStream
 from corolla.client.training.embeddings import Pooling
+from corolla.config import ApiConfig
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(  # noqa: C901 (a table of small routes)
-    serving: OpenAIServing,
-    api_keys: Sequence[str] = (),
-    allowed_origins: Sequence[str] = (),
-    embedding_pooling: Pooling = "mean",
-    stats_interval: float = 10.0,
-) -> FastAPI:
-    """The app; with `api_keys`, /v1 routes, /tokenize and /detokenize need one; `allowed_origins` for
-    CORS (api/access.py); `embedding_pooling` for /v1/embeddings (client/training/embeddings.py); every
-    `stats_interval` seconds with traffic (0: never), a log line of running requests and throughput."""
+def build_app(serving: OpenAIServing, config: ApiConfig | None = None) -> FastAPI:  # noqa: C901 (routes)
+    """The app; with `config.api_keys`, /v1 routes, /tokenize and /detokenize need one; `allowed_origins`
+    for CORS (api/access.py); `embedding_pooling` for /v1/embeddings (client/training/embeddings.py);
+    every `stats_interval` seconds with traffic (0: never), a log line of running requests and throughput."""
+    config = config or ApiConfig()
+    stats_interval = config.stats_interval
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,7 +49,7 @@ def build_app(  # noqa: C901 (a table of small routes)
         serving.tracker.abort_all()  # the server stops: no generation outlives it
 
     app = FastAPI(title="corolla", summary="OpenAI-compatible API over a corolla swarm", lifespan=lifespan)
-    access.install(app, api_keys, allowed_origins)
+    access.install(app, config.api_keys, config.allowed_origins)
     metrics = serving.metrics
 
     @app.exception_handler(StarletteHTTPException)
@@ -106,7 +103,7 @@ def build_app(  # noqa: C901 (a table of small routes)
     async def models() -> Response:
         return answer("models", serving.models())
 
-    embeddings.install_routes(app, generate, serving, embedding_pooling)
+    embeddings.install_routes(app, generate, serving, cast(Pooling, config.embedding_pooling))
     utility.install_routes(app, generate, answer, serving)
 
     @app.get("/v1/swarm")

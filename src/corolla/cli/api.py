@@ -10,8 +10,8 @@ import socket
 
 from corolla.cli.common import add_client_args, add_dht_prefix, add_swarm_args, client_config
 from corolla.cli.signals import exit_on
-from corolla.config import ClientConfig
-from corolla.errors import InvalidRequest, StartFailed
+from corolla.config import EMBEDDING_POOLINGS, ApiConfig, ClientConfig
+from corolla.errors import StartFailed
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
     )
     parser.add_argument(
-        "--host", dest="http_host", default="127.0.0.1", help="HTTP address (default: %(default)s)"
+        "--host", dest="http_host", default=ApiConfig.host, help="HTTP address (default: %(default)s)"
     )
     parser.add_argument(
-        "--port", dest="http_port", type=int, default=8000, help="HTTP port (default: %(default)s)"
+        "--port", dest="http_port", type=int, default=ApiConfig.port, help="HTTP port (default: %(default)s)"
     )
     parser.add_argument(
         "--served-model-name",
@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-model-len",
         type=int,
-        default=4096,
+        default=ApiConfig.max_model_len,
         help="longest prompt + completion a request may ask for, capped by the model's context "
         "(default: %(default)s, the servers' default session limit)",
     )
@@ -66,15 +66,15 @@ def _add_embedding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stats-interval",
         type=float,
-        default=10.0,
+        default=ApiConfig.stats_interval,
         metavar="SECONDS",
         help="log running requests and throughput this often while there is traffic (0: never; default: "
         "%(default)s); every request also gets a log line when it ends",
     )
     parser.add_argument(
         "--embedding-pooling",
-        choices=["mean", "last"],
-        default="mean",
+        choices=EMBEDDING_POOLINGS,
+        default=ApiConfig.embedding_pooling,
         help="how /v1/embeddings pools an input's final hidden states into one vector: mean (the "
         "default) averages every token's, which is what a generic decoder model gives usable embeddings "
         "from; last takes the last token's, which embedding-tuned decoders (e5-mistral, gte-Qwen) expect",
@@ -114,29 +114,29 @@ def run(args: argparse.Namespace) -> None:
     # command through `with model` (its DHT process and daemon stop too) instead of killing it
     exit_on(signal.SIGTERM, status=0)
     exit_on(signal.SIGHUP)
-    if not 0 < args.http_port <= 65535:
-        raise InvalidRequest(f"--port must lie in 1..65535, got {args.http_port}")
-    if args.max_model_len < 2:
-        raise InvalidRequest(f"--max-model-len must be at least 2, got {args.max_model_len}")
-    if args.stats_interval < 0:
-        raise InvalidRequest(f"--stats-interval must not be negative, got {args.stats_interval}")
-    if args.routing_timeout < 0:
-        raise InvalidRequest(f"--routing-timeout must not be negative, got {args.routing_timeout}")
-    check_http_port(args.http_host, args.http_port)  # before the swarm and the "Serving at" line
+    keys = args.api_keys or ([os.environ["COROLLA_API_KEY"]] if os.environ.get("COROLLA_API_KEY") else [])
+    api = ApiConfig(  # checked before the swarm is joined
+        host=args.http_host,
+        port=args.http_port,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        stats_interval=args.stats_interval,
+        embedding_pooling=args.embedding_pooling,
+        api_keys=tuple(keys),
+        allowed_origins=tuple(args.allowed_origins),
+    )
+    check_http_port(api.host, api.port)  # before the swarm and the "Serving at" line
     config = client_config(args, routing_timeout=args.routing_timeout)
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
     ) as model:
-        name = args.served_model_name or model.source.name
-        serving = OpenAIServing(model, name, args.max_model_len, ApiMetrics())
-        logger.info("Serving %s at http://%s:%d/v1 (dashboard at /)", name, args.http_host, args.http_port)
-        keys = args.api_keys or ([os.environ["COROLLA_API_KEY"]] if os.environ.get("COROLLA_API_KEY") else [])
-        if any(not key.strip() for key in keys):
-            raise InvalidRequest("--api-key must not be empty")
+        name = api.served_model_name or model.source.name
+        serving = OpenAIServing(model, name, api.max_model_len, ApiMetrics())
+        logger.info("Serving %s at http://%s:%d/v1 (dashboard at /)", name, api.host, api.port)
         uvicorn.run(
-            build_app(serving, keys, args.allowed_origins, args.embedding_pooling, args.stats_interval),
-            host=args.http_host,
-            port=args.http_port,
+            build_app(serving, api),
+            host=api.host,
+            port=api.port,
             log_level="warning",
             timeout_graceful_shutdown=5,
         )

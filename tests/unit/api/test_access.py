@@ -12,6 +12,7 @@ from corolla.api.app import build_app
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import ModelCard, ModelList
 from corolla.api.request_log import RequestLog
+from corolla.config import ApiConfig
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -35,7 +36,9 @@ class Serving:
 
 @pytest.fixture
 def client():
-    app = build_app(Serving(), api_keys=["key-one", "key-two"], allowed_origins=["https://app.example"])
+    app = build_app(
+        Serving(), ApiConfig(api_keys=("key-one", "key-two"), allowed_origins=("https://app.example",))
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 

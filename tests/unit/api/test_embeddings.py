@@ -18,6 +18,7 @@ from corolla.api.protocol import ModelCard, ModelList
 from corolla.api.request_log import RequestLog
 from corolla.client.runtime import LoopThread
 from corolla.client.training.embeddings import MAX_PASS_ROWS, batches, embed_sequences, pool
+from corolla.config import ApiConfig
 from corolla.errors import MissingBlocks
 
 HIDDEN, VOCAB = 8, 100
@@ -164,7 +165,7 @@ def test_base64_is_the_little_endian_float32_bytes(client):
 
 
 def test_the_pooling_flag_reaches_the_route(serving):
-    with TestClient(build_app(serving, embedding_pooling="last")) as client:
+    with TestClient(build_app(serving, ApiConfig(embedding_pooling="last"))) as client:
         body = client.post("/v1/embeddings", json={"model": "org/fake", "input": [1, 2, 3]}).json()
     wanted = embed(serving.model, [[1, 2, 3]], "last")[0]
     torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), wanted)

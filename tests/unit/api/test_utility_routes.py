@@ -13,6 +13,7 @@ from corolla.api.app import build_app
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import ModelCard, ModelList
 from corolla.api.request_log import RequestLog
+from corolla.config import ApiConfig
 
 BOS, VOCAB = 1, 200
 CHAT = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -128,7 +129,7 @@ def test_version(client):
 
 
 def test_tokenize_and_detokenize_need_a_key_and_version_does_not():
-    app = build_app(Serving(), api_keys=["sesame"])
+    app = build_app(Serving(), ApiConfig(api_keys=("sesame",)))
     with TestClient(app, raise_server_exceptions=False) as client:
         for route, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [65]})):
             assert client.post(route, json=body).status_code == 401
