@@ -59,7 +59,7 @@ test-integration: $(STAMP) browser ## run the integration tests only (local swar
 check-clients: $(STAMP) ## openai (Python, Node), litellm and LangChain against `corolla api` on a local swarm (clients/; ~1 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, grammar libraries, training, abuse, models, quantize, latent attention, MoE quantization, linear attention; ~60 min)
+bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, grammar libraries, training, abuse, models, quantize, latent attention, MoE quantization, linear attention; ~60 min; each keeps its result, stamped, in bench/results/)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py

@@ -24,6 +24,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("smol"))
         if item.fspath.basename == "test_nat.py":  # one NAT harness (its namespaces have fixed names)
             item.add_marker(pytest.mark.xdist_group("nat"))
+    # the longest groups first: the NAT tests (mostly waiting out routers' and relays' timeouts) and the
+    # shared swarm's tests each run in one worker, and started last they would end the run alone
+    first = {"nat": 0, "smol": 1}
+    items.sort(
+        key=lambda item: min((first.get(m.args[0], 2) for m in item.iter_markers("xdist_group")), default=2)
+    )
 
 
 @pytest.fixture(scope="session")

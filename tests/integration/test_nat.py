@@ -129,14 +129,16 @@ def generate_with_a_pause(
     return json.loads(out.strip().splitlines()[-1])
 
 
-def reached(swarm: NatSwarm) -> list[tuple[int, str, set[str]]]:
-    """(first block, how it is reached, through which relays) of every server, as `corolla status --json`
-    shows them."""
+def reached(swarm: NatSwarm, silent: list | None = None) -> list[tuple[int, str, set[str]]]:
+    """(first block, how it is reached, through which relays) of every server that answered, as `corolla
+    status --json` shows them; those whose records it read but which did not answer go to `silent`."""
     status = [*swarm.net.exec(swarm.net.PUBLIC), sys.executable, "-m", "corolla", "status", "--json"]
     status += ["--host", PUBLIC_IP, "--no-nat-port-map", *peer_args([swarm.initial_peer])]
     out = subprocess.run(status, capture_output=True, text=True, env=swarm.env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     (model,) = json.loads(out.stdout)  # one model
+    if silent is not None:
+        silent.extend(model["not_answering"])
     servers = [(s["start"], s["reachability"], {r["relay"] for r in s["relays"]}) for s in model["servers"]]
     return sorted(servers, key=lambda server: (server[0], server[1]))
 
@@ -297,7 +299,17 @@ def test_the_swarm_outlives_its_dht_peer(swarm):
     swarm.servers.append(late)
     late.wait_for(READY_SERVER, 180)
     assert late.wait_for(RELAYED, 40).group(2) == peer_id(public)
-    assert [server for server in reached(swarm) if server[0] == 2] == [(2, "relayed", {peer_id(public)})] * 2
+    # `corolla status` counts only servers that answer its ping through their relays: on a loaded machine a
+    # first relayed connection may miss it, so a server whose record it read but which did not answer is
+    # asked about again (a missing record is not)
+    expected = [(2, "relayed", {peer_id(public)})] * 2
+    for _ in range(3):
+        silent: list = []
+        found = [server for server in reached(swarm, silent) if server[0] == 2]
+        if found == expected or not silent:
+            break
+        time.sleep(5)
+    assert found == expected, f"not answering: {silent}"
 
 
 def test_a_server_whose_only_relay_dies_is_reached_through_another(swarm):

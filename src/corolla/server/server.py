@@ -45,7 +45,7 @@ from corolla.swarm.policy.placement import blocks_for_budget, choose_blocks
 from corolla.swarm.records.block_records import placed_servers
 from corolla.swarm.records.model_listing import lists_model
 from corolla.version import __version__
-from corolla.wire.records import ServerState
+from corolla.wire.records import ServerState, routing_speed
 
 logger = logging.getLogger(__name__)
 DHT_EXIT_GRACE = 0.25  # on a signal, how long to wait for the DHT process to exit (when the group got it)
@@ -151,8 +151,8 @@ class Server:
         dtype = str(self.dtype).replace("torch.", "")
         speed = self.speed
         compute = Compute(dtype, speed.blocks_per_s, device_info(self.device), speed.batch_growth, self.pace)
-        # the blocks' keys keep the fastest: by the pace of its passes, else the speed measured at start
-        announced = lambda: self.pace.blocks_per_s() or speed.blocks_per_s or 1.0  # noqa: E731
+        # the blocks' keys keep the fastest, by the speed routing expects (the pace, else the start-up figure)
+        announced = lambda: routing_speed(self.pace.blocks_per_s(), speed.blocks_per_s) or 1.0  # noqa: E731
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period, announced)
         fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
