@@ -15,26 +15,26 @@ API_PLACEHOLDER = "http://127.0.0.1:8000/v1"
 
 
 def snippets() -> dict[str, str]:
-    """Every ```python block, named by its document and the heading of its section."""
+    """Every ```python block, named by its document and the heading of its section (then 2, 3...)."""
     found: dict[str, str] = {}
     for document in DOCUMENTS:
-        heading, code, fence = "top", None, None
+        heading, code, in_other_block = "top", None, False
         for line in document.read_text().splitlines(keepends=True):
+            fence = line.startswith("```")
             if code is not None:  # inside a python block
-                if line.startswith("```"):
+                if fence:
                     name = f"{document.relative_to(ROOT)}: {heading}"
-                    found[
-                        name if name not in found else f"{name} {sum(n.startswith(name) for n in found) + 1}"
-                    ] = code
+                    count = sum(other == name or other.startswith(f"{name} ") for other in found)
+                    found[f"{name} {count + 1}" if count else name] = code
                     code = None
                 else:
                     code += line
-            elif fence is not None:  # inside another block: a "# comment" there is no heading
-                fence = None if line.startswith("```") else fence
+            elif in_other_block:  # a "# comment" there is no heading
+                in_other_block = not fence
             elif line.startswith("```python"):
                 code = ""
-            elif line.startswith("```"):
-                fence = line
+            elif fence:
+                in_other_block = True
             elif re.match(r"#{1,3} ", line):
                 heading = line.lstrip("#").strip()
     return found

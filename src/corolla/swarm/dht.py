@@ -78,36 +78,43 @@ def spawn_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: 
     identity = ExitStack()  # a temporary identity's folder stays until the daemon has read it
     path, fresh = identity.enter_context(_identity_file(config.identity_path))
     try:
-        key = load_identity(path)
-        validators = record_validators(key, config.allowed_peers)
-        if not fresh and config.initial_peers and not identity_checked:  # hivemind's ignores nat_port_map
-            _check_identity_free(path, config)
-        dht = PeerDHT(
-            key,
-            validators,
-            initial_peers=list(config.initial_peers) or None,
-            start=False,
-            client_mode=client_mode or unconfirmed,
-            host_maddrs=config.host_maddrs,
-            announce_maddrs=config.announce_maddrs,
-            identity_path=str(path),
-            check_if_identity_free=False,  # checked above
-            nat_port_map=config.use_nat_port_map,
-            num_workers=4,
-            bootstrap_timeout=CLIENT_BOOTSTRAP_S if config.client_mode else None,
-            relay_flags=relay_limit_flags(config),
-            relay_limits=expected(config) if relays_for_others(config) else None,
-            **p2p_options(config),
-            **daemon_mode,
-        )
-        dht.run_in_background(await_ready=False)
-    except P2PDaemonError as e:
-        identity.close()
-        raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+        with _explained_failure(config):
+            key = load_identity(path)
+            validators = record_validators(key, config.allowed_peers)
+            if not fresh and config.initial_peers and not identity_checked:  # hivemind's ignores nat_port_map
+                _check_identity_free(path, config)
+            dht = PeerDHT(
+                key,
+                validators,
+                initial_peers=list(config.initial_peers) or None,
+                start=False,
+                client_mode=client_mode or unconfirmed,
+                host_maddrs=config.host_maddrs,
+                announce_maddrs=config.announce_maddrs,
+                identity_path=str(path),
+                check_if_identity_free=False,  # checked above
+                nat_port_map=config.use_nat_port_map,
+                num_workers=4,
+                bootstrap_timeout=CLIENT_BOOTSTRAP_S if config.client_mode else None,
+                relay_flags=relay_limit_flags(config),
+                relay_limits=expected(config) if relays_for_others(config) else None,
+                **p2p_options(config),
+                **daemon_mode,
+            )
+            dht.run_in_background(await_ready=False)
     except BaseException:
         identity.close()
         raise
     return Spawning(dht, config, identity)
+
+
+@contextmanager
+def _explained_failure(config: SwarmConfig) -> Iterator[None]:
+    """The libp2p daemon's failure to start, told as what to change (a port in use, an unreachable peer)."""
+    try:
+        yield
+    except P2PDaemonError as e:
+        raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
 
 
 class Spawning:
@@ -122,11 +129,8 @@ class Spawning:
 
     def ready(self) -> PeerDHT:
         config = self.config
-        try:
-            with self._identity:
-                self.dht.wait_until_ready()
-        except P2PDaemonError as e:
-            raise explain_start_failure(e, config.host, config.port, config.initial_peers) from None
+        with self._identity, _explained_failure(config):
+            self.dht.wait_until_ready()
         if not config.client_mode:
             self.dht.run_coroutine(dial_back.serve)
             if not config.relay:
