@@ -299,17 +299,17 @@ def test_the_swarm_outlives_its_dht_peer(swarm):
     swarm.servers.append(late)
     late.wait_for(READY_SERVER, 180)
     assert late.wait_for(RELAYED, 40).group(2) == peer_id(public)
-    # `corolla status` counts only servers that answer its ping through their relays: on a loaded machine a
-    # first relayed connection may miss it, so a server whose record it read but which did not answer is
-    # asked about again (a missing record is not)
+    # `corolla status` counts only servers that answer its ping through their relays, and reads each block's
+    # records once through the one public peer left: on a loaded machine a first relayed connection may miss
+    # the ping, or a read the late server's first announcement, so it is asked again, as a user would
     expected = [(2, "relayed", {peer_id(public)})] * 2
-    for _ in range(3):
+    for _ in range(4):
         silent: list = []
         found = [server for server in reached(swarm, silent) if server[0] == 2]
-        if found == expected or not silent:
+        if found == expected:
             break
         time.sleep(5)
-    assert found == expected, f"not answering: {silent}"
+    assert found == expected, f"not answering: {silent}; the late server's log: {late.log_tail()}"
 
 
 def test_a_server_whose_only_relay_dies_is_reached_through_another(swarm):
