@@ -260,11 +260,10 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         _check(self, 0, ("request_timeout", "refresh_period", "max_request_tokens"), cli=False)
-        _check(self, 0, ("prefix_cache",), strict=False, cli=False)
+        _check(self, 0, ("prefix_cache", "routing_timeout"), strict=False)  # command-line options too
         if not 0 <= self.spot_checks <= 1:
             raise InvalidRequest(f"spot_checks (--spot-checks) must lie in [0, 1], got {self.spot_checks}")
-        names = ("routing_timeout", "max_retries", "failover_timeout", "ban_time")
-        _check(self, 0, names, strict=False, cli=False)
+        _check(self, 0, ("max_retries", "failover_timeout", "ban_time"), strict=False, cli=False)
         if self.wire_encoding not in WIRE_ENCODINGS:
             raise InvalidRequest(
                 f"wire_encoding must be one of {', '.join(WIRE_ENCODINGS)}, got {self.wire_encoding!r}"

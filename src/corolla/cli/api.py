@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import socket
 
-from corolla.cli.common import add_client_args, add_dht_prefix, add_swarm_args, client_config
+from corolla.cli.common import CLIENT_HOST, add_client_args, add_dht_prefix, add_swarm_args, client_config
+from corolla.cli.fields import add_field
 from corolla.cli.signals import exit_on
 from corolla.config import EMBEDDING_POOLINGS, ApiConfig, ClientConfig
 from corolla.errors import StartFailed
@@ -27,78 +29,74 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
     )
-    parser.add_argument(
-        "--host", dest="http_host", default=ApiConfig.host, help="HTTP address (default: %(default)s)"
+    option = functools.partial(add_field, parser, ApiConfig)
+    option("host", "HTTP address (default: %(default)s)", dest="http_host")
+    option("port", "HTTP port (default: %(default)s)", dest="http_port")
+    option(
+        "served_model_name",
+        "the model id clients pass in requests (default: the model's name, e.g. SmolLM2-135M-Instruct)",
     )
-    parser.add_argument(
-        "--port", dest="http_port", type=int, default=ApiConfig.port, help="HTTP port (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients pass in requests (default: the model's name, e.g. SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=ApiConfig.max_model_len,
-        help="longest prompt + completion a request may ask for, capped by the model's context "
+    option(
+        "max_model_len",
+        "longest prompt + completion a request may ask for, capped by the model's context "
         "(default: %(default)s, the servers' default session limit)",
     )
-    parser.add_argument(
-        "--routing-timeout",
-        type=float,
-        default=ClientConfig.routing_timeout,
-        help="how long a request waits for servers to cover every block before it gets a 503 naming the "
+    add_field(
+        parser,
+        ClientConfig,
+        "routing_timeout",
+        "how long a request waits for servers to cover every block before it gets a 503 naming the "
         "missing ones (default: %(default)ss)",
     )
-    add_dht_prefix(parser)
+    add_dht_prefix(parser, ClientConfig)
     _add_embedding_args(parser)
     _add_access_args(parser)
     add_client_args(parser)
-    add_swarm_args(parser, default_host="127.0.0.1", listen_flag="p2p-")
+    add_swarm_args(parser, default_host=CLIENT_HOST, listen_flag="p2p-")
     parser.set_defaults(run=run)
 
 
 def _add_embedding_args(parser: argparse.ArgumentParser) -> None:
     """How /v1/embeddings makes one vector of an input (client/training/embeddings.py), and what the API
     logs."""
-    parser.add_argument(
-        "--stats-interval",
-        type=float,
-        default=ApiConfig.stats_interval,
-        metavar="SECONDS",
-        help="log running requests and throughput this often while there is traffic (0: never; default: "
+    add_field(
+        parser,
+        ApiConfig,
+        "stats_interval",
+        "log running requests and throughput this often while there is traffic (0: never; default: "
         "%(default)s); every request also gets a log line when it ends",
+        metavar="SECONDS",
     )
-    parser.add_argument(
-        "--embedding-pooling",
-        choices=EMBEDDING_POOLINGS,
-        default=ApiConfig.embedding_pooling,
-        help="how /v1/embeddings pools an input's final hidden states into one vector: mean (the "
+    add_field(
+        parser,
+        ApiConfig,
+        "embedding_pooling",
+        "how /v1/embeddings pools an input's final hidden states into one vector: mean (the "
         "default) averages every token's, which is what a generic decoder model gives usable embeddings "
         "from; last takes the last token's, which embedding-tuned decoders (e5-mistral, gte-Qwen) expect",
+        choices=EMBEDDING_POOLINGS,
     )
 
 
 def _add_access_args(parser: argparse.ArgumentParser) -> None:
     """Who may call the API (api/access.py)."""
-    parser.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY` on every /v1 route (repeat for several keys; default: "
+    add_field(
+        parser,
+        ApiConfig,
+        "api_keys",
+        "require `Authorization: Bearer KEY` on every /v1 route (repeat for several keys; default: "
         "COROLLA_API_KEY if set, else no key)",
+        flag="--api-key",
+        default=None,  # not given: COROLLA_API_KEY (see run)
+        metavar="KEY",
     )
-    parser.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="web origins whose pages may call the API (CORS), e.g. https://app.example.com, or * for any "
+    add_field(
+        parser,
+        ApiConfig,
+        "allowed_origins",
+        "web origins whose pages may call the API (CORS), e.g. https://app.example.com, or * for any "
         "(repeat for several; default: none)",
+        metavar="ORIGIN",
     )
 
 
@@ -114,17 +112,7 @@ def run(args: argparse.Namespace) -> None:
     # command through `with model` (its DHT process and daemon stop too) instead of killing it
     exit_on(signal.SIGTERM, status=0)
     exit_on(signal.SIGHUP)
-    keys = args.api_keys or ([os.environ["COROLLA_API_KEY"]] if os.environ.get("COROLLA_API_KEY") else [])
-    api = ApiConfig(  # checked before the swarm is joined
-        host=args.http_host,
-        port=args.http_port,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        stats_interval=args.stats_interval,
-        embedding_pooling=args.embedding_pooling,
-        api_keys=tuple(keys),
-        allowed_origins=tuple(args.allowed_origins),
-    )
+    api = api_config(args)  # checked before the swarm is joined
     check_http_port(api.host, api.port)  # before the swarm and the "Serving at" line
     config = client_config(args, routing_timeout=args.routing_timeout)
     with DistributedModelForCausalLM.from_pretrained(
@@ -140,6 +128,21 @@ def run(args: argparse.Namespace) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
         )
+
+
+def api_config(args: argparse.Namespace) -> ApiConfig:
+    """ApiConfig of the options (no --api-key: COROLLA_API_KEY's, if set), which checks them."""
+    keys = args.api_keys or ([os.environ["COROLLA_API_KEY"]] if os.environ.get("COROLLA_API_KEY") else [])
+    return ApiConfig(
+        host=args.http_host,
+        port=args.http_port,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        stats_interval=args.stats_interval,
+        embedding_pooling=args.embedding_pooling,
+        api_keys=tuple(keys),
+        allowed_origins=tuple(args.allowed_origins),
+    )
 
 
 def check_http_port(host: str, port: int) -> None:

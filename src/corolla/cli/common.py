@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from typing import Any
 
+from corolla.cli.fields import add_field, field_default
 from corolla.config import QUANTIZE_MODES, WIRE_ENCODINGS, ClientConfig, SpeculationConfig, SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm.p2p.addresses import parse_peer
+
+# the options of speculative decoding: SpeculationConfig's field -> the option's dest (--draft-depth...)
+DRAFT_DESTS = {
+    "draft": "draft",
+    "quantize": "draft_quantize",
+    "device": "draft_device",
+    "width": "draft_width",
+    "max_depth": "draft_depth",
+}
+SERVER_HOST = SwarmConfig.host  # where a peer listens for the swarm: every address of the machine
+CLIENT_HOST = field_default(ClientConfig, "swarm").host  # a client's: loopback
 
 
 def setup_logging(level: str) -> None:
@@ -22,50 +35,33 @@ def setup_logging(level: str) -> None:
     logging.getLogger("corolla").setLevel(level)
 
 
-def add_dht_prefix(parser: argparse.ArgumentParser) -> None:
-    """The one --dht-prefix: servers, clients and the API must agree on it."""
-    parser.add_argument(
-        "--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)"
-    )
+def add_dht_prefix(parser: argparse.ArgumentParser, config: type) -> None:
+    """The one --dht-prefix (of a ServerConfig or a ClientConfig): servers, clients and the API must agree
+    on it."""
+    add_field(parser, config, "dht_prefix", "DHT key prefix (default: derived from the model name)")
 
 
 def add_swarm_args(parser: argparse.ArgumentParser, *, default_host: str, listen_flag: str = "") -> None:
-    """The swarm options; `listen_flag` prefixes --host/--port (e.g. "p2p-") when a command needs those
-    names for something else."""
+    """The swarm options (SwarmConfig's); `listen_flag` prefixes --host/--port (e.g. "p2p-") when a
+    command needs those names for something else."""
     group = parser.add_argument_group("swarm")
-    group.add_argument(
-        "--initial-peers",
-        action="append",
-        type=_peer,
-        default=[],
-        metavar="MADDR",
-        help="multiaddress of a peer already in the swarm, as `corolla dht` prints it (repeat the option "
+    option = functools.partial(add_field, group, SwarmConfig)
+    option(
+        "initial_peers",
+        "multiaddress of a peer already in the swarm, as `corolla dht` prints it (repeat the option "
         "for several peers)",
+        type=_peer,
+        metavar="MADDR",
     )
-    group.add_argument(
-        f"--{listen_flag}host",
-        dest="host",
-        default=default_host,
-        help="address to listen on for the swarm (default: %(default)s)",
-    )
-    group.add_argument(
-        f"--{listen_flag}port",
-        dest="port",
-        type=int,
-        default=0,
-        help="TCP port to listen on for the swarm (default: any free port)",
-    )
-    group.add_argument(
-        "--announce-host",
-        default=None,
-        help=f"address other peers should use to reach this one (needs --{listen_flag}port)",
-    )
+    text = "address to listen on for the swarm (default: %(default)s)"
+    option("host", text, flag=f"--{listen_flag}host", default=default_host)
+    text = "TCP port to listen on for the swarm (default: any free port)"
+    option("port", text, flag=f"--{listen_flag}port")
+    option("announce_host", f"address other peers should use to reach this one (needs --{listen_flag}port)")
     parser.set_defaults(port_flag=f"--{listen_flag}port")
-    group.add_argument(
-        "--nat-port-map",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="ask the LAN gateway (UPnP / NAT-PMP) to forward our port; default: on unless "
+    option(
+        "nat_port_map",
+        "ask the LAN gateway (UPnP / NAT-PMP) to forward our port; default: on unless "
         "--host is a loopback address. Turn it off in tests and private networks",
     )
     _add_reachability_args(group)
@@ -79,7 +75,7 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         dest="reachability",
         action="store_const",
         const="public",
-        default="auto",
+        default=field_default(SwarmConfig, "reachability"),
         help="this machine is reachable at its address (a public IP, or a forwarded port): say so instead "
         "of asking peers to dial it back (they still do, to warn when it is not), and relay for peers "
         "behind NAT (the default of `corolla dht`)",
@@ -92,46 +88,35 @@ def _add_reachability_args(group: argparse._ArgumentGroup) -> None:
         help="this machine cannot be dialed (a home router, no forwarded port): be reachable through "
         "relays (the initial peers and public servers) instead of asking peers to dial it back first",
     )
-    group.add_argument(
-        "--relay",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="relay for peers behind NAT when this peer is reachable (default: on; --no-relay refuses "
+    option = functools.partial(add_field, group, SwarmConfig)
+    option(
+        "relay",
+        "relay for peers behind NAT when this peer is reachable (default: on; --no-relay refuses "
         "every request to relay)",
     )
-    group.add_argument(
-        "--relay-time-limit",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="the longest a connection this peer relays may last (every peer not behind NAT relays, unless "
+    option(
+        "relay_time_limit",
+        "the longest a connection this peer relays may last (every peer not behind NAT relays, unless "
         "--no-relay); clients move their sessions before it (default: 1800)",
+        metavar="SECONDS",
     )
-    group.add_argument(
-        "--relay-data-limit-mib",
-        type=int,
-        default=None,
-        metavar="MIB",
-        help="the most a connection this peer relays may carry each way (default: 4096)",
-    )
-    group.add_argument(
-        "--relay-circuits",
-        type=int,
-        default=None,
-        metavar="N",
-        help="connections this peer relays for one peer at once (default: 16)",
-    )
+    text = "the most a connection this peer relays may carry each way (default: 4096)"
+    option("relay_data_limit_mib", text, metavar="MIB")
+    option("relay_circuits", "connections this peer relays for one peer at once (default: 16)", metavar="N")
 
 
 def _add_identity_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--identity",
-        default=None,
-        metavar="PATH",
-        help="private key file that fixes this peer's id across restarts and signs its DHT records "
+    add_field(
+        group,
+        SwarmConfig,
+        "identity_path",
+        "private key file that fixes this peer's id across restarts and signs its DHT records "
         "(created if missing; `corolla identity PATH` prints its peer id)",
+        flag="--identity",
+        dest="identity",
+        metavar="PATH",
     )
-    group.add_argument(
+    group.add_argument(  # a file of peer ids, read into SwarmConfig.allowed_peers by swarm_config
         "--allowed-peers",
         default=None,
         metavar="FILE",
@@ -141,28 +126,37 @@ def _add_identity_args(group: argparse._ArgumentGroup) -> None:
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:
-    """How a client uses the swarm: which servers, speculative decoding, the wire's encoding."""
+    """How a client uses the swarm (ClientConfig's): which servers, speculative decoding, the wire's
+    encoding."""
     group = parser.add_argument_group("client")
-    group.add_argument(
-        "--exact",
-        action="store_true",
-        help="use only servers with full-precision weights (skip servers started with --quantize)",
-    )
+    option = functools.partial(add_field, group, ClientConfig)
+    text = "use only servers with full-precision weights (skip servers started with --quantize)"
+    option("exact", text, action="store_true")
     _add_draft_args(group)
-    _add_trust_args(group)
-    group.add_argument(
-        "--wire-encoding",
-        default="lossless",
-        choices=WIRE_ENCODINGS,
-        help="hidden states between hops: lossless, or (lossy, for slow links) float16 or blockwise8 "
+    option(
+        "spot_checks",
+        "re-run this share of each server's steps on other servers over the same blocks and compare; "
+        "a server caught computing wrong outputs is banned and its tokens redone (default: %(default)s)",
+        metavar="SHARE",
+    )
+    option(
+        "prefix_cache",
+        "keep this many ended sessions on their servers, indexed by their tokens: a prompt sharing a "
+        "prefix with one (a later turn of a chat, a shared system prompt) sends and computes only the rest "
+        "(0: off; default: %(default)s)",
+        metavar="SESSIONS",
+    )
+    option(
+        "wire_encoding",
+        "hidden states between hops: lossless, or (lossy, for slow links) float16 or blockwise8 "
         "(8-bit) for tensors of 32 KiB or more, such as prompts (default: %(default)s)",
+        choices=WIRE_ENCODINGS,
     )
 
 
 def _add_draft_args(group: argparse._ArgumentGroup) -> None:
-    """Speculative decoding's options (SpeculationConfig)."""
-    defaults = SpeculationConfig()
-    group.add_argument(
+    """Speculative decoding's options (SpeculationConfig's fields, as DRAFT_DESTS names them)."""
+    group.add_argument(  # SpeculationConfig.draft, or none at all: no speculation (default: off)
         "--draft",
         default=None,
         metavar="lookup|MODEL",
@@ -171,65 +165,47 @@ def _add_draft_args(group: argparse._ArgumentGroup) -> None:
         "file, hub id or `smollm2`); the swarm verifies several tokens per round trip and the output is "
         "the same as without (default: off)",
     )
-    group.add_argument(
-        "--draft-quantize",
-        default=None,
+
+    def option(name: str, text: str, **overrides: Any) -> None:
+        dest = DRAFT_DESTS[name]
+        add_field(
+            group, SpeculationConfig, name, text, flag="--" + dest.replace("_", "-"), dest=dest, **overrides
+        )
+
+    option(
+        "quantize",
+        "store the draft model's weights in int8 or int4 (faster drafts; default: as stored)",
         choices=QUANTIZE_MODES,
-        help="store the draft model's weights in int8 or int4 (faster drafts; default: as stored)",
     )
-    group.add_argument(
-        "--draft-device",
-        default=defaults.device,
-        metavar="DEVICE",
-        help="where the draft model runs: cpu, cuda, cuda:N, mps or auto (the best available) "
+    option(
+        "device",
+        "where the draft model runs: cpu, cuda, cuda:N, mps or auto (the best available) "
         "(default: %(default)s)",
+        metavar="DEVICE",
     )
-    group.add_argument(
-        "--draft-width",
-        type=int,
-        default=None,
-        help="a tree's branching: a draft model's tokens per level (default 1), prompt lookup's places the "
+    option(
+        "width",
+        "a tree's branching: a draft model's tokens per level (default 1), prompt lookup's places the "
         "last tokens appeared (default 2); 1 drafts a chain",
     )
-    group.add_argument(
-        "--draft-depth",
-        type=int,
-        default=defaults.max_depth,
-        help="most drafted tokens along a path; each step's depth follows the measured acceptance and "
+    option(
+        "max_depth",
+        "most drafted tokens along a path; each step's depth follows the measured acceptance and "
         "round trips (default: %(default)s)",
-    )
-
-
-def _add_trust_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--spot-checks",
-        type=float,
-        default=ClientConfig().spot_checks,
-        metavar="SHARE",
-        help="re-run this share of each server's steps on other servers over the same blocks and compare; "
-        "a server caught computing wrong outputs is banned and its tokens redone (default: %(default)s)",
-    )
-    group.add_argument(
-        "--prefix-cache",
-        type=int,
-        default=ClientConfig().prefix_cache,
-        metavar="SESSIONS",
-        help="keep this many ended sessions on their servers, indexed by their tokens: a prompt sharing a "
-        "prefix with one (a later turn of a chat, a shared system prompt) sends and computes only the rest "
-        "(0: off; default: %(default)s)",
     )
 
 
 def client_config(args: argparse.Namespace, **extra: Any) -> ClientConfig:
     speculation = None
     if args.draft is not None:
-        speculation = SpeculationConfig(
-            draft=args.draft,
-            quantize=args.draft_quantize,
-            device=args.draft_device,
-            width=args.draft_width,
-            max_depth=args.draft_depth,
-        )
+        try:
+            speculation = SpeculationConfig(
+                **{name: getattr(args, dest) for name, dest in DRAFT_DESTS.items()}
+            )
+        except InvalidRequest as e:  # SpeculationConfig names its fields, the CLI's flags are --draft-*
+            name = str(e).split(" ", 1)[0]
+            flag = "--" + DRAFT_DESTS.get(name, name).replace("_", "-")
+            raise InvalidRequest(f"{name} ({flag}){str(e)[len(name) :]}") from None
     swarm = swarm_config(args, client_mode=True)
     return ClientConfig(
         swarm=swarm,

@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.cli.common import SERVER_HOST, add_swarm_args, swarm_config
 
 logger = logging.getLogger(__name__)
 CHECK_PERIOD = 15.0  # seconds between a public DHT peer's requests to be dialed back, until one is answered
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--port) and relays for servers behind NAT (--no-relay: not); once peers join, it asks them to "
         "dial it back and warns when none can.",
     )
-    add_swarm_args(parser, default_host="0.0.0.0")
+    add_swarm_args(parser, default_host=SERVER_HOST)
     parser.set_defaults(run=run, reachability="public")
 
 

@@ -7,8 +7,9 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from corolla.cli.common import add_client_args, add_dht_prefix, add_swarm_args, client_config
+from corolla.cli.common import CLIENT_HOST, add_client_args, add_dht_prefix, add_swarm_args, client_config
 from corolla.cli.signals import exit_now, exit_on
+from corolla.config import ClientConfig
 from corolla.errors import InvalidRequest, LengthLimit
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick
@@ -27,10 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
     )
     parser.add_argument("prompt", metavar="PROMPT", help="the user's message (or raw text with --raw)")
-    add_dht_prefix(parser)
+    add_dht_prefix(parser, ClientConfig)
     add_generation_args(parser)
     add_client_args(parser)
-    add_swarm_args(parser, default_host="127.0.0.1")
+    add_swarm_args(parser, default_host=CLIENT_HOST)
     parser.set_defaults(run=run)
 
 

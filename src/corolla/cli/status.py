@@ -8,7 +8,7 @@ import asyncio
 import json
 import sys
 
-from corolla.cli.common import add_swarm_args, swarm_config
+from corolla.cli.common import CLIENT_HOST, add_swarm_args, swarm_config
 from corolla.errors import InvalidRequest
 
 
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="only this model's DHT prefix (as servers print it, e.g. SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    add_swarm_args(parser, default_host="127.0.0.1")
+    add_swarm_args(parser, default_host=CLIENT_HOST)
     parser.set_defaults(run=run)
 
 
