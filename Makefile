@@ -15,7 +15,8 @@ apt_install = { if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-
 	else sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1); fi; }
 
 .DEFAULT_GOAL := help
-.PHONY: help install browser example demo api test test-unit test-integration check-clients bench bench-wan lint clean
+.PHONY: help install browser example demo api test test-unit test-integration check-clients bench bench-decode \
+	bench-models bench-swarm bench-trust bench-wan bench-docs lint clean
 
 help: ## show this help
 	@echo "corolla: run large language models across a swarm of ordinary machines"
@@ -59,33 +60,56 @@ test-integration: $(STAMP) browser ## run the integration tests only (local swar
 check-clients: $(STAMP) ## openai (Python, Node), litellm and LangChain against `corolla api` on a local swarm (clients/; ~1 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
 
-bench: $(STAMP) ## run every benchmark in bench/ (latency, memory, engine, throughput, failover, push, api, grammar libraries, training, abuse, models, quantize, latent attention, MoE quantization, linear attention; ~60 min; each keeps its result, stamped, in bench/results/)
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/latency.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/memory.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/engine_overhead.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/throughput.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/failover.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/push.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/api.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/grammar_libraries.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/training.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/abuse.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/models.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/quantize.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/mla.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/moe_quantize.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/linear_attention.py
+bench: bench-decode bench-models bench-swarm bench-trust ## every benchmark but bench-wan's (more than an hour; each keeps its result, stamped, in bench/results/; then `make bench-docs`)
+
+bench-decode: $(STAMP) ## decoding on one machine: vs local transformers, many sessions, push, reused prefixes, the HTTP API, constrained decoding, the engine's and the digest's own costs, next to a training job (bench/decode/)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.latency
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.throughput
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.engine_overhead
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.push
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.prefix
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.api
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.digest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.grammar_libraries
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.training
+
+bench-models: $(STAMP) ## families, real shapes and precisions: every family through a swarm, latent/linear/sparse attention and MoE at real shapes (random weights), quantized servers, a server's memory (bench/models/)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.memory
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.models
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.quantize
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.quantize_isolation
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.mla
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.glm5_next
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.moe_quantize
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.linear_attention
+
+bench-swarm: $(STAMP) ## the swarm growing and failing: failover after a SIGKILL, route choice and DHT traffic at scale, the simulator's calibration, scale and agreement with a real swarm (bench/swarm/)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.failover
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.routing
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.dht
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.sim_calibrate
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.sim_scale
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.sim_vs_real
+
+bench-trust: $(STAMP) ## untrusted peers: spot checks against lying servers and their tolerance, an honest session next to a flooding peer (bench/trust/)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.trust.spot_check_calibration
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.trust.spot_checks
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.trust.abuse
 
 bench-wan: $(STAMP) browser ## across an emulated 50 ms internet (../shared/tools/wan; root + iptables): push, speculation and wire encodings, many sessions; then servers behind emulated NATs (~85 min)
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/push_wan.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/speculative_wan.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/sessions_wan.py
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/nat.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.wan.push_wan
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.wan.speculative_wan
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.wan.sessions_wan
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.wan.nat
+
+bench-docs: $(STAMP) ## write docs/benchmarks.md from the scripts' docstrings and their stamped results in bench/results/
+	$(BIN)/python -m bench.lib.docs
 
 lint: $(STAMP) ## ruff (checks and format) over everything; sizes (tools/sizes.py); import layers (tools/imports.py)
 	$(BIN)/ruff check src tests bench examples tools clients
 	$(BIN)/ruff format --check --quiet src tests bench examples tools clients
 	$(BIN)/python tools/sizes.py src
+	$(BIN)/python tools/sizes.py bench/lib
 	$(BIN)/python tools/imports.py src/corolla
 
 clean: ## remove the virtualenv and caches (the converted-model cache in ~/.cache/corolla stays)

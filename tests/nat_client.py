@@ -1,4 +1,4 @@
-"""A client run inside a namespace of the NAT harness (tests/integration/test_nat.py, bench/nat.py):
+"""A client run inside a namespace of the NAT harness (tests/integration/test_nat.py, bench/wan/nat.py):
 greedy tokens of a prompt through the swarm, when they came, and how it was connected to each peer at the
 end (directly, or only through a relay), printed as JSON.
 
@@ -30,7 +30,8 @@ pause_at = int(os.environ.get("NAT_CLIENT_PAUSE_AT", "0"))
 use_push = os.environ.get("NAT_CLIENT_PUSH", "1") == "1"
 arrivals: list[float] = []
 resumed: list[float] = []
-first_at: list[float] = []  # wall-clock time of the first token (bench/nat.py compares it with server logs)
+# wall-clock time of the first token (bench/wan/nat.py compares it with server logs)
+first_at: list[float] = []
 
 
 def arrived(_token) -> None:

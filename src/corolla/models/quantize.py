@@ -20,11 +20,11 @@ place. The span keeps its dtype: activations, norms, biases and the attention ca
   package, which corolla does not install.) The CUDA path has not been run on a GPU yet.
   A linear whose in_features `GROUP_SIZE` does not divide, or that fails the CPU kernel's out_features
   rule, stays at full precision. Groups of
-  32, not 64: 5 bits per weight instead of 4.5, and SmolLM2's perplexity (bench/quantize.py) 1.002x
+  32, not 64: 5 bits per weight instead of 4.5, and SmolLM2's perplexity (bench/models/quantize.py) 1.002x
   fp32's instead of 1.32x (its weights come from a GGUF quantized in blocks of 32).
 
 Faithfulness (issue 26, item 7): on SmolLM2 int8 agrees with fp32 less than int4 does, and the cause is
-int8's grid, not its bfloat16 activations (bench/quantize_isolation.py, one run: along fp32's own
+int8's grid, not its bfloat16 activations (bench/models/quantize_isolation.py, one run: along fp32's own
 continuations, KL from fp32 0.0037 for int8, 0.0017 for int4, 0.0002 for float32 weights with bfloat16
 linear inputs and outputs; top-1 496, 504 and 509 of 512; greedy agreement, which one early flip
 decides, 128, 285 and 334 of 512). SmolLM2's weights come from a Q4_1 GGUF (asymmetric groups of 32 with

@@ -4,8 +4,8 @@ per session decoding in its batch).
 A class gives these seconds itself, or the hardware's published memory bandwidth and tensor throughput:
 then the pass is priced from the roofline (reading the block's weights once; two operations per parameter
 and token) and scaled by how close corolla's engine came to each part on this machine's CPU for a block of
-Llama 3 70B's shapes (bench/sim_calibrate.py wrote sim/calibration.json: a lone decode row's pass read the
-weights at 63% of the measured bandwidth, prefill passes ran at 94% of the matmul throughput). The
+Llama 3 70B's shapes (bench/swarm/sim_calibrate.py wrote sim/calibration.json: a lone decode row's pass read
+the weights at 63% of the measured bandwidth, prefill passes ran at 94% of the matmul throughput). The
 assumption: a GPU's engine is as close to its roofline as the CPU's; the sum (not the larger) of the two
 parts makes big batches a little dearer than a roofline says.
 """

@@ -79,7 +79,7 @@ class Scenario(BaseModel):
     rtt_ms: tuple[float, float] = (5.0, 300.0)  # the nearest and farthest two peers may be
     announce_noise: float = Field(default=0.2, ge=0, lt=1)  # announced speed off by up to this share
     # a decode step's time as a client times it: its truth times a log-normal draw of this sigma (0.86:
-    # the 90th percentile 3x the median, as timed on this shared machine by bench/sim_vs_real.py)
+    # the 90th percentile 3x the median, as timed on this shared machine by bench/swarm/sim_vs_real.py)
     step_noise: float = Field(default=0.3, ge=0, le=3)
     # a server's own decode pass likewise (server/hosting/pace.py times them; no network in it)
     pass_noise: float = Field(default=0.1, ge=0, le=3)

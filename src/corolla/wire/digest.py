@@ -11,8 +11,8 @@ It covers everything in a step that changes its outputs: each tensor's bytes, dt
 (hidden states, and deep prompts and beam order when sent), the token tree the step forms and the path
 of the previous tree it keeps; the position travels beside it. SHA-256, which CPUs with SHA extensions run
 at about twice blake2b's speed: a decode step of SmolLM2 (hidden size 576, float32) costs about 4 µs for
-one row and 25 µs for 16 (blake2b: 7 and 58 µs; bench/digest.py), once per hop on the client and once on
-each server, next to a step time of tens of milliseconds.
+one row and 25 µs for 16 (blake2b: 7 and 58 µs; bench/decode/digest.py), once per hop on the client and once
+on each server, next to a step time of tens of milliseconds.
 """
 
 from __future__ import annotations

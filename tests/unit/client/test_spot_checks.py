@@ -188,7 +188,7 @@ def test_each_consumer_reads_withdrawn_tokens_its_way(replicas, expected):
 
 def test_honest_replicas_in_other_precisions_are_never_accused(replicas, expected):
     """float16 next to float32 here: a tiny random model drifts too far in bfloat16 or int8 (up to 0.7 and
-    0.4) for any tolerance; SmolLM2 in every precision is bench/spot_checks.py's false-alarm run."""
+    0.4) for any tolerance; SmolLM2 in every precision is bench/trust/spot_checks.py's false-alarm run."""
     replicas.add_server((0, 6), dtype="float16")
     model = replicas.model(spot_checks=1.0)
     model.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)

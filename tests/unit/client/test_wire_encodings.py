@@ -84,4 +84,4 @@ async def test_prompts_cross_every_hop_in_the_agreed_encoding_and_decode_steps_s
         full = reference(ids, output_hidden_states=True).hidden_states[-1]  # lossless, after the final norm
     scale = float(expected.abs().max())
     assert float((boundary - expected).abs().max()) < ERROR[encoding] * scale
-    assert float((normed - full).abs().max()) > 0  # lossy end to end (how much: bench/speculative_wan.py)
+    assert float((normed - full).abs().max()) > 0  # lossy end to end (how much: bench/wan/speculative_wan.py)

@@ -2,7 +2,7 @@
 
 `deviation`: per position, the L2 distance between two servers' hidden states relative to the
 reference's norm. Honest replicas in other precisions (bfloat16, float16, int8, int4) stay well within
-TOLERANCE; every simulated fault (server/faults.py) goes far past it (bench/spot_check_calibration.py
+TOLERANCE; every simulated fault (server/faults.py) goes far past it (bench/trust/spot_check_calibration.py
 measures both).
 """
 

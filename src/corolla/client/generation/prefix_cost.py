@@ -19,8 +19,8 @@ from corolla.errors import CorollaError
 if TYPE_CHECKING:
     from corolla.client.chain.session import InferenceSession
 
-# a prompt's tokens a chain prefills in one decode step's time (bench/prefix.py: 1,554 prompt tokens took
-# 58 decode steps' time on CPU servers, on loopback and across the emulated internet alike)
+# a prompt's tokens a chain prefills in one decode step's time (bench/decode/prefix.py: 1,554 prompt tokens
+# took 58 decode steps' time on CPU servers, on loopback and across the emulated internet alike)
 PREFILL_TOKENS_PER_STEP = 27
 # chains whose step-time estimates are within this ratio count as equally fast: estimates of equal
 # replicas, timed on shared machines, drift apart by this much
