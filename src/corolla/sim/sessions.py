@@ -6,22 +6,21 @@ client/chain/retries.py `RetryBudget` for failover, and client/routing/estimates
 long a crashed server's silence takes to notice.
 
 Opening a chain is client/chain/opening.py `open_links`: a server whose cache cannot take the session's tokens
-(its prompt's and its steps': the engine allocates cache as positions are written, so a session takes what
-it uses, not its max_length) refuses it (the engine's admission, with the client's default alloc_timeout
-of 0), and the client passes that server over for a while (client/routing/bans.py `full`) and routes again, up
-to max_retries times. A session holds its servers (and that much of their caches) for its decode steps
-at its chain's true per-token latency (swarm/policy/routing.py `chain_cost` at true speeds, round trips,
-uploads and batch loads, push on); the latency is fixed when the chain is chosen (loads that change later do
-not change it). When a server of its chain crashes, the client notices
-after the silence limit (at once when a leaving server ends its drain), bans the server and routes the
-failed hop's blocks again (`_fail_over`), as
-client/chain/chain.py `_recover` does; with a block uncovered it waits up to `routing_timeout` (looking every
-LONGEST_WAIT seconds, as the router does), then the session is lost. When a session ends its client has
-timed its first hop's steps (the only ones push lets it time): its estimates get that server's last
-TIMED_STEPS steps, each its true time with the scenario's `step_noise`. Lost sessions are counted apart when
-every block still had a live server (a routing failure, which must never happen). Simplifications: a
-client pings every server at each decision (the real one re-pings every `refresh_period`), and a
-replacement's replay costs no time.
+(its prompt's and its steps': the engine allocates cache as positions are written, so a session takes what it
+uses, not its max_length) refuses it (the engine's admission, with the client's default alloc_timeout of 0),
+and the client passes that server over for a while (client/chain/opening.py `pass_over`, the client's own) and
+routes again, up to `opening_tries` times. A session holds its servers (and that much of their caches) for its
+decode steps at its chain's true per-token latency (swarm/policy/routing.py `chain_cost` at true speeds, round
+trips, uploads and batch loads, push on); the latency is fixed when the chain is chosen (loads that change
+later do not change it). When a server of its chain crashes, the client notices after the silence limit (at
+once when a leaving server ends its drain), bans the server and routes the failed hop's blocks again
+(`_fail_over`), as client/chain/chain.py `_recover` does; with a block uncovered it waits up to
+`routing_timeout` (looking every LONGEST_WAIT seconds, as the router does), then the session is lost. When a
+session ends its client has timed its first hop's steps (the only ones push lets it time): its estimates get
+that server's last TIMED_STEPS steps, each its true time with the scenario's `step_noise`. Lost sessions are
+counted apart when every block still had a live server (a routing failure, which must never happen).
+Simplifications: a client pings every server at each decision (the real one re-pings every `refresh_period`),
+and a replacement's replay costs no time.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from corolla.client.chain.opening import opening_tries, out_of_tries, pass_over
 from corolla.client.chain.retries import RetryBudget
 from corolla.client.routing.bans import Bans
 from corolla.client.routing.estimates import ServerEstimates, silence_after
@@ -215,19 +215,20 @@ class Sessions:
 
     def _open(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
         """client/chain/opening.py `open_links`: a chain whose servers all take the session, passing over
-        those that refuse it (no cache for it: `Bans.failed` with CacheExhausted) and routing again, up to
-        max_retries times; then ServerUnavailable."""
-        for _ in range(self.config.max_retries + 1):
+        those that refuse it (no cache for it: `pass_over` with CacheExhausted) and routing again, up to
+        `opening_tries`; then its ServerUnavailable."""
+        for _ in range(opening_tries(self.config)):
             hops = self._choose(session, start, end, oracle)
             refused = [hop for hop in hops if not self.sim.servers[hop.peer_id].admits(session.tokens)]
             if not refused:
                 return hops
             self.refusals += len(refused)
             session.refused = True
-            for hop in refused:
-                session.client.bans.failed(hop.peer_id, CacheExhausted("no cache for the session"))
+            pass_over(
+                session.client.bans, [(hop, CacheExhausted("no cache for the session")) for hop in refused]
+            )
             oracle = False  # compared once per session
-        raise ServerUnavailable(f"could not open sessions for blocks {start}:{end}")
+        raise out_of_tries(self.config, start, end)
 
     def _choose(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
         """The client's chain over [start, end) (client/routing/router.py); with `oracle`, also the

@@ -10,12 +10,15 @@ and routes again around servers that fail to open (banning them), a few times at
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from corolla.client.chain.hop_history import HopHistory
 from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.bans import Bans
 from corolla.client.rpc.peers import hop_encodings
 from corolla.client.rpc.span_stream import Opening, SpanStream
+from corolla.config import ClientConfig
 from corolla.errors import RETRYABLE, ServerUnavailable
 from corolla.swarm.policy.routing import Hop
 
@@ -48,7 +51,7 @@ class ChainSpec:
 async def open_links(swarm: SwarmAccess, spec: ChainSpec, start: int, end: int) -> list[Link]:
     """Streams to a chain of servers over blocks [start, end), re-routing around servers that fail to
     open."""
-    for _ in range(swarm.config.max_retries + 1):
+    for _ in range(opening_tries(swarm.config)):
         hops = await swarm.router.route(
             start,
             end,
@@ -66,12 +69,27 @@ async def open_links(swarm: SwarmAccess, spec: ChainSpec, start: int, end: int) 
         swarm.estimates.release(hops)
         opened = [r for r in results if isinstance(r, SpanStream)]
         await asyncio.gather(*(stream.close() for stream in opened), return_exceptions=True)
-        for hop, error in failed:
-            if not isinstance(error, RETRYABLE):
-                raise error
-            swarm.bans.failed(hop.peer_id, error)
-    raise ServerUnavailable(
-        f"could not open sessions for blocks {start}:{end} after {swarm.config.max_retries + 1} tries"
+        pass_over(swarm.bans, failed)
+    raise out_of_tries(swarm.config, start, end)
+
+
+def opening_tries(config: ClientConfig) -> int:
+    """Chains routed for one opening at most: the first and max_retries more."""
+    return config.max_retries + 1
+
+
+def pass_over(bans: Bans, failed: Iterable[tuple[Hop, BaseException]]) -> None:
+    """Servers that failed to open a session are passed over for a while (`Bans.failed`: one without
+    cache for it only briefly) before routing again; an error that no other chain can help is raised."""
+    for hop, error in failed:
+        if not isinstance(error, RETRYABLE):
+            raise error
+        bans.failed(hop.peer_id, error)
+
+
+def out_of_tries(config: ClientConfig, start: int, end: int) -> ServerUnavailable:
+    return ServerUnavailable(
+        f"could not open sessions for blocks {start}:{end} after {opening_tries(config)} tries"
     )
 
 
