@@ -28,8 +28,8 @@ from corolla.client.client import Client, ServedModel
 from corolla.client.runtime import LoopThread
 from corolla.config import ClientConfig, EngineConfig, ServerConfig
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info
+from corolla.models.model_config import ModelConfig
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.hosting.backend import SpanLoader, adapter_names, compute_settings

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from corolla.config import EngineConfig, ServerConfig
-from corolla.models.config import ModelConfig
+from corolla.models.model_config import ModelConfig
 from corolla.server.hosting.backend import SpanLoader
 from corolla.server.hosting.spans import HostedSpans
 from corolla.server.inference.service import InferenceService, StepMessage

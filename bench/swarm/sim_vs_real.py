@@ -40,7 +40,7 @@ from bench.lib.swarm import smollm2_swarm
 from bench.lib.timing import gaps
 from bench.swarm.real_timings import round_trips, spread, watch
 from corolla.errors import CorollaError
-from corolla.sim.records import Record
+from corolla.sim.record_book import Record
 from corolla.sim.scenario import Event, Scenario, load
 from corolla.sim.simulation import Simulation
 

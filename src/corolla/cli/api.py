@@ -10,7 +10,7 @@ import signal
 import socket
 
 from corolla.cli.common import CLIENT_HOST, add_client_args, add_dht_prefix, add_swarm_args, client_config
-from corolla.cli.fields import add_field
+from corolla.cli.config_options import add_field
 from corolla.cli.signals import exit_on
 from corolla.config import EMBEDDING_POOLINGS, ApiConfig, ClientConfig
 from corolla.errors import StartFailed

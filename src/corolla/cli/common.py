@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from corolla.cli.fields import add_field, field_default
+from corolla.cli.config_options import add_field, field_default
 from corolla.config import QUANTIZE_MODES, WIRE_ENCODINGS, ClientConfig, SpeculationConfig, SwarmConfig
 from corolla.errors import InvalidRequest
 from corolla.swarm.p2p.addresses import parse_peer

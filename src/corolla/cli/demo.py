@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     exit_on(signal.SIGTERM, signal.SIGHUP)  # through LocalSwarm's exit: every peer is stopped
     params = sampling_params(args)
     from corolla.launch.local import LocalSwarm, even_spans
-    from corolla.models.config import ModelConfig
+    from corolla.models.model_config import ModelConfig
 
     source = resolve_model(args.model)  # converts a GGUF once, before any server needs it
     num_blocks = ModelConfig.from_folder(source.path).num_hidden_layers

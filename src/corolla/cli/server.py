@@ -2,7 +2,7 @@
 
 The options map one to one onto `ServerConfig` and its nested `EngineConfig` (config.py), which check
 their own ranges: a bad value gets the same error from the command line as from Python. Each option is
-made from its field (cli/fields.py): its flag, dest, type and default are the field's.
+made from its field (cli/config_options.py): its flag, dest, type and default are the field's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from corolla.cli.common import SERVER_HOST, add_dht_prefix, add_swarm_args, swarm_config
-from corolla.cli.fields import add_field, field_values
+from corolla.cli.config_options import add_field, field_values
 from corolla.config import DTYPES, QUANTIZE_MODES, EngineConfig, ServerConfig
 
 if TYPE_CHECKING:  # imported when the command runs: `corolla --help` stays quick

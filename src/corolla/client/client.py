@@ -16,15 +16,15 @@ from hivemind.p2p import P2P
 
 from corolla.client.checks.spot_checks import SpotChecker
 from corolla.client.generation.prefixes import PrefixCache
-from corolla.client.routing.access import SwarmAccess
 from corolla.client.routing.bans import Bans, Report
 from corolla.client.routing.estimates import ServerEstimates
 from corolla.client.routing.router import Router
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.routing.swarm_view import SpanReader, SwarmView
 from corolla.client.rpc.peers import Peers
 from corolla.client.training.remote_chain import ChainPasses
 from corolla.config import ClientConfig
-from corolla.models.config import ModelConfig
+from corolla.models.model_config import ModelConfig
 from corolla.swarm.dht import PeerDHT, RemoteSpan, Spawning, spawn_dht
 from corolla.swarm.p2p.transport import P2PTransport, Transport
 from corolla.swarm.records.block_records import find_spans

@@ -34,8 +34,8 @@ from corolla.decoding.chooser import Chooser, GenerationStep, RowEnds
 from corolla.decoding.sampling import SamplingParams
 from corolla.decoding.speculator import Speculator
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.head import ModelHead
+from corolla.models.model_config import ModelConfig, parse_dtype
 from corolla.models.source import ModelSource, dht_prefix_for, resolve_model
 from corolla.swarm.dht import spawn_dht
 
@@ -54,7 +54,7 @@ class DistributedModelForCausalLM(TransformersModel):
         """`client` runs on `runtime`'s loop; `ptune`: trainable prompts (tuning_mode); `speculator`:
         speculative decoding (ClientConfig.speculation)."""
         self.source = source
-        self.model_config = config  # corolla's view of it (models/config.py)
+        self.model_config = config  # corolla's view of it (models/model_config.py)
         self.head = head
         self.client = client
         self.runtime = runtime

@@ -49,7 +49,7 @@ class DraftModel:
         vocab_size: int | None = None,
         device: torch.device | str = "cpu",
     ) -> DraftModel:
-        from corolla.models.config import ModelConfig
+        from corolla.models.model_config import ModelConfig
 
         config = ModelConfig.from_folder(folder)
         span = Span.load(folder, 0, config.num_hidden_layers, quantize=quantize, device=device)

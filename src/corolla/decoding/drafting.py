@@ -22,7 +22,7 @@ import torch
 from corolla.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from corolla.models.config import ModelConfig
+    from corolla.models.model_config import ModelConfig
 
 # prompt lookup matches the last 3 tokens, else the last 2, else the last one
 NGRAM = 3
@@ -115,7 +115,7 @@ def check_same_tokenizer(draft_folder: Path, target_folder: Path, target: ModelC
     when both folders have one, else the same vocabulary size)."""
     from tokenizers import Tokenizer
 
-    from corolla.models.config import ModelConfig
+    from corolla.models.model_config import ModelConfig
 
     files = [Path(folder) / "tokenizer.json" for folder in (draft_folder, target_folder)]
     if all(f.is_file() for f in files):

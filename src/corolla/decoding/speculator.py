@@ -18,7 +18,7 @@ import torch
 from corolla.config import SpeculationConfig
 from corolla.decoding.draft_budget import DraftBudget, SpeculationStats
 from corolla.decoding.drafting import Draft, Drafter, DraftSession, PromptLookup, check_same_tokenizer
-from corolla.models.config import ModelConfig
+from corolla.models.model_config import ModelConfig
 
 LOOKUP_WIDTH = 2  # prompt lookup's default branching: the 2 latest places the last tokens appeared
 

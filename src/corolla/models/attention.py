@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from corolla.models.config import ATTENTION_NAME
+from corolla.models.model_config import ATTENTION_NAME
 from corolla.models.tree import TokenTree
 
 

@@ -21,7 +21,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.handoff import WireLayout, merge_streams, wire_modules
 from corolla.models.loading import (
     check_layer_inputs,
@@ -32,6 +31,7 @@ from corolla.models.loading import (
     missing_on_meta,
     target_name,
 )
+from corolla.models.model_config import ATTENTION_NAME, ModelConfig
 
 
 class _Embedded(Exception):

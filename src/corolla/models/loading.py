@@ -23,9 +23,9 @@ from torch import nn
 from corolla.errors import UnsupportedModel
 from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ModelConfig
 from corolla.models.handoff import wire_modules
 from corolla.models.lm_class import lm_class
+from corolla.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 # init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-# layer types whose blocks keep no attention cache, or a recurrent state instead (models/config.py)
+# layer types whose blocks keep no attention cache, or a recurrent state instead (models/model_config.py)
 STATE_LAYER_TYPES = ("linear_attention", "conv")
 STATELESS_LAYER_TYPES = ("mlp", "moe")
 

@@ -23,7 +23,6 @@ from transformers.cache_utils import KVSharingDict
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import AttentionContext, CacheShape, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.config import ATTENTION_NAME, ModelConfig
 from corolla.models.context_cache import ContextCache
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import (
@@ -33,6 +32,7 @@ from corolla.models.loading import (
     load_weights,
     missing_on_meta,
 )
+from corolla.models.model_config import ATTENTION_NAME, ModelConfig
 from corolla.models.quantize import quantize_blocks, warn_if_int8_loses_grid
 from corolla.models.row_passes import by_rows, indexed_pass, run_block
 

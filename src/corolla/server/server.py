@@ -21,8 +21,8 @@ from hivemind.p2p import P2P
 
 from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info, free_memory
+from corolla.models.model_config import ModelConfig
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler

@@ -31,8 +31,8 @@ from corolla.server.upkeep.link_monitor import MAX_LINKS
 from corolla.sim.clients import against_oracle, looked_up, noisy
 from corolla.sim.compute import cache_tokens, pass_cost
 from corolla.sim.network import Network
+from corolla.sim.record_book import Record, RecordBook
 from corolla.sim.record_tree import RecordTree
-from corolla.sim.records import Record, RecordBook
 from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
 from corolla.sim.state import SimServer, least_held

@@ -8,8 +8,8 @@ from transformers import AutoConfig
 
 from corolla.errors import InvalidRequest
 from corolla.models.attention import CacheShape
-from corolla.models.config import ModelConfig
 from corolla.models.kv_sharing import KVSharing
+from corolla.models.model_config import ModelConfig
 from corolla.models.span import Span
 from engine_helpers import check_batched_sessions_match_each_alone, check_tree_step_and_kept_path, make_engine
 

@@ -9,8 +9,8 @@ from corolla.engine.engine import Engine
 from corolla.errors import InvalidRequest
 from corolla.models import devices
 from corolla.models.attention import CacheShape
-from corolla.models.config import ModelConfig
 from corolla.models.devices import default_dtype, free_memory, resolve_device
+from corolla.models.model_config import ModelConfig
 from corolla.models.span import Span
 from corolla.server.hosting.backend import compute_settings
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corolla.models.config import ModelConfig
+from corolla.models.model_config import ModelConfig
 from corolla.models.source import resolve_model
 
 

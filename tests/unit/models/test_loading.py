@@ -5,8 +5,8 @@ import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import CacheShape
-from corolla.models.config import ModelConfig
 from corolla.models.head import ModelHead
+from corolla.models.model_config import ModelConfig
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.models.span import Span
 from tiny_models import load_reference, save_tiny_model

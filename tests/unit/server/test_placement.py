@@ -5,7 +5,7 @@ import random
 import pytest
 
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig
+from corolla.models.model_config import ModelConfig
 from corolla.swarm.policy import placement
 from corolla.swarm.policy.placement import (
     best_move,

@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 
 from corolla.config import EngineConfig, ServerConfig
 from corolla.engine.async_engine import PassTiming
-from corolla.models.config import ModelConfig
 from corolla.models.devices import device_info
+from corolla.models.model_config import ModelConfig
 from corolla.server.hosting.backend import SpanLoader
 from corolla.server.hosting.pace import MIN_PASSES, Pace
 from corolla.server.hosting.spans import HostedSpans

@@ -30,7 +30,7 @@ from corolla.client.chain.pipeline import PIPELINE_CHUNK, run_pipelined
 from corolla.client.chain.push_trust import PushTrust
 from corolla.client.chain.relayed import relay_cut, relay_limit_ahead
 from corolla.client.chain.retries import RetryBudget
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.rpc.span_stream import ForgedPush, ForkGone, Reply, SpanStream, Step, StepRoute
 from corolla.client.rpc.stall_probe import unless_silent
 from corolla.errors import RETRYABLE

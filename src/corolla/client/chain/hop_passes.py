@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.swarm.policy.routing import Hop
 
 

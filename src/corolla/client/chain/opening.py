@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from corolla.client.chain.hop_history import HopHistory
-from corolla.client.routing.access import SwarmAccess
 from corolla.client.routing.bans import Bans
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.rpc.peers import hop_encodings
 from corolla.client.rpc.span_stream import Opening, SpanStream
 from corolla.config import ClientConfig

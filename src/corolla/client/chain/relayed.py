@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.errors import ConnectionLost
 
 logger = logging.getLogger(__name__)

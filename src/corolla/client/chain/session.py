@@ -18,7 +18,7 @@ import torch
 
 from corolla.client.chain.chain import Chain
 from corolla.client.chain.opening import ChainSpec
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.runtime import LoopThread
 from corolla.errors import InvalidRequest
 from corolla.models.tree import TokenTree

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from corolla.client.checks.compare import deviation
-from corolla.client.routing.access import SwarmAccess
 from corolla.client.routing.bans import Undecided
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.errors import RETRYABLE, CorollaError, MissingBlocks
 from corolla.swarm.policy.routing import Hop
 

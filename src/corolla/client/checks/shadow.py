@@ -13,7 +13,7 @@ import torch
 
 from corolla.client.chain.chain import Chain
 from corolla.client.chain.opening import ChainSpec, Link
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 
 
 class Shadow:

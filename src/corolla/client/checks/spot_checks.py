@@ -29,7 +29,7 @@ from corolla.client.chain.session import InferenceSession
 from corolla.client.checks.compare import first_change, first_wrong, gradients_agree, outputs_agree
 from corolla.client.checks.disputes import Dispute, Judge, Run
 from corolla.client.checks.shadow import Shadow
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.errors import RETRYABLE, MissingBlocks
 from corolla.swarm.policy.routing import Hop
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import GenerationMixin
 
-from corolla.models.config import ModelConfig
 from corolla.models.head import ModelHead
+from corolla.models.model_config import ModelConfig
 
 
 class TransformersModel:

@@ -21,7 +21,7 @@ from corolla.client.chain.hop_passes import backward_hop, forward_along, forward
 from corolla.client.chain.retries import RetryBudget
 from corolla.client.checks.disputes import Run
 from corolla.client.checks.spot_checks import SpotChecker
-from corolla.client.routing.access import SwarmAccess
+from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.runtime import LoopThread
 from corolla.errors import RETRYABLE, ServerUnavailable
 from corolla.swarm.policy.routing import Hop

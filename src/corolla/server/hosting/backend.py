@@ -20,8 +20,8 @@ from corolla.engine.async_engine import AsyncEngine, PassTiming
 from corolla.engine.engine import Engine
 from corolla.errors import InvalidRequest
 from corolla.models import lora
-from corolla.models.config import ModelConfig, parse_dtype
 from corolla.models.devices import default_dtype, free_memory, resolve_device
+from corolla.models.model_config import ModelConfig, parse_dtype
 from corolla.models.span import Span
 from corolla.server.faults import Fault
 from corolla.server.inference.sessions import SessionRegistry

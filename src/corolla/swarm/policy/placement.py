@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from corolla.errors import InvalidRequest
-from corolla.models.config import ModelConfig
+from corolla.models.model_config import ModelConfig
 
 Placed = tuple[int, int, float]  # (start, end, throughput) of a server
 
@@ -153,8 +153,8 @@ def _weak_reach(whole: list[float]) -> int:
 def block_bytes(model: ModelConfig, dtype_bytes: int) -> int:
     """Weights of one block (the largest, for models whose blocks differ), counted on the family's own
     layer classes built with meta tensors (no memory)."""
-    from corolla.models.config import ATTENTION_NAME
     from corolla.models.loading import decoder_of, empty_model
+    from corolla.models.model_config import ATTENTION_NAME
 
     _, decoder = decoder_of(empty_model(model, ATTENTION_NAME))
     return max(sum(p.numel() for p in layer.parameters()) for layer in decoder.layers) * dtype_bytes

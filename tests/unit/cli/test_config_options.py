@@ -1,5 +1,5 @@
-"""Options made from configuration fields (cli/fields.py): each has its field's default, and a bad value
-gets the configuration's own error, the same from the command line as from Python."""
+"""Options made from configuration fields (cli/config_options.py): each has its field's default, and a bad
+value gets the configuration's own error, the same from the command line as from Python."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from corolla.cli import api as api_cli
 from corolla.cli import server as server_cli
 from corolla.cli.common import client_config, swarm_config
-from corolla.cli.fields import add_field, field_default, field_values
+from corolla.cli.config_options import add_field, field_default, field_values
 from corolla.cli.main import build_parser, main
 from corolla.config import (
     ApiConfig,
