@@ -37,8 +37,8 @@ edit those (or docs/benchmarks-earlier.md), not this file. -->
 Every benchmark runs from the repository root as a module, `python -m bench.GROUP.NAME` (`--help` says
 what it takes); `make bench-GROUP` runs a group, `make bench` every group but wan (whose emulated
 internet needs root and iptables: `make bench-wan`). Each prints its result as JSON and keeps the latest
-in `bench/results/NAME.json`, stamped (bench/lib/stamp.py) with the command, the commit (and whether the tree had
-changes), the date, the machine's cores and CPU and its load average at the start and the end: quote a
+in `bench/results/NAME.json`, stamped (bench/lib/stamp.py) with the command, the commit (and whether the tree
+had changes), the date, the machine's cores and CPU and its load average at the start and the end: quote a
 number with its stamp. What several scripts share (prompts, timers, a local swarm, random checkpoints of
 real shapes, the emulated internet) is in bench/lib/.
 """
