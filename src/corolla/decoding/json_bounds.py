@@ -7,7 +7,8 @@ their properties, `maxLength` on free strings, `maxItems` on arrays, a magnitude
 array bounds shrink with the budget (the request's max_tokens): the open strings share it, so an answer
 that uses every bound still ends within it (each token writes one character at least; characters that
 take several tokens, escapes or non-ASCII letters in a byte-level vocabulary, may still overrun it). What a
-schema bounds itself is kept as written.
+schema bounds itself is kept as written, and a bound added never falls below the schema's own minLength
+or minItems (an answer must stay possible, even if it then needs more than the budget).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def _free_string(schema: dict[str, Any]) -> bool:
     return "string" in _types(schema) and not any(key in schema for key in given)
 
 
+def _least(schema: dict[str, Any], key: str) -> int:
+    """The schema's own lower bound `key` (minLength, minItems), 0 when it has none (or a malformed one:
+    the grammar library then names it)."""
+    value = schema.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _count_open(schema: dict[str, Any]) -> int:
     here = _free_string(schema) + ("array" in _types(schema) and "maxItems" not in schema)
     return here + sum(_count_open(child) for child in _children(schema))
@@ -69,10 +77,10 @@ def _fill(schema: dict[str, Any], length: int, close: bool = True) -> None:
     keep_open = {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf"}
     if close and "properties" in schema and not keep_open & schema.keys():
         schema["additionalProperties"] = False
-    if _free_string(schema):
-        schema["maxLength"] = length
+    if _free_string(schema):  # never below what the schema demands: a bound must leave an answer
+        schema["maxLength"] = max(length, _least(schema, "minLength"))
     if "array" in types and "maxItems" not in schema:
-        schema["maxItems"] = max(1, min(MAX_ITEMS, length // 8))
+        schema["maxItems"] = max(1, min(MAX_ITEMS, length // 8), _least(schema, "minItems"))
     if (
         "integer" in types
         and not {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & schema.keys()

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from byte_tokenizer import EOS, byte_tokenizer
 from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.constraints import json_schema_grammar, lark_grammar
+from corolla.decoding.json_bounds import bounded_schema
 from corolla.decoding.sampling import SamplingParams
 from corolla.errors import InvalidRequest
 
@@ -141,6 +142,30 @@ def test_an_open_schema_still_parses_within_a_small_max_tokens(smollm2_tokenizer
         value = json.loads(text)
         assert set(value) == {"name", "tags"} and isinstance(value["tags"], list), text
         assert bool(chooser.ends.finished.all())
+
+
+def test_added_bounds_never_contradict_the_schemas_own_minimums(tokenizer):
+    """A small budget shrinks the bounds on open strings and arrays, never below what the schema demands
+    (minItems 3 with 64 tokens and three open ones gave maxItems 1: an unsatisfiable grammar, every such
+    request refused)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "lines": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 3,
+            },
+            "word": {"type": "string", "minLength": 20},
+        },
+        "required": ["lines", "word"],
+    }
+    bounded = bounded_schema(schema, 40)  # 12 characters or items for each open one
+    assert bounded["properties"]["lines"]["maxItems"] >= 3
+    assert bounded["properties"]["word"]["maxLength"] >= 20
+    _, (text,) = run(tokenizer, json_schema_grammar(schema, 40), steps=120, do_sample=True, seed=1)
+    value = json.loads(text)
+    assert len(value["lines"]) >= 3 and len(value["word"]) >= 20, text
 
 
 def test_extra_keys_are_forbidden_unless_the_schema_allows_them(tokenizer):
