@@ -73,6 +73,9 @@ async def http_stream(
         + body
     )
     await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:  # a refused request would leave the stream without tokens: say why
+        raise RuntimeError(f"{status.decode().strip()}: {(await reader.read()).decode()[-500:]}")
     first = True
     while line := await reader.readline():
         if line.startswith(b"data: {"):
