@@ -96,7 +96,7 @@ def training_pass(model: DistributedModelForCausalLM, ids: torch.Tensor, seed: i
     with torch.no_grad():
         hidden = model.head.embed(ids)
     hidden.requires_grad_(True)
-    outputs = RemoteChain.apply(hidden, torch.empty(0), model.swarm, model.runtime)
+    outputs = RemoteChain.apply(hidden, torch.empty(0), model.client.passes, model.runtime)
     outputs.backward(torch.randn(outputs.shape, generator=torch.Generator().manual_seed(seed)))
 
 
