@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # tool_model.py (and the tiny-model hel
 
 from corolla.errors import CorollaError  # noqa: E402
 from corolla.launch.local import LocalSwarm, PeerProcess  # noqa: E402
-from corolla.models.config import ModelConfig  # noqa: E402
+from corolla.models.model_config import ModelConfig  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
 from tool_model import save_tool_model  # noqa: E402
 
