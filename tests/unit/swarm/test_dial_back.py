@@ -93,10 +93,25 @@ def test_a_server_enters_the_routing_tables_only_once_peers_dialed_it_back():
         assert not first.run_coroutine(partial(_knows, peer_id=unconfirmed.peer_id))
         unconfirmed.run_coroutine(publish)
         assert first.run_coroutine(partial(_knows, peer_id=unconfirmed.peer_id))
-        # join does both: on loopback the first peer dials it back, so it serves the DHT as a full node
+        # join at a loopback address asks nobody (every peer that can reach it at all can): a full node at
+        # once; join after a dial-back (tests/integration/test_nat.py: hosts of their own) publishes as above
         joined, _, kind = join(config)
         started.append(joined)
         assert kind == "direct" and first.run_coroutine(partial(_knows, peer_id=joined.peer_id))
     finally:
         for dht in [*started, first]:
             dht.shutdown()
+
+
+def test_a_peer_at_a_loopback_address_is_direct_without_asking():
+    """Only peers on its own host can reach it, and all of them can: no dial-back is asked (under load one
+    could time out and strand a test swarm's server behind a NAT that does not exist, with no relay on
+    loopback), even of initial peers that would not answer one (plain hivemind here)."""
+    plain = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        peers = tuple(str(address) for address in plain.get_visible_maddrs())
+        joined, config, kind = join(SwarmConfig(host="127.0.0.1", nat_port_map=False, initial_peers=peers))
+        joined.shutdown()
+        assert kind == "direct" and config.reachability == "auto"
+    finally:
+        plain.shutdown()

@@ -25,7 +25,7 @@ from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from corolla.config import RELAY_LIMITS, SwarmConfig
 from corolla.swarm.dht import PeerDHT, start_dht
 from corolla.swarm.nat import dial_back
-from corolla.swarm.nat.reachability import RELAYED
+from corolla.swarm.nat.reachability import RELAYED, on_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ def join(config: SwarmConfig) -> tuple[PeerDHT, SwarmConfig, str]:
     peer that bootstraps or reads through them would wait for it (each time up to hivemind's 3 s)."""
     if config.reachability == "behind-nat" or config.client_mode:
         return start_dht(config), config, ""
+    if on_loopback(config):  # every peer that can reach it at all can: nothing to ask (a dial-back slowed
+        return start_dht(config), config, "direct"  # past its timeout on a loaded host would strand it)
     unconfirmed = config.reachability != "public"
     dht = start_dht(config, unconfirmed=unconfirmed)
     check = dht.run_coroutine(partial(_check_in_child, initial_peers=tuple(config.initial_peers)))

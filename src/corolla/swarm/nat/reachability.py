@@ -34,12 +34,17 @@ def relays_for_others(config: SwarmConfig) -> bool:
     """Whether this peer runs a relay with its own limits for peers behind NAT (checked at start): any but
     a client or one behind NAT, unless --no-relay, that listens beyond loopback (nobody behind NAT could
     use a relay there)."""
-    try:
-        loopback = ipaddress.ip_address(config.host).is_loopback
-    except ValueError:
-        loopback = False
     not_behind = config.reachability != "behind-nat" and not config.client_mode
-    return not_behind and config.relay and not loopback
+    return not_behind and config.relay and not on_loopback(config)
+
+
+def on_loopback(config: SwarmConfig) -> bool:
+    """Whether the peer is reached at a loopback address: only peers on its own host can reach it, and all
+    of them can (no NAT between them, nothing to relay)."""
+    try:
+        return ipaddress.ip_address(config.announce_host or config.host).is_loopback
+    except ValueError:
+        return False
 
 
 async def describe_direct(p2p: P2P, config: SwarmConfig, dialed_back: str) -> tuple[str, str]:
