@@ -41,7 +41,8 @@ def smol_swarm(smollm2_path, tmp_path_factory, worker_id):
         except FileExistsError:
             # pytest 9.2 loses the group (pytest-xdist issue 1386): each worker would start its own swarm
             pytest.fail("a second worker needs the SmolLM2 swarm: --dist loadgroup did not group its tests")
-    with LocalSwarm(str(smollm2_path), SMOL_SPANS, server_args=SMOL_LIMITS) as swarm:
+    logs = tmp_path_factory.mktemp("smol-swarm")  # kept after the run (pytest's own tmp): what failed, said
+    with LocalSwarm(str(smollm2_path), SMOL_SPANS, server_args=SMOL_LIMITS, workdir=logs) as swarm:
         yield swarm
 
 
