@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 
 from corolla.client.model import DistributedModelForCausalLM
-from corolla.config import ClientConfig, SwarmConfig
+from corolla.launch.local import client_config
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 logging.getLogger("corolla").setLevel(os.environ.get("NAT_CLIENT_LOG_LEVEL", "INFO"))  # failovers, moves
 path, host, prompt, new_tokens, *peers = sys.argv[1:]
-swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
 pause_at = int(os.environ.get("NAT_CLIENT_PAUSE_AT", "0"))
 use_push = os.environ.get("NAT_CLIENT_PUSH", "1") == "1"
 arrivals: list[float] = []
@@ -48,7 +47,7 @@ def arrived(_token) -> None:
 launched = time.time()
 with DistributedModelForCausalLM.from_pretrained(
     path,
-    config=ClientConfig(swarm=swarm, use_push=use_push, dht_prefix=os.environ.get("NAT_CLIENT_DHT_PREFIX")),
+    config=client_config(host, peers, use_push=use_push, dht_prefix=os.environ.get("NAT_CLIENT_DHT_PREFIX")),
 ) as model:
     ready_at = time.time()
     started = time.perf_counter()

@@ -29,7 +29,8 @@ from pathlib import Path
 from bench.lib.env import parser, wan_flags
 from bench.lib.prompts import COUNCIL, LIGHTHOUSE, PROMPTS, SOURDOUGH, chat_ids
 from bench.lib.stamp import report
-from bench.lib.swarm import client_config, server_status
+from bench.lib.swarm import server_status
+from corolla.launch.local import client_config
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 SYSTEM_TOKENS = 1500

@@ -1,5 +1,5 @@
-"""A local SmolLM2 swarm with a client on it, many sessions through that client at once, a server's own
-counters, and a client's configuration for a swarm elsewhere (another namespace, another host).
+"""A local SmolLM2 swarm with a client on it, many sessions through that client at once, and a server's own
+counters (a client's configuration for a swarm elsewhere: corolla.launch.local `client_config`).
 
 What the benchmarks repeat around corolla.launch.local.LocalSwarm and DistributedModelForCausalLM; each
 script still decides the spans, the servers' options and what it measures. corolla is imported where it
@@ -69,12 +69,3 @@ def server_status(model, peer_id: str, timeout: float = 10.0):
     from corolla.swarm.p2p.ping import fetch_status
 
     return model.runtime.run(fetch_status(model.client.swarm.peers.transport, peer_id, timeout))
-
-
-def client_config(host: str, peers: Sequence[str], **fields: object):
-    """A client's configuration that joins the swarm of `peers` from `host` (no NAT port mapping, client
-    mode); `fields`: other ClientConfig fields."""
-    from corolla.config import ClientConfig, SwarmConfig
-
-    swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
-    return ClientConfig(swarm=swarm, **fields)

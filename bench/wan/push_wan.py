@@ -21,9 +21,9 @@ import time
 from bench.lib.env import parser, wan_flags
 from bench.lib.prompts import chat_ids
 from bench.lib.stamp import report
-from bench.lib.swarm import client_config
 from bench.lib.timing import gaps
 from bench.lib.wan import HOSTS, WanSwarm, address
+from corolla.launch.local import client_config
 
 
 def run_client(peers: list[str], new_tokens: int, runs: int) -> None:

@@ -26,9 +26,10 @@ from pathlib import Path
 from bench.lib.env import parser, wan_flags
 from bench.lib.prompts import chat_ids
 from bench.lib.stamp import report
-from bench.lib.swarm import client_config, server_status
+from bench.lib.swarm import server_status
 from bench.lib.timing import gaps, ms, percentile
 from bench.lib.wan import SPANS, WanSwarm, address
+from corolla.launch.local import client_config
 
 DELAYERS = Path("/run/wan-netsim/delayer.pids")
 PROMPT = "Tell me about the sea."
@@ -171,7 +172,7 @@ def main() -> None:
         server_args = ["--num-threads", "1", *args.server_args.split()]
         with LocalSwarm(str(path), SPANS, server_args=server_args) as local:
             groups = {"servers": [s.popen.pid for s in local.servers], "dht": [local.dht.popen.pid]}
-            config = client_config("127.0.0.1", local.initial_peers, request_timeout=120)
+            config = local.client_config(request_timeout=120)
             results["loopback"] = measure(config, counts, args.new_tokens, args.runs, groups)
     report(__file__, results)
 

@@ -25,9 +25,9 @@ import time
 from bench.lib.env import parser, wan_flags
 from bench.lib.prompts import PROMPTS, benchmark_prompts
 from bench.lib.stamp import report
-from bench.lib.swarm import client_config
 from bench.lib.wan import SPANS, WanSwarm, address
 from bench.wan.ttft import ENCODINGS, LONG_PROMPT_TOKENS, measure_agreement, measure_ttft
+from corolla.launch.local import client_config
 
 DRAFT = "smollm2"
 

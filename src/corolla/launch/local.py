@@ -241,16 +241,20 @@ class LocalSwarm:
 
     def client_config(self, **overrides: Any) -> ClientConfig:
         """A client configuration that joins this swarm over loopback (no NAT port mapping)."""
-        swarm = SwarmConfig(
-            initial_peers=tuple(self.initial_peers), host="127.0.0.1", nat_port_map=False, client_mode=True
-        )
-        return ClientConfig(swarm=swarm, **overrides)
+        return client_config("127.0.0.1", self.initial_peers, **overrides)
 
     def __enter__(self) -> LocalSwarm:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def client_config(host: str, peers: Sequence[str], **overrides: Any) -> ClientConfig:
+    """A client configuration that joins the swarm of `peers` from `host` (no NAT port mapping, client
+    mode), as tests, benchmarks and local swarms start their clients; `overrides`: ClientConfig fields."""
+    swarm = SwarmConfig(initial_peers=tuple(peers), host=host, nat_port_map=False, client_mode=True)
+    return ClientConfig(swarm=swarm, **overrides)
 
 
 def free_port() -> int:
