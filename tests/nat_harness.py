@@ -163,7 +163,7 @@ class NatHarness:
         host = self.public_host(RELAY_HOSTS + index)
         args = ["dht", "--host", relay_ip(index), "--port", str(first_port + index), "--no-nat-port-map"]
         log = logs / f"relay{index}.log"
-        relay = PeerProcess(f"relay {index}", [*args, "--public", *options], log, env, self.exec(host))
+        relay = PeerProcess(f"relay {index}", [*args, "--public", *options], log, env, netns=host)
         peers.append(relay)
         return relay
 

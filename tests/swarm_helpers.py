@@ -93,14 +93,17 @@ def assert_boundaries_match(model, session, outputs: torch.Tensor, hidden_states
         torch.testing.assert_close(got, hidden_states[link.hop.end], atol=1e-4, rtol=1e-4)
 
 
-def run_corolla(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+def run_corolla(
+    *commands: list[str], timeout: float = 120, env: dict | None = None, netns: str | None = None
+) -> list[subprocess.CompletedProcess]:
     """Run `corolla` commands at once, each forked from the process that has imported corolla already
-    (launch/forked.py: the same command line, without paying for the imports again); one still running
-    after `timeout` fails the test (its process group, with its DHT process and daemon, is killed)."""
+    (launch/forked.py: the same command line, without paying for the imports again), in network namespace
+    `netns` if given; one still running after `timeout` fails the test (its process group, with its DHT
+    process and daemon, is killed)."""
     folder = Path(tempfile.mkdtemp(prefix="corolla-cli-"))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     runs = [
-        fork_peer(args, folder / f"{i}.out", env, err_path=folder / f"{i}.err")
+        fork_peer(args, folder / f"{i}.out", env, err_path=folder / f"{i}.err", netns=netns)
         for i, args in enumerate(commands)
     ]
     results = []

@@ -27,8 +27,12 @@ def address(host: int) -> str:
     return f"10.77.0.{10 + host}"
 
 
+def namespace(host: int) -> str:
+    return f"wan-h{host}"
+
+
 def netns(host: int) -> list[str]:
-    return ["ip", "netns", "exec", f"wan-h{host}"]
+    return ["ip", "netns", "exec", namespace(host)]
 
 
 def netsim(*args: str) -> None:
@@ -57,7 +61,7 @@ class WanSwarm:
         env = {**os.environ, **CHILD}
         try:
             dht_args = ["dht", "--host", address(0), "--no-nat-port-map"]
-            dht = PeerProcess("dht", dht_args, workdir / "dht.log", env, netns(0))
+            dht = PeerProcess("dht", dht_args, workdir / "dht.log", env, netns=namespace(0))
             self.peers.append(dht)
             found = dht.wait_for(re.compile(r"--initial-peers (/ip4/10\.77\.0\.10/\S+)"), 120)
             self.initial_peers = [found.group(1)]
@@ -66,7 +70,7 @@ class WanSwarm:
                         "--no-nat-port-map", "--num-threads", "1", *self.server_args,
                         *peer_args(self.initial_peers)]  # fmt: skip
                 log = workdir / f"server{host}.log"
-                self.peers.append(PeerProcess(f"server {host}", args, log, env, netns(host)))
+                self.peers.append(PeerProcess(f"server {host}", args, log, env, netns=namespace(host)))
             for server in self.peers[1:]:
                 server.wait_for(READY_SERVER, 300)
         except BaseException:

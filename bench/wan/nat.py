@@ -96,7 +96,7 @@ class Bench:
         return server
 
     def start(self, name: str, args: list[str], namespace: str) -> PeerProcess:
-        peer = PeerProcess(name, args, self.logs / f"{name}.log", self.env, self.net.exec(namespace))
+        peer = PeerProcess(name, args, self.logs / f"{name}.log", self.env, netns=namespace)
         self.peers.append(peer)
         return peer
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from corolla.launch.forked import fork_peer
 from corolla.launch.local import READY_SERVER, PeerProcess
 from corolla.swarm.p2p.addresses import peer_args
 from nat_harness import PUBLIC_IP, NatHarness
-from swarm_helpers import reference_generate
+from swarm_helpers import reference_generate, run_corolla
 from tiny_models import load_reference
 
 pytestmark = pytest.mark.skipif(NatHarness.available() is not None, reason=str(NatHarness.available()))
@@ -81,18 +81,27 @@ class NatSwarm:
         return [str(self.path), self.prompt, str(NEW_TOKENS), self.initial_peer]
 
 
-def run_client(namespace: list[str], host: str, args: list[str], env: dict) -> dict:
+def run_client(namespace: str, host: str, args: list[str], env: dict, logs: Path) -> dict:
     """What tests/nat_client.py run in `namespace`, listening on `host`, prints."""
-    out = subprocess.run(
-        client_command(namespace, host, args), capture_output=True, text=True, env=env, timeout=180
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    client = start_client(namespace, host, args, env, logs)
+    try:
+        code = client.wait(180)
+    finally:
+        client.kill_group()
+    assert code == 0, client.err_path.read_text(errors="replace")[-3000:]
+    return json.loads(client.out_path.read_text().strip().splitlines()[-1])
 
 
-def client_command(namespace: list[str], host: str, args: list[str]) -> list[str]:
+def start_client(namespace: str, host: str, args: list[str], env: dict, logs: Path):
+    """tests/nat_client.py forked into `namespace` (launch/forked.py), its output in logs/client-N.out and
+    its log in .err."""
     model, prompt, new_tokens, *peers = args
-    return [*namespace, sys.executable, str(CLIENT), model, host, prompt, new_tokens, *peers]
+    name = f"client-{len(list(logs.glob('client-*.out')))}"
+    out, err = logs / f"{name}.out", logs / f"{name}.err"
+    arguments = [model, host, prompt, new_tokens, *peers]
+    client = fork_peer(arguments, out, env, err, netns=namespace, script=CLIENT)
+    client.out_path, client.err_path = out, err
+    return client
 
 
 def peer_id(peer: PeerProcess) -> str:
@@ -113,28 +122,28 @@ def generate_with_a_pause(
     resume = swarm.logs / f"resume-{pause_at}"
     env = {**swarm.env, "NAT_CLIENT_PAUSE_AT": str(pause_at), "NAT_CLIENT_RESUME": str(resume)}
     env["NAT_CLIENT_PUSH"] = "1" if push else "0"
-    command = client_command(swarm.net.exec(swarm.client_home), "0.0.0.0", swarm.args)
-    log = swarm.logs / f"client-paused-at-{pause_at}.log"
-    with log.open("w") as stderr:
-        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-        try:
-            assert client.stdout.readline().strip() == "paused", log.read_text()[-3000:]
-            during()
-            resume.touch()
-            out, _ = client.communicate(timeout=180)
-        finally:
-            client.kill()
-            client.wait()
-    assert client.returncode == 0, log.read_text()[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    client = start_client(swarm.client_home, "0.0.0.0", swarm.args, env, swarm.logs)
+    try:
+        deadline = time.monotonic() + 180
+        while "paused" not in client.out_path.read_text() and client.poll() is None:
+            assert time.monotonic() < deadline, "the client did not pause within 180 s"
+            time.sleep(0.1)
+        assert client.poll() is None, client.err_path.read_text(errors="replace")[-3000:]
+        during()
+        resume.touch()
+        code = client.wait(180)
+    finally:
+        client.kill_group()
+    assert code == 0, client.err_path.read_text(errors="replace")[-3000:]
+    shutil.copy(client.err_path, swarm.logs / f"client-paused-at-{pause_at}.log")
+    return json.loads(client.out_path.read_text().strip().splitlines()[-1])
 
 
 def reached(swarm: NatSwarm, silent: list | None = None) -> list[tuple[int, str, set[str]]]:
     """(first block, how it is reached, through which relays) of every server that answered, as `corolla
     status --json` shows them; those whose records it read but which did not answer go to `silent`."""
-    status = [*swarm.net.exec(swarm.net.PUBLIC), sys.executable, "-m", "corolla", "status", "--json"]
-    status += ["--host", PUBLIC_IP, "--no-nat-port-map", *peer_args([swarm.initial_peer])]
-    out = subprocess.run(status, capture_output=True, text=True, env=swarm.env, timeout=120)
+    status = ["status", "--json", "--host", PUBLIC_IP, "--no-nat-port-map", *peer_args([swarm.initial_peer])]
+    out = run_corolla(status, env=swarm.env, netns=swarm.net.PUBLIC)[0]
     assert out.returncode == 0, out.stderr[-3000:]
     (model,) = json.loads(out.stdout)  # one model
     if silent is not None:
@@ -165,9 +174,7 @@ def start_server(
         "1",
         *extra,
     ]
-    server = PeerProcess(
-        name, [*args, *peer_args(peers)], logs / f"{name}.log", env, swarm_net.exec(namespace)
-    )
+    server = PeerProcess(name, [*args, *peer_args(peers)], logs / f"{name}.log", env, netns=namespace)
     server.home = namespace
     return server
 
@@ -192,7 +199,7 @@ def swarm(tiny_models, tmp_path_factory) -> Iterator[NatSwarm]:
                 "--no-nat-port-map",
                 *RELAY_LIMIT,
             ]
-            dht = PeerProcess("dht", dht_args, logs / "dht.log", env, net.exec(net.PUBLIC))
+            dht = PeerProcess("dht", dht_args, logs / "dht.log", env, netns=net.PUBLIC)
             address = dht.wait_for(READY_DHT, 60).group(1)
             start = partial(start_server, net, path, peers=[address], env=env, logs=logs)
             servers.append(start("public", "0:2", (1, None, False)))
@@ -236,14 +243,14 @@ def test_servers_behind_nat_serve_through_relays(swarm):
             TWO_RELAYS, 30
         )  # at once, or one round (10 s) after the public server's record
         assert set(held.group(1).split(", ")) == relays
-    public_client = run_client(swarm.net.exec(swarm.net.PUBLIC), PUBLIC_IP, swarm.args, swarm.env)
+    public_client = run_client(swarm.net.PUBLIC, PUBLIC_IP, swarm.args, swarm.env, swarm.logs)
     assert public_client["tokens"] == swarm.expected
     assert direct(public_client["connections"], public) and not direct(
         public_client["connections"], symmetric
     )
     assert reached(swarm) == [(0, "direct", set()), (2, "relayed", relays), (4, "relayed", relays)]
     assert (
-        run_client(swarm.net.exec(swarm.client_home), "0.0.0.0", swarm.args, swarm.env)["tokens"]
+        run_client(swarm.client_home, "0.0.0.0", swarm.args, swarm.env, swarm.logs)["tokens"]
         == swarm.expected
     )
 
@@ -261,7 +268,7 @@ def test_sessions_and_servers_outlive_the_routers_connection_tracking(swarm):
         tokens = generate_with_a_pause(swarm, 4, lambda: time.sleep(2.5 * CONNTRACK_TIMEOUT))["tokens"]
         assert tokens == swarm.expected
         time.sleep(1.5 * SERVER_CONNTRACK_TIMEOUT)
-        result = run_client(swarm.net.exec(swarm.net.PUBLIC), PUBLIC_IP, swarm.args, swarm.env)
+        result = run_client(swarm.net.PUBLIC, PUBLIC_IP, swarm.args, swarm.env, swarm.logs)
     finally:
         swarm.net.forget_idle_flows(swarm.client_home)
         swarm.net.forget_idle_flows(symmetric.home)

@@ -10,6 +10,9 @@ that `PeerProcess` makes.
 
 Environment variables that libraries read when they are imported (HF_HUB_OFFLINE) take the values the
 fork server started with, which are the first local swarm's; thread counts are set again in each peer.
+A peer may run in a named network namespace (`ip netns add NAME`: an emulated host behind a router, or
+across an emulated internet): it enters that namespace before it opens a socket, as `ip netns exec NAME`
+would put a fresh process there, and its DHT process and libp2p daemon start inside it too.
 
 On a machine with a CUDA GPU peers are started as fresh processes instead (`forking_works`): importing
 the preloaded modules asks torch how many GPUs there are, and CUDA cannot be used in a process forked
@@ -20,6 +23,7 @@ subprocess" at its first CUDA call).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import runpy
@@ -33,6 +37,7 @@ import torch
 
 # what the fork server imports once (by name: launching a peer needs no CLI code here, only the child does)
 PRELOAD = ["corolla.cli.main", "corolla.server.server"]
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 _context: multiprocessing.context.ForkServerContext | None = None
 
 
@@ -42,15 +47,23 @@ def forking_works() -> bool:
 
 
 def fork_peer(
-    args: Sequence[str], log_path: Path, env: dict[str, str], err_path: Path | None = None
+    args: Sequence[str],
+    log_path: Path,
+    env: dict[str, str],
+    err_path: Path | None = None,
+    netns: str | None = None,
+    script: Path | None = None,
 ) -> ForkedPeer | subprocess.Popen:
-    """Start `corolla ARGS` as a forked peer, its output going to `log_path` (its stderr to `err_path`,
-    when given); a fresh process in a session of its own where forking does not work (`forking_works`)."""
+    """Start `corolla ARGS` (or, with `script`, that Python file with ARGS) as a forked peer, its output
+    going to `log_path` (its stderr to `err_path`, when given), in network namespace `netns` if given; a
+    fresh process in a session of its own where forking does not work (`forking_works`)."""
     global _context
     if not forking_works():
-        command = [sys.executable, "-m", "corolla", *args]
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        main = [str(script)] if script else ["-m", "corolla"]
         with open(log_path, "wb") as out, open(err_path or os.devnull, "wb") as err:
             errors = err if err_path else subprocess.STDOUT
+            command = [*prefix, sys.executable, *main, *args]
             return subprocess.Popen(command, stdout=out, stderr=errors, env=env, start_new_session=True)
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
@@ -58,8 +71,9 @@ def fork_peer(
     for path in (log_path, err_path or log_path):
         path.write_bytes(b"")  # exists at once: the caller reads it while the peer starts
     streams = (str(log_path), str(err_path or log_path))
+    where = (netns, str(script) if script else None)
     # not daemonic: a peer runs a DHT, which is a child process of its own
-    process = _context.Process(target=_peer_main, args=(list(args), streams, env), daemon=False)
+    process = _context.Process(target=_peer_main, args=(list(args), streams, env, where), daemon=False)
     process.start()
     return ForkedPeer(process, list(args))
 
@@ -100,9 +114,14 @@ class ForkedPeer:
                 self.send_signal(signal.SIGKILL)
 
 
-def _peer_main(args: list[str], streams: tuple[str, str], env: dict[str, str]) -> None:
-    """In the forked child: a session of its own, stdout and stderr to their files, the environment,
-    then `corolla`."""
+def _peer_main(
+    args: list[str], streams: tuple[str, str], env: dict[str, str], where: tuple[str | None, str | None]
+) -> None:
+    """In the forked child: its network namespace, a session of its own, stdout and stderr to their files,
+    the environment, then `corolla` (or the script)."""
+    netns, script = where
+    if netns is not None:
+        _enter_netns(netns)
     os.setsid()
     for fd, path in zip((1, 2), streams, strict=True):
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -122,5 +141,19 @@ def _peer_main(args: list[str], streams: tuple[str, str], env: dict[str, str]) -
     from hivemind.utils.mpfuture import MPFuture
 
     MPFuture.reset_backend()
+    if script is not None:
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")  # as `python SCRIPT ARGS` runs
+        return
     sys.argv = ["corolla", *args]
     runpy.run_module("corolla", run_name="__main__", alter_sys=True)  # as `python -m corolla ARGS` runs
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into network namespace `name` (needs CAP_SYS_ADMIN, as `ip
+    netns exec` does); the processes it starts later are there too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{name}", "rb") as namespace:
+        if libc.setns(namespace.fileno(), CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot enter network namespace {name}: {os.strerror(error)}")

@@ -41,23 +41,14 @@ class PeerProcess:
     """One child process (a DHT peer or a server) and its log file."""
 
     def __init__(
-        self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], wrapper: Sequence[str] = ()
+        self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str], netns: str | None = None
     ):
-        """`wrapper` goes before the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
-        without one, the peer is forked from a process that has imported corolla already (launch/forked.py;
-        a fresh process on a machine with a CUDA GPU).
-        """
+        """The peer is forked from a process that has imported corolla already (launch/forked.py; a fresh
+        process on a machine with a CUDA GPU), in network namespace `netns` if given (an emulated host)."""
         self.name = name
         self.log_path = log_path
-        self.args = [*wrapper, sys.executable, "-m", "corolla", *args]
-        self.popen: subprocess.Popen | ForkedPeer
-        if wrapper:
-            with open(log_path, "wb") as log:
-                self.popen = subprocess.Popen(
-                    self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-        else:
-            self.popen = fork_peer(args, log_path, env)
+        self.args = [sys.executable, "-m", "corolla", *args]
+        self.popen: subprocess.Popen | ForkedPeer = fork_peer(args, log_path, env, netns=netns)
         self.pid = self.popen.pid
         self.peer_id: str | None = None
         self.blocks: tuple[int, int] | None = None
