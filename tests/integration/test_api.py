@@ -301,9 +301,13 @@ def test_a_client_that_disconnects_leaves_no_session_open(smol_api, smol_openai,
 def test_a_later_turn_of_a_chat_reuses_what_the_servers_hold(smol_api, smol_openai, smol_client, smol_swarm):
     """Turn 2 of a chat resends turn 1 (the API is stateless): the servers fork the session that ran turn 1
     instead of computing it again; the answer is the one a plain prefill gives (the Python client's, which
-    has never seen this chat), and the cached tokens reported are those the servers forked."""
+    has never seen this chat), and the cached tokens reported are those the servers forked. The system
+    prompt is long (~700 tokens), as agents' are: forking then pays even where the holding chain's step
+    times are measured a few times slower than another chain's (on a loaded machine; a short prefix is
+    rightly prefilled elsewhere then: client/generation/prefix_cost.py)."""
+    rules = " ".join(f"Rule {i}: answer in one short sentence, politely." for i in range(1, 61))
     messages = [
-        {"role": "system", "content": "You are a helpful assistant who answers in one short sentence."},
+        {"role": "system", "content": f"You are a helpful assistant. {rules}"},
         {"role": "user", "content": "Name a colour of the rainbow."},
     ]
     first = smol_openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
