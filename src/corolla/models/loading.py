@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from accelerate import init_empty_weights
 from torch import nn
+from transformers.initialization import no_init_weights
 
 from corolla.errors import UnsupportedModel
 from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
@@ -28,9 +29,10 @@ from corolla.models.lm_class import lm_class
 from corolla.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-# init_empty_weights patches torch.nn.Module process-wide while it runs: a model built or loaded in another
-# thread meanwhile (two clients connecting at once, a server loading a span while it moves) would get
-# meta parameters. Building and loading take turns.
+# init_empty_weights (and transformers' no_init_weights) patch torch.nn.Module and torch.nn.init
+# process-wide while they run: a model built or loaded in another thread meanwhile (two clients connecting
+# at once, a server loading a span while it moves) would get meta or uninitialized parameters. Building and
+# loading take turns.
 _MODEL_LOCK = threading.Lock()
 
 
@@ -42,8 +44,12 @@ def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.
     hf._attn_implementation = attention
     model_class = lm_class(hf.get_text_config(), hf if config.wrapper is not None else None)
     try:
-        with _MODEL_LOCK, init_empty_weights(include_buffers=False):
+        # no initialization of the meta parameters (on meta, torch's init functions run their Python
+        # reference code: 4-5x the building time), as transformers' own from_pretrained does; the ties
+        # post_init would have made are made after
+        with _MODEL_LOCK, init_empty_weights(include_buffers=False), no_init_weights():
             model = model_class._from_config(hf, dtype=dtype)
+            model.tie_weights(recompute_mapping=False)
     except (KeyError, ValueError) as e:  # a family that picks attention classes by name (Falcon, Bloom)
         raise UnsupportedModel(
             f"{config.model_type}: {model_class.__name__} does not take its attention function from "
