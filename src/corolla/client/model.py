@@ -161,6 +161,7 @@ class DistributedModelForCausalLM(TransformersModel):
         params: SamplingParams | None = None,
         session: InferenceSession | None = None,
         withdrawals: Withdrawals = "redo",
+        tokenizer: Any = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationStep]:
         """Like `agenerate`, with each row's finished flag and (params.logprobs) log-probabilities.
@@ -171,7 +172,8 @@ class DistributedModelForCausalLM(TransformersModel):
         drafter (ClientConfig.speculation) and params.speculative, a one-row generation drafts and
         verifies several tokens per step: the tokens are the same. Tokens a spot check finds wrong are
         withdrawn by a step with `withdrawn` set and chosen again ("redo"), or end the generation with
-        ServerUnavailable ("fail").
+        ServerUnavailable ("fail"). `tokenizer`: what stop strings and grammars are matched with (default:
+        the model folder's).
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
@@ -183,7 +185,7 @@ class DistributedModelForCausalLM(TransformersModel):
         try:
             tuned = self._tuned(session, input_ids)
             first = first_step(self.head_batcher, session, input_ids, params, tuned, held or 0)
-            chooser = self._chooser(input_ids, params)
+            chooser = self._chooser(input_ids, params, tokenizer)
             speculation = None
             if self.speculator is not None and params.speculative and input_ids.shape[0] == 1:
                 speculation = self.speculator.start(session.max_length)
@@ -227,8 +229,8 @@ class DistributedModelForCausalLM(TransformersModel):
 
         return await prefixes.open(make, input_ids, length, self.head.embed)
 
-    def _chooser(self, input_ids: torch.Tensor, params: SamplingParams) -> Chooser:
-        tokenizer = self.tokenizer if params.stop or params.grammar else None
+    def _chooser(self, input_ids: torch.Tensor, params: SamplingParams, tokenizer: Any = None) -> Chooser:
+        tokenizer = (tokenizer or self.tokenizer) if params.stop or params.grammar else None
         eos = self.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids
         ends = RowEnds(params, eos, tokenizer, input_ids.shape[0])
         pad = self.pad_token_id if params.pad_token_id is None else params.pad_token_id
@@ -267,7 +269,8 @@ class DistributedModelForCausalLM(TransformersModel):
         """Generate like transformers' `generate`: returns [B, T + new] (inputs followed by new tokens).
 
         kwargs are SamplingParams fields (max_new_tokens, do_sample, temperature, top_k, top_p,
-        repetition_penalty, seed, stop, ignore_eos) or transformers' max_length and stop_strings.
+        repetition_penalty, seed, stop, ignore_eos) or transformers' max_length and stop_strings (with
+        `tokenizer=`, as transformers takes it: what they are matched with; else the model folder's).
         `attention_mask`: padded rows (left or right) each run without their padding, and get exactly the
         tokens they get alone. `streamer`: a transformers streamer or a callable of each step's tokens [B]
         (client/hf/generate.py).

@@ -158,6 +158,20 @@ def test_transformers_names_for_length_and_stop_strings():
         transformers_names(ids, {"max_length": 6})
 
 
+def test_stop_strings_are_matched_with_the_tokenizer_given(model, reference, tokenizer):
+    """generate(stop_strings=..., tokenizer=...) as transformers' generate takes it (it requires the
+    tokenizer there): the row ends with the token that completes the string, where transformers ends it."""
+    row = prompts()[0]
+    plain = model.generate(row, max_new_tokens=NEW_TOKENS)
+    texts = [tokenizer.decode(token) for token in plain[0, row.shape[1] :]]
+    stop = next(text.strip() for text in texts[2:] if text.strip())  # a later token's text
+    want = reference.generate(
+        row, max_new_tokens=NEW_TOKENS, do_sample=False, stop_strings=[stop], tokenizer=tokenizer
+    )
+    got = model.generate(row, max_new_tokens=NEW_TOKENS, stop_strings=[stop], tokenizer=tokenizer)
+    assert torch.equal(got, want) and got.shape[1] < plain.shape[1]
+
+
 def test_a_generation_config_and_its_refusals(model, reference):
     row = prompts()[0]
     config = GenerationConfig(max_new_tokens=5, do_sample=False)

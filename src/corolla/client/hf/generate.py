@@ -8,7 +8,8 @@
   the prompt first, then each step's tokens, then `end()`, which is called even when the generation
   fails, so a reader of a `TextIteratorStreamer` never waits forever. A plain callable gets each step's
   tokens, as before.
-- transformers' names for corolla's parameters: `max_length` (prompt included), `stop_strings`,
+- transformers' names for corolla's parameters: `max_length` (prompt included), `stop_strings` (matched
+  with the `tokenizer` given, as transformers requires one there; else the model folder's),
   `eos_token_id`, `pad_token_id`, `logits_processor` and `stopping_criteria` (lists of transformers'
   callables, run as its generate runs custom ones); a `generation_config`, else the checkpoint's
   generation_config.json, under the call's own kwargs (as transformers has it). `num_beams` > 1 runs
@@ -67,6 +68,7 @@ class GeneratingModel(Protocol):
         params: SamplingParams | None,
         session: InferenceSession | None = None,
         withdrawals: str = "redo",
+        tokenizer: Any = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationStep]: ...
 
@@ -195,14 +197,14 @@ class Streamer:
 
 
 async def generate_rows(
-    model: GeneratingModel, rows: list[torch.Tensor], params: SamplingParams
+    model: GeneratingModel, rows: list[torch.Tensor], params: SamplingParams, tokenizer: Any = None
 ) -> list[StepRecord]:
     """Each row's steps, every row its own generation, all at once (a seed is varied per row)."""
 
     async def one(index: int, row: torch.Tensor) -> StepRecord:
         seed = None if params.seed is None else params.seed + index
         record = StepRecord()
-        async for step in model.agenerate_steps(row, params, None, "redo", seed=seed):
+        async for step in model.agenerate_steps(row, params, None, "redo", tokenizer, seed=seed):
             record.add(step)  # a step withdrawn by a spot check (a lying server) is redone
         return record
 
@@ -220,6 +222,8 @@ def generate(
 ) -> Any:
     """`DistributedModelForCausalLM.generate`: [B, T] -> [B, T + new], or transformers' output with
     return_dict_in_generate (client/hf/outputs.py)."""
+    kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)  # what stop strings are matched with (transformers' name)
     kwargs = transformers_names(input_ids, kwargs, None if params is not None else model.generation_config)
     as_dict = kwargs.pop("return_dict_in_generate", False)
     rows = unpadded_rows(input_ids, attention_mask)
@@ -241,10 +245,10 @@ def generate(
         if rows is not None and len(rows) > 1:
             params = replace(params or SamplingParams(), **kwargs)
             pad = model.pad_token_id if params.pad_token_id is None else params.pad_token_id
-            record = merge_rows(model.runtime.run(generate_rows(model, rows, params)), pad)
+            record = merge_rows(model.runtime.run(generate_rows(model, rows, params, tokenizer)), pad)
         else:
             prompt = input_ids if rows is None else rows[0]
-            steps = model.agenerate_steps(prompt, params, session, withdrawals="redo", **kwargs)
+            steps = model.agenerate_steps(prompt, params, session, "redo", tokenizer, **kwargs)
             for step in model.runtime.iterate(steps):
                 record.add(step)  # a step withdrawn by a spot check (a lying server) is redone
                 if not step.withdrawn:
