@@ -83,25 +83,23 @@ class NatSwarm:
 
 def run_client(namespace: str, host: str, args: list[str], env: dict, logs: Path) -> dict:
     """What tests/nat_client.py run in `namespace`, listening on `host`, prints."""
-    client = start_client(namespace, host, args, env, logs)
+    client, out, err = start_client(namespace, host, args, env, logs)
     try:
         code = client.wait(180)
     finally:
         client.kill_group()
-    assert code == 0, client.err_path.read_text(errors="replace")[-3000:]
-    return json.loads(client.out_path.read_text().strip().splitlines()[-1])
+    assert code == 0, err.read_text(errors="replace")[-3000:]
+    return json.loads(out.read_text().strip().splitlines()[-1])
 
 
-def start_client(namespace: str, host: str, args: list[str], env: dict, logs: Path):
-    """tests/nat_client.py forked into `namespace` (launch/forked.py), its output in logs/client-N.out and
-    its log in .err."""
+def start_client(namespace: str, host: str, args: list[str], env: dict, logs: Path) -> tuple:
+    """tests/nat_client.py forked into `namespace` (launch/forked.py): the process, and the files of its
+    output (logs/client-N.out) and of its log (.err)."""
     model, prompt, new_tokens, *peers = args
     name = f"client-{len(list(logs.glob('client-*.out')))}"
     out, err = logs / f"{name}.out", logs / f"{name}.err"
     arguments = [model, host, prompt, new_tokens, *peers]
-    client = fork_peer(arguments, out, env, err, netns=namespace, script=CLIENT)
-    client.out_path, client.err_path = out, err
-    return client
+    return fork_peer(arguments, out, env, err, netns=namespace, script=CLIENT), out, err
 
 
 def peer_id(peer: PeerProcess) -> str:
@@ -122,21 +120,21 @@ def generate_with_a_pause(
     resume = swarm.logs / f"resume-{pause_at}"
     env = {**swarm.env, "NAT_CLIENT_PAUSE_AT": str(pause_at), "NAT_CLIENT_RESUME": str(resume)}
     env["NAT_CLIENT_PUSH"] = "1" if push else "0"
-    client = start_client(swarm.client_home, "0.0.0.0", swarm.args, env, swarm.logs)
+    client, out, err = start_client(swarm.client_home, "0.0.0.0", swarm.args, env, swarm.logs)
     try:
         deadline = time.monotonic() + 180
-        while "paused" not in client.out_path.read_text() and client.poll() is None:
+        while "paused" not in out.read_text() and client.poll() is None:
             assert time.monotonic() < deadline, "the client did not pause within 180 s"
             time.sleep(0.1)
-        assert client.poll() is None, client.err_path.read_text(errors="replace")[-3000:]
+        assert client.poll() is None, err.read_text(errors="replace")[-3000:]
         during()
         resume.touch()
         code = client.wait(180)
     finally:
         client.kill_group()
-    assert code == 0, client.err_path.read_text(errors="replace")[-3000:]
-    shutil.copy(client.err_path, swarm.logs / f"client-paused-at-{pause_at}.log")
-    return json.loads(client.out_path.read_text().strip().splitlines()[-1])
+    assert code == 0, err.read_text(errors="replace")[-3000:]
+    shutil.copy(err, swarm.logs / f"client-paused-at-{pause_at}.log")
+    return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 def reached(swarm: NatSwarm, silent: list | None = None) -> list[tuple[int, str, set[str]]]:

@@ -230,7 +230,10 @@ class DistributedModelForCausalLM(TransformersModel):
         return await prefixes.open(make, input_ids, length, self.head.embed)
 
     def _chooser(self, input_ids: torch.Tensor, params: SamplingParams, tokenizer: Any = None) -> Chooser:
-        tokenizer = (tokenizer or self.tokenizer) if params.stop or params.grammar else None
+        if not (params.stop or params.grammar):
+            tokenizer = None
+        elif tokenizer is None:  # the caller's, else the model folder's
+            tokenizer = self.tokenizer
         eos = self.eos_token_ids if params.eos_token_ids is None else params.eos_token_ids
         ends = RowEnds(params, eos, tokenizer, input_ids.shape[0])
         pad = self.pad_token_id if params.pad_token_id is None else params.pad_token_id

@@ -71,9 +71,11 @@ def fork_peer(
     for path in (log_path, err_path or log_path):
         path.write_bytes(b"")  # exists at once: the caller reads it while the peer starts
     streams = (str(log_path), str(err_path or log_path))
-    where = (netns, str(script) if script else None)
+    script_path = str(script) if script else None
     # not daemonic: a peer runs a DHT, which is a child process of its own
-    process = _context.Process(target=_peer_main, args=(list(args), streams, env, where), daemon=False)
+    process = _context.Process(
+        target=_peer_main, args=(list(args), streams, env, netns, script_path), daemon=False
+    )
     process.start()
     return ForkedPeer(process, list(args))
 
@@ -115,11 +117,10 @@ class ForkedPeer:
 
 
 def _peer_main(
-    args: list[str], streams: tuple[str, str], env: dict[str, str], where: tuple[str | None, str | None]
+    args: list[str], streams: tuple[str, str], env: dict[str, str], netns: str | None, script: str | None
 ) -> None:
     """In the forked child: its network namespace, a session of its own, stdout and stderr to their files,
     the environment, then `corolla` (or the script)."""
-    netns, script = where
     if netns is not None:
         _enter_netns(netns)
     os.setsid()
