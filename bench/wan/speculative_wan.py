@@ -4,7 +4,9 @@ Single-session decoding of SmolLM2 through 3 servers (blocks 0:10, 10:20, 20:30)
 server and the client in their own network namespace (bench/lib/wan.py; 50 ms round trips by default), on a
 fixed set of 8 prompts (bench/lib/prompts.py: chat questions, summaries of a given paragraph, edits of given
 code). Systems, run one after the other in each round: plain (no push), push, push + prompt lookup, push +
-a draft model (an int8 copy of SmolLM2 on the client) as a chain and as a tree. Every system must give
+a draft model (an int8 copy of SmolLM2 on the client) as a chain and as a tree; lookup and the chain each
+synchronous (a round trip per draft), pipelined (drafts in flight: client/generation/pipelined.py) and
+as the client picks (`auto`: the default, whichever of the two it measured faster). Every system must give
 the same tokens (`identical_outputs`). Reports per system the median over rounds of decode tokens/s (all
 prompts, and per category), the drafted tokens' acceptance, tokens per step (per round trip) and the
 ratio to push. The same runs on loopback show what speculation costs when round trips are cheap.
@@ -39,8 +41,12 @@ def client_configs(host: str, peers: list[str], names: list[str] | None = None) 
     configs = {
         "plain": dict(use_push=False),
         "push": {},
-        "push+lookup": dict(speculation=SpeculationConfig()),
-        "push+draft chain": dict(speculation=SpeculationConfig(**draft, width=1)),
+        "push+lookup": dict(speculation=SpeculationConfig(pipeline=1)),
+        "push+lookup pipelined": dict(speculation=SpeculationConfig(adaptive=False)),
+        "push+lookup auto": dict(speculation=SpeculationConfig()),
+        "push+draft chain": dict(speculation=SpeculationConfig(**draft, width=1, pipeline=1)),
+        "push+draft pipelined": dict(speculation=SpeculationConfig(**draft, adaptive=False)),
+        "push+draft auto": dict(speculation=SpeculationConfig(**draft)),
         "push+draft tree": dict(speculation=SpeculationConfig(**draft, width=3)),
     }
     return {
@@ -116,7 +122,9 @@ def summary(models: dict, records: dict, outputs: dict) -> dict:
         stats = model.speculator.stats if model.speculator else None
         if stats is not None:
             entry.update(
-                acceptance=round(stats.acceptance, 3), tokens_per_step=round(stats.tokens_per_step, 2)
+                acceptance=round(stats.acceptance, 3),
+                tokens_per_step=round(stats.tokens_per_step, 2),
+                most_in_flight=stats.most_in_flight,
             )
         result["systems"][name] = entry
     push = result["systems"]["push"]

@@ -36,6 +36,14 @@ def _check(
             raise InvalidRequest(f"{name}{option} must be {bound}, got {value}")
 
 
+def _one_of(config: object, name: str, choices: tuple[str, ...], cli: bool = True) -> None:
+    """The field `name`, unless None, must be one of `choices` (the error as `_check`'s)."""
+    value = getattr(config, name)
+    if value is not None and value not in choices:
+        option = f" (--{name.replace('_', '-')})" if cli else ""
+        raise InvalidRequest(f"{name}{option} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SwarmConfig:
     """How a peer joins the swarm's DHT."""
@@ -71,10 +79,7 @@ class SwarmConfig:
                 f"announce_host (--announce-host {self.announce_host}) needs a fixed port (--port): the "
                 "port other peers dial, forwarded to this machine if it is behind NAT"
             )
-        if self.reachability not in REACHABILITY:
-            raise InvalidRequest(
-                f"reachability must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}"
-            )
+        _one_of(self, "reachability", REACHABILITY, cli=False)
         _check(self, 0, RELAY_LIMITS)
         given = [name for name in RELAY_LIMITS if getattr(self, name) is not None]
         if given and self.reachability == "behind-nat":
@@ -186,12 +191,8 @@ class ServerConfig:
         _check(self, 0, ("balance_period", "drain_timeout", "simulate_slow_ms"), strict=False)
         if self.blocks is not None and not 0 <= self.blocks[0] < self.blocks[1]:
             raise InvalidRequest(f"blocks (--blocks) must be A:B with 0 <= A < B, got {self.blocks}")
-        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
-            raise InvalidRequest(
-                f"quantize (--quantize) must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
-            )
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InvalidRequest(f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _one_of(self, "quantize", QUANTIZE_MODES)
+        _one_of(self, "dtype", DTYPES)
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             port = self.metrics_port
             raise InvalidRequest(f"metrics_port (--metrics-port) must lie in 1..65535, got {port}")
@@ -214,15 +215,15 @@ class SpeculationConfig:
     width: int | None = None
     max_tokens: int = 32  # drafted tokens per step (also bounded by the servers' max_tree_tokens)
     adaptive: bool = True  # the depth follows the measured acceptance and step times (False: max_depth)
+    pipeline: int = 3  # drafted chains in flight, 1 to 4 (client/generation/pipelined.py); never trees
 
     def __post_init__(self) -> None:
-        _check(self, 0, ("max_depth", "width", "max_tokens"), cli=False)
+        _check(self, 0, ("max_depth", "width", "max_tokens", "pipeline"), cli=False)
+        if self.pipeline > 4:  # what a server takes ahead of its replies (server/inference/service.py)
+            raise InvalidRequest(f"pipeline must be at most 4 drafts in flight, got {self.pipeline}")
         if not self.draft:
             raise InvalidRequest("draft must be 'lookup' or a model")
-        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
-            raise InvalidRequest(
-                f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
-            )
+        _one_of(self, "quantize", QUANTIZE_MODES, cli=False)
 
     @property
     def uses_model(self) -> bool:
@@ -264,10 +265,7 @@ class ClientConfig:
         if not 0 <= self.spot_checks <= 1:
             raise InvalidRequest(f"spot_checks (--spot-checks) must lie in [0, 1], got {self.spot_checks}")
         _check(self, 0, ("max_retries", "failover_timeout", "ban_time"), strict=False, cli=False)
-        if self.wire_encoding not in WIRE_ENCODINGS:
-            raise InvalidRequest(
-                f"wire_encoding must be one of {', '.join(WIRE_ENCODINGS)}, got {self.wire_encoding!r}"
-            )
+        _one_of(self, "wire_encoding", WIRE_ENCODINGS, cli=False)
 
 
 @dataclass(frozen=True)
@@ -289,10 +287,6 @@ class ApiConfig:
             raise InvalidRequest(f"port (--port) must lie in 1..65535, got {self.port}")
         _check(self, 2, ("max_model_len",), strict=False)
         _check(self, 0, ("stats_interval",), strict=False)
-        if self.embedding_pooling not in EMBEDDING_POOLINGS:
-            raise InvalidRequest(
-                f"embedding_pooling (--embedding-pooling) must be one of {', '.join(EMBEDDING_POOLINGS)}, "
-                f"got {self.embedding_pooling!r}"
-            )
+        _one_of(self, "embedding_pooling", EMBEDDING_POOLINGS)
         if any(not key.strip() for key in self.api_keys):
             raise InvalidRequest("api_keys (--api-key) must not be empty")

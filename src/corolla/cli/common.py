@@ -20,6 +20,7 @@ DRAFT_DESTS = {
     "device": "draft_device",
     "width": "draft_width",
     "max_depth": "draft_depth",
+    "pipeline": "draft_pipeline",
 }
 SERVER_HOST = SwarmConfig.host  # where a peer listens for the swarm: every address of the machine
 CLIENT_HOST = field_default(ClientConfig, "swarm").host  # a client's: loopback
@@ -192,6 +193,11 @@ def _add_draft_args(group: argparse._ArgumentGroup) -> None:
         "max_depth",
         "most drafted tokens along a path; each step's depth follows the measured acceptance and "
         "round trips (default: %(default)s)",
+    )
+    option(
+        "pipeline",
+        "drafts in flight: the next draft goes out before the last one is verified, so servers compute "
+        "while replies travel; 1 waits for each verification (default: %(default)s)",
     )
 
 

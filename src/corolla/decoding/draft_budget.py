@@ -34,6 +34,7 @@ class SpeculationStats:
     drafted: int = 0  # tokens drafted
     accepted: int = 0  # drafted tokens that the model accepted
     emitted: int = 0  # tokens emitted by those steps (accepted + the one the model chose after them)
+    most_in_flight: int = 0  # the most steps (pipelined frames) sent before the first was verified
 
     @property
     def acceptance(self) -> float:
@@ -43,8 +44,9 @@ class SpeculationStats:
     def tokens_per_step(self) -> float:
         return self.emitted / self.steps if self.steps else 0.0
 
-    def add(self, drafted: int, accepted: int, emitted: int) -> None:
-        self.steps += 1
+    def add(self, drafted: int, accepted: int, emitted: int, steps: int = 1, in_flight: int = 1) -> None:
+        self.most_in_flight = max(self.most_in_flight, in_flight)
+        self.steps += steps
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted

@@ -45,6 +45,16 @@ class Draft:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return max(depths, default=0)
 
+    def first_path(self) -> list[int]:
+        """The tokens of the path that follows each node's first child (a chain's every token)."""
+        path: list[int] = []
+        parent = -1
+        for index, (token, node_parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if node_parent == parent:
+                path.append(token)
+                parent = index
+        return path
+
     def tree(self) -> tuple[int, ...]:
         """The parents of the verified step's tokens: the root (index 0), then the drafted tokens."""
         return (-1, *(parent + 1 for parent in self.parents))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from corolla.config import SpeculationConfig
 from corolla.decoding.draft_budget import DraftBudget, SpeculationStats
 from corolla.decoding.drafting import Draft, Drafter, DraftSession, PromptLookup, check_same_tokenizer
+from corolla.decoding.round_choice import RoundChoice
 from corolla.models.model_config import ModelConfig
 
 LOOKUP_WIDTH = 2  # prompt lookup's default branching: the 2 latest places the last tokens appeared
@@ -30,6 +31,7 @@ class Speculation:
     drafter: DraftSession
     budget: DraftBudget
     max_tokens: int  # drafted tokens per step, before the servers' own limit
+    choice: RoundChoice = field(default_factory=lambda: RoundChoice(1))  # pipelined rounds or not
     executor: Executor | None = None  # where a draft model runs, off the event loop (None: inline)
     stats: SpeculationStats | None = None
 
@@ -39,10 +41,25 @@ class Speculation:
         depth = self.budget.depth(min(max_depth, room))
         if depth == 0:
             return Draft()
-        args = (context, depth, min(room, self.max_tokens))
+        return await self._propose(context, depth, min(room, self.max_tokens))
+
+    async def draft_chain(self, context: list[int], max_tokens: int) -> list[int]:
+        """A chain of at most `max_tokens` (and `max_depth`) tokens after `context`: a frame of pipelined
+        speculation (client/generation/pipelined.py); of a tree, its likeliest path."""
+        depth = min(max_tokens, self.budget.max_depth)
+        if depth < 1:
+            return []
+        return (await self._propose(context, depth, depth)).first_path()
+
+    async def _propose(self, context: list[int], depth: int, max_tokens: int) -> Draft:
         if self.executor is None:
-            return self.drafter.propose(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.drafter.propose, *args)
+            return self.drafter.propose(context, depth, max_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.drafter.propose, context, depth, max_tokens)
+
+    def record_frames(self, frames: int, drafted: int, accepted: int, emitted: int, in_flight: int) -> None:
+        if self.stats is not None:
+            self.stats.add(drafted, accepted, emitted, steps=frames, in_flight=in_flight)
 
     def record(self, draft: Draft, accepted: int, emitted: int, seconds: float) -> None:
         self.budget.record(draft.depth, accepted, seconds)
@@ -56,6 +73,8 @@ class Speculator:
         self.drafter = drafter
         self.stats = SpeculationStats()
         self.budget = DraftBudget(config.max_depth, config.adaptive)
+        trees = (config.width or 1) > 1  # asked for: never pipelined (prompt lookup's default tree is)
+        self.choice = RoundChoice(1 if trees else config.pipeline, config.adaptive)
         # a draft model's passes run off the event loop, one at a time (OpenMP settings are per thread)
         self.executor = (
             ThreadPoolExecutor(
@@ -82,7 +101,8 @@ class Speculator:
 
     def start(self, max_length: int) -> Speculation:
         drafter = self.drafter.start(max_length)
-        return Speculation(drafter, self.budget, self.config.max_tokens, self.executor, self.stats)
+        max_tokens = self.config.max_tokens
+        return Speculation(drafter, self.budget, max_tokens, self.choice, self.executor, self.stats)
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -69,6 +69,19 @@ def test_a_speculating_generation_survives_a_killed_server(llama, prompt, expect
         assert model.speculator.stats.tokens_per_step > 2
 
 
+@pytest.mark.parametrize("hop", [0, 1, 2], ids=["first", "middle", "last"])
+def test_pipelined_speculation_survives_a_server_killed_with_frames_in_flight(llama, prompt, expected, hop):
+    """The session keeps up to 3 drafted chains in flight (the tiny model drafting for itself: each mostly
+    accepted); a server dies with a frame in hand: what was verified stays, the frames after it are
+    dropped, a synchronous step replaces the server from the histories, and the tokens are those of plain
+    decoding."""
+    speculation = SpeculationConfig(draft=str(llama), max_depth=3, adaptive=False)
+    with LoopbackSwarm(llama, CHAIN) as swarm:
+        model = swarm.model(speculation=speculation)
+        assert torch.equal(generate_with_a_death(swarm, model, prompt, hop), expected)
+        assert model.speculator.stats.accepted > 0
+
+
 def test_a_round_that_accepts_part_of_its_tree_keeps_the_models_own_path(llama, reference):
     """A draft model that is NOT the target (another random checkpoint of the same shapes) drafts trees
     the target mostly rejects: each round keeps only the accepted part (and the model's own next token),

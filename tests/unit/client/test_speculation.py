@@ -7,6 +7,9 @@ the drafters alone: test_speculative.py; the OpenAI API with a drafter: the inte
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -19,8 +22,11 @@ from tiny_models import LLAMA_LIKE, load_reference
 SPANS = [(0, 2), (2, 4), (4, 6), (0, 3), (3, 6)]
 CHAINS = {3: [0, 1, 2], 2: [3, 4]}
 DRAFTERS = {  # the tiny model drafts for itself: an exact draft, so trees are verified deep
-    "lookup": lambda path: SpeculationConfig(draft="lookup"),
-    "model chain": lambda path: SpeculationConfig(draft=str(path), width=1, max_depth=4, adaptive=False),
+    "lookup": lambda path: SpeculationConfig(draft="lookup"),  # pipelined (its likeliest chains)
+    "lookup tree": lambda path: SpeculationConfig(draft="lookup", width=2, pipeline=1),
+    "model chain": lambda path: SpeculationConfig(draft=str(path), width=1, max_depth=4, pipeline=1),
+    # always pipelined (adaptive: the client would measure both ways and keep the faster)
+    "model pipelined": lambda path: SpeculationConfig(draft=str(path), max_depth=3, adaptive=False),
     "model tree": lambda path: SpeculationConfig(draft=str(path), width=3, max_depth=3, adaptive=False),
 }
 
@@ -58,11 +64,48 @@ def test_greedy_speculation_gives_transformers_tokens_through_three_servers(fami
     assert torch.equal(model.generate(prompt, max_new_tokens=24), expected)
     stats = model.speculator.stats
     assert stats.emitted == 23 and stats.drafted > 0  # 24 tokens: the first comes with the prompt
-    if drafter != "lookup":
+    if not drafter.startswith("lookup"):
         assert stats.tokens_per_step > 2  # an exact draft: most of each tree is accepted
     # every server of the chain verified every step (the prompt's, then each tree)
     after = steps_received(swarm, 3)
     assert [b - a for a, b in zip(before, after, strict=True)] == [1 + stats.steps] * 3
+
+
+def test_pipelined_drafts_go_out_before_earlier_ones_are_verified(family):
+    """After the first token the last server holds its replies back: the client still sends its next
+    drafted chains, until 3 frames are in flight, then verifies them in order once the replies come; the
+    tokens are plain decoding's."""
+    path, swarm, reference = family
+    prompt = repetitive_prompt(5)
+    expected = reference_generate(reference, prompt, max_new_tokens=24)
+    model = chain_model(swarm, 3, speculation=SpeculationConfig(draft=str(path), max_depth=3, adaptive=False))
+    first, last = (swarm.servers[i] for i in (CHAINS[3][0], CHAINS[3][-1]))
+    frozen = threading.Event()
+
+    def freeze_once(_token) -> None:
+        if not frozen.is_set():
+            frozen.set()
+            swarm.runtime.loop.call_soon_threadsafe(last.freeze)
+
+    result = []
+
+    def generate() -> None:
+        result.append(model.generate(prompt, max_new_tokens=24, streamer=freeze_once))
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        assert frozen.wait(60)
+        seen, since = first.steps_received, time.monotonic()
+        while time.monotonic() - since < 1.0:  # until the client sends nothing more for a second
+            time.sleep(0.05)
+            if first.steps_received != seen:
+                seen, since = first.steps_received, time.monotonic()
+    finally:
+        swarm.runtime.loop.call_soon_threadsafe(last.thawed.set)
+        worker.join(60)
+    assert torch.equal(result[0], expected)
+    assert model.speculator.stats.most_in_flight == 3
 
 
 def test_seeded_sampling_with_speculation_repeats_plain_sampling(family):
@@ -70,10 +113,13 @@ def test_seeded_sampling_with_speculation_repeats_plain_sampling(family):
     prompt = repetitive_prompt(2)
     sampling = dict(max_new_tokens=20, do_sample=True, temperature=0.7, top_p=0.9, seed=11)
     expected = chain_model(swarm, 2).generate(prompt, **sampling)
-    model = chain_model(swarm, 2, speculation=SpeculationConfig(draft=str(path), width=2, max_depth=3))
-    assert torch.equal(model.generate(prompt, **sampling), expected)
-    assert torch.equal(model.generate(prompt, **sampling), expected)  # twice
-    assert model.speculator.stats.accepted > 0
+    trees = SpeculationConfig(draft=str(path), width=2, max_depth=3)
+    pipelined = SpeculationConfig(draft=str(path), max_depth=3, adaptive=False)
+    for speculation in (trees, pipelined):
+        model = chain_model(swarm, 2, speculation=speculation)
+        assert torch.equal(model.generate(prompt, **sampling), expected)
+        assert torch.equal(model.generate(prompt, **sampling), expected)  # twice
+        assert model.speculator.stats.accepted > 0
 
 
 def test_concurrent_speculative_sessions_batch_and_stay_exact(family):

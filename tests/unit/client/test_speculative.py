@@ -6,6 +6,7 @@ from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.draft_budget import DraftBudget
 from corolla.decoding.draft_model import DraftModel
 from corolla.decoding.drafting import Draft, PromptLookup
+from corolla.decoding.round_choice import RoundChoice
 from corolla.decoding.sampling import SamplingParams
 from corolla.decoding.verify import verify
 from corolla.models.tree import TokenTree
@@ -129,3 +130,22 @@ def test_a_draft_model_with_recurrent_layers_is_refused_when_loaded(tiny_models)
     with pytest.raises(UnsupportedModel, match="qwen3_5_text layers keep recurrent states") as refused:
         DraftModel.load(tiny_models["qwen3_5"])
     assert "\n" not in str(refused.value)
+
+
+def test_rounds_are_pipelined_where_that_emits_more_tokens_per_second_and_the_other_kind_is_retried():
+    choice = RoundChoice(pipeline=3)
+    tried = []
+    for _ in range(4):  # pipelined rounds: 40 tokens/s; synchronous ones: 20
+        tried.append(pipelined := choice.pipelined())
+        choice.record(pipelined, 20 if pipelined else 10, 0.5)
+    assert tried == [True, True, False, False]  # each kind twice first
+    picks = [choice.pipelined() for _ in range(28)]
+    assert picks.count(False) == 2  # rounds 16 and 32 try the slower kind once each
+    assert picks[11] is False and picks[27] is False
+    for _ in range(8):  # the round trips got short: synchronous rounds are faster now
+        choice.record(True, 5, 0.5)
+    assert choice.pipelined() is False
+    assert not RoundChoice(pipeline=1).pipelined()  # never pipelined
+    forced = RoundChoice(pipeline=3, adaptive=False)
+    forced.record(True, 1, 10.0)
+    assert all(forced.pipelined() for _ in range(20))

@@ -111,7 +111,7 @@ class Chain:
             link = self.links[index]
             hop_prompts = None if prompts is None else prompts[link.hop.start : link.hop.end]
             step = Step(hidden, position, hop_prompts, hypo_ids, tree, link.history.accepted_at(position))
-            route = self._step_route(index, step_id, push, pushed_to)
+            route = self.step_route(index, step_id, push, pushed_to)
             if await self._move_before_relay_limit(index, step, budget):
                 step_id = uuid.uuid4().hex  # as after a failover (below)
                 encoded = None
@@ -185,7 +185,7 @@ class Chain:
         link.history.record(step, reply.outputs)
         return reply
 
-    def _step_route(self, index: int, step_id: str, push: bool, pushed_to: set[str]) -> StepRoute:
+    def step_route(self, index: int, step_id: str, push: bool, pushed_to: set[str]) -> StepRoute:
         link = self.links[index]
         end = index + 1
         while push and end < len(self.links) and self._push_from(end) is not None:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 import torch
 
 from corolla.client.chain.chain import Chain
+from corolla.client.chain.frames import FramePipe
 from corolla.client.chain.opening import ChainSpec
 from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.runtime import LoopThread
@@ -47,6 +48,7 @@ class InferenceSession:
         spec = ChainSpec(max_length, alloc_timeout, keep_outputs, allowed=allowed, keep=keep)
         self.chain = Chain(swarm, spec)
         self.position = 0
+        self._frontier = 0  # the end of what the servers may hold (frames past the position too)
         self.pending_token_ids: torch.Tensor | None = None  # [B, 1]: chosen, not yet sent to the servers
         self._tree: tuple[int, TokenTree] | None = None  # the last step's token tree, until accepted
         self._closers: list[Callable[[], Awaitable[None]]] = []
@@ -138,9 +140,25 @@ class InferenceSession:
         if checked is not None and len(tree) != hidden.shape[1]:
             raise InvalidRequest(f"tree: {len(tree)} parents for {hidden.shape[1]} tokens")
         outputs = await self.chain.step(hidden, position, prompts, hypo_ids, tree)
-        self.position = position + hidden.shape[1]
+        self.position = self._frontier = position + hidden.shape[1]  # what it rolled back is gone
         self._tree = None if checked is None else (position, checked)
         return outputs[-1]
+
+    def frames(self) -> FramePipe:
+        """A pipe for frames: steps sent without waiting for the replies to earlier ones (client/chain/
+        frames.py). Once it is closed, `settle` says where the session stands."""
+        if self.closed or not self._opened or self._tree is not None:
+            raise InvalidRequest("frames need an open session with no token tree pending")
+        return FramePipe(self.chain, max(self._frontier, self.position))
+
+    def settle(self, pipe: FramePipe, position: int) -> None:
+        """After `pipe` (closed): the session goes on from `position` (what was verified); the servers may
+        hold more, which the next step rolls back."""
+        if not 0 <= position <= pipe.frontier:
+            raise InvalidRequest(f"settle: position={position} must lie in [0, {pipe.frontier}]")
+        self.chain.rewind(position)
+        self.position = position
+        self._frontier = pipe.frontier
 
     def accept(self, path: Sequence[int]) -> None:
         """Keep `path` (token indices of the last step's tree, root first, a path from a root): the session

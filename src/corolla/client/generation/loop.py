@@ -14,6 +14,7 @@ later call on the same session continues the conversation without recomputing an
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
@@ -23,11 +24,12 @@ import torch
 from corolla.client.chain.session import InferenceSession
 from corolla.client.checks.spot_checks import SpotChecker, Verdict
 from corolla.client.generation.head_batcher import HeadBatcher
+from corolla.client.generation.pipelined import pipelined_steps
 from corolla.client.generation.speculative import speculative_round
 from corolla.decoding.chooser import Chooser, GenerationStep
 from corolla.decoding.sampling import SamplingParams
 from corolla.decoding.speculator import Speculation
-from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.errors import RETRYABLE, InvalidRequest, ServerUnavailable
 
 Withdrawals = Literal["redo", "fail"]
 
@@ -118,7 +120,7 @@ class _Loop:
         resume: int | None = self.first.start + self.first.held
         while True:
             if resume is not None:
-                steps = [await self._resume(resume)]
+                steps = _each(await self._resume(resume))
                 resume = None
             else:
                 verdict = await self._check(final=self.chooser.done)
@@ -128,9 +130,9 @@ class _Loop:
                     continue
                 if self.chooser.done:
                     return
-                steps = await self._round()
-            self.session.pending_token_ids = steps[-1].tokens[:, None]
-            for step in steps:
+                steps = self._round()
+            async for step in steps:
+                self.session.pending_token_ids = step.tokens[:, None]
                 yield step
 
     async def _resume(self, position: int) -> GenerationStep:
@@ -147,11 +149,32 @@ class _Loop:
             outputs = await session.astep(self.head.head.embed(token), start_from_position=position)
         return self.chooser.choose(await self.head.logits(outputs[:, -1]))  # [B, vocab], batched
 
-    async def _round(self) -> list[GenerationStep]:
-        if self.speculation is not None and self.chooser.context.shape[0] == 1:
-            return await speculative_round(self.head, self.session, self.chooser, self.speculation)
-        outputs = await self.session.astep(self.head.head.embed(self.chooser.context[:, -1:]))
-        return [self.chooser.choose(await self.head.logits(outputs[:, -1]))]
+    async def _round(self) -> AsyncIterator[GenerationStep]:
+        """One round's tokens: a plain step's one, or a speculative round's (pipelined: as each is chosen)."""
+        speculation = self.speculation
+        if speculation is None or self.chooser.context.shape[0] != 1:
+            outputs = await self.session.astep(self.head.head.embed(self.chooser.context[:, -1:]))
+            yield self.chooser.choose(await self.head.logits(outputs[:, -1]))
+            return
+        choice = speculation.choice
+        started = time.perf_counter()
+        if choice.pipelined():
+            emitted = 0
+            # spot checks run between rounds: a round then ends at its first rejected draft
+            steps = pipelined_steps(
+                self.head, self.session, self.chooser, speculation, choice.pipeline, self.checker is not None
+            )
+            try:
+                async for step in steps:
+                    emitted += 1
+                    yield step
+                choice.record(True, emitted, time.perf_counter() - started)
+                return
+            except RETRYABLE:  # a server failed before anything was chosen: a step that fails over
+                pass
+        for step in (steps := await speculative_round(self.head, self.session, self.chooser, speculation)):
+            yield step
+        choice.record(False, len(steps), time.perf_counter() - started)
 
     async def _check(self, final: bool) -> Verdict | None:
         """Spot checks between rounds: the hops due now, or every hop once the generation is done."""
@@ -179,3 +202,8 @@ class _Loop:
                 "streamed were wrong (the server is banned; generate again)"
             )
         return position, withdrawn
+
+
+async def _each(*steps: GenerationStep) -> AsyncIterator[GenerationStep]:
+    for step in steps:
+        yield step

@@ -16,7 +16,9 @@ at the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -107,24 +109,46 @@ class SpanStream:
     async def step(self, step: Step, route: StepRoute, encoded: runtime_pb2.Tensor | None = None) -> Reply:
         """Send a step and wait for its reply. `encoded`: the hidden states as the previous server replied
         them, sent on as they came (byte for byte its push: the server runs the step once)."""
-        stream = self._stream
-        if stream is None:
-            raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
+        sent = await self.send(step, route, encoded)
+        return await self.receive(sent)
+
+    async def send(self, step: Step, route: StepRoute, encoded: runtime_pb2.Tensor | None = None) -> Sent:
+        """Send a step without waiting for its reply; `receive` reads it. Several steps may be in flight
+        (pipelined speculation): their replies are read in the order the steps were sent."""
+        stream = self._live()
         encoded = encoded if encoded is not None else wire_tensors.encode(step.hidden, self.encoding)
         request = self._request(step, route, encoded)
         inputs = step_digest(request.tensors, step.tree, step.accepted)
-        sent = _Sent(route.step_id, step.position, inputs.hex())
+        sent = Sent(route.step_id, step.position, inputs.hex(), step.hidden.shape)
+        async with self._failing(stream):
+            await asyncio.wait_for(stream.send(request), self.timeout)
+        return sent
+
+    async def receive(self, sent: Sent) -> Reply:
+        """The reply to the step `sent` (every step sent before it was received already)."""
+        stream = self._live()
+        async with self._failing(stream):
+            response = await self._reply_to(stream, sent)
+            return self._read(response, sent.shape, sent.num_foreign)
+
+    def _live(self) -> MessageStream:
+        if self._stream is None:
+            raise ServerUnavailable(f"the session with server ...{self.hop.peer_id[-6:]} is already closed")
+        return self._stream
+
+    @contextlib.asynccontextmanager
+    async def _failing(self, stream: MessageStream) -> AsyncIterator[None]:
+        """Errors as the client reads them; a failed stream takes no more steps (a cancelled read leaves it
+        unreadable)."""
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
-                await asyncio.wait_for(stream.send(request), self.timeout)
-                response = await self._reply_to(stream, sent)
-            return self._read(response, step.hidden.shape, sent.num_foreign)
+                yield
         except SessionNotFound as e:  # only a fork's first step names a session other than its own
             self._stream = None
             stream.close()
             gone = ForkGone if self.opening.fork_of is not None else ServerUnavailable
             raise gone(f"server ...{self.hop.peer_id[-6:]}: {e}") from None
-        except BaseException:  # a failed stream takes no more steps (a cancelled read leaves it unreadable)
+        except BaseException:
             self._stream = None
             stream.close()
             raise
@@ -163,7 +187,7 @@ class SpanStream:
             tensors.append(wire_tensors.serialize(step.hypo_ids))
         return runtime_pb2.ExpertRequest(uid=self.uid, tensors=tensors, metadata=meta.to_bytes())
 
-    async def _reply_to(self, stream: MessageStream, sent: _Sent) -> ExpertResponse:
+    async def _reply_to(self, stream: MessageStream, sent: Sent) -> ExpertResponse:
         """The reply to the step `sent` (replies to a step abandoned earlier are skipped, and so are replies
         to its id that name other inputs: the server replies to the client's copy too)."""
         while True:
@@ -206,12 +230,14 @@ class SpanStream:
 
 
 @dataclass
-class _Sent:
-    """What the reply to a step must name: its id, and the position and digest (hex) of what was sent."""
+class Sent:
+    """What the reply to a step must name: its id, and the position and digest (hex) of what was sent;
+    the shape its outputs must have."""
 
     step_id: str
     position: int
     inputs: str
+    shape: torch.Size
     num_foreign: int = 0  # replies to its id that named other inputs
 
 

@@ -1,0 +1,127 @@
+"""Frames: steps sent down a chain without waiting for the replies to earlier ones (pipelined speculation).
+
+A frame is a plain step of one or more tokens at a position past the frames still in flight. The client
+sends it to the first hop and goes on; each hop's replies are read in order by a reader of their own,
+which records them in the hop's history and sends the client's copy on to the next hop (byte for byte
+the bytes a push carries, so a server runs each frame once, whichever copy comes first), and the last
+hop's reply resolves the frame. So every server computes one frame while the next is on its way, and
+the chain is never idle for a round trip.
+
+A frame that goes back (its position is before what the servers hold: the first frame after a rejected
+draft) is a rollback, which servers take only from the client's own copy, and so is a pipe's first frame
+(after a token tree it names, per hop, the path to keep). Until every hop has replied to it, later frames
+are not pushed either: a push reaching a server before the client's rollback could sit at the position
+the rolled-back frames had left, and run on their keys and values.
+
+Nothing here replaces a server: a failure ends the pipe (`failed`), the frames already sent get their
+replies where their servers answer, and the caller goes on with a synchronous step, whose chain fails
+over (client/chain/chain.py) from histories that match what each server holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.chain.chain import Chain
+from corolla.client.rpc.span_stream import Sent, Step, StepRoute
+from corolla.errors import RETRYABLE
+
+
+@dataclass
+class Frame:
+    hidden: torch.Tensor  # [1, T, H]
+    position: int
+    push: bool  # its copies may be pushed from server to server
+    step_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    outputs: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    pushed_to: set[str] = field(default_factory=set)  # sessions the previous servers push it to
+
+
+class FramePipe:
+    def __init__(self, chain: Chain, frontier: int):
+        self.chain = chain
+        self.frontier = frontier  # the end of what the servers may hold (frames past the verified ones too)
+        self.links = list(chain.links)  # a failover happens after the pipe, never during it
+        self.failed: BaseException | None = None
+        self._queues: list[asyncio.Queue[tuple[Frame, Step, StepRoute, Sent] | None]] = [
+            asyncio.Queue() for _ in self.links
+        ]
+        self._readers = [asyncio.create_task(self._read(index)) for index in range(len(self.links))]
+        self._rollback: Frame | None = None  # the last rollback frame, until every hop replied to it
+        self._told: set[int] = set()  # the hops sent a frame already (the first names a tree's kept path)
+
+    async def send(self, hidden: torch.Tensor, position: int) -> asyncio.Future:
+        """Send a frame [1, T, H] at `position`; the future resolves with the last hop's outputs [1, T, H]
+        (or the failure that ended the pipe)."""
+        # a frame that goes back, or keeps the path of a token tree (each hop told which: client copies only)
+        rollback = position < self.frontier or not self._told
+        if self._rollback is not None and self._rollback.outputs.done():
+            self._rollback = None
+        frame = Frame(hidden, position, push=not rollback and self._rollback is None)
+        self.frontier = position + hidden.shape[1]
+        if rollback:
+            self._rollback = frame
+        if self.failed is not None:
+            self._fail(frame, self.failed)
+        else:
+            await self._send_to(0, frame, hidden, None)
+        return frame.outputs
+
+    async def close(self) -> None:
+        """Wait for every frame sent to be replied to (or to fail), then stop the readers."""
+        for queue in self._queues:
+            await queue.join()
+        for queue in self._queues:
+            queue.put_nowait(None)
+        await asyncio.gather(*self._readers, return_exceptions=True)
+
+    async def _send_to(
+        self, index: int, frame: Frame, hidden: torch.Tensor, encoded: runtime_pb2.Tensor | None
+    ) -> None:
+        push = frame.push and self.chain.swarm.config.use_push
+        route = self.chain.step_route(index, frame.step_id, push, frame.pushed_to)
+        link = self.links[index]  # the first frame after a token tree names the path its server keeps
+        accepted = None if index in self._told else link.history.accepted_at(frame.position)
+        self._told.add(index)
+        step = Step(hidden, frame.position, accepted=accepted)
+        try:
+            sent = await link.stream.send(step, route, encoded)
+        except RETRYABLE as e:
+            self._fail(frame, e)
+            return
+        frame.pushed_to.update(server.session_id for server in route.next_servers)
+        self._queues[index].put_nowait((frame, step, route, sent))
+
+    async def _read(self, index: int) -> None:
+        """Hop `index`'s replies, in the order its frames were sent."""
+        link = self.links[index]
+        queue = self._queues[index]
+        while (entry := await queue.get()) is not None:
+            frame, step, route, sent = entry
+            try:
+                if self.failed is not None:  # the next hops may be gone: the pipe ends here
+                    raise self.failed
+                reply = await link.stream.receive(sent)
+                link.history.record(step, reply.outputs)
+                if reply.num_foreign:  # the previous server pushed other inputs; ours ran too
+                    self.chain.push_trust.distrust(route.push_from, link.hop.peer_id)
+                if index + 1 < len(self.links):
+                    await self._send_to(index + 1, frame, reply.outputs, reply.encoded)
+                elif not frame.outputs.done():
+                    frame.outputs.set_result(reply.outputs)
+            except RETRYABLE as e:
+                self._fail(frame, e)
+            finally:
+                queue.task_done()
+
+    def _fail(self, frame: Frame, error: BaseException) -> None:
+        if self.failed is None:
+            self.failed = error
+        if not frame.outputs.done():
+            frame.outputs.set_exception(error)
+            frame.outputs.exception()  # retrieved: the caller may no longer await this frame
