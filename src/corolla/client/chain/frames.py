@@ -105,6 +105,7 @@ class FramePipe:
             frame, step, route, sent = entry
             try:
                 if self.failed is not None:  # the next hops may be gone: the pipe ends here
+                    link.stream.forget(sent)
                     raise self.failed
                 reply = await link.stream.receive(sent)
                 link.history.record(step, reply.outputs)

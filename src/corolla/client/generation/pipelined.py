@@ -51,7 +51,9 @@ class _Round:
         speculation: Speculation,
         stop_at_rejection: bool,
     ):
-        self.head, self.session, self.chooser, self.speculation = head, session, chooser, speculation
+        self.head = head
+        self.chooser = chooser
+        self.speculation = speculation
         self.stop_at_rejection = stop_at_rejection
         self.finished = False
         self.start = session.position  # where the round's first root goes
@@ -141,7 +143,8 @@ class _Round:
         """The epoch's unsent tokens as one frame."""
         first = len(self.tokens) - self.unsent
         hidden = self.head.head.embed(torch.tensor([self.tokens[first:]]))
-        length, self.unsent = self.unsent, 0
+        length = self.unsent
+        self.unsent = 0
         outputs = await pipe.send(hidden, self.start + self.base + first)
         self.inflight.append(_Sent(self.epoch, first, length, outputs))
         self.frames += 1

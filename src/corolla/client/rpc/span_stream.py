@@ -101,6 +101,10 @@ class SpanStream:
         self.session_id = uuid.uuid4().hex
         self._stream: MessageStream | None = stream
         self._opened = False
+        # replies to steps in flight that came before the reply awaited (a step that is pushed on completes
+        # after the unpushed step taken behind it), kept until their turn; other early replies are dropped
+        self._in_flight: set[str] = set()
+        self._early: dict[str, list[ExpertResponse]] = {}
 
     @property
     def closed(self) -> bool:
@@ -122,14 +126,24 @@ class SpanStream:
         sent = Sent(route.step_id, step.position, inputs.hex(), step.hidden.shape)
         async with self._failing(stream):
             await asyncio.wait_for(stream.send(request), self.timeout)
+        self._in_flight.add(sent.step_id)
         return sent
 
     async def receive(self, sent: Sent) -> Reply:
         """The reply to the step `sent` (every step sent before it was received already)."""
         stream = self._live()
         async with self._failing(stream):
-            response = await self._reply_to(stream, sent)
+            try:
+                response = await self._reply_to(stream, sent)
+            finally:
+                self._in_flight.discard(sent.step_id)
+                self._early.pop(sent.step_id, None)
             return self._read(response, sent.shape, sent.num_foreign)
+
+    def forget(self, sent: Sent) -> None:
+        """A step sent whose reply nobody will read (a pipe of frames ended before it)."""
+        self._in_flight.discard(sent.step_id)
+        self._early.pop(sent.step_id, None)
 
     def _live(self) -> MessageStream:
         if self._stream is None:
@@ -191,11 +205,18 @@ class SpanStream:
         """The reply to the step `sent` (replies to a step abandoned earlier are skipped, and so are replies
         to its id that name other inputs: the server replies to the client's copy too)."""
         while True:
-            response = await asyncio.wait_for(stream.receive(ExpertResponse), self.timeout)
+            early = self._early.get(sent.step_id)
+            response = (
+                early.pop(0)
+                if early
+                else await asyncio.wait_for(stream.receive(ExpertResponse), self.timeout)
+            )
             if response is None:  # the server finished, closed or died: no reply is coming
                 raise ConnectionResetError("the stream ended before the reply")
             reply = _reply_meta(response, self.hop.peer_id)
             if reply.step_id not in (None, sent.step_id):
+                if reply.step_id in self._in_flight:
+                    self._early.setdefault(reply.step_id, []).append(response)
                 continue
             if reply.error is not None:  # the client checked what it sent: this server is at fault...
                 fault = ForgedPush if sent.num_foreign else ServerUnavailable  # ... unless a forger is
