@@ -198,6 +198,9 @@ class ServerConfig:
             raise InvalidRequest(f"metrics_port (--metrics-port) must lie in 1..65535, got {port}")
 
 
+MAX_PIPELINE = 4  # steps a session may send ahead of their replies (a server reads no more meanwhile)
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """Speculative decoding on the client (client/generation/speculative.py): a drafter guesses the next
@@ -219,8 +222,9 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         _check(self, 0, ("max_depth", "width", "max_tokens", "pipeline"), cli=False)
-        if self.pipeline > 4:  # what a server takes ahead of its replies (server/inference/service.py)
-            raise InvalidRequest(f"pipeline must be at most 4 drafts in flight, got {self.pipeline}")
+        if self.pipeline > MAX_PIPELINE:
+            limit = f"at most {MAX_PIPELINE} drafts in flight"
+            raise InvalidRequest(f"pipeline must be {limit}, got {self.pipeline}")
         if not self.draft:
             raise InvalidRequest("draft must be 'lookup' or a model")
         _one_of(self, "quantize", QUANTIZE_MODES, cli=False)

@@ -34,7 +34,6 @@ from corolla.errors import RETRYABLE
 
 @dataclass
 class Frame:
-    hidden: torch.Tensor  # [1, T, H]
     position: int
     push: bool  # its copies may be pushed from server to server
     step_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -62,7 +61,7 @@ class FramePipe:
         rollback = position < self.frontier or not self._told
         if self._rollback is not None and self._rollback.outputs.done():
             self._rollback = None
-        frame = Frame(hidden, position, push=not rollback and self._rollback is None)
+        frame = Frame(position, push=not rollback and self._rollback is None)
         self.frontier = position + hidden.shape[1]
         if rollback:
             self._rollback = frame
@@ -85,7 +84,8 @@ class FramePipe:
     ) -> None:
         push = frame.push and self.chain.swarm.config.use_push
         route = self.chain.step_route(index, frame.step_id, push, frame.pushed_to)
-        link = self.links[index]  # the first frame after a token tree names the path its server keeps
+        link = self.links[index]
+        # a hop's first frame names the path of its token tree to keep (if any); later ones nothing
         accepted = None if index in self._told else link.history.accepted_at(frame.position)
         self._told.add(index)
         step = Step(hidden, frame.position, accepted=accepted)

@@ -35,7 +35,7 @@ from corolla.errors import RETRYABLE
 
 
 @dataclass
-class _Sent:
+class _InFlight:
     epoch: int
     first: int  # the index in its epoch's tokens of its first token
     length: int
@@ -64,7 +64,7 @@ class _Round:
         self.context = chooser.context[0].tolist()  # the text up to the epoch's root
         self.tokens = self.context[-1:]  # the epoch's root and drafted tokens, sent or being sent
         self.unsent = 1  # of them, those not sent yet
-        self.inflight: deque[_Sent] = deque()
+        self.inflight: deque[_InFlight] = deque()
         self.drafting: asyncio.Future | None = None  # (its epoch, its tokens)
         self.drafted = self.frames = self.most_in_flight = 0
 
@@ -77,15 +77,18 @@ class _Round:
         self.tokens = [root]
         self.unsent = 1
 
+    @property
+    def room(self) -> int:
+        """Tokens that may still be drafted in this round."""
+        return self.limit - self.base - len(self.tokens)
+
     def want_draft(self) -> bool:
         """Whether to draft on now: nothing is being drafted, no draft waits to be sent, and there is room."""
-        room = self.limit - self.base - len(self.tokens)
-        return self.drafting is None and self.unsent <= 1 and room > 0
+        return self.drafting is None and self.unsent <= 1 and self.room > 0
 
     def start_draft(self) -> None:
-        room = self.limit - self.base - len(self.tokens)
         epoch = self.epoch
-        drafted = self.speculation.draft_chain([*self.context, *self.tokens[1:]], room)
+        drafted = self.speculation.draft_chain([*self.context, *self.tokens[1:]], self.room)
         self.drafting = asyncio.ensure_future(_tagged(epoch, drafted))
 
     def took_draft(self) -> bool:
@@ -99,7 +102,7 @@ class _Round:
         self.drafted += len(draft)
         return True
 
-    async def event(self) -> _Sent | bool:
+    async def event(self) -> _InFlight | bool:
         """What to act on next: True, a draft was taken (to send); a frame whose reply is in (to verify; when
         the walk would reach the last token, once the draft after it is in too); False, nothing is left to
         wait for. A failed frame raises."""
@@ -116,13 +119,13 @@ class _Round:
                 return True
         return False
 
-    def _reaches_draft(self, sent: _Sent) -> bool:
+    def _reaches_draft(self, sent: _InFlight) -> bool:
         """Whether the walk of `sent` would reach past the tokens known while a draft after them is being
         made: its last choice is then checked against that draft."""
         at_end = sent.epoch == self.epoch and sent.first + sent.length >= len(self.tokens)
         return at_end and self.drafting is not None
 
-    def verify(self, sent: _Sent, logits: torch.Tensor) -> Iterator[GenerationStep]:
+    def verify(self, sent: _InFlight, logits: torch.Tensor) -> Iterator[GenerationStep]:
         """Choose after each of a frame's tokens, one at a time, while each choice is the token sent next; a
         choice that is not starts a new epoch (or ends the round)."""
         for i in range(logits.shape[0]):
@@ -146,7 +149,7 @@ class _Round:
         length = self.unsent
         self.unsent = 0
         outputs = await pipe.send(hidden, self.start + self.base + first)
-        self.inflight.append(_Sent(self.epoch, first, length, outputs))
+        self.inflight.append(_InFlight(self.epoch, first, length, outputs))
         self.frames += 1
         self.most_in_flight = max(self.most_in_flight, len(self.inflight))
 

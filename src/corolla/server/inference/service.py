@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from corolla.config import ServerConfig
+from corolla.config import MAX_PIPELINE, ServerConfig
 from corolla.engine.async_engine import ResultStream
 from corolla.engine.sequence import StepWork
 from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable
@@ -48,7 +48,7 @@ from corolla.wire.messages import InferenceStep
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_DEPTH = 4  # steps a session may have taken and not yet been replied to
+PIPELINE_DEPTH = MAX_PIPELINE  # steps a session may have taken and not yet been replied to
 
 
 class InferenceService:
