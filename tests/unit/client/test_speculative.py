@@ -139,9 +139,9 @@ def test_rounds_are_pipelined_where_that_emits_more_tokens_per_second_and_the_ot
         tried.append(pipelined := choice.pipelined())
         choice.record(pipelined, 20 if pipelined else 10, 0.5)
     assert tried == [True, True, False, False]  # each kind twice first
-    picks = [choice.pipelined() for _ in range(28)]
-    assert picks.count(False) == 2  # rounds 16 and 32 try the slower kind once each
-    assert picks[11] is False and picks[27] is False
+    picks = [choice.pipelined() for _ in range(108)]  # choices 5 to 112
+    # the slower kind once at choice 16, then twice as rarely while the faster stays the same: 48, 112
+    assert [i + 5 for i, pick in enumerate(picks) if not pick] == [16, 48, 112]
     for _ in range(8):  # the round trips got short: synchronous rounds are faster now
         choice.record(True, 5, 0.5)
     assert choice.pipelined() is False
@@ -149,3 +149,20 @@ def test_rounds_are_pipelined_where_that_emits_more_tokens_per_second_and_the_ot
     forced = RoundChoice(pipeline=3, adaptive=False)
     forced.record(True, 1, 10.0)
     assert all(forced.pipelined() for _ in range(20))
+
+
+def test_a_pipelined_round_is_measured_in_segments_and_ends_at_a_rejection_when_synchronous_is_faster():
+    from corolla.client.generation.pipelined import _Segment
+    from corolla.decoding.round_choice import SEGMENT_TOKENS
+
+    choice = RoundChoice(pipeline=3)
+    for _ in range(2):
+        choice.record(False, 100, 1.0)  # synchronous rounds: 100 tokens/s
+    choice.record(True, 50, 1.0)
+    segment = _Segment(choice)
+    assert segment.goes_on(SEGMENT_TOKENS - 1)  # too few tokens to tell: nothing recorded
+    assert len(choice._seen[True]) == 1
+    assert not segment.goes_on(SEGMENT_TOKENS)  # recorded; a pipelined segment is far slower: it ends
+    assert len(choice._seen[True]) == 2 and choice._seen[True][-1][0] == SEGMENT_TOKENS
+    segment.end(SEGMENT_TOKENS + 3)  # the round's end records what came after
+    assert choice._seen[True][-1][0] == 3

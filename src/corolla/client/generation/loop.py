@@ -158,20 +158,17 @@ class _Loop:
             return
         choice = speculation.choice
         started = time.perf_counter()
-        if choice.pipelined():
-            emitted = 0
+        if choice.pipelined():  # measured by itself, in segments (it may end when synchronous is faster)
             # spot checks run between rounds: a round then ends at its first rejected draft
             steps = pipelined_steps(
                 self.head, self.session, self.chooser, speculation, choice.pipeline, self.checker is not None
             )
             try:
                 async for step in steps:
-                    emitted += 1
                     yield step
-                choice.record(True, emitted, time.perf_counter() - started)
                 return
             except RETRYABLE:  # a server failed before anything was chosen: a step that fails over
-                pass
+                started = time.perf_counter()
         for step in (steps := await speculative_round(self.head, self.session, self.chooser, speculation)):
             yield step
         choice.record(False, len(steps), time.perf_counter() - started)

@@ -20,6 +20,7 @@ and nothing is in flight, or (`stop_at_rejection`, when spot checks run between 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from corolla.client.chain.frames import FramePipe
 from corolla.client.chain.session import InferenceSession
 from corolla.client.generation.head_batcher import HeadBatcher
 from corolla.decoding.chooser import Chooser, GenerationStep
+from corolla.decoding.round_choice import SEGMENT_TOKENS, RoundChoice
 from corolla.decoding.speculator import Speculation
 from corolla.errors import RETRYABLE
 
@@ -154,6 +156,29 @@ class _Round:
         self.most_in_flight = max(self.most_in_flight, len(self.inflight))
 
 
+class _Segment:
+    """The tokens and seconds of a pipelined round since its last segment, told to the RoundChoice at a
+    rejection once there are SEGMENT_TOKENS of them (where ending the round wastes no frame)."""
+
+    def __init__(self, choice: RoundChoice):
+        self.choice = choice
+        self.chosen = 0  # the round's tokens before this segment
+        self.started = time.perf_counter()
+
+    def goes_on(self, chosen: int) -> bool:
+        """At a rejection, with `chosen` tokens in the round: whether the round goes on pipelined."""
+        if chosen - self.chosen < SEGMENT_TOKENS:
+            return True
+        self.end(chosen)
+        return self.choice.pipelined()
+
+    def end(self, chosen: int) -> None:
+        now = time.perf_counter()
+        self.choice.record(True, chosen - self.chosen, now - self.started)
+        self.chosen = chosen
+        self.started = now
+
+
 async def _tagged(epoch: int, work) -> tuple[int, list[int]]:
     return epoch, await work
 
@@ -170,6 +195,7 @@ async def pipelined_steps(
     token chosen, as soon as it is (exactly those of plain decoding). A failure raises only if nothing was
     chosen yet (the caller then steps synchronously); else the round ends with what was verified."""
     run = _Round(head, session, chooser, speculation, stop_at_rejection)
+    segment = _Segment(speculation.choice)
     pipe = session.frames()
     try:
         while not run.finished:
@@ -184,8 +210,11 @@ async def pipelined_steps(
             # a frame of an earlier epoch came after a rejected token: its positions are rolled back
             if sent is not True and sent.epoch == run.epoch:
                 logits = await head.logits(sent.outputs.result()[0])  # [tokens, vocab]
+                epoch = run.epoch
                 for step in run.verify(sent, logits):
                     yield step
+                if run.epoch != epoch and not segment.goes_on(run.chosen):
+                    run.finished = True  # synchronous rounds measured faster: this one ends here
     except RETRYABLE:
         if not run.chosen:
             raise
@@ -193,6 +222,7 @@ async def pipelined_steps(
         if run.drafting is not None:  # the drafter's thread finishes it; nobody waits for it
             run.drafting.add_done_callback(lambda f: f.exception())
         await pipe.close()
+        segment.end(run.chosen)
         session.settle(pipe, run.start + run.chosen)  # the last token chosen is pending
         accepted = run.chosen - (run.epoch + 1)
         speculation.record_frames(run.frames, run.drafted, max(accepted, 0), run.chosen, run.most_in_flight)
