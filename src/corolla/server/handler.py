@@ -226,8 +226,10 @@ class TransformerConnectionHandler:
 
 def _reply(reply: Completed) -> ExpertResponse:
     if reply.refused is not None:  # the step never ran; the session goes on
-        return ExpertResponse(metadata=StepReply(reply.step_id, error=reply.refused).to_bytes())
-    ran = StepReply(reply.step_id, position=reply.position, inputs=reply.inputs)
+        return ExpertResponse(metadata=StepReply(reply.step_id, error=reply.refused, epochs=True).to_bytes())
+    if reply.skipped:  # a frame of a dropped epoch: nothing ran
+        return ExpertResponse(metadata=StepReply(reply.step_id, skipped=True, epochs=True).to_bytes())
+    ran = StepReply(reply.step_id, position=reply.position, inputs=reply.inputs, epochs=True)
     return ExpertResponse(tensors=[reply.outputs], metadata=ran.to_bytes())
 
 

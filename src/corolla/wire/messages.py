@@ -16,6 +16,7 @@ from corolla.wire.fields import Fields, pack, unpack
 PROTOCOL_VERSION = 1
 MAX_HOPS = 64
 MAX_TIMEOUT = 3600.0
+MAX_EPOCH = 2**62
 MAX_TREE_TOKENS = 1024  # tokens of one speculative tree step, whatever a server allows (it announces less)
 
 # hivemind registers a servicer's handlers as "{ClassName}.{method}"; Petals' servers are named so.
@@ -76,6 +77,11 @@ class InferenceStep:
     origin: str | None = None
     tree: tuple[int, ...] | None = None  # parents of the step's tokens: a token tree
     accepted: tuple[int, ...] | None = None  # the path of the session's last tree step to keep
+    # pipelined speculation (client/chain/frames.py): the epoch of the client's frames the step belongs to
+    # (never lower than an earlier step's); a server skips steps of epochs before the latest it took, and
+    # takes a push of a later epoch only if it opens that epoch (a rollback to a position it holds)
+    epoch: int = 0
+    opens_epoch: bool = False
     # session parameters, present on the first message only
     max_length: int | None = None
     session_id: str | None = None
@@ -139,6 +145,8 @@ class InferenceStep:
             push_from=fields.str("push_from"),
             tree=_tree_field(fields),
             accepted=_indices(fields, "accepted"),
+            epoch=fields.int("epoch", default=0, low=0, high=MAX_EPOCH),
+            opens_epoch=fields.bool("opens_epoch"),
         )
 
     def to_bytes(self) -> bytes:
@@ -153,6 +161,8 @@ class InferenceStep:
                 origin=self.origin,
                 tree=list(self.tree) if self.tree is not None else None,
                 accepted=list(self.accepted) if self.accepted is not None else None,
+                epoch=self.epoch or None,
+                opens_epoch=self.opens_epoch or None,
                 max_length=self.max_length,
                 session_id=self.session_id,
                 alloc_timeout=self.alloc_timeout or None,
@@ -177,12 +187,18 @@ class StepReply:
     A reply with outputs names what ran: the position and the digest of the inputs (wire/digest.py, in
     hex). A step id has a second reply when a pushed copy with other inputs ran and replied before the
     client's copy arrived; the client takes the reply to what it sent (client/rpc/span_stream.py).
+
+    A step of an epoch before the session's latest (a frame of pipelined speculation past a rejected draft)
+    is `skipped`: nothing ran. A server that keeps epochs says so in its replies (`epochs`): only then may
+    a client push a rollback to it.
     """
 
     step_id: str | None = None
     error: str | None = None
     position: int | None = None  # where the outputs' step ran
     inputs: str | None = None  # the digest of the inputs it ran, in hex
+    skipped: bool = False
+    epochs: bool = False
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> StepReply:
@@ -192,10 +208,21 @@ class StepReply:
             error=fields.str("error", max_chars=4096),
             position=fields.int("position", low=0),
             inputs=fields.str("inputs", max_chars=64),
+            skipped=fields.bool("skipped"),
+            epochs=fields.bool("epochs"),
         )
 
     def to_bytes(self) -> bytes:
-        return pack(dict(step_id=self.step_id, error=self.error, position=self.position, inputs=self.inputs))
+        return pack(
+            dict(
+                step_id=self.step_id,
+                error=self.error,
+                position=self.position,
+                inputs=self.inputs,
+                skipped=self.skipped or None,
+                epochs=self.epochs or None,
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)

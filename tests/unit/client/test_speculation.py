@@ -66,9 +66,29 @@ def test_greedy_speculation_gives_transformers_tokens_through_three_servers(fami
     assert stats.emitted == 23 and stats.drafted > 0  # 24 tokens: the first comes with the prompt
     if not drafter.startswith("lookup"):
         assert stats.tokens_per_step > 2  # an exact draft: most of each tree is accepted
-    # every server of the chain verified every step (the prompt's, then each tree)
-    after = steps_received(swarm, 3)
-    assert [b - a for a, b in zip(before, after, strict=True)] == [1 + stats.steps] * 3
+    # every server of the chain verified every step (the prompt's, then each tree or frame), but for
+    # pipelined frames past a rejected draft, which go no further once the rejection is known
+    received = [b - a for a, b in zip(before, steps_received(swarm, 3), strict=True)]
+    assert received[0] == 1 + stats.steps and received == sorted(received, reverse=True), received
+    if stats.most_in_flight == 1:
+        assert received == [1 + stats.steps] * 3
+
+
+def test_pipelined_rejections_travel_as_pushed_rollbacks_and_stale_frames_stop(family):
+    """Prompt lookup pipelined guesses wrong now and then: each rejection opens an epoch whose rollback the
+    later servers take from their predecessor's push (they say they keep epochs), frames past a rejected
+    draft go no further once it is known, and the tokens are plain decoding's."""
+    path, swarm, reference = family
+    prompt = repetitive_prompt(3)
+    expected = reference_generate(reference, prompt, max_new_tokens=32)
+    model = chain_model(swarm, 3, speculation=SpeculationConfig(draft="lookup", adaptive=False))
+    servers = [swarm.servers[i] for i in CHAINS[3]]
+    before = [server.inference.rollbacks_from_push for server in servers]
+    assert torch.equal(model.generate(prompt, max_new_tokens=32), expected)
+    stats = model.speculator.stats
+    assert stats.most_in_flight > 1 and stats.accepted < stats.drafted  # pipelined, with rejections
+    taken = [server.inference.rollbacks_from_push - b for server, b in zip(servers, before, strict=True)]
+    assert taken[0] == 0 and taken[1] > 0 and taken[2] > 0, taken  # the first hop's come from the client
 
 
 def test_pipelined_drafts_go_out_before_earlier_ones_are_verified(family):

@@ -309,3 +309,49 @@ async def test_the_end_of_the_clients_stream_still_replies_to_the_steps_taken(se
     await session.steps.put(None)  # the client sends one step and closes its side at once
     replies = [r async for r in session.replies]
     assert [r.step_id for r in replies] == ["a"]
+
+
+async def test_epochs_a_pushed_rollback_opens_one_and_frames_of_older_or_unopened_epochs_run_nothing(service):
+    """Pipelined frames (client/chain/frames.py): a stale frame "s" ran by push; the next epoch's second
+    frame "f" is pushed ahead of the rollback "r" that opens it, at the very position "s" left the session:
+    it must not run there (it would attend to the stale frame's keys). The rollback is taken from its
+    push; the client's late copy of "s" gets a skipped reply and runs nothing; "f" runs from its client
+    copy, on the rolled-back cache."""
+    first, stale, root, later = inputs(11, 4, 1, 1, 2)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    service.take_push(message(stale, "s", 4, pushed=True), PREVIOUS)
+    assert (await session.reply())[0] == "s"
+    service.take_push(message(later, "f", 5, pushed=True, epoch=1), PREVIOUS)  # its epoch is not open here
+    service.take_push(message(root, "r", 4, pushed=True, epoch=1, opens_epoch=True), PREVIOUS)
+    assert (await session.reply())[0] == "r"
+    await session.steps.put(message(stale, "s", 4))  # the client's copy, sent before it knew
+    skipped = await asyncio.wait_for(anext(session.replies), 10)
+    assert skipped.step_id == "s" and skipped.skipped and skipped.outputs is None
+    service.take_push(message(stale, "s2", 6, pushed=True), PREVIOUS)  # a push of the dropped epoch
+    await session.steps.put(message(root, "r", 4, epoch=1, opens_epoch=True))  # a second copy: no reply
+    await session.steps.put(message(later, "f", 5, epoch=1))
+    step_id, outputs = await session.reply()
+    assert await session.close() == []
+    assert step_id == "f"
+    assert (service.steps_from_client, service.steps_from_push) == (2, 2)  # "a", "f"; "s", "r"
+    expected = reference_outputs(service.spans.primary.span, [first, root, later])
+    assert_close(outputs, expected[2])
+
+
+async def test_a_pushed_rollback_is_taken_only_when_it_opens_a_later_epoch_at_a_position_held(service):
+    first, second, again = inputs(12, 3, 2, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(second, "b", 3))
+    await session.reply()
+    service.take_push(message(again, "x", 2, pushed=True), PREVIOUS)  # a rollback in the same epoch
+    service.take_push(message(again, "y", 6, pushed=True, epoch=1, opens_epoch=True), PREVIOUS)  # a gap
+    await session.steps.put(message(again, "z", 2, epoch=1, opens_epoch=True))
+    step_id, outputs = await session.reply()
+    assert await session.close() == []
+    assert step_id == "z" and service.steps_from_push == 0
+    expected = reference_outputs(
+        service.spans.primary.span, [first, second, again], rollbacks=[None, None, 2]
+    )
+    assert_close(outputs, expected[2])

@@ -8,10 +8,15 @@ hop's reply resolves the frame. So every server computes one frame while the nex
 the chain is never idle for a round trip.
 
 A frame that goes back (its position is before what the servers hold: the first frame after a rejected
-draft) is a rollback, which servers take only from the client's own copy, and so is a pipe's first frame
-(after a token tree it names, per hop, the path to keep). Until every hop has replied to it, later frames
-are not pushed either: a push reaching a server before the client's rollback could sit at the position
-the rolled-back frames had left, and run on their keys and values.
+draft) is a rollback, and opens an epoch: every frame carries its epoch, and a server skips frames of
+epochs before the latest it took (a frame past a rejected draft that has not reached it yet runs nothing
+there, and the client sends no copy of it on). A server takes a pushed frame of a later epoch only if it
+opens that epoch, at a position it holds: a later frame pushed ahead of its rollback could sit where the
+rolled-back frames had left the session and run on their keys and values. So rollbacks travel pushed,
+like every other frame, through servers that say they keep epochs (`SpanStream.epochs`). Through others
+a rollback is sent by the client to each hop once the previous one replied, and until every hop has
+replied to it later frames are not pushed either. A pipe's first frame is never pushed: after a token
+tree it names, per hop, the path to keep.
 
 Nothing here replaces a server: a failure ends the pipe (`failed`), the frames already sent get their
 replies where their servers answer, and the caller goes on with a synchronous step, whose chain fails
@@ -28,14 +33,16 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.chain.chain import Chain
-from corolla.client.rpc.span_stream import Sent, Step, StepRoute
-from corolla.errors import RETRYABLE
+from corolla.client.rpc.span_stream import Sent, Step, StepRoute, StepSkipped
+from corolla.errors import RETRYABLE, ServerUnavailable
 
 
 @dataclass
 class Frame:
     position: int
     push: bool  # its copies may be pushed from server to server
+    epoch: int
+    opens: bool  # it goes back: its epoch starts with it
     step_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     outputs: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     pushed_to: set[str] = field(default_factory=set)  # sessions the previous servers push it to
@@ -51,19 +58,23 @@ class FramePipe:
             asyncio.Queue() for _ in self.links
         ]
         self._readers = [asyncio.create_task(self._read(index)) for index in range(len(self.links))]
-        self._rollback: Frame | None = None  # the last rollback frame, until every hop replied to it
+        self._rollback: Frame | None = None  # the last unpushed rollback, until every hop replied to it
         self._told: set[int] = set()  # the hops sent a frame already (the first names a tree's kept path)
+        self.epoch = max(link.stream.epoch for link in self.links)
 
     async def send(self, hidden: torch.Tensor, position: int) -> asyncio.Future:
         """Send a frame [1, T, H] at `position`; the future resolves with the last hop's outputs [1, T, H]
         (or the failure that ended the pipe)."""
-        # a frame that goes back, or keeps the path of a token tree (each hop told which: client copies only)
-        rollback = position < self.frontier or not self._told
+        rollback = position < self.frontier
+        if rollback:
+            self.epoch += 1
         if self._rollback is not None and self._rollback.outputs.done():
             self._rollback = None
-        frame = Frame(position, push=not rollback and self._rollback is None)
+        # the first frame keeps the path of a token tree (each hop told which: client copies only)
+        unpushed = not self._told or rollback and not all(link.stream.epochs for link in self.links)
+        frame = Frame(position, not unpushed and self._rollback is None, self.epoch, rollback)
         self.frontier = position + hidden.shape[1]
-        if rollback:
+        if unpushed:
             self._rollback = frame
         if self.failed is not None:
             self._fail(frame, self.failed)
@@ -88,7 +99,7 @@ class FramePipe:
         # a hop's first frame names the path of its token tree to keep (if any); later ones nothing
         accepted = None if index in self._told else link.history.accepted_at(frame.position)
         self._told.add(index)
-        step = Step(hidden, frame.position, accepted=accepted)
+        step = Step(hidden, frame.position, accepted=accepted, epoch=frame.epoch, opens_epoch=frame.opens)
         try:
             sent = await link.stream.send(step, route, encoded)
         except RETRYABLE as e:
@@ -111,14 +122,27 @@ class FramePipe:
                 link.history.record(step, reply.outputs)
                 if reply.num_foreign:  # the previous server pushed other inputs; ours ran too
                     self.chain.push_trust.distrust(route.push_from, link.hop.peer_id)
-                if index + 1 < len(self.links):
+                if frame.epoch < self.epoch:  # past a rejected draft: no further
+                    self._drop(frame)
+                elif index + 1 < len(self.links):
                     await self._send_to(index + 1, frame, reply.outputs, reply.encoded)
                 elif not frame.outputs.done():
                     frame.outputs.set_result(reply.outputs)
+            except StepSkipped as e:  # the server had left its epoch: fine for a frame of a dropped one
+                if frame.epoch < self.epoch:
+                    self._drop(frame)
+                else:
+                    self._fail(frame, ServerUnavailable(f"{e}, yet its epoch is the latest"))
             except RETRYABLE as e:
                 self._fail(frame, e)
             finally:
                 queue.task_done()
+
+    @staticmethod
+    def _drop(frame: Frame) -> None:
+        """A frame of a dropped epoch: nobody reads its outputs (its future resolves with None)."""
+        if not frame.outputs.done():
+            frame.outputs.set_result(None)
 
     def _fail(self, frame: Frame, error: BaseException) -> None:
         if self.failed is None:

@@ -179,6 +179,19 @@ class _Segment:
         self.started = now
 
 
+async def _verified(
+    run: _Round, sent: _InFlight, head: HeadBatcher, segment: _Segment
+) -> AsyncIterator[GenerationStep]:
+    """A frame's tokens, as each is chosen; at a rejection that ends a segment, the round ends if
+    synchronous rounds are measured faster."""
+    logits = await head.logits(sent.outputs.result()[0])  # [tokens, vocab]
+    epoch = run.epoch
+    for step in run.verify(sent, logits):
+        yield step
+    if run.epoch != epoch and not segment.goes_on(run.chosen):
+        run.finished = True
+
+
 async def _tagged(epoch: int, work) -> tuple[int, list[int]]:
     return epoch, await work
 
@@ -209,12 +222,8 @@ async def pipelined_steps(
                 return  # nothing in flight and nothing more to guess
             # a frame of an earlier epoch came after a rejected token: its positions are rolled back
             if sent is not True and sent.epoch == run.epoch:
-                logits = await head.logits(sent.outputs.result()[0])  # [tokens, vocab]
-                epoch = run.epoch
-                for step in run.verify(sent, logits):
+                async for step in _verified(run, sent, head, segment):
                     yield step
-                if run.epoch != epoch and not segment.goes_on(run.chosen):
-                    run.finished = True  # synchronous rounds measured faster: this one ends here
     except RETRYABLE:
         if not run.chosen:
             raise

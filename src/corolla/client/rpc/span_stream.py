@@ -25,7 +25,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import ExpertResponse
 
-from corolla.errors import InvalidRequest, ServerUnavailable, SessionNotFound
+from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable, SessionNotFound
 from corolla.swarm.p2p.transport import MessageStream, remote_errors
 from corolla.swarm.policy.routing import Hop
 from corolla.wire import tensors as wire_tensors
@@ -38,6 +38,11 @@ CLOSE_TIMEOUT = 5.0
 class ForkGone(ServerUnavailable):
     """The session this one was to start from is gone from the server (evicted, timed out, or the server
     restarted): nothing ran; the hop is rebuilt by sending its inputs again (client/chain/chain.py)."""
+
+
+class StepSkipped(CorollaError):
+    """The server ran nothing for the step: a frame of an epoch it had already left (pipelined
+    speculation, client/chain/frames.py); the frame was past a rejected draft, so nothing is lost."""
 
 
 class ForgedPush(ServerUnavailable):
@@ -87,6 +92,8 @@ class Step:
     hypo_ids: torch.Tensor | None = None  # [B]
     tree: tuple[int, ...] | None = None  # parents of the T tokens (models/tree.py)
     accepted: tuple[int, ...] | None = None  # the path of the server's pending tree to keep
+    epoch: int | None = None  # of pipelined frames (client/chain/frames.py); None: the latest sent
+    opens_epoch: bool = False  # a frame going back to before the frames of earlier epochs
 
 
 class SpanStream:
@@ -105,6 +112,8 @@ class SpanStream:
         # after the unpushed step taken behind it), kept until their turn; other early replies are dropped
         self._in_flight: set[str] = set()
         self._early: dict[str, list[ExpertResponse]] = {}
+        self.epoch = 0  # the latest epoch of the steps sent
+        self.epochs = False  # the server said it keeps epochs: a rollback may be pushed to it
 
     @property
     def closed(self) -> bool:
@@ -183,6 +192,7 @@ class SpanStream:
                 keep=opening.keep,
             )
         self._opened = True
+        self.epoch = max(self.epoch, step.epoch if step.epoch is not None else self.epoch)
         # the position goes with every step: after a step abandoned midway, servers roll back, not append
         meta = InferenceStep(
             step_id=route.step_id,
@@ -191,6 +201,8 @@ class SpanStream:
             push_from=route.push_from,
             tree=step.tree,
             accepted=step.accepted,
+            epoch=self.epoch if step.epoch is None else step.epoch,
+            opens_epoch=step.opens_epoch,
             **first,
         )
         tensors = [encoded]  # trailing absent tensors are simply left out
@@ -214,10 +226,13 @@ class SpanStream:
             if response is None:  # the server finished, closed or died: no reply is coming
                 raise ConnectionResetError("the stream ended before the reply")
             reply = _reply_meta(response, self.hop.peer_id)
+            self.epochs = self.epochs or reply.epochs
             if reply.step_id not in (None, sent.step_id):
                 if reply.step_id in self._in_flight:
                     self._early.setdefault(reply.step_id, []).append(response)
                 continue
+            if reply.skipped:
+                raise StepSkipped(f"server ...{self.hop.peer_id[-6:]} skipped a step of a dropped epoch")
             if reply.error is not None:  # the client checked what it sent: this server is at fault...
                 fault = ForgedPush if sent.num_foreign else ServerUnavailable  # ... unless a forger is
                 raise fault(f"server ...{self.hop.peer_id[-6:]} refused a step: {reply.error}")

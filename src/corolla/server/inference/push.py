@@ -98,6 +98,8 @@ class Pusher:
             origin=origin,
             tree=meta.tree,
             accepted=meta.accepted,
+            epoch=meta.epoch,
+            opens_epoch=meta.opens_epoch,
         )
         request = runtime_pb2.ExpertRequest(
             uid=block_uids(self.dht_prefix, target.start, target.end),

@@ -38,9 +38,9 @@ from corolla.server.inference.sessions import Completed, ServerSession
 from corolla.server.inference.step_inputs import (
     StepInputs,
     StepMessage,
-    next_position,
     next_within,
     read_inputs,
+    takes_push,
 )
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.digest import step_digest
@@ -69,6 +69,7 @@ class InferenceService:
         self.num_blocks = num_blocks  # the model's: every block range a step names lies within it
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
+        self.rollbacks_from_push = 0  # of those pushed, rollbacks opening an epoch of pipelined frames
 
     # --- a session: the client's stream ---------------------------------------------------------------------
 
@@ -128,7 +129,8 @@ class InferenceService:
                     completion = asyncio.ensure_future(session.completed.get())
                     if done.error is not None:
                         raise done.error
-                    if done.refused is not None or session.ledger.claim_reply(done.step_id, done.run):
+                    unran = done.refused is not None or done.skipped
+                    if unran or session.ledger.claim_reply(done.step_id, done.run):
                         yield done
                 elif reading is not None and reading.done():
                     step = reading.result()
@@ -159,7 +161,9 @@ class InferenceService:
         (server/inference/push.py). A push for a session that is not open, or at another position than the
         session's next one (after a token tree: the tree's start + the path it keeps), stale, early, or a
         rollback the client will send itself, or whose tensors do not fit the session, is skipped: the
-        client's own copy does the work. A push carrying more than hidden
+        client's own copy does the work. Pipelined frames carry epochs: a push that opens a later epoch is
+        taken at or before the session's position (a rollback), other pushes only within the session's
+        epoch (server/inference/step_inputs.py `takes_push`). A push carrying more than hidden
         states (prompts are the client's to send), naming other blocks than its session's, or reusing a
         taken step id is an error.
         """
@@ -170,11 +174,7 @@ class InferenceService:
             return
         self._check_hops(meta)
         session = self.spans.find_session(meta.origin, meta.session_id)
-        if (
-            session is None
-            or session.push_from != sender
-            or meta.start_from_position != next_position(session, meta)
-        ):
+        if session is None or session.push_from != sender or not takes_push(session, meta):
             return
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
             span = f"{session.start}:{session.end}"
@@ -190,6 +190,7 @@ class InferenceService:
             logger.debug("Skipping a pushed step %s: %s", meta.step_id, e)
             return
         self._run(session, meta, inputs, pushed=True)
+        self.rollbacks_from_push += meta.opens_epoch
 
     # --- taking a step ------------------------------------------------------------------------------------
 
@@ -212,6 +213,9 @@ class InferenceService:
             raise step.refused
         meta = step.meta
         self._check_hops(meta)
+        if meta.epoch < session.epoch:  # a frame past a rejected draft, its epoch dropped: nothing runs
+            session.skip(meta.step_id)
+            return
         inputs_digest = step_digest(step.tensors, meta.tree, meta.accepted)
         if session.ledger.is_second_copy(meta.step_id, meta.start_from_position, inputs_digest):
             session.push_from = meta.push_from
@@ -260,6 +264,7 @@ class InferenceService:
         stream = session.engine.stream()
         session.engine.submit(work, stream)
         session.position = inputs.position + inputs.length
+        session.epoch = max(session.epoch, meta.epoch)
         session.tree = (inputs.position, inputs.tree) if inputs.tree is not None else None
         session.path_before_tree = inputs.accepted if inputs.tree is not None else None
         session.num_unreported += 1

@@ -44,6 +44,7 @@ class Completed:
     outputs: runtime_pb2.Tensor | None = None  # serialized once, for the reply and the push alike
     error: Exception | None = None  # the step failed: the session ends
     refused: str | None = None  # the step failed its checks and never ran: the session goes on
+    skipped: bool = False  # a step of an epoch before the session's latest: it never ran
     # where the step ran and the digest of its inputs (hex, wire/digest.py): its reply names them
     position: int | None = None
     inputs: str | None = None
@@ -75,6 +76,7 @@ class ServerSession:
     # after a failover names it again, not knowing that this session took the step already (by push)
     path_before_tree: tuple[int, ...] | None = None
     output_encoding: str = "lossless"  # of its replies and pushes, as its owner asked (wire/tensors.py)
+    epoch: int = 0  # the latest epoch of the steps taken (pipelined frames: wire/messages.py InferenceStep)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -87,12 +89,19 @@ class ServerSession:
     def refuse(self, step_id: str | None, error: Exception) -> None:
         """A step that failed its checks changes nothing: it gets an error reply, after the replies of the
         steps taken before it."""
+        self._reply_in_turn(Completed(step_id, 0, refused=str(error)))
+
+    def skip(self, step_id: str | None) -> None:
+        """A step of a dropped epoch runs nothing: its reply says so, after those of the steps before it."""
+        self._reply_in_turn(Completed(step_id, 0, skipped=True))
+
+    def _reply_in_turn(self, reply: Completed) -> None:
         self.num_unreported += 1
         earlier = list(self.running)
 
         async def in_turn() -> None:
             await asyncio.gather(*earlier, return_exceptions=True)
-            self.completed.put_nowait(Completed(step_id, 0, refused=str(error)))
+            self.completed.put_nowait(reply)
 
         task = asyncio.create_task(in_turn())
         self.running.add(task)

@@ -159,6 +159,18 @@ def _kept_path(session: ServerSession, meta: InferenceStep, position: int) -> tu
     return kept
 
 
+def takes_push(session: ServerSession, meta: InferenceStep) -> bool:
+    """Whether a pushed step lands where the session stands: at its next position, in its epoch; or opening
+    a later epoch, at or before its position (a rollback of pipelined frames: what it goes back over is
+    dropped). A push of a later epoch's other steps is skipped: before its epoch is opened here it could
+    sit where the dropped frames left the session, and run on their keys; the client's copy comes after
+    the one that opens it. A push of an earlier epoch is a frame past a rejected draft: skipped."""
+    if meta.epoch == session.epoch:
+        return meta.start_from_position == next_position(session, meta)
+    opens = meta.epoch > session.epoch and meta.opens_epoch and session.tree is None
+    return opens and meta.start_from_position <= session.position
+
+
 def next_position(session: ServerSession, meta: InferenceStep) -> int:
     """Where the session's next step goes: its position, or after a token tree, the tree's start + the
     path the step keeps."""
