@@ -70,8 +70,10 @@ def test_malformed_peers_and_spans_are_refused_before_anything_starts(tiny_model
         ["dht", "--relay-time-limit", "0", *LOOPBACK],
         ["sim", "nowhere"],
         ["sim", "small", "--plot", "coverage.txt"],
+        ["sim", "small", "--speculation", "--acceptance", "1"],
     )
-    no_maddr, no_peer_id, bad_host, cut, no_limit, no_scenario, bad_plot = results
+    no_maddr, no_peer_id, bad_host, cut, no_limit, no_scenario, bad_plot, sure = results
+    assert_one_line(sure, "argument --acceptance: must lie in [0, 1), got 1.0")
     assert_one_line(
         no_limit, "corolla dht: relay_time_limit (--relay-time-limit) must be greater than 0, got 0"
     )

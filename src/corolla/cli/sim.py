@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from corolla.config import MAX_PIPELINE
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {value}")
+    return value
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -20,6 +29,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "speed and load and every round trip and upload.",
     )
     parser.add_argument("scenario", metavar="SCENARIO", help="a scenario file, or a bundled scenario's name")
+    projection = parser.add_argument_group(
+        "speculation",
+        "with --speculation, project one session's tokens/s through chains of each server class alone "
+        "instead (plain decoding, synchronous speculation, pipelined, and pipelined with epoch fences)",
+    )
+    projection.add_argument(
+        "--speculation", action="store_true", help="project one session's decoding speed per server class"
+    )
+    projection.add_argument(
+        "--acceptance",
+        type=_share,
+        default=0.8,
+        help="share of drafted tokens the model accepts (default 0.8)",
+    )
+    projection.add_argument(
+        "--draft-ms", type=float, default=5.0, help="the drafter's milliseconds per token (default 5)"
+    )
+    projection.add_argument(
+        "--frames-in-flight",
+        type=int,
+        default=3,
+        choices=range(1, MAX_PIPELINE + 1),
+        metavar=f"1..{MAX_PIPELINE}",
+        help="pipelined frames in flight at most (default 3, as `--draft-pipeline`)",
+    )
     parser.add_argument(
         "--plot",
         metavar="FILE",
@@ -36,6 +70,12 @@ def run(args: argparse.Namespace) -> None:
     from corolla.sim.scenario import load
 
     scenario = load(args.scenario)
+    if args.speculation:
+        from corolla.sim.speculation import Drafting, project
+
+        drafting = Drafting(args.acceptance, args.draft_ms / 1000)
+        print(json.dumps(project(scenario, drafting, args.frames_in_flight), indent=2), flush=True)
+        return
     if args.plot:
         check_plot_path(args.plot)  # before the run, not after it
     logging.getLogger("corolla.client").setLevel(logging.WARNING)  # thousands of simulated clients' bans
