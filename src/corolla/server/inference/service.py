@@ -158,14 +158,11 @@ class InferenceService:
 
         A push is taken only from the peer that the session's owner named as its previous hop, on behalf
         of that owner (its `origin`); any other push has no effect, whether or not the session exists
-        (server/inference/push.py). A push for a session that is not open, or at another position than the
-        session's next one (after a token tree: the tree's start + the path it keeps), stale, early, or a
-        rollback the client will send itself, or whose tensors do not fit the session, is skipped: the
-        client's own copy does the work. Pipelined frames carry epochs: a push that opens a later epoch is
-        taken at or before the session's position (a rollback), other pushes only within the session's
-        epoch (server/inference/step_inputs.py `takes_push`). A push carrying more than hidden
-        states (prompts are the client's to send), naming other blocks than its session's, or reusing a
-        taken step id is an error.
+        (server/inference/push.py). A push for a session that is not open, that does not land where the
+        session stands (step_inputs.py `takes_push`: its next position in its epoch, or a rollback opening
+        a later epoch), or whose tensors do not fit the session, is skipped: the client's own copy does the
+        work. A push carrying more than hidden states (prompts are the client's to send), naming other
+        blocks than its session's, or reusing a taken step id is an error.
         """
         meta = step.meta
         if len(step.tensors) > 1:
