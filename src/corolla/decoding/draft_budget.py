@@ -31,7 +31,7 @@ class SpeculationStats:
     """Counters over generations: what drafting did (benchmarks and logs)."""
 
     steps: int = 0  # verification steps through the swarm (each one round trip), plain ones included
-    drafted: int = 0  # tokens drafted
+    drafted: int = 0  # tokens drafted and verified (pipelined: not those of a dropped epoch's frames)
     accepted: int = 0  # drafted tokens that the model accepted
     emitted: int = 0  # tokens emitted by those steps (accepted + the one the model chose after them)
     most_in_flight: int = 0  # the most steps (pipelined frames) sent before the first was verified

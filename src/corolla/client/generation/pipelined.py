@@ -68,7 +68,8 @@ class _Round:
         self.unsent = 1  # of them, those not sent yet
         self.inflight: deque[_InFlight] = deque()
         self.drafting: asyncio.Future | None = None  # (its epoch, its tokens)
-        self.drafted = self.frames = self.most_in_flight = 0
+        # drafted tokens a choice was compared with (a dropped epoch's others were never verified)
+        self.compared = self.frames = self.most_in_flight = 0
 
     def new_epoch(self, root: int) -> None:
         """A token the drafts did not have: the next epoch starts from it (its frames are sent after what
@@ -101,7 +102,6 @@ class _Round:
             return False
         self.tokens += draft
         self.unsent += len(draft)
-        self.drafted += len(draft)
         return True
 
     async def event(self) -> _InFlight | bool:
@@ -139,6 +139,7 @@ class _Round:
             if self.chooser.done:
                 self.finished = True
                 return
+            self.compared += following < len(self.tokens)
             if following >= len(self.tokens) or self.tokens[following] != token:
                 self.finished = self.stop_at_rejection
                 self.new_epoch(token)
@@ -234,4 +235,4 @@ async def pipelined_steps(
         segment.end(run.chosen)
         session.settle(pipe, run.start + run.chosen)  # the last token chosen is pending
         accepted = run.chosen - (run.epoch + 1)
-        speculation.record_frames(run.frames, run.drafted, max(accepted, 0), run.chosen, run.most_in_flight)
+        speculation.record_frames(run.frames, run.compared, max(accepted, 0), run.chosen, run.most_in_flight)
