@@ -27,9 +27,13 @@ class RecordingPusher:
 
     def __init__(self):
         self.pushed: list[tuple[str | None, int]] = []
+        self.announced: list[tuple[str | None, int, float]] = []  # (step id, position, seconds to come)
 
     async def push(self, outputs, meta, position, origin, from_session):
         self.pushed.append((meta.step_id, position))
+
+    def announce(self, meta, position, origin, from_session, due_in):
+        self.announced.append((meta.step_id, position, due_in))
 
     def end_session(self, origin, session_id):
         pass

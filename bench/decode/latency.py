@@ -6,7 +6,8 @@ session: greedy decode of one prompt, against transformers' `generate` on the sa
 (`--sessions`): N greedy sessions of one client at once (asyncio tasks, as the API server runs them),
 against transformers decoding the same N prompts as one left-padded batch. Runs alternate between the
 two sides so that drift on a shared machine hits both alike; the JSON reports every run, the medians
-and their ratio (issue 26: >= 0.95 for one session, >= 0.7 for 16).
+and their ratio (issue 26: >= 0.95 for one session, >= 0.7 for 16), and the servers' mean rows per
+engine pass during the swarm's runs.
 
 On a GPU (`--device cuda`, issue 27) the servers, the client's head and the reference all compute on
 it, in `--dtype` (bfloat16 there is what a GPU server takes by default). `--model` takes another
@@ -31,7 +32,7 @@ import torch
 from bench.lib.env import device_flags, parser
 from bench.lib.prompts import chat_ids, topic_prompts
 from bench.lib.stamp import report
-from bench.lib.swarm import concurrent
+from bench.lib.swarm import concurrent, engine_counters
 from bench.lib.timing import Stamps, decode_rate
 from corolla.client.model import DistributedModelForCausalLM
 from corolla.launch.local import LocalSwarm, even_spans
@@ -79,9 +80,14 @@ def swarm_rate(model: DistributedModelForCausalLM, prompts: list[list[int]], new
 
 def compare(reference, model, prompts: list[list[int]], runs: int, new_tokens: int) -> dict:
     local, remote = [], []
+    rows = passes = 0
     for _ in range(runs):
         local.append(local_rate(reference, model.tokenizer, prompts, new_tokens))
+        before = engine_counters(model)
         remote.append(swarm_rate(model, prompts, new_tokens))
+        after = engine_counters(model)
+        rows += after[0] - before[0]
+        passes += after[1] - before[1]
     return {
         "sessions": len(prompts),
         "local_transformers_decode_tokens_per_s": [round(x, 2) for x in local],
@@ -89,6 +95,7 @@ def compare(reference, model, prompts: list[list[int]], runs: int, new_tokens: i
         "local_median": round(statistics.median(local), 2),
         "swarm_median": round(statistics.median(remote), 2),
         "ratio_swarm_to_local": round(statistics.median(remote) / statistics.median(local), 3),
+        "swarm_rows_per_pass": round(rows / max(passes, 1), 2),  # the servers' mean batch, prefill included
     }
 
 

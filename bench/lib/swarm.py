@@ -69,3 +69,9 @@ def server_status(model, peer_id: str, timeout: float = 10.0):
     from corolla.swarm.p2p.ping import fetch_status
 
     return model.runtime.run(fetch_status(model.client.swarm.peers.transport, peer_id, timeout))
+
+
+def engine_counters(model) -> tuple[int, int]:
+    """(rows, passes) run so far by every server the client knows (rows / passes: the mean batch)."""
+    infos = [server_status(model, span.peer_id) for span in model.client.swarm.view.spans]
+    return sum(i.engine_rows for i in infos), sum(i.engine_passes for i in infos)

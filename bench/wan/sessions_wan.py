@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.lib.env import parser, wan_flags
 from bench.lib.prompts import chat_ids
 from bench.lib.stamp import report
-from bench.lib.swarm import server_status
+from bench.lib.swarm import engine_counters
 from bench.lib.timing import gaps, ms, percentile
 from bench.lib.wan import SPANS, WanSwarm, address
 from corolla.launch.local import client_config
@@ -96,7 +96,7 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
         results = {}
         for count in counts:
             rates, between, cpu, wall = [], [], dict.fromkeys(groups, 0.0), 0.0
-            passes = _engine_counters(model)
+            passes = engine_counters(model)
             head = (model.head_batcher.num_batches, model.head_batcher.num_requests)
             for _ in range(runs):
                 before = {
@@ -110,7 +110,7 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
                     cpu[name] += cpu_seconds(pids, others if name == "client" else ()) - before[name]
                 rates.append(rate)
                 between += run_gaps
-            rows, num = (a - b for a, b in zip(_engine_counters(model), passes, strict=True))
+            rows, num = (a - b for a, b in zip(engine_counters(model), passes, strict=True))
             results[str(count)] = {
                 "tokens_per_s": round(statistics.median(rates), 2),
                 "token_latency_p50_ms": ms(percentile(between, 50)),
@@ -130,12 +130,6 @@ def measure(config, counts: list[int], new_tokens: int, runs: int, groups: dict[
         entry = results[str(count)]
         entry["vs_single_times_sessions"] = round(entry["tokens_per_s"] / (count * single), 2)
     return results
-
-
-def _engine_counters(model) -> tuple[int, int]:
-    """(rows, passes) run so far by every server the client knows."""
-    infos = [server_status(model, span.peer_id) for span in model.client.swarm.view.spans]
-    return sum(i.engine_rows for i in infos), sum(i.engine_passes for i in infos)
 
 
 def main() -> None:

@@ -129,6 +129,11 @@ class AsyncEngine:
         return ResultStream(self._loop)
 
     def submit(self, work: StepWork | ForwardWork, stream: ResultStream) -> None:
+        """Queue work; a step's `announce` is called on the event loop (the engine calls it on the loop
+        thread as the pass completing the step starts)."""
+        if isinstance(work, StepWork) and work.announce is not None:
+            work.announce = _on_loop(self._loop, work.announce)
+
         def command() -> None:
             if isinstance(work, StepWork) and work.session.session_id not in self.engine.sessions:
                 stream.deliver(Completion(work.request_id, error=ServerUnavailable("the session is closed")))
@@ -147,6 +152,10 @@ class AsyncEngine:
 
     def close_session(self, session_id: str) -> None:
         self.commands.submit(lambda: self._deliver(self.engine.close_session(session_id)))
+
+    def announce(self, session_id: str, at: float) -> None:
+        """A session's next step is on its way (engine/batching.py): expected at monotonic time `at`."""
+        self.commands.submit(lambda: self.engine.announce(session_id, at))
 
     def keep_session(self, session_id: str) -> None:
         """Keep an ended session for forks (engine/idle.py), or close it if it cannot be kept."""
@@ -231,6 +240,10 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.stats()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[float], None]) -> Callable[[float], None]:
+    return lambda seconds: loop.call_soon_threadsafe(fn, seconds)
 
 
 def _put_all(ready: list[tuple[ResultStream, Completion]]) -> None:

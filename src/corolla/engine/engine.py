@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.config import EngineConfig
+from corolla.engine.batching import batch_delay
 from corolla.engine.forks import fork_session
 from corolla.engine.idle import IdleSessions
 from corolla.engine.kv_pool import KVPool
@@ -31,9 +32,6 @@ from corolla.engine.sequence import (
 from corolla.engine.states import state_pages
 from corolla.errors import InvalidRequest, ServerUnavailable
 from corolla.models.span import Span
-
-# a pass waits for sessions due within this many passes' time (or max_batch_wait_ms, if longer)
-PASSES_WORTH_WAITING = 2.0
 
 
 @dataclass(frozen=True)
@@ -113,42 +111,21 @@ class Engine:
         return self.scheduler.has_work()
 
     def batch_delay(self, now: float) -> float:
-        """How long to wait before the next pass so that more sessions' steps join it (0: run now).
+        """How long to wait before the next pass so that more sessions' steps join it (0: run now;
+        engine/batching.py). Forward requests never wait."""
+        if self.scheduler.forwards:
+            return 0.0
+        config = self.config
+        rows = config.max_batch_rows
+        return batch_delay(
+            self.sessions.values(), self.idle, config.max_batch_wait_ms, rows, self.pass_seconds, now
+        )
 
-        Sessions cycle through a chain of servers and the client, so their steps reach a server spread
-        out in time; running each pass at once gives many small passes, and on a CPU a pass of 16 rows
-        costs little more than a pass of 4. So a pass waits for the sessions whose next step is due
-        within max_batch_wait_ms of its oldest step (each session's steps come about every `cycle`
-        seconds), until a little after the last of them is due. Sessions due later, or long overdue
-        (idle), are not waited for: across the internet a group of sessions half a cycle behind would
-        otherwise make every pass wait its whole window, at every server of the chain, while groups
-        close enough to be waited for merge and then run in step, one pass per cycle. A lone session
-        never waits.
-
-        The window is max_batch_wait_ms, or PASSES_WORTH_WAITING passes when passes take longer: a group
-        due before this pass and the next would have run anyway costs one pass instead of two. 16 sessions
-        through 3 CPU servers on one 2-core machine, back to back: a fixed 50 ms window kept them in
-        groups of about 4 (4.0 rows a pass of ~33 ms, 37.7 tokens/s, both cores 92% busy); two passes'
-        window, 8.5 rows a pass, 41.8 tokens/s at 70% busy: 1.11x the tokens for 0.71x the CPU per token
-        (8 sessions: 2.7 -> 4.8 rows a pass, the same 29.4 tokens/s at 67% busy instead of 82%).
-        """
-        max_wait = self.config.max_batch_wait_ms / 1000
-        if max_wait <= 0 or self.scheduler.forwards:
-            return 0.0
-        max_wait = max(max_wait, PASSES_WORTH_WAITING * self.pass_seconds)
-        pending = [s for s in self.sessions.values() if s.pending]
-        if not pending or any(s.status != SessionStatus.RUNNING for s in pending):
-            return 0.0
-        if sum(s.batch_size for s in pending) >= self.config.max_batch_rows:
-            return 0.0
-        oldest = min(s.pending[0].arrived_at for s in pending)
-        due = [
-            s.due_at(now) for s in self.sessions.values() if not s.pending and s.session_id not in self.idle
-        ]
-        due = [t for t in due if t is not None and t <= oldest + max_wait]
-        if not due:
-            return 0.0
-        return max(0.0, min(max(due) + self.pass_seconds / 4, oldest + max_wait) - now)
+    def announce(self, session_id: str, at: float) -> None:
+        """The previous server of a session's chain started computing its next step, expected at `at`."""
+        session = self.sessions.get(session_id)
+        if session is not None and not session.pending:
+            session.announce(at)
 
     # --- sessions and work ---------------------------------------------------------------------------------
 
@@ -243,6 +220,7 @@ class Engine:
         if plan.copies:
             self.pool.copy_pages(plan.copies)
         if plan.chunks:
+            self._announce(plan.chunks)
             started = time.perf_counter()
             outputs = self.runner.run(plan.chunks)
             self.pass_seconds += 0.2 * (time.perf_counter() - started - self.pass_seconds)
@@ -258,6 +236,14 @@ class Engine:
         if plan.forward is not None and (done := self._forward_slice(plan.forward)) is not None:
             completions.append(done)
         return completions
+
+    def _announce(self, chunks: list[Chunk]) -> None:
+        """Tell the steps this pass completes that it starts (a server pushing them on announces them to
+        the next server: engine/batching.py)."""
+        for chunk in chunks:
+            work = chunk.work
+            if work is not None and work.announce is not None and chunk.num_tokens == work.remaining:
+                work.announce(self.pass_seconds)
 
     def _forward_slice(self, work: ForwardWork) -> Completion | None:
         """Run the next rows of a forward or backward request (at most forward_slice_tokens tokens, so an

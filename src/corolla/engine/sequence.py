@@ -13,6 +13,7 @@ import enum
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from corolla.models.recurrent import RowStates
 from corolla.models.tree import TokenTree
 
 _ids = itertools.count()
+
+ANNOUNCED_GRACE = 1.0  # seconds an announced step is waited for past its time, until its cycle is known
 
 
 class SessionStatus(enum.Enum):
@@ -47,6 +50,9 @@ class EngineSession:
     last_step_at: float = float("-inf")  # monotonic time its last step completed
     last_arrival: float | None = None  # monotonic time its last step arrived
     cycle: float | None = None  # a moving average of the time between its steps' arrivals
+    # its steps are announced by the server before this one (push), and its next is expected then (monotonic)
+    announced: bool = False
+    announced_at: float | None = None
     pending: deque[StepWork] = field(default_factory=deque)
     # the token tree its last step stored at [start, start + T), until the next step keeps one path of it
     tree: tuple[int, TokenTree] | None = None
@@ -86,9 +92,23 @@ class EngineSession:
             gap = now - self.last_arrival
             self.cycle = gap if self.cycle is None else self.cycle + 0.3 * (gap - self.cycle)
         self.last_arrival = now
+        self.announced_at = None
+
+    def announce(self, at: float) -> None:
+        """The previous server of its chain started computing its next step, expected here at `at`."""
+        self.announced = True
+        self.announced_at = at
 
     def due_at(self, now: float) -> float | None:
-        """When its next step is expected (None: not known yet, or it is idle: overdue by a cycle)."""
+        """When its next step is expected (None: not known yet, or it is idle: overdue by a cycle).
+
+        A session whose steps are announced is expected only once announced, and until a cycle past the
+        announced time (a step that is late is still on its way: the previous server is computing it); the
+        others, a cycle after their last step arrived."""
+        if self.announced:
+            if self.announced_at is None or self.announced_at < now - (self.cycle or ANNOUNCED_GRACE):
+                return None
+            return max(self.announced_at, now)
         if self.cycle is None or self.last_arrival is None:
             return None
         expected = self.last_arrival + self.cycle
@@ -114,6 +134,8 @@ class StepWork:
     tree: TokenTree | None = None
     accepted: tuple[int, ...] | None = None  # the path of the session's last tree to keep, root first
     admit_deadline: float = float("inf")  # monotonic time; past it, a waiting first step fails
+    # called (on the loop thread) when the pass that completes it starts, with its expected seconds
+    announce: Callable[[float], None] | None = None
     request_id: int = field(default_factory=lambda: next(_ids))
     arrived_at: float = field(default_factory=time.monotonic)
     done_tokens: int = 0

@@ -85,6 +85,7 @@ class StatusBoard:
             idle_sessions=sum(s.num_idle for s in stats),
             steps_from_client=self.inference.steps_from_client,
             steps_from_push=self.inference.steps_from_push,
+            steps_announced=self.inference.steps_announced,
             throughput=self.compute.throughput,
             batch_growth=self.compute.batch_growth,
             pace=self.compute.pace.blocks_per_s() if self.compute.pace is not None else None,

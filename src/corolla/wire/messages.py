@@ -82,6 +82,9 @@ class InferenceStep:
     # takes a push of a later epoch only if it opens that epoch (a rollback to a position it holds)
     epoch: int = 0
     opens_epoch: bool = False
+    # in a push without tensors (an announcement): the previous server started the pass computing this step,
+    # whose outputs it expects to push in about `due_in` seconds (engine/engine.py Engine.batch_delay)
+    due_in: float | None = None
     # session parameters, present on the first message only
     max_length: int | None = None
     session_id: str | None = None
@@ -104,7 +107,9 @@ class InferenceStep:
         fields.int("start_from_position", required=True, low=0)
         step = {**cls._step_fields(fields), "pushed": True, "push_from": None}
         session_id = fields.str("session_id", required=True)
-        return cls(**step, session_id=session_id, origin=fields.str("origin", required=True))
+        origin = fields.str("origin", required=True)
+        due_in = fields.float("due_in", low=0.0, high=MAX_TIMEOUT)
+        return cls(**step, session_id=session_id, origin=origin, due_in=due_in)
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, first: bool) -> InferenceStep:
@@ -163,6 +168,7 @@ class InferenceStep:
                 accepted=list(self.accepted) if self.accepted is not None else None,
                 epoch=self.epoch or None,
                 opens_epoch=self.opens_epoch or None,
+                due_in=self.due_in,
                 max_length=self.max_length,
                 session_id=self.session_id,
                 alloc_timeout=self.alloc_timeout or None,

@@ -121,6 +121,7 @@ class ServerStatus:
     idle_sessions: int = 0  # ended sessions kept for forks (not in num_sessions)
     steps_from_client: int = 0  # inference steps computed from the client's copy ...
     steps_from_push: int = 0  # ... and from a copy pushed by the previous server
+    steps_announced: int = 0  # steps the previous server announced as its pass started (engine/batching.py)
     throughput: float | None = None  # blocks per second for one decode step; None until measured
     # how much slower a decode step gets per more session in its batch, as measured at start (0.03: 8
     # sessions' step takes 1.21x one's); None: not said (peers too old to measure it)
@@ -244,6 +245,7 @@ COUNTERS = (
     "idle_sessions",
     "steps_from_client",
     "steps_from_push",
+    "steps_announced",
 )
 
 

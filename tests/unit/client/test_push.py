@@ -19,7 +19,7 @@ from corolla.client.rpc.span_stream import Step, StepRoute
 from corolla.models.head import ModelHead
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import RPC_INFERENCE, RPC_PUSH, InferenceStep, NextServer, StepReply
-from loopback import LoopbackSwarm
+from loopback import LoopbackSwarm, generate_together
 
 NEW_TOKENS = 32
 SPANS = [(0, 2), (2, 4), (4, 6)]
@@ -54,10 +54,30 @@ def test_most_steps_arrive_by_push_and_results_do_not_change(llama):
         assert pushed[server] > NEW_TOKENS // 2, f"server {server}: {pushed[server]} steps by push"
 
 
+def test_concurrent_sessions_are_announced_down_the_chain_and_stay_exact(llama):
+    """Each server announces the steps it starts computing to the next one (engine/batching.py): the later
+    servers take announcements, the first hears from the client only, and the tokens do not change."""
+    prompts = [
+        torch.randint(3, 300, (1, 6 + i), generator=torch.Generator().manual_seed(i)) for i in range(4)
+    ]
+    with LoopbackSwarm(llama, SPANS) as swarm:
+        model = swarm.model()
+        alone = [model.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        before = [s.status.snapshot().steps_announced for s in swarm.servers]
+        together, held = model.runtime.run(generate_together(model, swarm.servers, prompts, 12))
+        taken = [s.status.snapshot().steps_announced - b for s, b in zip(swarm.servers, before, strict=True)]
+    assert held == [4, 4, 4]  # the sessions really overlapped
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+    assert taken[0] == 0 and taken[1] > 4 and taken[2] > 4, taken
+
+
 def step_ids(network, rpc: str, direction: str, peer_id: str) -> list[str | None]:
-    """The step id of every message of the wire log on `rpc` to or from `peer_id` (its metadata)."""
+    """The step id of every message of the wire log on `rpc` to or from `peer_id` (its metadata), but for
+    pushes without tensors (announcements of steps on their way, engine/batching.py)."""
     ids = []
     for logged_rpc, logged_direction, server, message in network.wire:
+        if rpc == RPC_PUSH and not message.tensors:
+            continue
         if (logged_rpc, logged_direction, server) == (rpc, direction, peer_id):
             if direction == "reply":
                 ids.append(StepReply.from_bytes(message.metadata).step_id)
@@ -131,6 +151,9 @@ class ForgingPusher:
         await self.honest.push(wire_tensors.serialize(forged), meta, position, origin, from_session)
         self.forged += 1
         await asyncio.sleep(0.3)  # the client's own copy reaches the next server 0.3 s after the forgery
+
+    def announce(self, meta, position, origin, from_session, due_in):
+        self.honest.announce(meta, position, origin, from_session, due_in)
 
     def end_session(self, origin, session_id):
         self.honest.end_session(origin, session_id)

@@ -37,9 +37,11 @@ async def chain(family):
 
 def encodings_on_the_wire(network) -> dict[tuple[str, str, str], set[int]]:
     """The compression of the hidden states of every stream message logged, by (rpc, direction, server);
-    then the log is cleared."""
+    then the log is cleared. Pushes announcing a step on its way carry no tensors."""
     found: dict[tuple[str, str, str], set[int]] = {}
     for rpc, direction, server, message in network.wire:
+        if rpc == RPC_PUSH and not message.tensors:
+            continue
         found.setdefault((rpc, direction, server), set()).add(message.tensors[0].compression)
     network.wire.clear()
     return found

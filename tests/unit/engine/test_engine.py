@@ -1,7 +1,5 @@
 """The engine with a tiny model: paged caches, chunking, admission, preemption, abort; always correct."""
 
-import time
-
 import pytest
 import torch
 
@@ -151,50 +149,3 @@ def test_forward_requests_yield_to_inference_steps_but_are_not_starved(tiny_mode
     assert session.pending  # the long prefill was still going on
     (result,) = [c for c in completions if c.request_id == forward.request_id]
     assert_close(result.outputs, engine.span(forward.hidden))
-
-
-def test_a_pass_waits_for_sessions_due_soon_and_for_no_one_else(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
-    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
-    for _ in range(2):  # cycles are measured from the arrivals of each session's steps
-        for session in (first, second):
-            engine.add_step(StepWork(session, torch.randn(1, 1, H), session.position))
-        while engine.has_work():
-            engine.step()
-    assert engine.pass_seconds > 0 and second.cycle is not None
-    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
-    now = time.monotonic()
-    second.last_arrival, second.cycle = now - 0.190, 0.2  # due in 10 ms
-    delay = engine.batch_delay(now)
-    assert 0.01 <= delay <= 0.01 + engine.pass_seconds / 4 + 1e-3  # until a little after it is due
-    second.last_arrival = now - 0.1  # due in 100 ms: half a cycle away, another group
-    assert engine.batch_delay(now) == 0  # is not waited for
-    second.last_arrival = now - 0.5  # overdue by more than a cycle: idle
-    assert engine.batch_delay(now) == 0
-    engine.add_step(StepWork(second, torch.randn(1, 1, H), second.position))
-    assert engine.batch_delay(now) == 0  # everyone is here
-    engine.step()
-    engine.close_session("second")
-    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
-    assert engine.batch_delay(time.monotonic()) == 0  # a lone session never waits
-
-
-def test_slow_passes_wait_for_a_group_due_within_two_passes(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
-    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
-    for session in (first, second):
-        engine.add_step(StepWork(session, torch.randn(1, 1, H), 0))
-    while engine.has_work():
-        engine.step()
-    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
-    now = time.monotonic()
-    second.last_arrival, second.cycle = now - 0.3, 0.4  # due in 100 ms: past max_batch_wait_ms
-    engine.pass_seconds = 0.01
-    assert engine.batch_delay(now) == 0  # 100 ms is more than 50 ms and two 10 ms passes
-    engine.pass_seconds = 0.06  # two passes take 120 ms: the second group costs a pass of its own...
-    delay = engine.batch_delay(now)
-    assert 0.1 <= delay <= 0.1 + engine.pass_seconds / 4 + 1e-3  # ... so it is waited for
-    second.last_arrival = now - 0.2  # due in 200 ms: later than two passes
-    assert engine.batch_delay(now) == 0
-    engine.pass_seconds = 0.0
-    assert make_engine(tiny_models["llama"], max_batch_wait_ms=0).batch_delay(now) == 0  # waits are off

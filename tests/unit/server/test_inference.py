@@ -8,6 +8,7 @@ must equal a plain forward pass with a contiguous cache over the steps that shou
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -285,6 +286,48 @@ async def test_pushes_go_on_before_the_reply(service):
     await session.reply()
     assert service.pusher.pushed == [("b", 2)]
     await session.close()
+
+
+async def test_a_step_is_announced_to_the_next_server_as_its_pass_starts(service):
+    first, second = inputs(8, 2, 1)
+    hop = NextServer("next-peer", "next-session", 6, 8)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    assert service.pusher.announced == []  # a step with no next server announces nothing
+    await session.steps.put(message(second, "b", 2, next_servers=(hop,)))
+    await session.reply()
+    ((step_id, position, due_in),) = service.pusher.announced
+    assert (step_id, position) == ("b", 2) and due_in > 0  # the engine's measured pass time
+    await session.close()
+
+
+async def test_announcements_from_the_named_previous_hop_tell_the_engine_when_the_next_step_comes(service):
+    """A push without tensors announces the session's next step (engine/batching.py): taken only from
+    the previous hop its owner named, for the position where the session stands; nothing runs."""
+    first, second = inputs(9, 3, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    state = service.spans.find_session(CLIENT, "s")
+
+    def announcement(position, **meta):
+        step = message(first, "b", position, pushed=True, **meta)
+        return StepMessage(UID, replace(step.meta, due_in=0.5), [])
+
+    async def announced_at():
+        return await state.engine.call(lambda: state.engine_session.announced_at)
+
+    service.take_push(announcement(3), "attacker-peer")  # not the named hop
+    service.take_push(announcement(2), PREVIOUS)  # not where the session stands
+    assert await announced_at() is None and not state.engine_session.announced
+    before = time.monotonic()
+    service.take_push(announcement(3), PREVIOUS)
+    assert before + 0.5 <= await announced_at() <= time.monotonic() + 0.5
+    assert state.position == 3 and state.num_unreported == 0  # nothing ran
+    service.take_push(message(second, "b", 3, pushed=True), PREVIOUS)  # the step itself
+    step_id, outputs = await session.reply()
+    assert step_id == "b" and await announced_at() is None  # it came: no longer expected
+    await session.close()
+    assert_close(outputs, reference_outputs(service.spans.primary.span, [first, second])[1])
 
 
 async def test_a_step_that_fails_in_the_engine_ends_the_session(service):

@@ -87,12 +87,32 @@ class Pusher:
         client after this, so the push (one hop to the next server) starts ahead of the client's copy (two
         hops through the client).
         """
+        self._send(meta, position, origin, from_session, [outputs])
+        for _ in range(HANDOFF_TURNS):
+            await asyncio.sleep(0)
+
+    def announce(
+        self, meta: InferenceStep, position: int, origin: str, from_session: str, due_in: float
+    ) -> None:
+        """Tell the next server that the pass computing this step started and that its outputs follow in
+        about `due_in` seconds: a push without tensors, over the same link, so it always arrives first
+        (engine/batching.py). A server that does not batch by announcements ignores it."""
+        self._send(meta, position, origin, from_session, [], due_in=due_in)
+
+    def _send(
+        self,
+        meta: InferenceStep,
+        position: int,
+        origin: str,
+        from_session: str,
+        tensors: list[runtime_pb2.Tensor],
+        due_in: float | None = None,
+    ) -> None:
         target = meta.next_servers[0]
-        rest = meta.next_servers[1:]
         step = InferenceStep(
             step_id=meta.step_id,
             start_from_position=position,
-            next_servers=rest,
+            next_servers=meta.next_servers[1:],
             pushed=True,
             session_id=target.session_id,
             origin=origin,
@@ -100,10 +120,11 @@ class Pusher:
             accepted=meta.accepted,
             epoch=meta.epoch,
             opens_epoch=meta.opens_epoch,
+            due_in=due_in,
         )
         request = runtime_pb2.ExpertRequest(
             uid=block_uids(self.dht_prefix, target.start, target.end),
-            tensors=[outputs],
+            tensors=tensors,
             metadata=step.to_bytes(),
         )
         key = (origin, from_session, target.peer_id, target.session_id)
@@ -111,8 +132,6 @@ class Pusher:
         if link is None or link.task.done():
             link = self._links[key] = PushLink(self.transport, target.peer_id)
         link.send(request)
-        for _ in range(HANDOFF_TURNS):
-            await asyncio.sleep(0)
 
     def end_session(self, origin: str, session_id: str) -> None:
         """Close the links of a session that ended here."""

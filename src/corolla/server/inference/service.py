@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 import torch
 
@@ -38,6 +39,7 @@ from corolla.server.inference.sessions import Completed, ServerSession
 from corolla.server.inference.step_inputs import (
     StepInputs,
     StepMessage,
+    check_hops,
     next_within,
     read_inputs,
     takes_push,
@@ -70,6 +72,7 @@ class InferenceService:
         self.draining = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
         self.rollbacks_from_push = 0  # of those pushed, rollbacks opening an epoch of pipelined frames
+        self.steps_announced = 0  # announcements taken: the previous server started computing a step
 
     # --- a session: the client's stream ---------------------------------------------------------------------
 
@@ -89,7 +92,7 @@ class InferenceService:
             )
         hidden = validation.read_hidden(first.tensors, self.width, self.config.max_batch_size)
         batch = hidden.shape[0]
-        self._check_hops(meta)
+        check_hops(meta, self.num_blocks)
         encoding = meta.output_encoding or "lossless"
         if encoding not in wire_tensors.supported_encodings():
             supported = ", ".join(wire_tensors.supported_encodings())
@@ -161,17 +164,21 @@ class InferenceService:
         (server/inference/push.py). A push for a session that is not open, that does not land where the
         session stands (step_inputs.py `takes_push`: its next position in its epoch, or a rollback opening
         a later epoch), or whose tensors do not fit the session, is skipped: the client's own copy does the
-        work. A push carrying more than hidden states (prompts are the client's to send), naming other
-        blocks than its session's, or reusing a taken step id is an error.
+        work. A push without tensors announces the step (ServerSession.take_announcement). A push
+        carrying more than hidden states (prompts are the client's to send), naming other blocks than its
+        session's, or reusing a taken step id is an error.
         """
         meta = step.meta
         if len(step.tensors) > 1:
             raise InvalidRequest("a pushed step carries hidden_states only (never prompts or hypo_ids)")
-        if not step.tensors:
-            return
-        self._check_hops(meta)
+        check_hops(meta, self.num_blocks)
         session = self.spans.find_session(meta.origin, meta.session_id)
-        if session is None or session.push_from != sender or not takes_push(session, meta):
+        if session is None or session.push_from != sender:
+            return
+        if not step.tensors:  # an announcement: the step is being computed
+            self.steps_announced += session.take_announcement(meta)
+            return
+        if not takes_push(session, meta):
             return
         if self.spans.select(step.uid, new_session=False)[1] != session.blocks:
             span = f"{session.start}:{session.end}"
@@ -209,7 +216,7 @@ class InferenceService:
         if step.refused is not None:  # its metadata failed the wire's checks
             raise step.refused
         meta = step.meta
-        self._check_hops(meta)
+        check_hops(meta, self.num_blocks)
         if meta.epoch < session.epoch:  # a frame past a rejected draft, its epoch dropped: nothing runs
             session.skip(meta.step_id)
             return
@@ -225,15 +232,6 @@ class InferenceService:
         inputs = self._inputs(session, step, inputs_digest)  # a step that fails a check changes nothing
         session.push_from = meta.push_from
         self._run(session, meta, inputs, pushed=False)
-
-    def _check_hops(self, meta: InferenceStep) -> None:
-        """A step's next_servers must name block ranges of this model (checked before anything uses them)."""
-        for i, hop in enumerate(meta.next_servers):
-            if hop.end > self.num_blocks:
-                raise InvalidRequest(
-                    f"next_servers[{i}]: blocks {hop.start}:{hop.end} lie outside the model's "
-                    f"{self.num_blocks} blocks"
-                )
 
     def _inputs(
         self,
@@ -258,6 +256,8 @@ class InferenceService:
             inputs.accepted,
             admit_deadline=session.admit_deadline,
         )
+        if meta.next_servers and self.pusher is not None:  # the next server hears when it starts
+            work.announce = partial(self.pusher.announce, meta, inputs.position, *session.key)
         stream = session.engine.stream()
         session.engine.submit(work, stream)
         session.position = inputs.position + inputs.length

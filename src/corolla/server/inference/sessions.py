@@ -95,6 +95,15 @@ class ServerSession:
         """A step of a dropped epoch runs nothing: its reply says so, after those of the steps before it."""
         self._reply_in_turn(Completed(step_id, 0, skipped=True))
 
+    def take_announcement(self, meta: InferenceStep) -> bool:
+        """The previous server started computing this session's next step (a push without tensors): the
+        engine expects it in `due_in` seconds (engine/batching.py). About any other step, it says nothing.
+        Whether it was taken."""
+        if meta.due_in is None or meta.start_from_position != self.position:
+            return False
+        self.engine.announce(self.engine_session.session_id, time.monotonic() + meta.due_in)
+        return True
+
     def _reply_in_turn(self, reply: Completed) -> None:
         self.num_unreported += 1
         earlier = list(self.running)

@@ -177,3 +177,12 @@ def next_position(session: ServerSession, meta: InferenceStep) -> int:
     if session.tree is not None and meta.accepted is not None:
         return session.tree[0] + len(meta.accepted)
     return session.position
+
+
+def check_hops(meta: InferenceStep, num_blocks: int) -> None:
+    """A step's next_servers must name block ranges of the model (checked before anything uses them)."""
+    for i, hop in enumerate(meta.next_servers):
+        if hop.end > num_blocks:
+            raise InvalidRequest(
+                f"next_servers[{i}]: blocks {hop.start}:{hop.end} lie outside the model's {num_blocks} blocks"
+            )
