@@ -121,9 +121,9 @@ class EngineConfig:
     max_batch_tokens: int = 128  # tokens per engine pass (decode steps + prefill chunks)
     max_batch_rows: int = 64  # sequence rows per engine pass; 1 turns batching across sessions off
     max_sessions: int = 256  # open inference sessions at once
-    # a pass with fewer than half of the recently active rows pending waits up to this long (or two passes'
-    # time, if longer) for more (bigger batches cost little more than small ones on a CPU); 0 never waits
-    # (see Engine.batch_delay)
+    # a pass waits for the sessions whose steps are due within this long (or two passes' time, if longer):
+    # announced by the previous server, or expected by their cycle (bigger batches cost little more than
+    # small ones); 0 never waits (engine/batching.py)
     max_batch_wait_ms: float = 50.0
     # forward/backward work runs this many tokens (whole rows, at least one) per pass, between inference
     # passes: smaller slices keep inference latency steady under training load, bigger ones train faster

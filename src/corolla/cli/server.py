@@ -107,8 +107,9 @@ def _engine_options(group: argparse._ArgumentGroup) -> None:
     )
     option(
         "max_batch_wait_ms",
-        "when fewer than half of the recently active sessions have a step waiting, wait up to this long "
-        "(or two passes' time, if longer) for more before a pass (0: never wait; default: %(default)s)",
+        "a pass waits for the sessions whose steps are due within this long (or two passes' time, if "
+        "longer): announced by the previous server, or expected by their cycle (0: never wait; default: "
+        "%(default)s)",
     )
     option("max_sessions", "open inference sessions at once (default: %(default)s)")
     option(

@@ -23,7 +23,8 @@ from corolla.models.tree import TokenTree
 
 _ids = itertools.count()
 
-ANNOUNCED_GRACE = 1.0  # seconds an announced step is waited for past its time, until its cycle is known
+# seconds past its announced time that a step still counts as on its way (its previous server may have failed)
+ANNOUNCED_GRACE = 0.5
 
 
 class SessionStatus(enum.Enum):
@@ -102,11 +103,11 @@ class EngineSession:
     def due_at(self, now: float) -> float | None:
         """When its next step is expected (None: not known yet, or it is idle: overdue by a cycle).
 
-        A session whose steps are announced is expected only once announced, and until a cycle past the
-        announced time (a step that is late is still on its way: the previous server is computing it); the
-        others, a cycle after their last step arrived."""
+        A session whose steps are announced is expected only once announced, and until ANNOUNCED_GRACE past
+        the announced time (a step that is late is still on its way: the previous server is computing it);
+        the others, a cycle after their last step arrived."""
         if self.announced:
-            if self.announced_at is None or self.announced_at < now - (self.cycle or ANNOUNCED_GRACE):
+            if self.announced_at is None or self.announced_at < now - ANNOUNCED_GRACE:
                 return None
             return max(self.announced_at, now)
         if self.cycle is None or self.last_arrival is None:

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from corolla.engine.sequence import StepWork
+from corolla.engine.sequence import ANNOUNCED_GRACE, StepWork
 from engine_helpers import make_engine
 
 H = 64
@@ -73,6 +73,8 @@ def test_an_announced_step_is_waited_for_until_it_comes_and_cycles_no_longer_cou
     later = now + 0.03  # late: still on its way (the previous server's pass ran longer), still waited for
     assert 0 < engine.batch_delay(later) <= first.pending[0].arrived_at + 0.05 - later
     assert engine.batch_delay(first.pending[0].arrived_at + 0.05) == 0  # until the window closes
+    engine.announce("second", now - ANNOUNCED_GRACE - 0.01)  # long overdue: its previous server failed
+    assert engine.batch_delay(now) == 0
     engine.announce("second", now + 0.2)  # further than the window: another group, not waited for
     assert engine.batch_delay(now) == 0
     engine.add_step(StepWork(second, torch.randn(1, 1, H), second.position))
