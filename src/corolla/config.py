@@ -283,7 +283,7 @@ class ApiConfig:
     max_model_len: int = 4096  # prompt + completion a request may ask for (capped by the model's context)
     stats_interval: float = 10.0  # seconds between log lines of running requests and throughput (0: never)
     embedding_pooling: str = "mean"  # how /v1/embeddings pools final hidden states: mean or last
-    api_keys: tuple[str, ...] = ()  # bearer keys every /v1 route needs (none: open)
+    api_keys: tuple[str, ...] = ()  # bearer keys every /v1 and /api route needs (none: open)
     allowed_origins: tuple[str, ...] = ()  # CORS origins (or "*")
 
     def __post_init__(self) -> None:

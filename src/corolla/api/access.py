@@ -26,7 +26,7 @@ from corolla.api.protocol import ErrorResponse
 
 REQUEST_ID = "X-Request-Id"
 MAX_REQUEST_ID = 128
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIXES = ("/v1/", "/api/")  # OpenAI's routes and Ollama's
 PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
@@ -69,7 +69,7 @@ class Access:
 def _refusal(request: Request, keys: list[bytes]) -> Response | None:
     """A 401 unless the route is open, no keys are set, or the request carries one of them."""
     path = request.url.path
-    is_protected = path.startswith(PROTECTED_PREFIX) or path.rstrip("/") in PROTECTED_PATHS
+    is_protected = path.startswith(PROTECTED_PREFIXES) or path.rstrip("/") in PROTECTED_PATHS
     if not keys or not is_protected or request.method == "OPTIONS":
         return None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")

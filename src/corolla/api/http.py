@@ -26,10 +26,11 @@ Generate = Callable[[Request, str, type[BaseModel], Callable[[Any], Awaitable[An
 
 
 class EventStreamResponse(StreamingResponse):
-    """SSE whose event stream is always closed when the response ends, even if the client left."""
+    """A streamed answer (SSE, or JSON lines) whose event stream is always closed when the response ends,
+    even if the client left."""
 
     def __init__(self, events: EventStream):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(events, media_type=events.media_type, headers={"Cache-Control": "no-cache"})
         self.events = events
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -34,6 +34,8 @@ class ResponseFormat:
     id_prefix = ""
     prompt_param = "prompt"
     limit_param = "max_tokens"
+    media_type = "text/event-stream"  # of a streamed answer, each event written by `sse`
+    stream_end = "data: [DONE]\n\n"
 
     def __init__(self, tokenizer: Any, request_id: str, model: str, request: Any, prompt_tokens: int):
         self.tokenizer = tokenizer
@@ -42,6 +44,7 @@ class ResponseFormat:
         self.request = request
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0  # of them, those the servers held already (each prompt's first step says)
+        self.first_token_at: float | None = None  # perf_counter time of the first token
 
     def usage(self, choices: list[Choice]) -> Usage:
         completion = sum(len(choice.text.token_ids) for choice in choices)

@@ -82,7 +82,9 @@ class OpenAIServing:
 
     # --- endpoints -----------------------------------------------------------------------------------------
 
-    async def create_completion(self, request: CompletionRequest) -> Result:
+    async def create_completion(
+        self, request: CompletionRequest, fmt: type[ResponseFormat] = CompletionFormat
+    ) -> Result:
         tokenizer = self.model.tokenizer
         prompts = [p if isinstance(p, list) else tokenizer(p).input_ids for p in request.prompts()]
         vocab = self.model.config.vocab_size
@@ -92,17 +94,18 @@ class OpenAIServing:
         grammar = chat.format_grammar(request, request.max_tokens)
         if isinstance(grammar, ErrorResponse):
             return grammar
-        return await self._generate(
-            request, prompts, request.max_tokens, request.logprobs, CompletionFormat, grammar
-        )
+        return await self._generate(request, prompts, request.max_tokens, request.logprobs, fmt, grammar)
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> Result:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, fmt: type[ResponseFormat] = ChatFormat
+    ) -> Result:
+        """A chat completion, answered in `fmt`'s shapes (OpenAI's; api/ollama.py's for Ollama's API)."""
         prompt = chat.prepare(self.model.tokenizer, request)
         if isinstance(prompt, ErrorResponse):
             return prompt
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         return await self._generate(
-            request, [prompt.ids], request.token_limit, logprobs, ChatFormat, prompt.grammar, prompt.calls
+            request, [prompt.ids], request.token_limit, logprobs, fmt, prompt.grammar, prompt.calls
         )
 
     # --- generation ----------------------------------------------------------------------------------------
@@ -153,7 +156,7 @@ class OpenAIServing:
         if not request.stream:
             await end()
             return output.response(choices)
-        return EventStream(self._sse(events, first, output, choices, record), end)
+        return EventStream(self._sse(events, first, output, choices, record), end, output.media_type)
 
     def _choices(self, count: int, params: Any, calls: CallFormat | None) -> list[Choice]:
         """A request's choices, each with its own detokenizer (stop strings held back) and calls parser."""
@@ -223,7 +226,7 @@ class OpenAIServing:
             if not step.withdrawn:
                 now = time.perf_counter()
                 if last is None:
-                    record.first_token = now
+                    record.first_token = output.first_token_at = now
                     self.metrics.time_to_first_token.observe(now - record.started)
                 else:
                     self.metrics.time_per_token.observe(now - last)
@@ -269,7 +272,8 @@ class OpenAIServing:
                 error = error_for(e)
                 record.status = str(error.status)
                 yield output.sse(error.model_dump())
-            yield "data: [DONE]\n\n"
+            if output.stream_end:
+                yield output.stream_end
 
         return sse()
 

@@ -15,9 +15,15 @@ Indexed = tuple[int, GenerationStep]  # a prompt's index and a step of its gener
 class EventStream:
     """A streaming answer: the SSE events, and what to call when the response ends, however it ends."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], Awaitable[None]],
+        media_type: str = "text/event-stream",
+    ):
         self.events = events
         self.on_close = on_close
+        self.media_type = media_type  # SSE, or JSON lines (Ollama's API)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self.events

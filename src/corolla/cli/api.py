@@ -21,10 +21,11 @@ logger = logging.getLogger(__name__)
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "api",
-        help="serve the OpenAI HTTP API (and a swarm dashboard) backed by the swarm",
+        help="serve the OpenAI HTTP API and Ollama's (and a swarm dashboard) backed by the swarm",
         description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not) and "
-        "/v1/embeddings with MODEL's blocks running on the swarm, plus vLLM's /tokenize, /detokenize and "
-        "/version, /health, /metrics (Prometheus), /v1/swarm (JSON) and a dashboard of the swarm at /.",
+        "/v1/embeddings with MODEL's blocks running on the swarm, Ollama's /api/chat, /api/generate, "
+        "/api/tags, /api/show and /api/version, plus vLLM's /tokenize, /detokenize and /version, /health, "
+        "/metrics (Prometheus), /v1/swarm (JSON) and a dashboard of the swarm at /.",
     )
     parser.add_argument(
         "model", metavar="MODEL", help="the same model folder, .gguf file or alias as the servers"
@@ -84,7 +85,7 @@ def _add_access_args(parser: argparse.ArgumentParser) -> None:
         parser,
         ApiConfig,
         "api_keys",
-        "require `Authorization: Bearer KEY` on every /v1 route (repeat for several keys; default: "
+        "require `Authorization: Bearer KEY` on every /v1 and /api route (repeat for several keys; default: "
         "COROLLA_API_KEY if set, else no key)",
         flag="--api-key",
         default=None,  # not given: COROLLA_API_KEY (see run)

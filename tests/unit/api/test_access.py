@@ -1,5 +1,5 @@
-"""Who may call the API: keys on /v1 routes (401s in OpenAI's shape), CORS for allowed origins only, and
-a request id on every answer."""
+"""Who may call the API: keys on /v1 and /api routes (401s in OpenAI's shape), CORS for allowed origins
+only, and a request id on every answer."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def test_v1_routes_need_one_of_the_keys(client):
         answer = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
         assert answer.status_code == 200 and answer.json()["model"] == "fake"
     assert client.get("/v1/models").status_code == 401
+    assert client.get("/api/tags").status_code == 401  # Ollama's routes too
+    assert client.post("/api/chat", json=CHAT).status_code == 401
     assert client.get("/health").status_code == 200  # probes carry no keys
 
 

@@ -1,0 +1,160 @@
+"""Ollama's API over the same serving as OpenAI's: `/api/chat`, `/api/generate` (streamed as JSON lines),
+`/api/tags`, `/api/show` and `/api/version`, for Open WebUI, the ollama client and the tools built on them.
+
+Each request is translated into a chat completion or a completion (api/ollama_protocol.py) and runs
+through the one chat pipeline (templates, grammars, tools, prefix reuse, metrics, cancellation when the
+client leaves); api/ollama_formats.py writes its answer in Ollama's shapes instead of OpenAI's. Errors
+come back as `{"error": "..."}` naming the field; a model is named as served, or with the tag `:latest`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from corolla.api.http import EventStreamResponse, parse, until_disconnected
+from corolla.api.ollama_formats import OllamaChatFormat, OllamaGenerateFormat, now
+from corolla.api.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest, ShowRequest
+from corolla.api.protocol import ErrorResponse
+from corolla.api.streams import EventStream
+from corolla.api.tools import supports_tools
+from corolla.api.utility import version
+from corolla.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from corolla.api.serving import OpenAIServing
+
+
+class OllamaServing:
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+
+    async def chat(self, body: OllamaChatRequest) -> Any:
+        try:
+            request = body.to_openai()
+        except (InvalidRequest, ValidationError) as e:
+            return _error(400, _reason(e))
+        return await self.serving.create_chat_completion(request, OllamaChatFormat)
+
+    async def generate(self, body: OllamaGenerateRequest) -> Any:
+        if not body.prompt and not body.raw:  # Ollama's way to load a model: it is loaded already
+            return {
+                "model": body.model,
+                "created_at": now(),
+                "response": "",
+                "done": True,
+                "done_reason": "load",
+            }
+        try:
+            request = body.to_openai(self.serving.model.tokenizer)
+        except (InvalidRequest, ValidationError) as e:
+            return _error(400, _reason(e))
+        return await self.serving.create_completion(request, OllamaGenerateFormat)
+
+    def answer(self, endpoint: str, result: Any) -> Response:
+        """The HTTP response for a result: Ollama's JSON, its lines, or its error shape."""
+        metrics = self.serving.metrics
+        if isinstance(result, ErrorResponse):
+            metrics.errors.labels(result.error.type).inc()
+            response: Response = JSONResponse({"error": result.error.message}, status_code=result.status)
+        elif isinstance(result, EventStream):
+            response = EventStreamResponse(result)
+        else:
+            response = JSONResponse(result)
+        metrics.requests.labels(f"ollama_{endpoint}", str(response.status_code)).inc()
+        return response
+
+    def tags(self) -> dict[str, Any]:
+        return {"models": [self.card()]}
+
+    async def show(self, body: ShowRequest) -> dict[str, Any]:
+        config = self.serving.model.config
+        kind = config.model_type
+        template = getattr(self.serving.model.tokenizer, "chat_template", None) or ""
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": template,
+            "details": self.card()["details"],
+            "model_info": {
+                "general.architecture": kind,
+                f"{kind}.context_length": self.serving.max_model_len,
+                f"{kind}.block_count": config.num_hidden_layers,
+                f"{kind}.embedding_length": config.hidden_size,
+            },
+            "capabilities": ["completion", "tools"]
+            if template and supports_tools(template)
+            else ["completion"],
+        }
+
+    def card(self) -> dict[str, Any]:
+        kind = self.serving.model.config.model_type
+        details = {
+            "parent_model": "",
+            "format": "corolla",
+            "family": kind,
+            "families": [kind],
+            "parameter_size": "",
+            "quantization_level": "",
+        }
+        name = self.serving.name
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": now(),
+            "size": 0,
+            "digest": "",
+            "details": details,
+        }
+
+
+def install_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    ollama = OllamaServing(serving)
+    reply = ollama.answer
+
+    async def run(request: Request, endpoint: str, model: type[BaseModel], handler: Any) -> Response:
+        body = await parse(request, model)
+        if not isinstance(body, ErrorResponse) and not _serves(serving.name, body.model):
+            body = _error(404, f"model {body.model!r} not found; this server serves {serving.name!r}")
+        if isinstance(body, ErrorResponse):
+            return reply(endpoint, body)
+        return reply(endpoint, await until_disconnected(request, handler(body)))
+
+    @app.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        return await run(request, "chat", OllamaChatRequest, ollama.chat)
+
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        return await run(request, "generate", OllamaGenerateRequest, ollama.generate)
+
+    @app.post("/api/show")
+    async def show(request: Request) -> Response:
+        return await run(request, "show", ShowRequest, ollama.show)
+
+    @app.get("/api/tags")
+    async def tags() -> Response:
+        return reply("tags", ollama.tags())
+
+    @app.get("/api/version")
+    async def ollama_version() -> Response:
+        return reply("version", {"version": version()})
+
+
+def _serves(served: str, given: str) -> bool:
+    """Ollama names models `name:tag`; `latest` is the tag a bare name means."""
+    return given in (served, f"{served}:latest")
+
+
+def _reason(e: InvalidRequest | ValidationError) -> str:
+    """What is wrong, naming the field (a translated request's fields keep Ollama's names)."""
+    if isinstance(e, InvalidRequest):
+        return str(e)
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+
+
+def _error(status: int, message: str) -> ErrorResponse:
+    return ErrorResponse.make(status, message, "invalid_request_error")
