@@ -1,5 +1,6 @@
-"""Real OpenAI clients against `corolla api` on a local swarm (issue 16): the official `openai` clients for
-Python and Node, litellm and LangChain, each in an environment of its own, pinned.
+"""Real OpenAI and Ollama clients against `corolla api` on a local swarm (issue 16): the official `openai`
+clients for Python and Node, litellm, LangChain and the official `ollama` client (Ollama's routes), each
+in an environment of its own, pinned.
 
 Run with the main venv's python (`make check-clients`). It installs the clients once into clients/.envs/
 (Python, keyed by a hash of requirements.txt + constraints.txt) and clients/node_modules/ (`npm ci` from
