@@ -38,7 +38,7 @@ def install(app: FastAPI, api_keys: Sequence[str] = (), allowed_origins: Sequenc
             CORSMiddleware,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", REQUEST_ID],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", REQUEST_ID],
             expose_headers=[REQUEST_ID],
         )
 
@@ -73,13 +73,15 @@ def _refusal(request: Request, keys: list[bytes]) -> Response | None:
     if not keys or not is_protected or request.method == "OPTIONS":
         return None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and any(secrets.compare_digest(given.strip().encode(), k) for k in keys):
+    if scheme.lower() != "bearer":
+        given = request.headers.get("x-api-key", "")  # Anthropic's SDKs send the key so
+    if any(secrets.compare_digest(given.strip().encode(), k) for k in keys):
         return None
     what = "a wrong API key" if given else "no API key"
     error = ErrorResponse.make(
         401,
-        f"the request carries {what}: send `Authorization: Bearer KEY` with a key this server was given "
-        "(--api-key)",
+        f"the request carries {what}: send `Authorization: Bearer KEY` (or `x-api-key: KEY`) with a key this "
+        "server was given (--api-key)",
         "invalid_request_error",
         code="invalid_api_key",
     )

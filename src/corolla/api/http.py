@@ -53,9 +53,8 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel | ErrorRe
     try:
         return model.model_validate_json(body.removeprefix(codecs.BOM_UTF8))
     except ValidationError as e:
-        problems = dict.fromkeys(f"{_field(err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
         param = _field(e.errors()[0]["loc"]) or "body"
-        return ErrorResponse.make(400, "; ".join(list(problems)[:5]), "invalid_request_error", param)
+        return ErrorResponse.make(400, problems(e), "invalid_request_error", param)
 
 
 async def read_body(request: Request) -> bytes | None:
@@ -71,6 +70,15 @@ async def read_body(request: Request) -> bytes | None:
 
 
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def problems(e: ValidationError | Exception) -> str:
+    """What is wrong with a request, naming the fields (at most 5): a translated request's errors (the
+    Ollama and Anthropic routes), in the words of `parse`'s."""
+    if not isinstance(e, ValidationError):
+        return str(e)
+    found = dict.fromkeys(f"{_field(err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+    return "; ".join(list(found)[:5])
 
 
 def _field(loc: tuple[int | str, ...]) -> str:

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from corolla.api.http import EventStreamResponse, parse, until_disconnected
+from corolla.api.http import EventStreamResponse, parse, problems, until_disconnected
 from corolla.api.ollama_formats import OllamaChatFormat, OllamaGenerateFormat, now
 from corolla.api.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest, ShowRequest
 from corolla.api.protocol import ErrorResponse
@@ -36,7 +36,7 @@ class OllamaServing:
         try:
             request = body.to_openai()
         except (InvalidRequest, ValidationError) as e:
-            return _error(400, _reason(e))
+            return _error(400, problems(e))
         return await self.serving.create_chat_completion(request, OllamaChatFormat)
 
     async def generate(self, body: OllamaGenerateRequest) -> Any:
@@ -51,7 +51,7 @@ class OllamaServing:
         try:
             request = body.to_openai(self.serving.model.tokenizer)
         except (InvalidRequest, ValidationError) as e:
-            return _error(400, _reason(e))
+            return _error(400, problems(e))
         return await self.serving.create_completion(request, OllamaGenerateFormat)
 
     def answer(self, endpoint: str, result: Any) -> Response:
@@ -147,13 +147,6 @@ def install_routes(app: FastAPI, serving: OpenAIServing) -> None:
 def _serves(served: str, given: str) -> bool:
     """Ollama names models `name:tag`; `latest` is the tag a bare name means."""
     return given in (served, f"{served}:latest")
-
-
-def _reason(e: InvalidRequest | ValidationError) -> str:
-    """What is wrong, naming the field (a translated request's fields keep Ollama's names)."""
-    if isinstance(e, InvalidRequest):
-        return str(e)
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
 
 
 def _error(status: int, message: str) -> ErrorResponse:

@@ -1,4 +1,5 @@
-"""`corolla api MODEL --initial-peers ...`: serve the OpenAI HTTP API, a dashboard and metrics."""
+"""`corolla api MODEL --initial-peers ...`: serve the OpenAI, Anthropic and Ollama HTTP APIs, a dashboard and
+metrics."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ logger = logging.getLogger(__name__)
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "api",
-        help="serve the OpenAI HTTP API and Ollama's (and a swarm dashboard) backed by the swarm",
+        help="serve OpenAI's, Anthropic's and Ollama's HTTP APIs (and a swarm dashboard) backed by the swarm",
         description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming or not) and "
-        "/v1/embeddings with MODEL's blocks running on the swarm, Ollama's /api/chat, /api/generate, "
+        "/v1/embeddings with MODEL's blocks running on the swarm, Anthropic's /v1/messages and "
+        "/v1/messages/count_tokens, Ollama's /api/chat, /api/generate, "
         "/api/tags, /api/show and /api/version, plus vLLM's /tokenize, /detokenize and /version, /health, "
         "/metrics (Prometheus), /v1/swarm (JSON) and a dashboard of the swarm at /.",
     )
@@ -85,8 +87,8 @@ def _add_access_args(parser: argparse.ArgumentParser) -> None:
         parser,
         ApiConfig,
         "api_keys",
-        "require `Authorization: Bearer KEY` on every /v1 and /api route (repeat for several keys; default: "
-        "COROLLA_API_KEY if set, else no key)",
+        "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every /v1 and /api route (repeat for "
+        "several keys; default: COROLLA_API_KEY if set, else no key)",
         flag="--api-key",
         default=None,  # not given: COROLLA_API_KEY (see run)
         metavar="KEY",

@@ -53,6 +53,11 @@ def test_v1_routes_need_one_of_the_keys(client):
     for key in ("key-one", "key-two"):
         answer = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
         assert answer.status_code == 200 and answer.json()["model"] == "fake"
+    answer = client.post(
+        "/v1/chat/completions", json=CHAT, headers={"x-api-key": "key-two"}
+    )  # Anthropic's SDKs
+    assert answer.status_code == 200
+    assert client.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "wrong"}).status_code == 401
     assert client.get("/v1/models").status_code == 401
     assert client.get("/api/tags").status_code == 401  # Ollama's routes too
     assert client.post("/api/chat", json=CHAT).status_code == 401
