@@ -1,5 +1,5 @@
-"""The Python clients (openai, litellm, LangChain, ollama) against two `corolla api` servers, as users call
-them.
+"""The Python clients (openai, litellm, LangChain, ollama, anthropic) against two `corolla api` servers,
+as users call them.
 
 Runs inside the clients' own venv (clients/check.py makes it and passes the URLs; the key comes in
 COROLLA_CHECK_KEY) and imports nothing of corolla; the checks are in pychecks/, one module per client.
@@ -27,6 +27,7 @@ from pychecks.common import CheckFailed, Setup
 SUITES = {"openai": "pychecks.openai_client", "litellm": "pychecks.litellm_client"}
 SUITES["langchain"] = "pychecks.langchain_client"
 SUITES["ollama"] = "pychecks.ollama_client"
+SUITES["anthropic"] = "pychecks.anthropic_client"
 MAX_DETAIL = 600  # characters of an error in the summary
 
 
