@@ -14,6 +14,11 @@ time per token of masking the logits and following the chosen token (llguidance,
 vocabulary, 1 and 16 rows), and through the API, the per-token latency of streams whose answers must
 match a JSON schema vs free ones, at each level.
 
+The same streams through Anthropic's Messages API (`/v1/messages`, its named events) against chat
+completions, at each level, 2 x `--repeats` runs each, each API first every other time (the second of
+two requests in a row starts some ms later): medians, and what the other dialect's translation and event
+shapes cost.
+
     python -m bench.decode.api [--levels 1 16] [--new-tokens 64] [--repeats 2]
 """
 
@@ -57,10 +62,16 @@ def python_level(model: DistributedModelForCausalLM, clients: int, new_tokens: i
     return summarize(sessions.starts, sessions.stamps, sessions.elapsed)
 
 
+# per API: its streaming route, and how a stream's line carrying a token begins
+ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+TOKEN_LINES = {"chat": b"data: {", "messages": b'data: {"type": "content_block_delta"'}
+
+
 async def http_stream(
-    port: int, i: int, new_tokens: int, stamps: list[float], schema: dict | None = None
+    port: int, i: int, new_tokens: int, stamps: list[float], schema: dict | None = None, api: str = "chat"
 ) -> None:
-    """One streaming chat request; free text to `new_tokens` tokens, or an answer matching `schema`."""
+    """One streaming request (chat completions, or Anthropic's Messages API); free text to `new_tokens`
+    tokens, or an answer matching `schema` (chat completions)."""
     request = {"model": MODEL, "messages": messages(i), "max_tokens": new_tokens, "temperature": 0,
                "stream": True, "ignore_eos": schema is None}  # fmt: skip
     if schema is not None:
@@ -68,7 +79,7 @@ async def http_stream(
     body = json.dumps(request).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"POST {ROUTES[api]} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
         + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
         + body
     )
@@ -76,24 +87,26 @@ async def http_stream(
     status = await reader.readline()
     if b" 200 " not in status:  # a refused request would leave the stream without tokens: say why
         raise RuntimeError(f"{status.decode().strip()}: {(await reader.read()).decode()[-500:]}")
-    first = True
+    first = api == "chat"  # chat's opening chunk carries the role, not a token
     while line := await reader.readline():
-        if line.startswith(b"data: {"):
-            if first:  # the opening chunk carries the role, not a token
+        if line.startswith(TOKEN_LINES[api]):
+            if first:
                 first = False
                 continue
             stamps.append(time.perf_counter())
-        elif line.startswith(b"data: [DONE]"):
+        elif line.startswith((b"data: [DONE]", b"event: message_stop")):
             break
     writer.close()
 
 
-def http_level(port: int, clients: int, new_tokens: int, schema: dict | None = None) -> dict:
+def http_level(
+    port: int, clients: int, new_tokens: int, schema: dict | None = None, api: str = "chat"
+) -> dict:
     starts, stamps = [0.0] * clients, [[] for _ in range(clients)]
 
     async def client(i: int) -> None:
         starts[i] = time.perf_counter()
-        await http_stream(port, i, new_tokens, stamps[i], schema)
+        await http_stream(port, i, new_tokens, stamps[i], schema, api)
 
     async def run() -> float:
         started = time.perf_counter()
@@ -153,6 +166,30 @@ def constrained_levels(port: int, levels: list[int], new_tokens: int, repeats: i
     return results
 
 
+def api_levels(port: int, levels: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    """The same streams through Anthropic's Messages API and through chat completions, level by level
+    (issue 50: at most 1.05x chat completions' time to first token, at least 1/1.05 of its tokens/s)."""
+    results = []
+    for clients in levels:
+        runs: dict[str, list[dict]] = {"chat": [], "messages": []}
+        for repeat in range(repeats):
+            # the second request of a pair comes some ms later (the first one's sessions are still being
+            # kept for reuse), so each API goes first every other time
+            for api in ("chat", "messages") if repeat % 2 == 0 else ("messages", "chat"):
+                runs[api].append(http_level(port, clients, new_tokens, api=api))
+        medians = {
+            api: {key: statistics.median(run[key] for run in rows) for key in ("ttft_p50_ms", "tokens_per_s")}
+            for api, rows in runs.items()
+        }
+        ttft = medians["messages"]["ttft_p50_ms"] / medians["chat"]["ttft_p50_ms"]
+        rate = medians["messages"]["tokens_per_s"] / medians["chat"]["tokens_per_s"]
+        ratios = {"ttft": round(ttft, 3), "tokens_per_s": round(rate, 3)}
+        results.append(
+            {"clients": clients, "runs": runs, "medians": medians, "ratios_messages_vs_chat": ratios}
+        )
+    return results
+
+
 def main() -> None:
     flags = parser(__doc__)
     flags.add_argument("--levels", type=int, nargs="+", default=[1, 16])
@@ -191,6 +228,7 @@ def main() -> None:
             "client_mask_cost": [mask_cost(model, rows) for rows in (1, 16)],
             "api": constrained_levels(port, args.levels, args.new_tokens, args.repeats),
         }
+        apis = api_levels(port, args.levels, args.new_tokens, 2 * args.repeats)
     report(
         __file__,
         {
@@ -199,6 +237,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "levels": results,
             "constrained_decoding": constrained,
+            "messages_vs_chat_completions": apis,
         },
     )
 

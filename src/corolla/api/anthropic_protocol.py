@@ -101,6 +101,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] | None = None
     output_config: OutputConfig | None = None
+    ignore_eos: bool = (
+        False  # corolla's extension, as on chat completions (benchmarks: answers of set length)
+    )
 
     def to_openai(self) -> ChatCompletionRequest:
         fields = self.chat_fields()
@@ -111,6 +114,7 @@ class MessagesRequest(CountTokensRequest):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k or None,
+            ignore_eos=self.ignore_eos,
         )
         if self.stream:
             fields["stream_options"] = {"include_usage": True}  # message_delta carries the counts

@@ -25,6 +25,7 @@ def test_sampling_is_plain_unless_the_body_says_otherwise():
     assert not plain.stream and plain.stop == []
     tuned = request(temperature=0, top_k=5, stop_sequences=["\n\n"], stream=True).to_openai()
     assert (tuned.temperature, tuned.top_k, tuned.stop) == (0, 5, ["\n\n"]) and tuned.include_usage
+    assert request(ignore_eos=True).to_openai().ignore_eos and not plain.ignore_eos  # corolla's extension
 
 
 def test_system_tool_use_and_tool_results_become_chat_messages_and_tools():
