@@ -14,16 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from corolla.api import chat
 from corolla.api.anthropic_formats import AnthropicFormat, error_body
 from corolla.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from corolla.api.chat_protocol import ChatCompletionRequest
-from corolla.api.http import EventStreamResponse, parse, problems, until_disconnected
+from corolla.api.http import parse, problems, respond, until_disconnected
 from corolla.api.protocol import ErrorResponse
-from corolla.api.streams import EventStream
 from corolla.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -51,17 +50,12 @@ class AnthropicServing:
 
     def answer(self, endpoint: str, result: Any) -> Response:
         """The HTTP response for a result: Anthropic's message, its event stream, or its error shape."""
-        metrics = self.serving.metrics
-        if isinstance(result, ErrorResponse):
-            metrics.errors.labels(result.error.type).inc()
-            body = error_body(result.status, result.error.message)
-            response: Response = JSONResponse(body, status_code=result.status)
-        elif isinstance(result, EventStream):
-            response = EventStreamResponse(result)
-        else:
-            response = JSONResponse(result)
-        metrics.requests.labels(f"anthropic_{endpoint}", str(response.status_code)).inc()
-        return response
+        return respond(
+            self.serving.metrics,
+            f"anthropic_{endpoint}",
+            result,
+            lambda error: error_body(error.status, error.error.message),
+        )
 
 
 def install_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from corolla.api.http import EventStreamResponse, parse, problems, until_disconnected
+from corolla.api.http import parse, problems, respond, until_disconnected
 from corolla.api.ollama_formats import OllamaChatFormat, OllamaGenerateFormat, now
 from corolla.api.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest, ShowRequest
 from corolla.api.protocol import ErrorResponse
-from corolla.api.streams import EventStream
 from corolla.api.tools import supports_tools
 from corolla.api.utility import version
 from corolla.errors import InvalidRequest
@@ -56,16 +55,9 @@ class OllamaServing:
 
     def answer(self, endpoint: str, result: Any) -> Response:
         """The HTTP response for a result: Ollama's JSON, its lines, or its error shape."""
-        metrics = self.serving.metrics
-        if isinstance(result, ErrorResponse):
-            metrics.errors.labels(result.error.type).inc()
-            response: Response = JSONResponse({"error": result.error.message}, status_code=result.status)
-        elif isinstance(result, EventStream):
-            response = EventStreamResponse(result)
-        else:
-            response = JSONResponse(result)
-        metrics.requests.labels(f"ollama_{endpoint}", str(response.status_code)).inc()
-        return response
+        return respond(
+            self.serving.metrics, f"ollama_{endpoint}", result, lambda error: {"error": error.error.message}
+        )
 
     def tags(self) -> dict[str, Any]:
         return {"models": [self.card()]}

@@ -11,6 +11,18 @@ from engine_helpers import make_engine
 H = 64
 
 
+def first_waiting(tiny_models):
+    """An engine (a 50 ms window) whose two sessions each ran a step; the first has its next one pending."""
+    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
+    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
+    for session in (first, second):
+        engine.add_step(StepWork(session, torch.randn(1, 1, H), 0))
+    while engine.has_work():
+        engine.step()
+    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
+    return engine, first, second
+
+
 def test_a_pass_waits_for_sessions_due_soon_and_for_no_one_else(tiny_models):
     engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
     first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
@@ -38,13 +50,7 @@ def test_a_pass_waits_for_sessions_due_soon_and_for_no_one_else(tiny_models):
 
 
 def test_slow_passes_wait_for_a_group_due_within_two_passes(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
-    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
-    for session in (first, second):
-        engine.add_step(StepWork(session, torch.randn(1, 1, H), 0))
-    while engine.has_work():
-        engine.step()
-    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
+    engine, first, second = first_waiting(tiny_models)
     now = time.monotonic()
     second.last_arrival, second.cycle = now - 0.3, 0.4  # due in 100 ms: past max_batch_wait_ms
     engine.pass_seconds = 0.01
@@ -59,13 +65,7 @@ def test_slow_passes_wait_for_a_group_due_within_two_passes(tiny_models):
 
 
 def test_an_announced_step_is_waited_for_until_it_comes_and_cycles_no_longer_count(tiny_models):
-    engine = make_engine(tiny_models["llama"], max_batch_wait_ms=50)
-    first, second = (engine.open_session(name, (0, 6), 1, 256) for name in ("first", "second"))
-    for session in (first, second):
-        engine.add_step(StepWork(session, torch.randn(1, 1, H), 0))
-    while engine.has_work():
-        engine.step()
-    engine.add_step(StepWork(first, torch.randn(1, 1, H), first.position))
+    engine, first, second = first_waiting(tiny_models)
     now = time.monotonic()
     engine.pass_seconds = 0.01
     engine.announce("second", now + 0.02)  # the previous server started computing it
