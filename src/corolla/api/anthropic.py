@@ -15,15 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
 
 from corolla.api import chat
 from corolla.api.anthropic_formats import AnthropicFormat, error_body
 from corolla.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from corolla.api.chat_protocol import ChatCompletionRequest
-from corolla.api.http import parse, problems, respond, until_disconnected
+from corolla.api.dialects import Dialect, translated
 from corolla.api.protocol import ErrorResponse
-from corolla.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from corolla.api.serving import OpenAIServing
@@ -32,42 +30,25 @@ if TYPE_CHECKING:
 class AnthropicServing:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
+        self.dialect = Dialect(serving, "anthropic", lambda e: error_body(e.status, e.error.message))
 
     async def messages(self, body: MessagesRequest) -> Any:
-        try:
-            request = body.to_openai()
-        except (InvalidRequest, ValidationError) as e:
-            return _error(400, problems(e))
+        request = translated(body.to_openai)
+        if isinstance(request, ErrorResponse):
+            return request
         return await self.serving.create_chat_completion(request, AnthropicFormat)
 
     async def count_tokens(self, body: CountTokensRequest) -> Any:
-        try:
-            request = ChatCompletionRequest.model_validate(body.chat_fields())
-        except (InvalidRequest, ValidationError) as e:
-            return _error(400, problems(e))
+        request = translated(lambda: ChatCompletionRequest.model_validate(body.chat_fields()))
+        if isinstance(request, ErrorResponse):
+            return request
         prompt = chat.prepare(self.serving.model.tokenizer, request)
         return prompt if isinstance(prompt, ErrorResponse) else {"input_tokens": len(prompt.ids)}
-
-    def answer(self, endpoint: str, result: Any) -> Response:
-        """The HTTP response for a result: Anthropic's message, its event stream, or its error shape."""
-        return respond(
-            self.serving.metrics,
-            f"anthropic_{endpoint}",
-            result,
-            lambda error: error_body(error.status, error.error.message),
-        )
 
 
 def install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     anthropic = AnthropicServing(serving)
-
-    async def run(request: Request, endpoint: str, model: type[BaseModel], handler: Any) -> Response:
-        body = await parse(request, model)
-        if not isinstance(body, ErrorResponse) and body.model != serving.name:
-            body = _error(404, f"model: {body.model!r} does not exist; this server serves {serving.name!r}")
-        if isinstance(body, ErrorResponse):
-            return anthropic.answer(endpoint, body)
-        return anthropic.answer(endpoint, await until_disconnected(request, handler(body)))
+    run = anthropic.dialect.run
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -76,7 +57,3 @@ def install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         return await run(request, "count_tokens", CountTokensRequest, anthropic.count_tokens)
-
-
-def _error(status: int, message: str) -> ErrorResponse:
-    return ErrorResponse.make(status, message, "invalid_request_error")

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from corolla.api.protocol import ErrorResponse
@@ -109,19 +109,3 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         await asyncio.gather(task, return_exceptions=True)
         return ErrorResponse.make(499, "the client closed the request", "client_closed")
     return task.result()
-
-
-def respond(
-    metrics: Any, endpoint: str, result: Any, error_body: Callable[[ErrorResponse], dict[str, Any]]
-) -> Response:
-    """The HTTP response for what serving returned in another API's dialect (Anthropic's, Ollama's): its
-    JSON, its stream, or its error shape (`error_body`); counted in the metrics under `endpoint`."""
-    if isinstance(result, ErrorResponse):
-        metrics.errors.labels(result.error.type).inc()
-        response: Response = JSONResponse(error_body(result), status_code=result.status)
-    elif isinstance(result, EventStream):
-        response = EventStreamResponse(result)
-    else:
-        response = JSONResponse(result)
-    metrics.requests.labels(endpoint, str(response.status_code)).inc()
-    return response

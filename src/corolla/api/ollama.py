@@ -13,15 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
 
-from corolla.api.http import parse, problems, respond, until_disconnected
+from corolla.api.dialects import Dialect, translated
 from corolla.api.ollama_formats import OllamaChatFormat, OllamaGenerateFormat, now
 from corolla.api.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest, ShowRequest
 from corolla.api.protocol import ErrorResponse
 from corolla.api.tools import supports_tools
 from corolla.api.utility import version
-from corolla.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from corolla.api.serving import OpenAIServing
@@ -30,12 +28,16 @@ if TYPE_CHECKING:
 class OllamaServing:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
+        self.dialect = Dialect(serving, "ollama", lambda e: {"error": e.error.message}, self.names_served)
+
+    def names_served(self, given: str) -> bool:
+        """Ollama names models `name:tag`; `latest` is the tag a bare name means."""
+        return given in (self.serving.name, f"{self.serving.name}:latest")
 
     async def chat(self, body: OllamaChatRequest) -> Any:
-        try:
-            request = body.to_openai()
-        except (InvalidRequest, ValidationError) as e:
-            return _error(400, problems(e))
+        request = translated(body.to_openai)
+        if isinstance(request, ErrorResponse):
+            return request
         return await self.serving.create_chat_completion(request, OllamaChatFormat)
 
     async def generate(self, body: OllamaGenerateRequest) -> Any:
@@ -47,17 +49,10 @@ class OllamaServing:
                 "done": True,
                 "done_reason": "load",
             }
-        try:
-            request = body.to_openai(self.serving.model.tokenizer)
-        except (InvalidRequest, ValidationError) as e:
-            return _error(400, problems(e))
+        request = translated(lambda: body.to_openai(self.serving.model.tokenizer))
+        if isinstance(request, ErrorResponse):
+            return request
         return await self.serving.create_completion(request, OllamaGenerateFormat)
-
-    def answer(self, endpoint: str, result: Any) -> Response:
-        """The HTTP response for a result: Ollama's JSON, its lines, or its error shape."""
-        return respond(
-            self.serving.metrics, f"ollama_{endpoint}", result, lambda error: {"error": error.error.message}
-        )
 
     def tags(self) -> dict[str, Any]:
         return {"models": [self.card()]}
@@ -105,15 +100,8 @@ class OllamaServing:
 
 def install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     ollama = OllamaServing(serving)
-    reply = ollama.answer
-
-    async def run(request: Request, endpoint: str, model: type[BaseModel], handler: Any) -> Response:
-        body = await parse(request, model)
-        if not isinstance(body, ErrorResponse) and not _serves(serving.name, body.model):
-            body = _error(404, f"model {body.model!r} not found; this server serves {serving.name!r}")
-        if isinstance(body, ErrorResponse):
-            return reply(endpoint, body)
-        return reply(endpoint, await until_disconnected(request, handler(body)))
+    run = ollama.dialect.run
+    reply = ollama.dialect.answer
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
@@ -134,12 +122,3 @@ def install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/api/version")
     async def ollama_version() -> Response:
         return reply("version", {"version": version()})
-
-
-def _serves(served: str, given: str) -> bool:
-    """Ollama names models `name:tag`; `latest` is the tag a bare name means."""
-    return given in (served, f"{served}:latest")
-
-
-def _error(status: int, message: str) -> ErrorResponse:
-    return ErrorResponse.make(status, message, "invalid_request_error")

@@ -116,9 +116,13 @@ class Engine:
         if self.scheduler.forwards:
             return 0.0
         config = self.config
-        rows = config.max_batch_rows
         return batch_delay(
-            self.sessions.values(), self.idle, config.max_batch_wait_ms, rows, self.pass_seconds, now
+            self.sessions.values(),
+            self.idle,
+            config.max_batch_wait_ms,
+            config.max_batch_rows,
+            self.pass_seconds,
+            now,
         )
 
     def announce(self, session_id: str, at: float) -> None:

@@ -83,7 +83,7 @@ class InferenceStep:
     epoch: int = 0
     opens_epoch: bool = False
     # in a push without tensors (an announcement): the previous server started the pass computing this step,
-    # whose outputs it expects to push in about `due_in` seconds (engine/engine.py Engine.batch_delay)
+    # whose outputs it expects to push in about `due_in` seconds (engine/batching.py)
     due_in: float | None = None
     # session parameters, present on the first message only
     max_length: int | None = None
