@@ -285,12 +285,13 @@ class ApiConfig:
     embedding_pooling: str = "mean"  # how /v1/embeddings pools final hidden states: mean or last
     api_keys: tuple[str, ...] = ()  # bearer keys every /v1 and /api route needs (none: open)
     allowed_origins: tuple[str, ...] = ()  # CORS origins (or "*")
+    stored_responses: int = 1000  # Responses API answers kept per API key for previous_response_id
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535:
             raise InvalidRequest(f"port (--port) must lie in 1..65535, got {self.port}")
         _check(self, 2, ("max_model_len",), strict=False)
-        _check(self, 0, ("stats_interval",), strict=False)
+        _check(self, 0, ("stats_interval", "stored_responses"), strict=False)
         _one_of(self, "embedding_pooling", EMBEDDING_POOLINGS)
         if any(not key.strip() for key in self.api_keys):
             raise InvalidRequest("api_keys (--api-key) must not be empty")

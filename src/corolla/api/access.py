@@ -37,7 +37,7 @@ def install(app: FastAPI, api_keys: Sequence[str] = (), allowed_origins: Sequenc
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", REQUEST_ID],
             expose_headers=[REQUEST_ID],
         )
@@ -72,10 +72,8 @@ def _refusal(request: Request, keys: list[bytes]) -> Response | None:
     is_protected = path.startswith(PROTECTED_PREFIXES) or path.rstrip("/") in PROTECTED_PATHS
     if not keys or not is_protected or request.method == "OPTIONS":
         return None
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        given = request.headers.get("x-api-key", "")  # Anthropic's SDKs send the key so
-    if any(secrets.compare_digest(given.strip().encode(), k) for k in keys):
+    given = presented_key(request)
+    if any(secrets.compare_digest(given.encode(), k) for k in keys):
         return None
     what = "a wrong API key" if given else "no API key"
     error = ErrorResponse.make(
@@ -86,6 +84,15 @@ def _refusal(request: Request, keys: list[bytes]) -> Response | None:
         code="invalid_api_key",
     )
     return JSONResponse(error.model_dump(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def presented_key(request: Request) -> str:
+    """The API key a request carries ("" if none): a bearer token, or `x-api-key` as Anthropic's SDKs send
+    it. Past the key check, it is one of the server's keys (or the server takes any)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        given = request.headers.get("x-api-key", "")
+    return given.strip()
 
 
 def _request_id(given: str | None) -> str:

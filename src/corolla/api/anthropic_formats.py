@@ -1,7 +1,7 @@
 """Anthropic's Messages API shapes for corolla's answers (api/anthropic.py): a message with content blocks
 (text, tool_use), `stop_reason` and `usage`; streamed as Anthropic's named server-sent events
 (message_start, content_block_start / _delta / _stop, message_delta, message_stop). Built on OpenAI's chat
-format (api/responses.py), so tool calls, stop strings and finish reasons are worked out once."""
+format (api/formats.py), so tool calls, stop strings and finish reasons are worked out once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from corolla.api.choices import Choice, Moved
-from corolla.api.responses import ChatFormat
+from corolla.api.formats import ChatFormat
 
 
 class AnthropicFormat(ChatFormat):

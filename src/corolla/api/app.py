@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from corolla.api import access, anthropic, embeddings, ollama, utility
+from corolla.api import access, anthropic, embeddings, ollama, responses, utility
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.api.http import EventStreamResponse, parse, until_disconnected
 from corolla.api.protocol import CompletionRequest, ErrorResponse
@@ -106,6 +106,7 @@ def build_app(serving: OpenAIServing, config: ApiConfig | None = None) -> FastAP
     embeddings.install_routes(app, generate, serving, cast(Pooling, config.embedding_pooling))
     ollama.install_routes(app, serving)
     anthropic.install_routes(app, serving)
+    responses.install_routes(app, serving, config.stored_responses)
     utility.install_routes(app, generate, answer, serving)
 
     @app.get("/v1/swarm")

@@ -4,6 +4,7 @@ answer in the dialect's own JSON, stream and error shapes, counted in the metric
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from corolla.api.serving import OpenAIServing
 
 T = TypeVar("T")
+FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")  # a message's leading field path
 Handler = Callable[[Any], Awaitable[Any]]  # a parsed body -> what serving returned
 
 
@@ -75,4 +77,6 @@ def translated(make: Callable[[], T]) -> T | ErrorResponse:
 
 
 def invalid(message: str, status: int = 400) -> ErrorResponse:
-    return ErrorResponse.make(status, message, "invalid_request_error")
+    """The error, its `param` the field its message begins with (`tools[0]: ...` names tools[0])."""
+    named = FIELD.match(message)
+    return ErrorResponse.make(status, message, "invalid_request_error", named[1] if named else None)

@@ -1,6 +1,6 @@
 """Ollama's response shapes for corolla's answers (api/ollama.py): one JSON object per line while
 streaming, the last one `done` with the counts and durations in nanoseconds; tool calls with their
-arguments as objects. They extend OpenAI's chat and completion formats (api/responses.py), so a chat's
+arguments as objects. They extend OpenAI's chat and completion formats (api/formats.py), so a chat's
 tool calls, stop strings and finish reasons are worked out once."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from corolla.api.choices import Choice, Moved
-from corolla.api.responses import ChatFormat, CompletionFormat
+from corolla.api.formats import ChatFormat, CompletionFormat
 
 NDJSON = "application/x-ndjson"
 

@@ -1,5 +1,5 @@
 """The OpenAI API's response and stream-chunk models (pydantic), completions and chat, in OpenAI's
-field order; built by api/responses.py."""
+field order; built by api/formats.py."""
 
 from __future__ import annotations
 

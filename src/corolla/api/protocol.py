@@ -198,7 +198,9 @@ class CompletionRequest(SamplingRequest):
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A fresh id: `chatcmpl-<hex>` as OpenAI's older APIs write them, `resp_<hex>` for prefixes with `_`."""
+    joint = "" if prefix.endswith("_") else "-"
+    return f"{prefix}{joint}{uuid.uuid4().hex}"
 
 
 class ModelCard(BaseModel):

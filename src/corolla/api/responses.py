@@ -1,221 +1,119 @@
-"""How generated choices become OpenAI responses and stream chunks, for completions and for chat."""
+"""OpenAI's Responses API over the same serving as chat completions: `POST /v1/responses` (plain, or
+streamed as typed events), `GET /v1/responses/{id}` and `DELETE /v1/responses/{id}`, for the openai SDK's
+`responses` calls, the OpenAI Agents SDK and the coding agents built on them.
+
+A request is translated into a chat completion (api/responses_protocol.py) and runs through the one chat
+pipeline (templates, grammars, tools, prefix reuse, metrics, cancellation when the client leaves);
+api/responses_formats.py writes the answer in the Responses API's shapes. A response is stored (unless
+`store: false`) with its turn's items in api/conversations.py, under its API key: a later request that
+names it as `previous_response_id` sends only its new input, and the conversation's earlier turns come
+from the store; their tokens are the prefix the servers already hold, so the client reuses it.
+"""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from corolla.api import tool_calls
-from corolla.api.choices import Choice, Moved, Step
-from corolla.api.outputs import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    DeltaMessage,
-    PromptTokensDetails,
-    TokenLogprob,
-    ToolCallDelta,
-    TopLogprob,
-    Usage,
-)
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from corolla.api.access import presented_key
+from corolla.api.conversations import Conversations, NotStored, owner_of
+from corolla.api.dialects import Dialect, translated
+from corolla.api.protocol import ErrorResponse
+from corolla.api.responses_formats import ResponsesFormat, Turn
+from corolla.api.responses_protocol import ResponsesRequest
+
+if TYPE_CHECKING:
+    from corolla.api.serving import OpenAIServing
+
+T = TypeVar("T")
 
 
-def _steps(step: Step | None) -> list[Step]:
-    return [] if step is None else [step]
-
-
-class ResponseFormat:
-    id_prefix = ""
-    prompt_param = "prompt"
-    limit_param = "max_tokens"
-    media_type = "text/event-stream"  # of a streamed answer, each event written by `sse`
-    stream_end = "data: [DONE]\n\n"
-
-    def __init__(self, tokenizer: Any, request_id: str, model: str, request: Any, prompt_tokens: int):
-        self.tokenizer = tokenizer
-        self.id = request_id
-        self.model = model
-        self.request = request
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = 0  # of them, those the servers held already (each prompt's first step says)
-        self.first_token_at: float | None = None  # perf_counter time of the first token
-
-    def usage(self, choices: list[Choice]) -> Usage:
-        completion = sum(len(choice.text.token_ids) for choice in choices)
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=self.prompt_tokens + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+class ResponsesServing:
+    def __init__(self, serving: OpenAIServing, stored_responses: int):
+        self.serving = serving
+        self.conversations = Conversations(per_key=stored_responses)
+        self.dialect = Dialect(
+            serving, "responses", lambda e: e.model_dump(), lambda given: given in (None, serving.name)
         )
 
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    async def create(self, body: ResponsesRequest, owner: str) -> Any:
+        history = stored(lambda: self.conversations.history(owner, body.previous_response_id), 400)
+        if isinstance(history, ErrorResponse):
+            return history
+        request = translated(lambda: body.to_openai(history, self.serving.name))
+        if isinstance(request, ErrorResponse):
+            return request
+        turn = Turn(echo(body))
+        if body.store and self.conversations.per_key:
+            items = body.new_items()
 
-    @staticmethod
-    def sse(payload: Any) -> str:
-        data = payload.model_dump(exclude_none=False) if hasattr(payload, "model_dump") else payload
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+            def keep(response: dict[str, Any]) -> None:
+                turn_items = items + response["output"]
+                self.conversations.keep(owner, body.previous_response_id, turn_items, response)
 
-    def first_chunks(self, num_choices: int) -> list[Any]:
-        return []
+            turn.keep = keep
+        return await self.serving.create_chat_completion(request, ResponsesFormat.bound(turn))
 
-    def usage_chunk(self, choices: list[Choice]) -> Any:
-        raise NotImplementedError
+    def retrieve(self, owner: str, response_id: str) -> Any:
+        return stored(lambda: self.conversations.get(owner, response_id).response)
 
-    def chunks(self, moved: list[Moved]) -> list[Any]:
-        raise NotImplementedError
+    def delete(self, owner: str, response_id: str) -> Any:
+        deleted = stored(lambda: self.conversations.delete(owner, response_id))
+        if isinstance(deleted, ErrorResponse):
+            return deleted
+        return {"id": response_id, "object": "response", "deleted": True}
 
-    def response(self, choices: list[Choice]) -> Any:
-        raise NotImplementedError
+
+def echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's settings as a response repeats them (OpenAI's defaults where left out)."""
+    text_format = body.text.format if body.text is not None else None
+    choice = body.tool_choice
+    tool_choice = choice.model_dump(exclude_none=True) if hasattr(choice, "model_dump") else choice
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": body.store,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {"format": text_format.model_dump(by_alias=True) if text_format else {"type": "text"}},
+        "tool_choice": tool_choice or "auto",
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": "disabled",
+        "user": body.user,
+    }
 
 
-class CompletionFormat(ResponseFormat):
-    id_prefix = "cmpl"
+def stored(read: Callable[[], T], status: int = 404) -> T | ErrorResponse:
+    """What `read` finds in the store, or the error naming the response id it lacks (a 404 for a route's
+    path; a 400 for a request's previous_response_id, as OpenAI answers)."""
+    try:
+        return read()
+    except NotStored as e:
+        return ErrorResponse.make(status, str(e), "invalid_request_error", e.field, code="response_not_found")
 
-    def logprobs(self, steps: list[Step], offset: int = 0) -> CompletionLogprobs | None:
-        if self.request.logprobs is None:  # type: ignore[attr-defined]
-            return None
-        result = CompletionLogprobs()
-        for token, logprob, top in steps:
-            text = self.token_text(token)
-            result.tokens.append(text)
-            result.token_logprobs.append(logprob)
-            result.top_logprobs.append({self.token_text(t): lp for t, lp in top})
-            result.text_offset.append(offset)
-            offset += len(text)
-        return result
 
-    def response(self, choices: list[Choice]) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.id,
-            model=self.model,
-            choices=[
-                CompletionChoice(
-                    index=c.index,
-                    text=c.text.text,
-                    logprobs=self.logprobs(c.steps),
-                    finish_reason=c.text.finish_reason,
-                )
-                for c in choices
-            ],
-            usage=self.usage(choices),
+def install_routes(app: FastAPI, serving: OpenAIServing, stored_responses: int) -> None:
+    responses = ResponsesServing(serving, stored_responses)
+    answer = responses.dialect.answer
+
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        owner = owner_of(presented_key(request))
+        return await responses.dialect.run(
+            request, "responses", ResponsesRequest, lambda body: responses.create(body, owner)
         )
 
-    def chunks(self, moved: list[Moved]) -> list[CompletionResponse]:
-        return [
-            CompletionResponse(
-                id=self.id,
-                model=self.model,
-                choices=[
-                    CompletionChoice(
-                        index=choice.index,
-                        text=delta,
-                        logprobs=self.logprobs(_steps(step), len(choice.text.text) - len(delta)),
-                        finish_reason=choice.text.finish_reason,
-                    )
-                ],
-            )
-            for choice, delta, step in moved
-        ]
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> Response:
+        return answer("responses_retrieve", responses.retrieve(owner_of(presented_key(request)), response_id))
 
-    def usage_chunk(self, choices: list[Choice]) -> CompletionResponse:
-        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=self.usage(choices))
-
-
-class ChatFormat(ResponseFormat):
-    id_prefix = "chatcmpl"
-    prompt_param = "messages"
-
-    def logprobs(self, steps: list[Step]) -> ChatLogprobs | None:
-        if not self.request.logprobs:  # type: ignore[attr-defined]
-            return None
-        return ChatLogprobs(
-            content=[
-                TokenLogprob(
-                    **self._top(token, logprob),
-                    top_logprobs=[TopLogprob(**self._top(t, lp)) for t, lp in top],
-                )
-                for token, logprob, top in steps
-            ]
-        )
-
-    def _top(self, token: int, logprob: float | None) -> dict:
-        text = self.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def response(self, choices: list[Choice]) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=self.id,
-            model=self.model,
-            choices=[self._choice(c) for c in choices],
-            usage=self.usage(choices),
-        )
-
-    def _choice(self, choice: Choice) -> ChatChoice:
-        text = choice.text.text
-        stream = choice.calls
-        content, calls = (text, []) if stream is None else tool_calls.parse(text, stream.format)
-        return ChatChoice(
-            index=choice.index,
-            message=AssistantMessage(content=content, tool_calls=calls or None),
-            logprobs=self.logprobs(choice.steps),
-            finish_reason="tool_calls"
-            if calls and choice.text.finish_reason == "stop"
-            else choice.text.finish_reason,
-        )
-
-    def first_chunks(self, num_choices: int) -> list[ChatCompletionChunk]:
-        return [
-            ChatCompletionChunk(
-                id=self.id,
-                model=self.model,
-                choices=[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-            )
-            for i in range(num_choices)
-        ]
-
-    def chunks(self, moved: list[Moved]) -> list[ChatCompletionChunk]:
-        return [self._chunk(choice, delta, step) for choice, delta, step in moved]
-
-    def _chunk(self, choice: Choice, text: str, step: Step | None) -> ChatCompletionChunk:
-        """The text released, less what belongs to tool calls, which go out whole once written."""
-        finish_reason = choice.text.finish_reason
-        delta = DeltaMessage(content=text)
-        if choice.calls is not None:
-            content, calls = choice.calls.feed(text)
-            if finish_reason is not None:
-                rest, last = choice.calls.finish()
-                content = content + rest
-                calls = calls + last
-                finish_reason = (
-                    "tool_calls" if choice.calls.count and finish_reason == "stop" else finish_reason
-                )
-            first = choice.calls.count - len(calls)
-            deltas = [
-                ToolCallDelta(index=first + i, id=c.id, function=c.function) for i, c in enumerate(calls)
-            ]
-            delta = DeltaMessage(
-                content=content if content or not deltas else None, tool_calls=deltas or None
-            )
-        return ChatCompletionChunk(
-            id=self.id,
-            model=self.model,
-            choices=[
-                ChatChunkChoice(
-                    index=choice.index,
-                    delta=delta,
-                    logprobs=self.logprobs(_steps(step)),
-                    finish_reason=finish_reason,
-                )
-            ],
-        )
-
-    def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=self.usage(choices))
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(request: Request, response_id: str) -> Response:
+        return answer("responses_delete", responses.delete(owner_of(presented_key(request)), response_id))

@@ -21,6 +21,7 @@ from corolla.api import chat
 from corolla.api.chat import invalid as _invalid
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.api.choices import Choice, Moved, advance
+from corolla.api.formats import ChatFormat, CompletionFormat, ResponseFormat
 from corolla.api.metrics import ApiMetrics
 from corolla.api.protocol import (
     CompletionRequest,
@@ -32,7 +33,6 @@ from corolla.api.protocol import (
     new_id,
 )
 from corolla.api.request_log import Record, RequestLog
-from corolla.api.responses import ChatFormat, CompletionFormat, ResponseFormat
 from corolla.api.streams import EventStream, merge, settled
 from corolla.api.tool_calls import CallFormat
 from corolla.api.tracker import RequestTracker

@@ -101,6 +101,14 @@ def _add_access_args(parser: argparse.ArgumentParser) -> None:
         "(repeat for several; default: none)",
         metavar="ORIGIN",
     )
+    add_field(
+        parser,
+        ApiConfig,
+        "stored_responses",
+        "how many answers of the Responses API to keep per API key, least recently used evicted, so that "
+        "a request may continue one with previous_response_id (0: keep none; default: %(default)s)",
+        metavar="N",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -145,6 +153,7 @@ def api_config(args: argparse.Namespace) -> ApiConfig:
         embedding_pooling=args.embedding_pooling,
         api_keys=tuple(keys),
         allowed_origins=tuple(args.allowed_origins),
+        stored_responses=args.stored_responses,
     )
 
 
