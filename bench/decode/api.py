@@ -14,12 +14,14 @@ time per token of masking the logits and following the chosen token (llguidance,
 vocabulary, 1 and 16 rows), and through the API, the per-token latency of streams whose answers must
 match a JSON schema vs free ones, at each level.
 
-The same streams through Anthropic's Messages API (`/v1/messages`, its named events) against chat
-completions, at each level, 2 x `--repeats` runs each, each API first every other time (the second of
-two requests in a row starts some ms later): medians, and what the other dialect's translation and event
-shapes cost.
+The same streams through Anthropic's Messages API (`/v1/messages`, its named events) and OpenAI's
+Responses API (`/v1/responses`, its typed events) against chat completions, at each level, 3 x
+`--repeats` runs each, the APIs taking turns going first (a request that follows another starts some ms
+later): medians, and what the other dialects' translations and event shapes cost. And a conversation of
+`--turns` turns continued with previous_response_id against the same through chat completions
+(bench/decode/conversation.py): bytes sent and time to first token per turn.
 
-    python -m bench.decode.api [--levels 1 16] [--new-tokens 64] [--repeats 2]
+    python -m bench.decode.api [--levels 1 16] [--new-tokens 64] [--repeats 2] [--turns 10]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 
 import torch
 
+from bench.decode.conversation import conversation_turns
 from bench.lib.env import parser
 from bench.lib.prompts import chat_ids, topic_question
 from bench.lib.stamp import report
@@ -62,18 +65,26 @@ def python_level(model: DistributedModelForCausalLM, clients: int, new_tokens: i
     return summarize(sessions.starts, sessions.stamps, sessions.elapsed)
 
 
-# per API: its streaming route, and how a stream's line carrying a token begins
-ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
-TOKEN_LINES = {"chat": b"data: {", "messages": b'data: {"type": "content_block_delta"'}
+# per API: its streaming route, how a stream's line carrying a token begins, and the one that ends it
+ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+TOKEN_LINES = {
+    "chat": b"data: {",
+    "messages": b'data: {"type": "content_block_delta"',
+    "responses": b'data: {"type": "response.output_text.delta"',
+}
+ENDS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed")
 
 
 async def http_stream(
     port: int, i: int, new_tokens: int, stamps: list[float], schema: dict | None = None, api: str = "chat"
 ) -> None:
-    """One streaming request (chat completions, or Anthropic's Messages API); free text to `new_tokens`
-    tokens, or an answer matching `schema` (chat completions)."""
+    """One streaming request (chat completions, Anthropic's Messages API or OpenAI's Responses API); free
+    text to `new_tokens` tokens, or an answer matching `schema` (chat completions)."""
     request = {"model": MODEL, "messages": messages(i), "max_tokens": new_tokens, "temperature": 0,
                "stream": True, "ignore_eos": schema is None}  # fmt: skip
+    if api == "responses":
+        request["input"] = request.pop("messages")
+        request["max_output_tokens"] = request.pop("max_tokens")
     if schema is not None:
         request["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     body = json.dumps(request).encode()
@@ -94,7 +105,7 @@ async def http_stream(
                 first = False
                 continue
             stamps.append(time.perf_counter())
-        elif line.startswith((b"data: [DONE]", b"event: message_stop")):
+        elif line.startswith(ENDS):
             break
     writer.close()
 
@@ -167,26 +178,28 @@ def constrained_levels(port: int, levels: list[int], new_tokens: int, repeats: i
 
 
 def api_levels(port: int, levels: list[int], new_tokens: int, repeats: int) -> list[dict]:
-    """The same streams through Anthropic's Messages API and through chat completions, level by level
-    (issue 50: at most 1.05x chat completions' time to first token, at least 1/1.05 of its tokens/s)."""
+    """The same streams through Anthropic's Messages API, OpenAI's Responses API and chat completions, level
+    by level (issue 50: at most 1.05x chat completions' time to first token, at least 1/1.05 of its
+    tokens/s)."""
+    apis = list(ROUTES)
     results = []
     for clients in levels:
-        runs: dict[str, list[dict]] = {"chat": [], "messages": []}
+        runs: dict[str, list[dict]] = {api: [] for api in apis}
         for repeat in range(repeats):
-            # the second request of a pair comes some ms later (the first one's sessions are still being
-            # kept for reuse), so each API goes first every other time
-            for api in ("chat", "messages") if repeat % 2 == 0 else ("messages", "chat"):
+            # a request that follows another starts some ms later (the first one's sessions are still
+            # being kept for reuse), so the APIs take turns going first
+            for api in apis[repeat % 3 :] + apis[: repeat % 3]:
                 runs[api].append(http_level(port, clients, new_tokens, api=api))
+        keys = ("ttft_p50_ms", "tokens_per_s")
         medians = {
-            api: {key: statistics.median(run[key] for run in rows) for key in ("ttft_p50_ms", "tokens_per_s")}
+            api: {key: statistics.median(run[key] for run in rows) for key in keys}
             for api, rows in runs.items()
         }
-        ttft = medians["messages"]["ttft_p50_ms"] / medians["chat"]["ttft_p50_ms"]
-        rate = medians["messages"]["tokens_per_s"] / medians["chat"]["tokens_per_s"]
-        ratios = {"ttft": round(ttft, 3), "tokens_per_s": round(rate, 3)}
-        results.append(
-            {"clients": clients, "runs": runs, "medians": medians, "ratios_messages_vs_chat": ratios}
-        )
+        ratios = {
+            f"{api}_vs_chat": {key: round(medians[api][key] / medians["chat"][key], 3) for key in keys}
+            for api in apis[1:]
+        }
+        results.append({"clients": clients, "runs": runs, "medians": medians, "ratios": ratios})
     return results
 
 
@@ -195,6 +208,7 @@ def main() -> None:
     flags.add_argument("--levels", type=int, nargs="+", default=[1, 16])
     flags.add_argument("--new-tokens", type=int, default=64)
     flags.add_argument("--repeats", type=int, default=2, help="runs per level and path (the best is kept)")
+    flags.add_argument("--turns", type=int, default=10, help="turns of the conversation through each API")
     args = flags.parse_args()
     torch.set_num_threads(1)
     results = []
@@ -228,7 +242,8 @@ def main() -> None:
             "client_mask_cost": [mask_cost(model, rows) for rows in (1, 16)],
             "api": constrained_levels(port, args.levels, args.new_tokens, args.repeats),
         }
-        apis = api_levels(port, args.levels, args.new_tokens, 2 * args.repeats)
+        apis = api_levels(port, args.levels, args.new_tokens, 3 * args.repeats)
+        conversation = conversation_turns(port, args.turns, 32)
     report(
         __file__,
         {
@@ -237,7 +252,8 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "levels": results,
             "constrained_decoding": constrained,
-            "messages_vs_chat_completions": apis,
+            "dialects_vs_chat_completions": apis,
+            "conversation": conversation,
         },
     )
 

@@ -100,6 +100,32 @@ def test_a_tool_call_round_trip(tool_api):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat tool shape
+
+
+def test_a_tool_round_trip_through_the_responses_api(tool_api):
+    """A forced call (plain, then streamed: the same call), its output sent back as the next turn's only
+    input with previous_response_id: a text answer, no call."""
+    ask = {"model": "tiny-tools", "tools": [RESPONSES_WEATHER], "temperature": 0, "max_output_tokens": 100}
+    forced = {"type": "function", "name": "get_weather"}
+    called = tool_api.responses.create(input="Weather in Oslo?", tool_choice=forced, **ask)
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    with tool_api.responses.stream(input="Weather in Oslo?", tool_choice=forced, **ask) as stream:
+        events = list(stream)
+    done = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert [event.arguments for event in done] == [call.arguments]
+    assert events[-1].response.output[0].name == "get_weather"
+
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer = tool_api.responses.create(
+        input=[output], previous_response_id=called.id, tool_choice="none", **{**ask, "max_output_tokens": 5}
+    )
+    assert [item.type for item in answer.output] == ["message"] and answer.output_text
+    assert answer.usage.input_tokens > called.usage.input_tokens  # the call and its output were rendered
+
+
 def test_required_parallel_calls_with_n_and_a_seed(tool_api):
     fields = dict(tools=[WEATHER], tool_choice="required", n=2, temperature=1.0, seed=3, max_tokens=120)
     answers = [ask(tool_api, [{"role": "user", "content": "Oslo and Rome?"}], **fields) for _ in range(2)]

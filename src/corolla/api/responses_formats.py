@@ -53,7 +53,7 @@ class ResponsesFormat(ChatFormat):
             return "".join(self.sse(event) for event in payload)
         if "error" in payload and "type" not in payload:  # serving's error event, OpenAI-shaped
             return self.sse(self._failed(payload["error"]))
-        payload["sequence_number"] = self.sequence
+        payload = {"type": payload["type"], **payload, "sequence_number": self.sequence}  # type first
         self.sequence += 1
         return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
