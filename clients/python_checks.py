@@ -1,4 +1,5 @@
-"""The Python clients (openai, litellm, LangChain, ollama, anthropic) against two `corolla api` servers,
+"""The Python clients (openai, its Responses calls, the OpenAI Agents SDK, litellm, LangChain with its
+OpenAI, Anthropic and Ollama integrations, ollama, anthropic) against two `corolla api` servers,
 as users call them.
 
 Runs inside the clients' own venv (clients/check.py makes it and passes the URLs; the key comes in
@@ -28,6 +29,9 @@ SUITES = {"openai": "pychecks.openai_client", "litellm": "pychecks.litellm_clien
 SUITES["langchain"] = "pychecks.langchain_client"
 SUITES["ollama"] = "pychecks.ollama_client"
 SUITES["anthropic"] = "pychecks.anthropic_client"
+SUITES["openai-responses"] = "pychecks.responses_client"
+SUITES["openai-agents"] = "pychecks.agents_client"
+SUITES["langchain-dialects"] = "pychecks.langchain_dialects_client"
 MAX_DETAIL = 600  # characters of an error in the summary
 
 

@@ -1,46 +1,22 @@
 """Seeing the swarm: the dashboard in a real headless Chromium, `corolla status`, and the 503 for gaps.
 
-Chromium is Debian's `chromium` package (`make test` installs it when it can). It may only talk to
-127.0.0.1: every other host resolves to nothing and a dead local proxy takes any other traffic.
+Chromium is Debian's `chromium` package (`make test` installs it when it can), on loopback only
+(tests/browser.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
+from browser import ARTIFACTS, LOOPBACK_ONLY, chromium
 from corolla.launch.local import LocalSwarm
 from swarm_helpers import run_corolla
-
-ARTIFACTS = Path(os.environ.get("COROLLA_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
-LOOPBACK_ONLY = [
-    "--headless",
-    "--no-sandbox",  # tests run as root in CI
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-default-apps",
-    "--disable-sync",
-    "--metrics-recording-only",
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-    "--proxy-server=http://127.0.0.1:9",  # loopback bypasses proxies; anything else goes nowhere
-]
-
-
-def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("headless Chromium is needed: apt-get install chromium (make test does this as root)")
-    return path
 
 
 def coverage(swarm: LocalSwarm, num_blocks: int) -> list[int]:

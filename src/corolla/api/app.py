@@ -127,4 +127,9 @@ def build_app(serving: OpenAIServing, config: ApiConfig | None = None) -> FastAP
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(files("corolla.api").joinpath("dashboard.html").read_text())
 
+    @app.get("/chat", response_class=HTMLResponse)
+    async def chat_page() -> HTMLResponse:
+        """A chat with the model, each token marked with the servers that computed it (chat.html)."""
+        return HTMLResponse(files("corolla.api").joinpath("chat.html").read_text())
+
     return app

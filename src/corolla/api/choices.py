@@ -16,6 +16,7 @@ class Choice:
         self.text = text
         self.steps: list[Step] = []
         self.calls = CallStream(calls) if calls else None  # with tools: the calls apart from the content
+        self.route: tuple = ()  # the servers that computed its last token (Hops)
 
 
 Moved = tuple[Choice, str, Step | None]  # a choice, the text it released, the token that released it
@@ -37,6 +38,7 @@ def advance(choices: list[Choice], prompt_index: int, step: GenerationStep, max_
             delta += choice.text.finish("length")
         entry = step_logprobs(step, row, token)
         choice.steps.append(entry)
+        choice.route = step.route
         moved.append((choice, delta, entry))
     return moved
 

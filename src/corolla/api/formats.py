@@ -19,6 +19,8 @@ from corolla.api.outputs import (
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
+    RoutedChunk,
+    ServedHop,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -204,18 +206,13 @@ class ChatFormat(ResponseFormat):
             delta = DeltaMessage(
                 content=content if content or not deltas else None, tool_calls=deltas or None
             )
-        return ChatCompletionChunk(
-            id=self.id,
-            model=self.model,
-            choices=[
-                ChatChunkChoice(
-                    index=choice.index,
-                    delta=delta,
-                    logprobs=self.logprobs(_steps(step)),
-                    finish_reason=finish_reason,
-                )
-            ],
+        chunk = ChatChunkChoice(
+            index=choice.index, delta=delta, logprobs=self.logprobs(_steps(step)), finish_reason=finish_reason
         )
+        if not self.request.return_servers:  # type: ignore[attr-defined]
+            return ChatCompletionChunk(id=self.id, model=self.model, choices=[chunk])
+        servers = [ServedHop(peer_id=hop.peer_id, blocks=(hop.start, hop.end)) for hop in choice.route]
+        return RoutedChunk(id=self.id, model=self.model, choices=[chunk], servers=servers)
 
     def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=self.usage(choices))

@@ -110,3 +110,14 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class ServedHop(BaseModel):
+    peer_id: str
+    blocks: tuple[int, int]  # [start, end)
+
+
+class RoutedChunk(ChatCompletionChunk):
+    """A chunk of a request with corolla's `return_servers`: the chain of servers that computed its token."""
+
+    servers: list[ServedHop]

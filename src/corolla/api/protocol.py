@@ -95,6 +95,11 @@ class SamplingRequest(OpenAIBaseModel):
     top_k: int | None = Field(None, description="extension: keep the k likeliest tokens (-1 or null: all)")
     repetition_penalty: float = Field(1.0, gt=0, description="extension: transformers' repetition penalty")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
+    return_servers: bool = Field(
+        False,
+        description="extension: each streamed chunk names the servers (peer id and blocks) that computed "
+        "its token, as `servers`",
+    )
     speculative: bool = Field(
         True,
         description="extension: with a server started with --draft, draft and verify several tokens per "

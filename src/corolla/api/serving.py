@@ -258,12 +258,14 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         async def sse() -> AsyncIterator[str]:
             try:
-                for chunk in output.first_chunks(len(choices)):
-                    yield output.sse(chunk)
+                # one write per step: the opening events go out with the first token's
+                head = "".join(output.sse(chunk) for chunk in output.first_chunks(len(choices)))
                 moved = first
                 while moved is not None:
-                    for chunk in output.chunks(moved):
-                        yield output.sse(chunk)
+                    text = head + "".join(output.sse(chunk) for chunk in output.chunks(moved))
+                    if text:
+                        yield text
+                        head = ""
                     moved = await anext(events, None)
                 if output.request.include_usage:
                     yield output.sse(output.usage_chunk(choices))

@@ -173,7 +173,7 @@ class DistributedModelForCausalLM(TransformersModel):
         verifies several tokens per step: the tokens are the same. Tokens a spot check finds wrong are
         withdrawn by a step with `withdrawn` set and chosen again ("redo"), or end the generation with
         ServerUnavailable ("fail"). `tokenizer`: what stop strings and grammars are matched with (default:
-        the model folder's).
+        the model folder's). Each step's `route` is the chain of servers its session stood on.
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
@@ -194,11 +194,12 @@ class DistributedModelForCausalLM(TransformersModel):
                 self.head_batcher, session, chooser, first, speculation, checker, withdrawals
             )
             async for step in steps:
+                cached = None
                 if held is not None and not step.withdrawn:
-                    step = replace(step, cached_tokens=opened.cached)
+                    cached = opened.cached
                     opened.prompt_ran()
                     held = None
-                yield step
+                yield replace(step, cached_tokens=cached, route=tuple(session.route))
             ended = chooser.context[0, : session.settled_position]
         finally:
             if own:

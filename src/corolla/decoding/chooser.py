@@ -34,6 +34,8 @@ class GenerationStep:
     withdrawn: int = 0
     # on a generation's first step: the prompt's positions its servers held already (reused prefixes)
     cached_tokens: int | None = None
+    # the chain that computed it (client/model.py fills it in): a Hop (peer_id, start, end) per server
+    route: tuple[Any, ...] = ()
 
 
 class RowEnds:

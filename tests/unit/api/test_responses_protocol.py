@@ -10,6 +10,8 @@ from corolla.api.responses_protocol import ResponsesRequest
 from corolla.errors import InvalidRequest
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
 def TEXT(text: str) -> dict:
     return {"type": "input_text", "text": text}
 
