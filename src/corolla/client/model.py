@@ -165,14 +165,14 @@ class DistributedModelForCausalLM(TransformersModel):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationStep]:
         """Like `agenerate`, with each row's finished flag, (params.logprobs) log-probabilities, and the
-        chain of servers its session stood on (`route`). Without `session`, one is opened for max_length = prompt + max_new_tokens (+ the trained prefix)
-        and closed on every server of its chain as soon as the generation ends, fails or is cancelled.
-        With a tuning_mode, a new session starts with the trained prompts, as `forward` uses them. With a
-        drafter (ClientConfig.speculation) and params.speculative, a one-row generation drafts and
-        verifies several tokens per step: the tokens are the same. Tokens a spot check finds wrong are
-        withdrawn by a step with `withdrawn` set and chosen again ("redo"), or end the generation with
-        ServerUnavailable ("fail"). `tokenizer`: what stop strings and grammars are matched with (default:
-        the model folder's).
+        chain of servers its session stood on (`route`). Without `session`, one is opened for max_length =
+        prompt + max_new_tokens (+ the trained prefix) and closed on every server of its chain as soon as
+        the generation ends, fails or is cancelled. With a tuning_mode, a new session starts with the
+        trained prompts, as `forward` uses them. With a drafter (ClientConfig.speculation) and
+        params.speculative, a one-row generation drafts and verifies several tokens per step: the tokens
+        are the same. Tokens a spot check finds wrong are withdrawn by a step with `withdrawn` set and
+        chosen again ("redo"), or end the generation with ServerUnavailable ("fail"). `tokenizer`: what
+        stop strings and grammars are matched with (default: the model folder's).
         """
         input_ids = _as_batch(input_ids)
         params = replace(params or SamplingParams(), **kwargs)
