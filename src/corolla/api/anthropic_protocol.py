@@ -9,7 +9,8 @@ built-in (server) tools are refused naming the block. Tools are `{name, descript
 `output_config.format` (a JSON schema) is enforced as `response_format` is. The current anthropic SDKs
 send no sampling parameters of their own (they come as extra body fields): `temperature` (0 to 1),
 `top_p` and `top_k` are honoured when present; without them sampling is plain (temperature 1, no top-p or
-top-k), as Anthropic's API defaults. Extended thinking is refused; `metadata`, `service_tier`, effort and
+top-k), as Anthropic's API defaults. Extended thinking (`enabled`) is refused, `adaptive` thinking is
+taken (the model thinks when it decides to, and this one never does); `metadata`, `service_tier`, effort and
 other fields that tune Anthropic's own service are ignored.
 """
 
@@ -80,7 +81,8 @@ class CountTokensRequest(AnthropicModel):
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat completion's messages, tools and tool choice; raises InvalidRequest naming the field."""
-        if self.thinking is not None and self.thinking.type != "disabled":
+        if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
+            # adaptive: the model thinks when it decides to, and this one never does
             raise InvalidRequest("thinking: this model has no extended thinking")
         messages = [{"role": "system", "content": _text(self.system, "system")}] if self.system else []
         for i, message in enumerate(self.messages):

@@ -92,6 +92,8 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field():
     with pytest.raises(InvalidRequest, match="thinking"):
         request(thinking={"type": "enabled", "budget_tokens": 1024}).to_openai()
     assert request(thinking={"type": "disabled"}).to_openai().messages[0].content == ASK["content"]
+    # adaptive (Claude Code's default): the model thinks when it decides to, and this one never does
+    assert request(thinking={"type": "adaptive"}).to_openai().messages[0].content == ASK["content"]
 
 
 def answered(reason, released, decoded, stops=(), calls=0):
