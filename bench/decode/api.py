@@ -35,6 +35,7 @@ import torch
 
 from bench.decode.conversation import conversation_turns
 from bench.lib.env import parser
+from bench.lib.http import open_stream
 from bench.lib.prompts import chat_ids, topic_question
 from bench.lib.stamp import report
 from bench.lib.swarm import concurrent, smollm2_swarm
@@ -87,17 +88,7 @@ async def http_stream(
         request["max_output_tokens"] = request.pop("max_tokens")
     if schema is not None:
         request["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    body = json.dumps(request).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        f"POST {ROUTES[api]} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
-        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:  # a refused request would leave the stream without tokens: say why
-        raise RuntimeError(f"{status.decode().strip()}: {(await reader.read()).decode()[-500:]}")
+    reader, writer = await open_stream(port, ROUTES[api], json.dumps(request).encode())
     first = api == "chat"  # chat's opening chunk carries the role, not a token
     while line := await reader.readline():
         if line.startswith(TOKEN_LINES[api]):

@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 
+from bench.lib.http import open_stream
 from bench.lib.prompts import topic_question
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,17 +24,8 @@ MODEL = "SmolLM2-135M-Instruct"
 async def post_stream(port: int, route: str, request: dict, token_line: bytes) -> dict:
     """POST a streaming request; its body's bytes, time to first token, and the last event's JSON."""
     body = json.dumps(request).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     started = time.perf_counter()
-    writer.write(
-        f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
-        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        raise RuntimeError(f"{status.decode().strip()}: {(await reader.read()).decode()[-500:]}")
+    reader, writer = await open_stream(port, route, body)
     first = None
     lines = []
     while line := await reader.readline():

@@ -48,12 +48,12 @@ def llama(url: str, model: str, key: str, max_tokens: int) -> ChatOllama:
     )
 
 
-def anthropic_answer_and_stream(setup: Setup) -> str:
-    model = claude(setup.smol_url, setup.smol_model, setup.key, ANSWER_TOKENS)
+def answer_and_stream(model: ChatAnthropic | ChatOllama, reason_key: str) -> str:
+    """`invoke` and `stream` give the same greedy text; `reason_key`: the metadata naming why it ended."""
     answer = model.invoke(ASK_WEATHER[0]["content"])
     streamed = "".join(str(chunk.content) for chunk in model.stream(ASK_WEATHER[0]["content"]))
     require(streamed == answer.content, f"streamed {streamed!r}, invoked {answer.content!r}")
-    return f"{check_answer(answer.content, answer.response_metadata.get('stop_reason'))}, streamed alike"
+    return f"{check_answer(answer.content, answer.response_metadata.get(reason_key))}, streamed alike"
 
 
 def anthropic_tool_round_trip(setup: Setup) -> str:
@@ -69,14 +69,6 @@ def anthropic_tool_round_trip(setup: Setup) -> str:
     return f"get_weather({call['args']}), then {check_answer(final.text)}"
 
 
-def ollama_answer_and_stream(setup: Setup) -> str:
-    model = llama(setup.smol_url, setup.smol_model, setup.key, ANSWER_TOKENS)
-    answer = model.invoke(ASK_WEATHER[0]["content"])
-    streamed = "".join(str(chunk.content) for chunk in model.stream(ASK_WEATHER[0]["content"]))
-    require(streamed == answer.content, f"streamed {streamed!r}, invoked {answer.content!r}")
-    return f"{check_answer(answer.content, answer.response_metadata.get('done_reason'))}, streamed alike"
-
-
 def structured(model: ChatAnthropic | ChatOllama, schema: type, messages: list) -> str:
     method = "json_schema"
     parsed = model.with_structured_output(schema, method=method).invoke(messages[0]["content"])
@@ -85,7 +77,9 @@ def structured(model: ChatAnthropic | ChatOllama, schema: type, messages: list) 
 
 
 CHECKS = {
-    "anthropic_answer_stream": anthropic_answer_and_stream,
+    "anthropic_answer_stream": lambda s: answer_and_stream(
+        claude(s.smol_url, s.smol_model, s.key, ANSWER_TOKENS), "stop_reason"
+    ),
     "anthropic_tool_round_trip": anthropic_tool_round_trip,
     "anthropic_structured_tiny": lambda s: structured(
         claude(s.tool_url, s.tool_model, s.key, JSON_TOKENS), Forecast, ASK_FORECAST
@@ -93,7 +87,9 @@ CHECKS = {
     "anthropic_structured_smollm2": lambda s: structured(
         claude(s.smol_url, s.smol_model, s.key, JSON_TOKENS), Capital, ASK_CAPITAL
     ),
-    "ollama_answer_stream": ollama_answer_and_stream,
+    "ollama_answer_stream": lambda s: answer_and_stream(
+        llama(s.smol_url, s.smol_model, s.key, ANSWER_TOKENS), "done_reason"
+    ),
     "ollama_structured_tiny": lambda s: structured(
         llama(s.tool_url, s.tool_model, s.key, JSON_TOKENS), Forecast, ASK_FORECAST
     ),
