@@ -133,7 +133,8 @@ class Swarm:
         return {name: f"{api.url}/v1" for name, api in zip(models, apis, strict=True)}  # served name -> URL
 
     def _add_api(self, swarm: LocalSwarm, name: str) -> PeerProcess:
-        return swarm.add_api(extra_args=["--served-model-name", name, "--api-key", self.key])
+        # `--api-key=KEY`: a random key may begin with "-", which argparse would take for an option
+        return swarm.add_api(extra_args=["--served-model-name", name, f"--api-key={self.key}"])
 
     def stop(self) -> None:
         """The APIs and servers first, the DHT peer (of the first swarm) last."""
