@@ -274,8 +274,7 @@ class ClientConfig:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    """`corolla api`'s own settings (its client's are a ClientConfig): checked here, for the CLI and for
-    Python callers of api/app.py's build_app alike."""
+    """`corolla api`'s own settings (its client's are a ClientConfig), checked for the CLI and build_app."""
 
     host: str = "127.0.0.1"  # HTTP address
     port: int = 8000  # HTTP port
@@ -286,12 +285,16 @@ class ApiConfig:
     api_keys: tuple[str, ...] = ()  # bearer keys every /v1 and /api route needs (none: open)
     allowed_origins: tuple[str, ...] = ()  # CORS origins (or "*")
     stored_responses: int = 1000  # Responses API answers kept per API key for previous_response_id
+    chat_template: str | None = None  # a Jinja file, or a bundled template's name, instead of the model's
+    default_temperature: float | None = None  # for requests that set none (None: each API's default)
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535:
             raise InvalidRequest(f"port (--port) must lie in 1..65535, got {self.port}")
         _check(self, 2, ("max_model_len",), strict=False)
-        _check(self, 0, ("stats_interval", "stored_responses"), strict=False)
+        _check(self, 0, ("stats_interval", "stored_responses", "default_temperature"), strict=False)
+        if (hot := self.default_temperature or 0) > 2:
+            raise InvalidRequest(f"default_temperature (--default-temperature) must be at most 2, got {hot}")
         _one_of(self, "embedding_pooling", EMBEDDING_POOLINGS)
         if any(not key.strip() for key in self.api_keys):
             raise InvalidRequest("api_keys (--api-key) must not be empty")

@@ -34,6 +34,11 @@ from corolla.errors import InvalidRequest
             r"embedding_pooling \(--embedding-pooling\) must be one",
         ),
         (lambda: ApiConfig(api_keys=("ok", " ")), r"api_keys \(--api-key\) must not be empty"),
+        (
+            lambda: ApiConfig(default_temperature=-1),
+            r"default_temperature \(--default-temperature\) must be at",
+        ),
+        (lambda: ApiConfig(default_temperature=2.5), r"default_temperature .* must be at most 2, got 2.5"),
         (lambda: ClientConfig(request_timeout=0), "request_timeout must be greater than 0"),
     ],
 )

@@ -99,7 +99,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: Annotated[float, Field(ge=0, le=1)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None  # None: the API's default (1.0)
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] | None = None
     output_config: OutputConfig | None = None

@@ -4,13 +4,19 @@ what constrained decoding must enforce (tool calls, response format)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
 from typing import Any
+
+import jinja2
 
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.api.protocol import ErrorResponse, SamplingRequest
 from corolla.api.tool_calls import HERMES, CallFormat
 from corolla.api.tools import call_format, call_grammar, supports_tools
 from corolla.errors import InvalidRequest
+
+BUNDLED_TEMPLATES = ("chatml-tools",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,26 @@ def render(
         )
     except Exception as e:  # templates raise what they like (jinja2's errors, raise_exception)
         return invalid(f"the chat template rejected the messages: {e}", "messages")
+
+
+def chat_template(value: str) -> str:
+    """`--chat-template`'s text: a bundled template's name (`chatml-tools`: ChatML with Hermes tool calls,
+    for ChatML models whose own template renders no tools) or a Jinja file; InvalidRequest if unusable."""
+    bundled = files("corolla.api").joinpath(f"{value}.jinja")
+    try:
+        text = bundled.read_text() if value in BUNDLED_TEMPLATES else Path(value).read_text()
+    except OSError as e:
+        choices = ", ".join(BUNDLED_TEMPLATES)
+        raise InvalidRequest(
+            f"chat_template (--chat-template): {e.strerror}: {value} (bundled: {choices})"
+        ) from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequest(
+            f"chat_template (--chat-template): {value}, line {e.lineno}: {e.message}"
+        ) from None
+    return text
 
 
 def prepare(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt | ErrorResponse:

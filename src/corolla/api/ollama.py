@@ -34,7 +34,13 @@ class OllamaServing:
         """Ollama names models `name:tag`; `latest` is the tag a bare name means."""
         return given in (self.serving.name, f"{self.serving.name}:latest")
 
+    def _defaults(self, body: OllamaChatRequest | OllamaGenerateRequest) -> None:
+        """`corolla api --default-temperature`, where set, before Ollama's own default (0.8)."""
+        if self.serving.default_temperature is not None and body.options.temperature is None:
+            body.options.temperature = self.serving.default_temperature
+
     async def chat(self, body: OllamaChatRequest) -> Any:
+        self._defaults(body)
         request = translated(body.to_openai)
         if isinstance(request, ErrorResponse):
             return request
@@ -49,6 +55,7 @@ class OllamaServing:
                 "done": True,
                 "done_reason": "load",
             }
+        self._defaults(body)
         request = translated(lambda: body.to_openai(self.serving.model.tokenizer))
         if isinstance(request, ErrorResponse):
             return request

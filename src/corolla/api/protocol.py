@@ -88,7 +88,7 @@ class SamplingRequest(OpenAIBaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # None: the API's default (1.0)
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     user: str | None = None
     # corolla's extensions (vLLM and transformers name them the same way)
@@ -142,17 +142,25 @@ class SamplingRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, vocab_size: int, grammar: str | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        vocab_size: int,
+        grammar: str | None = None,
+        default_temperature: float | None = None,
     ) -> SamplingParams:
-        """The request's sampling; `grammar`: what the output must match (response format, tool calls)."""
+        """The request's sampling; `grammar`: what the output must match (response format, tool calls);
+        `default_temperature` where the request says none (`corolla api --default-temperature`)."""
+        temperature = self.temperature if self.temperature is not None else default_temperature
+        temperature = 1.0 if temperature is None else temperature
         bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
         for token, _ in bias:
             if token >= vocab_size:
                 raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab_size}")
         return SamplingParams(
             max_new_tokens=max_tokens,
-            do_sample=self.temperature > 0,
-            temperature=self.temperature if self.temperature > 0 else 1.0,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
             top_k=self.top_k,
             top_p=self.top_p,
             repetition_penalty=self.repetition_penalty,

@@ -23,7 +23,7 @@ from corolla.api.conversations import Conversations, NotStored, owner_of
 from corolla.api.dialects import Dialect, translated
 from corolla.api.protocol import ErrorResponse
 from corolla.api.responses_formats import ResponsesFormat, Turn
-from corolla.api.responses_protocol import ResponsesRequest
+from corolla.api.responses_protocol import ResponsesRequest, namespaces_of
 
 if TYPE_CHECKING:
     from corolla.api.serving import OpenAIServing
@@ -46,7 +46,7 @@ class ResponsesServing:
         request = translated(lambda: body.to_openai(history, self.serving.name))
         if isinstance(request, ErrorResponse):
             return request
-        turn = Turn(echo(body))
+        turn = Turn(echo(body, self.serving.default_temperature), namespaces=namespaces_of(body.tools))
         if body.store and self.conversations.per_key:
             items = body.new_items()
 
@@ -67,8 +67,8 @@ class ResponsesServing:
         return {"id": response_id, "object": "response", "deleted": True}
 
 
-def echo(body: ResponsesRequest) -> dict[str, Any]:
-    """The request's settings as a response repeats them (OpenAI's defaults where left out)."""
+def echo(body: ResponsesRequest, temperature: float | None) -> dict[str, Any]:
+    """The request's settings as a response repeats them (the defaults where left out)."""
     text_format = body.text.format if body.text is not None else None
     choice = body.tool_choice
     tool_choice = choice.model_dump(exclude_none=True) if hasattr(choice, "model_dump") else choice
@@ -80,7 +80,7 @@ def echo(body: ResponsesRequest) -> dict[str, Any]:
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
         "store": body.store,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "temperature": next(t for t in (body.temperature, temperature, 1.0) if t is not None),
         "text": {"format": text_format.model_dump(by_alias=True) if text_format else {"type": "text"}},
         "tool_choice": tool_choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],

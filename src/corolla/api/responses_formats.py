@@ -17,6 +17,7 @@ from typing import Any
 from corolla.api.choices import Choice, Moved
 from corolla.api.formats import ChatFormat
 from corolla.api.outputs import ChatLogprobs
+from corolla.api.responses_protocol import split_name
 
 Event = dict[str, Any]
 
@@ -27,6 +28,7 @@ class Turn:
 
     echo: dict[str, Any]
     keep: Callable[[dict[str, Any]], None] = field(default=lambda response: None)
+    namespaces: frozenset[str] = frozenset()  # the request's namespace tools: their calls name them
 
 
 class ResponsesFormat(ChatFormat):
@@ -66,7 +68,7 @@ class ResponsesFormat(ChatFormat):
             part = self._part(message.content, chat.logprobs)
             self.output.append(self._message_item([part], _status(choices[0])))
         for call in message.tool_calls or []:
-            self.output.append(_call_item(call.id, call.function.name, call.function.arguments or "{}"))
+            self.output.append(self._call_item(call.id, call.function.name, call.function.arguments or "{}"))
         return self._finished(choices)
 
     # --- a stream -------------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ class ResponsesFormat(ChatFormat):
         ]
 
     def _call_events(self, call_id: str, name: str, arguments: str) -> list[Event]:
-        item = _call_item(call_id, name, "")
+        item = self._call_item(call_id, name, "")
         item["status"] = "in_progress"
         added = self._added(item)
         where = {"item_id": item["id"], "output_index": added["output_index"]}
@@ -137,7 +139,12 @@ class ResponsesFormat(ChatFormat):
         return [
             added,
             {**where, "type": "response.function_call_arguments.delta", "delta": arguments},
-            {**where, "type": "response.function_call_arguments.done", "arguments": arguments, "name": name},
+            {
+                **where,
+                "type": "response.function_call_arguments.done",
+                "arguments": arguments,
+                "name": item["name"],
+            },
             self._done(item),
         ]
 
@@ -200,17 +207,13 @@ class ResponsesFormat(ChatFormat):
     def _part(self, text: str, logprobs: ChatLogprobs | None) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": _logprobs(logprobs) or []}
 
-
-def _call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    item_id = f"fc_{uuid.uuid4().hex}"
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "status": "completed",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
+    def _call_item(self, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        """A function call item; a namespace's function is named as the request named it, with its
+        `namespace` (the model saw one qualified name)."""
+        namespace, function = split_name(name, self.turn.namespaces)
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed"}
+        item.update(call_id=call_id, name=function, arguments=arguments)
+        return item if namespace is None else {**item, "namespace": namespace}
 
 
 def _status(choice: Choice) -> str:

@@ -44,6 +44,7 @@ class FunctionCallItem(OpenAIBaseModel):
     call_id: Annotated[str, Field(min_length=1, max_length=256)]
     name: FunctionName
     arguments: str
+    namespace: FunctionName | None = None  # the namespace tool whose function this calls
 
 
 class FunctionOutputItem(OpenAIBaseModel):
@@ -77,11 +78,13 @@ class ResponsesTool(OpenAIBaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None  # a namespace's
 
 
 class FunctionChoice(OpenAIBaseModel):
     type: str
     name: FunctionName | None = None
+    namespace: FunctionName | None = None
 
 
 class TextFormat(OpenAIBaseModel):
@@ -185,7 +188,7 @@ class ResponsesRequest(OpenAIBaseModel):
     def _tool_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if self.tools:
-            fields["tools"] = [_tool(i, tool) for i, tool in enumerate(self.tools)]
+            fields["tools"] = function_tools(self.tools)
         if self.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
         choice = self.tool_choice
@@ -194,7 +197,8 @@ class ResponsesRequest(OpenAIBaseModel):
                 raise InvalidRequest(
                     f"tool_choice: {choice.type!r} choices are not supported; name a function"
                 )
-            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            name = qualified(choice.namespace, choice.name)
+            fields["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif choice is not None:
             fields["tool_choice"] = choice
         return fields
@@ -222,7 +226,8 @@ def chat_messages(items: list[dict[str, Any]], where: str) -> list[dict[str, Any
             calling = item["role"] == "assistant"
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function"}
-            call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+            name = qualified(item.get("namespace"), item["name"])
+            call["function"] = {"name": name, "arguments": item["arguments"]}
             if not calling:
                 messages.append({"role": "assistant", "content": None})
             messages[-1].setdefault("tool_calls", []).append(call)
@@ -247,13 +252,46 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     return "".join(part.get("text") or "" for part in content)
 
 
-def _tool(index: int, tool: ResponsesTool) -> dict[str, Any]:
+def qualified(namespace: str | None, name: str) -> str:
+    """A namespace's function as the model sees it: `namespace.name` (one name among the flat tools)."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def split_name(name: str, namespaces: frozenset[str]) -> tuple[str | None, str]:
+    """The namespace and function of a called name (no namespace for a top-level function)."""
+    namespace, dot, function = name.partition(".")
+    return (namespace, function) if dot and namespace in namespaces else (None, name)
+
+
+def namespaces_of(tools: list[ResponsesTool] | None) -> frozenset[str]:
+    return frozenset(tool.name for tool in tools or [] if tool.type == "namespace" and tool.name)
+
+
+def function_tools(tools: list[ResponsesTool]) -> list[dict[str, Any]]:
+    """Chat's function tools: top-level functions as they are, a namespace's functions (as Codex groups
+    its sub-agent tools) flattened under qualified names; anything else is refused naming it."""
+    functions = []
+    for i, tool in enumerate(tools):
+        if tool.type != "namespace":
+            functions.append(_function(f"tools[{i}]", tool))
+            continue
+        if tool.name is None or "." in tool.name:
+            raise InvalidRequest(f"tools[{i}].name: a namespace needs a name without dots")
+        for j, inner in enumerate(tool.tools or []):
+            where = f"tools[{i}].tools[{j}]"
+            function = _function(where, inner)["function"]
+            function["name"] = qualified(tool.name, function["name"])
+            if len(function["name"]) > 64:
+                raise InvalidRequest(f"{where}.name: with its namespace, a name has at most 64 characters")
+            functions.append({"type": "function", "function": function})
+    return functions
+
+
+def _function(where: str, tool: ResponsesTool) -> dict[str, Any]:
     if tool.type != "function":
-        raise InvalidRequest(
-            f"tools[{index}]: built-in tools ({tool.type}) are not supported; define a function"
-        )
+        raise InvalidRequest(f"{where}: built-in tools ({tool.type}) are not supported; define a function")
     if tool.name is None:
-        raise InvalidRequest(f"tools[{index}].name: a function tool needs a name")
+        raise InvalidRequest(f"{where}.name: a function tool needs a name")
     parameters = tool.parameters or {"type": "object", "properties": {}}
     function = {"name": tool.name, "description": tool.description, "parameters": parameters}
     return {"type": "function", "function": function}

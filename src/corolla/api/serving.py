@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from corolla.api import chat
+from corolla.api import chat, limits
 from corolla.api.chat import invalid as _invalid
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.api.choices import Choice, Moved, advance
@@ -45,11 +45,12 @@ from corolla.errors import InvalidRequest
 logger = logging.getLogger(__name__)
 
 OVERVIEW_TTL = 1.0  # seconds
-MAX_CHOICES = 64  # prompts x n per request: each choice is a row of a generation on the swarm
 Result = Any  # a response model, an ErrorResponse, or an AsyncIterator[str] of SSE events
 
 
 class OpenAIServing:
+    default_temperature: float | None = None  # for requests that set none (None: each API's own default)
+
     def __init__(
         self, model: DistributedModelForCausalLM, name: str, max_model_len: int, metrics: ApiMetrics
     ):
@@ -120,12 +121,15 @@ class OpenAIServing:
         grammar: str | None = None,
         calls: CallFormat | None = None,
     ) -> Result:
-        checked = self._check_limits(request, prompts, max_tokens, fmt)
+        checked = limits.checked_max_tokens(request, prompts, max_tokens, fmt, self.max_model_len)
         if isinstance(checked, ErrorResponse):
             return checked
         max_tokens = checked
         try:
-            params = request.to_sampling_params(max_tokens, logprobs, self.model.config.vocab_size, grammar)
+            vocab = self.model.config.vocab_size
+            params = request.to_sampling_params(
+                max_tokens, logprobs, vocab, grammar, self.default_temperature
+            )
         except (InvalidRequest, ValueError) as e:
             return _invalid(str(e))
         request_id = new_id(fmt.id_prefix)
@@ -166,36 +170,6 @@ class OpenAIServing:
             for _ in range(count)
         )
         return [Choice(i, text, calls=calls) for i, text in enumerate(texts)]
-
-    def _check_limits(
-        self,
-        request: SamplingRequest,
-        prompts: list[list[int]],
-        max_tokens: int | None,
-        fmt: type[ResponseFormat],
-    ) -> int | ErrorResponse:
-        """The request's max_tokens (filled in when absent), or the error for a limit it breaks."""
-        if len(prompts) * request.n > MAX_CHOICES:
-            return _invalid(
-                f"{len(prompts)} prompts x n={request.n} make {len(prompts) * request.n} choices; "
-                f"at most {MAX_CHOICES} per request",
-                "n" if len(prompts) == 1 else fmt.prompt_param,
-            )
-        longest = max(len(ids) for ids in prompts)
-        if longest >= self.max_model_len:
-            return _invalid(
-                f"the prompt has {longest} tokens; this model's context is {self.max_model_len}",
-                fmt.prompt_param,
-            )
-        if max_tokens is None:
-            max_tokens = self.max_model_len - longest
-        if longest + max_tokens > self.max_model_len:
-            return _invalid(
-                f"max_tokens={max_tokens} plus the prompt's {longest} tokens exceed this model's context of "
-                f"{self.max_model_len} tokens",
-                fmt.limit_param,
-            )
-        return max_tokens
 
     def _job(
         self, prompts: list[list[int]], n: int, params: Any, stream: bool

@@ -104,6 +104,23 @@ def _add_access_args(parser: argparse.ArgumentParser) -> None:
     add_field(
         parser,
         ApiConfig,
+        "chat_template",
+        "a Jinja chat template used instead of the model's own: a file, or chatml-tools (bundled: ChatML "
+        "with Hermes tool calls, for ChatML models such as SmolLM2 whose template renders no tools; default: "
+        "the model's)",
+        metavar="FILE",
+    )
+    add_field(
+        parser,
+        ApiConfig,
+        "default_temperature",
+        "the sampling temperature of requests that set none (0: greedy; default: each API's own, 1.0, and "
+        "Ollama's 0.8), e.g. for agents that never send one",
+        metavar="T",
+    )
+    add_field(
+        parser,
+        ApiConfig,
         "stored_responses",
         "how many answers of the Responses API to keep per API key, least recently used evicted, so that "
         "a request may continue one with previous_response_id (0: keep none; default: %(default)s)",
@@ -115,6 +132,7 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from corolla.api.app import build_app
+    from corolla.api.chat import chat_template
     from corolla.api.metrics import ApiMetrics
     from corolla.api.serving import OpenAIServing
     from corolla.client.model import DistributedModelForCausalLM
@@ -124,13 +142,17 @@ def run(args: argparse.Namespace) -> None:
     exit_on(signal.SIGTERM, status=0)
     exit_on(signal.SIGHUP)
     api = api_config(args)  # checked before the swarm is joined
+    template = chat_template(api.chat_template) if api.chat_template else None
     check_http_port(api.host, api.port)  # before the swarm and the "Serving at" line
     config = client_config(args, routing_timeout=args.routing_timeout)
     with DistributedModelForCausalLM.from_pretrained(
         args.model, dht_prefix=args.dht_prefix, config=config
     ) as model:
         name = api.served_model_name or model.source.name
+        if template is not None and model.tokenizer is not None:
+            model.tokenizer.chat_template = template
         serving = OpenAIServing(model, name, api.max_model_len, ApiMetrics())
+        serving.default_temperature = api.default_temperature
         logger.info("Serving %s at http://%s:%d/v1 (dashboard at /)", name, api.host, api.port)
         uvicorn.run(
             build_app(serving, api),
@@ -154,6 +176,8 @@ def api_config(args: argparse.Namespace) -> ApiConfig:
         api_keys=tuple(keys),
         allowed_origins=tuple(args.allowed_origins),
         stored_responses=args.stored_responses,
+        chat_template=args.chat_template,
+        default_temperature=args.default_temperature,
     )
 
 

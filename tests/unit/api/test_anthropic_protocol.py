@@ -21,7 +21,11 @@ def request(**fields):
 
 def test_sampling_is_plain_unless_the_body_says_otherwise():
     plain = request().to_openai()
-    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, None, 9)
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (None, 1.0, None, 9)
+    sampling = plain.to_sampling_params(9, None, vocab_size=100)  # the API's default: temperature 1
+    assert sampling.do_sample and sampling.temperature == 1.0
+    assert not plain.to_sampling_params(9, None, 100, default_temperature=0).do_sample  # the server's default
+    assert request(temperature=0.5).to_openai().to_sampling_params(9, None, 100, None, 0).temperature == 0.5
     assert not plain.stream and plain.stop == []
     tuned = request(temperature=0, top_k=5, stop_sequences=["\n\n"], stream=True).to_openai()
     assert (tuned.temperature, tuned.top_k, tuned.stop) == (0, 5, ["\n\n"]) and tuned.include_usage

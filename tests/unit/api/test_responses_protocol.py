@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from corolla.api.conversations import Conversations, NotStored, owner_of
-from corolla.api.responses_protocol import ResponsesRequest
+from corolla.api.responses_protocol import ResponsesRequest, split_name
 from corolla.errors import InvalidRequest
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
@@ -79,6 +79,9 @@ def test_history_comes_before_the_new_input_and_formats_and_choices_translate():
         ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input[0]"),
         ({"tools": [{"type": "file_search"}]}, "tools[0]"),
         ({"tools": [{"type": "function"}]}, "tools[0].name"),
+        ({"tools": [{"type": "namespace", "name": "a.b", "tools": [TOOL]}]}, "tools[0].name"),
+        ({"tools": [TOOL, {"type": "namespace", "name": "n", "tools": [{"type": "x"}]}]}, "tools[1].tools[0]"),  # noqa: E501
+        ({"tools": [{"type": "namespace", "name": "n" * 60, "tools": [TOOL]}]}, "tools[0].tools[0].name"),
         ({"tool_choice": {"type": "web_search_preview"}, "tools": [TOOL]}, "tool_choice"),
         ({"truncation": "auto"}, "truncation"),
         ({"conversation": "conv_1"}, "conversation"),
@@ -88,6 +91,28 @@ def test_history_comes_before_the_new_input_and_formats_and_choices_translate():
 def test_what_cannot_be_honoured_is_refused_naming_the_field(fields, named):
     with pytest.raises(InvalidRequest, match=rf"^{named.replace('[', '.').replace(']', '.')}"):
         request(**fields).to_openai([], "m")
+
+
+def test_a_namespace_s_functions_are_tools_named_with_it_and_its_calls_say_so():
+    """Codex groups its sub-agent tools in a namespace: the model sees `namespace.function`, a call comes
+    back as the function with its `namespace`, and a call item with a namespace goes back in qualified."""
+    spawn = {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}
+    group = {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [spawn]}
+    call = {**CALL, "name": "spawn_agent", "namespace": "agents"}
+    chat = request(
+        tools=[TOOL, group],
+        tool_choice={"type": "function", "name": "spawn_agent", "namespace": "agents"},
+        input=[
+            {"role": "user", "content": "Go."},
+            call,
+            {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+        ],
+    ).to_openai([], "m")
+    assert [tool.function.name for tool in chat.tools] == ["get_weather", "agents.spawn_agent"]
+    assert chat.tool_choice.function.name == "agents.spawn_agent"
+    assert chat.messages[1].tool_calls[0].function.name == "agents.spawn_agent"
+    assert split_name("agents.spawn_agent", frozenset({"agents"})) == ("agents", "spawn_agent")
+    assert split_name("other.tool", frozenset({"agents"})) == (None, "other.tool")  # a dotted function's own
 
 
 def test_reasoning_left_at_none_and_unused_settings_are_accepted():

@@ -14,6 +14,7 @@ from corolla.api import tool_calls, tools
 from corolla.api.chat_protocol import ChatCompletionRequest
 from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.sampling import SamplingParams
+from corolla.errors import InvalidRequest
 from tool_model import TOOL_TEMPLATE
 
 WEATHER = {
@@ -168,3 +169,39 @@ def test_llama3_grammar_forces_one_bare_call_with_parameters():
     for seed in range(3):
         content, (call,) = tool_calls.parse(decode(grammar, seed), tool_calls.LLAMA3_JSON)
         assert content is None and call.function.name in {"get_weather", "get_time"}
+
+
+def test_the_bundled_chatml_tools_template_renders_tools_calls_and_results(smollm2_path):
+    """`--chat-template chatml-tools` on SmolLM2 (whose own template renders no tools): the functions after
+    the first system message, a call in Hermes' markers (which api/tool_calls.py reads back), results as
+    <tool_response>s, later system messages in place; a missing file or a broken template is refused."""
+    from transformers import AutoTokenizer
+
+    from corolla.api.chat import chat_template
+    from corolla.api.tools import call_format, supports_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    assert not supports_tools(tokenizer.chat_template)
+    tokenizer.chat_template = chat_template("chatml-tools")
+    assert supports_tools(tokenizer.chat_template) and call_format(tokenizer.chat_template).name == "hermes"
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "system", "content": "It is Monday."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    text = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)
+    system, user, later, assistant, result, prompt = text.split("<|im_start|>")[1:]
+    assert system.startswith("system\nBe brief.") and '"name": "get_weather"' in system
+    assert (user, later) == ("user\nWeather?<|im_end|>\n", "system\nIt is Monday.<|im_end|>\n")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in assistant
+    assert result == "user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" and prompt == "assistant\n"
+    with pytest.raises(InvalidRequest, match=r"^chat_template \(--chat-template\): No such file"):
+        chat_template("missing.jinja")

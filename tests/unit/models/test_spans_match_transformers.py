@@ -82,7 +82,8 @@ def test_reorder_for_beam_search(tiny_models):
     cache.reorder(hypo_ids)
     reordered = span(step, cache, position=4)
     expected = span(torch.cat([prefix[hypo_ids], step], dim=1))[:, -1:]
-    torch.testing.assert_close(reordered, expected, atol=1e-4, rtol=1e-4)
+    # one step on the cache against one pass of 5: AVX-512 kernels round them 2.7e-4 apart; a wrong row is ~1
+    torch.testing.assert_close(reordered, expected, atol=1e-3, rtol=1e-3)
 
 
 def test_deep_prompts_are_added_at_their_positions(tiny_models):
