@@ -57,7 +57,7 @@ test-unit: $(STAMP) browser ## run the unit tests only (no sockets: tiny models,
 test-integration: $(STAMP) browser ## run the integration tests only (local swarms in subprocesses)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/integration $(XDIST) $(PYTEST_ARGS)
 
-check-clients: $(STAMP) ## openai (Python with Responses, Node), the Agents SDK, litellm, LangChain, ollama and anthropic against `corolla api` on a local swarm (clients/; ~2 min; the first run installs them from PyPI and npm)
+check-clients: $(STAMP) ## openai (Python with Responses, Node), the Agents SDK, litellm, LangChain, ollama, anthropic, the Codex CLI and Claude Code against `corolla api` on a local swarm, in a network namespace of loopback only (clients/; ~3 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
 
 bench: bench-decode bench-models bench-swarm bench-trust ## every benchmark but bench-wan's (more than an hour; each keeps its result, stamped, in bench/results/; then `make bench-docs`)

@@ -1,20 +1,20 @@
-"""Real OpenAI and Ollama clients against `corolla api` on a local swarm (issue 16): the official `openai`
-clients for Python and Node, litellm, LangChain and the official `ollama` client (Ollama's routes), each
-in an environment of its own, pinned.
+"""The clients people use against `corolla api` on a local swarm (`make check-clients`): the official openai
+(Python with its Responses calls, and Node), anthropic and ollama clients, the OpenAI Agents SDK, litellm,
+LangChain, and the coding agents' own programs (Codex CLI, Claude Code), each in an environment of its own,
+pinned.
 
-Run with the main venv's python (`make check-clients`). It installs the clients once into clients/.envs/
-(Python, keyed by a hash of requirements.txt + constraints.txt) and clients/node_modules/ (`npm ci` from
-package-lock.json), starts a swarm on 127.0.0.1 (one DHT peer; one server and one `corolla api --api-key`
-per model: a tiny random Qwen2 with a tool-capable chat template, and SmolLM2), runs python_checks.py and
-node_checks.mjs against it, prints one JSON summary and exits 1 if any check failed. Every process it
-starts is ended, by its id, on success, failure, Ctrl-C or SIGTERM.
+Run with the main venv's python. It installs the clients once (installs.py: clients/.envs/ for Python,
+clients/node_modules/ for npm), then goes on in a network namespace of its own where only loopback is up
+(unless --no-isolate or --serve), starts a swarm on 127.0.0.1 (one DHT peer; a server per model, a tiny
+random Qwen2 with a tool-capable chat template and SmolLM2, and their `corolla api --api-key` servers),
+runs python_checks.py, node_checks.mjs and cli_checks.py against it, prints one JSON summary and exits 1 if
+any check failed. Every process it starts is ended, by its id, on success, failure, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import secrets
@@ -29,7 +29,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ENVS = HERE / ".envs"
 os.environ["HF_HUB_OFFLINE"] = "1"  # before corolla's imports: the swarm's peers inherit it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(ROOT / "tests"))  # tool_model.py (and the tiny-model helpers it uses)
@@ -40,58 +39,18 @@ from corolla.models.model_config import ModelConfig  # noqa: E402
 from corolla.models.source import resolve_model  # noqa: E402
 from tool_model import save_tool_model  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from installs import node_env, python_env, run_quietly, say  # noqa: E402
+
 TOOL_MODEL, SMOL_MODEL = "tool-model", "smollm2"  # the served names (--served-model-name)
-SERVER_ARGS = ["--max-cache-tokens", "8192", "--inference-max-length"]  # + the model's session limit
+# a second API on SmolLM2's servers for the coding agents (cli_checks.py): its template renders their tools,
+# it samples greedily where they send no temperature, and its context holds Codex's ~5,400-token prompt
+AGENT_MODEL = "smollm2-agents"
+AGENT_API_ARGS = ["--chat-template", "chatml-tools", "--default-temperature", "0", "--max-model-len", "8192"]
+SERVER_ARGS = ["--max-cache-tokens", "16384", "--inference-max-length"]  # + the model's session limit
 START_TIMEOUT = 180.0
-
-
-def say(text: str) -> None:
-    print(f"[check-clients] {text}", file=sys.stderr, flush=True)
-
-
-def run_quietly(command: list[str], cwd: Path | None = None) -> None:
-    """Run an install step; on failure, its output goes to stderr and the error names the command."""
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"`{' '.join(command)}` failed with exit code {done.returncode}")
-
-
-def file_hash(*paths: Path, extra: str = "") -> str:
-    digest = hashlib.sha256(extra.encode())
-    for path in paths:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def python_env() -> Path:
-    """The clients' venv, made once per requirements (stale ones are removed); returns its python."""
-    requirements, constraints = HERE / "requirements.txt", HERE / "constraints.txt"
-    env = ENVS / f"python-{file_hash(requirements, constraints, extra=sys.version)}"
-    python = env / "bin" / "python"
-    if (env / ".ready").is_file():
-        return python
-    for stale in ENVS.glob("python-*"):
-        shutil.rmtree(stale)
-    say(f"installing the Python clients into {env.relative_to(ROOT)} (once; needs PyPI)")
-    run_quietly([sys.executable, "-m", "venv", str(env)])
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    run_quietly([*pip, "-r", str(requirements), "-c", str(constraints)])
-    (env / ".ready").write_text("installed\n")
-    return python
-
-
-def node_env() -> None:
-    """clients/node_modules from package-lock.json (`npm ci`), redone when the lock file changes."""
-    key = file_hash(HERE / "package.json", HERE / "package-lock.json")
-    marker = HERE / "node_modules" / ".corolla-check-key"
-    if marker.is_file() and marker.read_text() == key:
-        return
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        raise SystemExit("the Node client needs node (20 or newer) and npm; `--clients python` leaves it out")
-    say("installing the Node client into clients/node_modules (once; needs the npm registry)")
-    run_quietly(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=HERE)
-    marker.write_text(key)
+SCRIPTS = ("python", "node", "agents")  # python_checks.py, node_checks.mjs, cli_checks.py
+ISOLATED = "COROLLA_CHECK_ISOLATED"  # set in the network namespace isolate() re-runs this command in
 
 
 def tool_model(path: Path) -> Path:
@@ -123,18 +82,20 @@ class Swarm:
         for swarm, path in zip(self.swarms, models.values(), strict=True):
             swarm.initial_peers = first.initial_peers
             config = ModelConfig.from_folder(path)
-            length = str(min(config.max_position_embeddings, 2048))
+            length = str(min(config.max_position_embeddings, 8192))
             swarm.server_args = [*SERVER_ARGS, length]
             servers.append((swarm, swarm.add_server((0, config.num_hidden_layers), wait=False)))
         for swarm, server in servers:
             swarm.wait_ready(server)
-        with ThreadPoolExecutor(len(models)) as pool:  # each API loads its model's head and tokenizer
-            apis = pool.map(self._add_api, self.swarms, models)
-        return {name: f"{api.url}/v1" for name, api in zip(models, apis, strict=True)}  # served name -> URL
+        apis = {**models, AGENT_MODEL: (self.swarms[1], AGENT_API_ARGS)}
+        apis[TOOL_MODEL], apis[SMOL_MODEL] = (self.swarms[0], []), (self.swarms[1], [])
+        with ThreadPoolExecutor(len(apis)) as pool:  # each API loads its model's head and tokenizer
+            started = pool.map(self._add_api, apis, *zip(*apis.values(), strict=True))
+        return {name: f"{api.url}/v1" for name, api in zip(apis, started, strict=True)}  # served name -> URL
 
-    def _add_api(self, swarm: LocalSwarm, name: str) -> PeerProcess:
+    def _add_api(self, name: str, swarm: LocalSwarm, args: list[str]) -> PeerProcess:
         # `--api-key=KEY`: a random key may begin with "-", which argparse would take for an option
-        return swarm.add_api(extra_args=["--served-model-name", name, f"--api-key={self.key}"])
+        return swarm.add_api(extra_args=["--served-model-name", name, f"--api-key={self.key}", *args])
 
     def stop(self) -> None:
         """The APIs and servers first, the DHT peer (of the first swarm) last."""
@@ -153,7 +114,9 @@ class Clients:
         self.commands = {
             "python": [str(python), str(HERE / "python_checks.py"), *args],
             "node": ["node", str(HERE / "node_checks.mjs"), *args],
+            "agents": [sys.executable, str(HERE / "cli_checks.py"), "--url", targets[AGENT_MODEL]],
         }
+        self.commands["agents"] += ["--model", AGENT_MODEL]
         self.env = {**os.environ, "COROLLA_CHECK_KEY": key}
         self.timeout = timeout
         self.running: list[subprocess.Popen] = []
@@ -197,6 +160,23 @@ class Clients:
                 process.wait()
 
 
+def isolate() -> None:
+    """Go on in a network namespace of this command's own where only loopback is up, so that no client (nor
+    anything they start) reaches another host: re-run this command under `unshare --net` (in a user
+    namespace of its own where not root), which then brings loopback up with `ip`."""
+    if os.environ.get(ISOLATED):
+        run_quietly(["ip", "link", "set", "lo", "up"])
+        return
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        raise SystemExit(
+            "isolating the clients needs unshare (util-linux) and ip (iproute2); or --no-isolate"
+        )
+    as_root = [] if os.geteuid() == 0 else ["--map-root-user"]
+    command = ["unshare", "--net", *as_root, sys.executable, __file__, *sys.argv[1:]]
+    say("running the swarm and the clients in a network namespace where only loopback is up")
+    os.execvpe("unshare", command, {**os.environ, ISOLATED: "1"})
+
+
 def serve(targets: dict[str, str], key: str) -> None:
     """Keep the swarm up for running a client script by hand (the command is printed) until Ctrl-C."""
     args = f"--tool-url {targets[TOOL_MODEL]} --tool-model {TOOL_MODEL}"
@@ -204,6 +184,10 @@ def serve(targets: dict[str, str], key: str) -> None:
     say("serving until Ctrl-C; run a client script against it from the repository's root, e.g.:")
     say(f"COROLLA_CHECK_KEY={key} node clients/node_checks.mjs {args}")
     say(f"COROLLA_CHECK_KEY={key} clients/.envs/python-*/bin/python clients/python_checks.py {args}")
+    say(
+        f"COROLLA_CHECK_KEY={key} .venv/bin/python clients/cli_checks.py --url {targets[AGENT_MODEL]} "
+        f"--model {AGENT_MODEL}"
+    )
     with contextlib.suppress(KeyboardInterrupt):
         signal.pause()
 
@@ -215,8 +199,9 @@ def pinned_versions() -> dict[str, str]:
         name, _, version = line.partition("==")
         if version and not line.startswith("#"):
             versions[f"python {name.strip()}"] = version.strip()
-    lock = json.loads((HERE / "package-lock.json").read_text())
-    versions["node openai"] = lock["packages"]["node_modules/openai"]["version"]
+    lock = json.loads((HERE / "package-lock.json").read_text())["packages"]
+    for name in ("openai", "@openai/codex", "@anthropic-ai/claude-code"):
+        versions[f"node {name}"] = lock[f"node_modules/{name}"]["version"]
     return versions
 
 
@@ -235,7 +220,7 @@ def summarize(results: dict[str, dict], seconds: float) -> dict:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--clients", default="python,node", help="which scripts to run (default: python,node)"
+        "--clients", default=",".join(SCRIPTS), help=f"which scripts to run (default: {','.join(SCRIPTS)})"
     )
     parser.add_argument("--sequential", action="store_true", help="run the scripts one after the other")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a client script may run")
@@ -243,10 +228,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--serve", action="store_true", help="start the swarm, print its URLs and key, serve until Ctrl-C"
     )
+    parser.add_argument(
+        "--no-isolate",
+        dest="isolate",
+        action="store_false",
+        help="run in this machine's network, not in a namespace of its own where only loopback is up",
+    )
     args = parser.parse_args()
     args.clients = [name.strip() for name in args.clients.split(",") if name.strip()]
-    if not args.clients or not set(args.clients) <= {"python", "node"}:
-        parser.error(f"--clients takes python, node or both, not {args.clients}")
+    if not args.clients or not set(args.clients) <= set(SCRIPTS):
+        parser.error(f"--clients takes some of {', '.join(SCRIPTS)}, not {args.clients}")
     return args
 
 
@@ -282,8 +273,10 @@ def main() -> int:
     args = parse_args()
     started = time.monotonic()
     python = python_env() if "python" in args.clients else Path(sys.executable)
-    if "node" in args.clients:
+    if {"node", "agents"} & set(args.clients):
         node_env()
+    if args.isolate and not args.serve:
+        isolate()  # from here on, in a network namespace of its own
     with tempfile.TemporaryDirectory(prefix="corolla-clients-") as tmp:
         results = run(args, python, args.logs.resolve() if args.logs else Path(tmp), started)
     if results is None:

@@ -86,6 +86,23 @@ def tool_round_trip(setup: Setup) -> str:
     return f"get_weather({call.arguments}), streamed alike, then {check_answer(final.output_text)}"
 
 
+def namespace_tool(setup: Setup) -> str:
+    """The function in a namespace (as Codex groups its sub-agent tools), forced: the call comes back named
+    as sent, with its namespace (the SDK's `namespace`); its output continues the conversation."""
+    tiny = client(setup.tool_url, setup.key)
+    group = {"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [TOOL]}
+    ask = dict(model=setup.tool_model, tools=[group], temperature=0)
+    force = {**FORCE, "namespace": "weather"}
+    called = tiny.responses.create(**ask, input=ASK_WEATHER, tool_choice=force, max_output_tokens=CALL_TOKENS)
+    call = call_of(called)
+    require(call.namespace == "weather", f"the call's namespace is {call.namespace!r}")
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": WEATHER}
+    final = tiny.responses.create(
+        **ask, input=[output], previous_response_id=called.id, max_output_tokens=ANSWER_TOKENS
+    )
+    return f"weather.get_weather({call.arguments}), then {check_answer(final.output_text)}"
+
+
 def structured(url: str, model: str, key: str, schema: type, messages: list) -> str:
     parsed = client(url, key).responses.parse(
         model=model, input=messages, text_format=schema, max_output_tokens=JSON_TOKENS, temperature=0
@@ -120,6 +137,7 @@ def tools_unsupported(setup: Setup) -> str:
 CHECKS = {
     "plain_and_stream": plain_and_stream,
     "tool_round_trip": tool_round_trip,
+    "namespace_tool": namespace_tool,
     "conversation": conversation,
     "tools_unsupported_400": tools_unsupported,
     "structured_tiny": lambda s: structured(s.tool_url, s.tool_model, s.key, Forecast, ASK_FORECAST),

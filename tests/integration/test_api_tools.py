@@ -126,6 +126,29 @@ def test_a_tool_round_trip_through_the_responses_api(tool_api):
     assert answer.usage.input_tokens > called.usage.input_tokens  # the call and its output were rendered
 
 
+def test_a_namespace_s_function_is_called_by_its_name_and_namespace(tool_api):
+    """Codex groups tools in namespaces: the model sees `weather.get_weather`, the call item says
+    `get_weather` in namespace `weather` (plain and streamed), and the call goes back in qualified."""
+    group = {"type": "namespace", "name": "weather", "description": "Weather.", "tools": [RESPONSES_WEATHER]}
+    force = {"type": "function", "name": "get_weather", "namespace": "weather"}
+    ask = {"model": "tiny-tools", "tools": [group], "temperature": 0, "max_output_tokens": 100}
+    called = tool_api.responses.create(input="Weather in Oslo?", tool_choice=force, **ask)
+    (call,) = called.output
+    assert (call.name, call.namespace) == ("get_weather", "weather")
+    with tool_api.responses.stream(input="Weather in Oslo?", tool_choice=force, **ask) as stream:
+        streamed = stream.get_final_response().output[0]
+    assert (streamed.name, streamed.namespace, streamed.arguments) == (
+        "get_weather",
+        "weather",
+        call.arguments,
+    )
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer = tool_api.responses.create(
+        input=[output], previous_response_id=called.id, tool_choice="none", **{**ask, "max_output_tokens": 5}
+    )
+    assert [item.type for item in answer.output] == ["message"]
+
+
 def test_required_parallel_calls_with_n_and_a_seed(tool_api):
     fields = dict(tools=[WEATHER], tool_choice="required", n=2, temperature=1.0, seed=3, max_tokens=120)
     answers = [ask(tool_api, [{"role": "user", "content": "Oslo and Rome?"}], **fields) for _ in range(2)]

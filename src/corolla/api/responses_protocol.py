@@ -281,6 +281,8 @@ def function_tools(tools: list[ResponsesTool]) -> list[dict[str, Any]]:
             where = f"tools[{i}].tools[{j}]"
             function = _function(where, inner)["function"]
             function["name"] = qualified(tool.name, function["name"])
+            described = (tool.description, function["description"])  # the namespace's is shown to the model
+            function["description"] = " ".join(text for text in described if text) or None
             if len(function["name"]) > 64:
                 raise InvalidRequest(f"{where}.name: with its namespace, a name has at most 64 characters")
             functions.append({"type": "function", "function": function})
