@@ -51,7 +51,7 @@ def looked_up(
     """The spans of the servers that answer `client`'s pings, and its estimates of them (`estimates`: a
     long-lived client's, which its pings update)."""
     view = sim.view()
-    found = seen(sim.tree.walk(None, CLIENT_CELLS))  # as client/client.py reads
+    found = seen(sim.tree.walk(None, CLIENT_CELLS, rng))  # as client/client.py reads
     answering = [s for s in sim.servers.values() if s.alive and s.peer_id in view and s.peer_id in found]
     spans = [span(s, view[s.peer_id]) for s in answering]
     estimates = ServerEstimates() if estimates is None else estimates

@@ -216,7 +216,7 @@ async def _simulate(swarm: DhtSwarm, tree: RecordTree, samples: int, rng) -> Non
         nodes.initiator = nodes.ids[reader]
         await _walk(swarm, tree.walk(tree.places[f"peer{reader}"].where), nodes.initiator, "server")
         nodes.kind = KINDS.index("client_reads")
-        await _walk(swarm, tree.walk(None, CLIENT_CELLS), DHTID(rng.getrandbits(BITS)), "client")
+        await _walk(swarm, tree.walk(None, CLIENT_CELLS, rng), DHTID(rng.getrandbits(BITS)), "client")
 
 
 async def _walk(swarm: DhtSwarm, walk: Walk, reader: DHTID, who: str) -> None:

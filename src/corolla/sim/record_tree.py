@@ -21,10 +21,10 @@ class RecordTree:
         self.speeds: dict[str, float] = {}  # announced throughputs
         self._stored: dict[str, list[str]] = {}
 
-    def walk(self, where: int | None, budget: int | None = None) -> Walk:
-        """A reader's walk down the path `where` (None: every path, `budget` cells at most), every level
-        read in one go."""
-        walk = Walk(self.dht_prefix, self.num_blocks, where, budget)
+    def walk(self, where: int | None, budget: int | None = None, rng: random.Random | None = None) -> Walk:
+        """A reader's walk down the path `where` (None: every path, `budget` cells at most, then a path
+        `rng` draws), every level read in one go."""
+        walk = Walk(self.dht_prefix, self.num_blocks, where, budget, rng=rng)
         while not walk.done:
             keys = walk.keys()
             found = {cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()}

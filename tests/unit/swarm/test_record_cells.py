@@ -92,6 +92,13 @@ def test_a_clients_read_takes_the_first_levels_whole_then_one_path():
     found = seen(walk)
     assert {peer for peer, place in tree.places.items() if place.level <= 1} <= set(found)
     assert set(seen(tree.walk(None, budget=1000))) == set(tree.places)  # enough for the whole tree
+    # the path a budget leaves to chance is the given generator's (the simulator's seeded one), not Python's
+    paths = []
+    for global_seed in (1, 2):
+        random.seed(global_seed)
+        rng = random.Random(7)
+        paths.append([tree.walk(None, budget=5, rng=rng).where for _ in range(3)])
+    assert paths[0] == paths[1] and len(set(paths[0])) > 1
 
 
 def test_a_level_is_kept_while_readers_reach_it_and_left_when_they_do_not():

@@ -96,6 +96,7 @@ class Walk:
     cells: list[int] = field(default_factory=lambda: [0])  # the cells to read at `level`
     found: list[dict[Key, list[str]]] = field(default_factory=list)  # per level read
     speeds: dict[str, float] = field(default_factory=dict)  # the throughput each server found announces
+    rng: random.Random | None = None  # what draws the random path (None: Python's; the simulator seeds one)
 
     @property
     def one_path(self) -> bool:
@@ -118,7 +119,8 @@ class Walk:
         if self.where is None and self.budget is not None and len(children) > self.budget and crowded:
             # the budget cannot read this level whole: on down a random path through a crowded cell
             bits = POSITION_BITS - self.level + 1
-            self.where = random.choice(crowded) << bits | random.getrandbits(bits)
+            rng = self.rng or random
+            self.where = rng.choice(crowded) << bits | rng.getrandbits(bits)
         if self.where is not None:
             self.cells = [cell_of(self.where, self.level)] if crowded else []
         else:
