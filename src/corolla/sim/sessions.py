@@ -71,6 +71,7 @@ class SimSession:
     waiting_since: float | None = None  # since when some block has had no server for it
     opened: bool = False  # it has had a whole chain
     refused: bool = False  # a server had no cache for it (since it last had a whole chain)
+    serial: int = 0  # the order it arrived in: sessions are handled in it, never in memory's order
 
     def advance(self, now: float) -> None:
         if self.latency > 0:
@@ -119,7 +120,8 @@ class Sessions:
     def crashed(self, peer_ids: set[str], silent: bool = True) -> None:
         """Servers crashed: each session on them notices after its silence limit (`silent`; else at once:
         a server that ends its drain closes its connections) and fails over."""
-        for session in set().union(*(self.on.pop(peer_id, set()) for peer_id in peer_ids)):
+        stranded = set().union(*(self.on.pop(peer_id, set()) for peer_id in peer_ids))
+        for session in sorted(stranded, key=lambda session: session.serial):
             silence = silence_after(session.latency) if silent else 0.0
             session.advance(self.sim.now)
             session.latency = 0.0  # paused: its next step waits on a dead server
@@ -144,9 +146,9 @@ class Sessions:
     def _arrive(self) -> None:
         sim = self.sim
         steps = self.rng.randint(*sim.scenario.session_steps)
-        session = SimSession(self._client(), steps, sim.scenario.prompt_tokens + steps)
-        session.gaps.append((0, sim.scenario.num_blocks))
         self.started += 1
+        session = SimSession(self._client(), steps, sim.scenario.prompt_tokens + steps, serial=self.started)
+        session.gaps.append((0, sim.scenario.num_blocks))
         self._repair(session, session.version, first=self.started % sim.scenario.oracle_every == 0)
 
     def _fail_over(self, session: SimSession, peer_ids: set[str]) -> None:
