@@ -87,11 +87,15 @@ class Swarm:
             servers.append((swarm, swarm.add_server((0, config.num_hidden_layers), wait=False)))
         for swarm, server in servers:
             swarm.wait_ready(server)
-        apis = {**models, AGENT_MODEL: (self.swarms[1], AGENT_API_ARGS)}
-        apis[TOOL_MODEL], apis[SMOL_MODEL] = (self.swarms[0], []), (self.swarms[1], [])
+        tool_swarm, smol_swarm = self.swarms
+        apis = {
+            TOOL_MODEL: (tool_swarm, []),
+            SMOL_MODEL: (smol_swarm, []),
+            AGENT_MODEL: (smol_swarm, AGENT_API_ARGS),
+        }
         with ThreadPoolExecutor(len(apis)) as pool:  # each API loads its model's head and tokenizer
-            started = pool.map(self._add_api, apis, *zip(*apis.values(), strict=True))
-        return {name: f"{api.url}/v1" for name, api in zip(apis, started, strict=True)}  # served name -> URL
+            started = {name: pool.submit(self._add_api, name, *api) for name, api in apis.items()}
+        return {name: f"{api.result().url}/v1" for name, api in started.items()}  # served name -> URL
 
     def _add_api(self, name: str, swarm: LocalSwarm, args: list[str]) -> PeerProcess:
         # `--api-key=KEY`: a random key may begin with "-", which argparse would take for an option

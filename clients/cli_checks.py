@@ -131,16 +131,16 @@ def main() -> int:
     parser.add_argument("--url", required=True, help="the API's base URL, ending in /v1")
     parser.add_argument("--model", required=True, help="the served model name")
     args = parser.parse_args()
-    checks = {
-        "codex-cli": {"answer": lambda: agents.codex()},
-        "claude-code": {
-            "answer": lambda: agents.claude(""),
-            "answer_with_bash_tool": lambda: agents.claude("Bash"),  # its tool's schema goes through
-        },
-    }
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="corolla-agents-") as home:
         agents = Agents(args.url, args.model, os.environ["COROLLA_CHECK_KEY"], Path(home))
+        checks = {
+            "codex-cli": {"answer": agents.codex},
+            "claude-code": {
+                "answer": lambda: agents.claude(""),
+                "answer_with_bash_tool": lambda: agents.claude("Bash"),  # its tool's schema goes through
+            },
+        }
         for program, program_checks in checks.items():
             for name, check in program_checks.items():
                 result = run_check(check)

@@ -67,7 +67,11 @@ def test_a_cut_answer_is_incomplete(smol_openai):
 
 
 def test_a_continued_conversation_answers_as_the_whole_chat_and_reuses_the_prefix(smol_openai):
-    questions = [CAPITAL, "And of Germany?", "Which of the two is larger?"]
+    """The first question is long (~700 tokens of rules, as agents' prompts are): forking the chain that
+    holds it pays even where its step times are measured a few times slower than another chain's (on a
+    loaded machine a short prefix is rightly prefilled elsewhere: client/generation/prefix_cost.py)."""
+    rules = " ".join(f"Rule {i}: answer in one short sentence, politely." for i in range(1, 61))
+    questions = [f"{rules} {CAPITAL}", "And of Germany?", "Which of the two is larger?"]
     system = {"role": "system", "content": "Answer briefly."}
     history: list = []
     previous = None

@@ -54,9 +54,11 @@ def render(
 def chat_template(value: str) -> str:
     """`--chat-template`'s text: a bundled template's name (`chatml-tools`: ChatML with Hermes tool calls,
     for ChatML models whose own template renders no tools) or a Jinja file; InvalidRequest if unusable."""
-    bundled = files("corolla.api").joinpath(f"{value}.jinja")
     try:
-        text = bundled.read_text() if value in BUNDLED_TEMPLATES else Path(value).read_text()
+        if value in BUNDLED_TEMPLATES:
+            text = files("corolla.api").joinpath(f"{value}.jinja").read_text()
+        else:
+            text = Path(value).read_text()
     except OSError as e:
         choices = ", ".join(BUNDLED_TEMPLATES)
         raise InvalidRequest(

@@ -23,7 +23,8 @@ from corolla.api.conversations import Conversations, NotStored, owner_of
 from corolla.api.dialects import Dialect, translated
 from corolla.api.protocol import ErrorResponse
 from corolla.api.responses_formats import ResponsesFormat, Turn
-from corolla.api.responses_protocol import ResponsesRequest, namespaces_of
+from corolla.api.responses_protocol import ResponsesRequest
+from corolla.api.responses_tools import namespaces_of
 
 if TYPE_CHECKING:
     from corolla.api.serving import OpenAIServing

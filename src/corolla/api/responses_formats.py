@@ -17,7 +17,7 @@ from typing import Any
 from corolla.api.choices import Choice, Moved
 from corolla.api.formats import ChatFormat
 from corolla.api.outputs import ChatLogprobs
-from corolla.api.responses_protocol import split_name
+from corolla.api.responses_tools import split_name
 
 Event = dict[str, Any]
 

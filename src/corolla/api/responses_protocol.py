@@ -21,6 +21,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from corolla.api.chat_protocol import MAX_TOOLS, ChatCompletionRequest, FunctionName
 from corolla.api.protocol import OpenAIBaseModel
+from corolla.api.responses_tools import ResponsesTool, function_tools, qualified
 from corolla.errors import InvalidRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -70,15 +71,6 @@ InputItem = Annotated[
     | Annotated[OtherItem, Tag("Other")],
     Discriminator(_item_tag),
 ]
-
-
-class ResponsesTool(OpenAIBaseModel):
-    type: str
-    name: FunctionName | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None  # a namespace's
 
 
 class FunctionChoice(OpenAIBaseModel):
@@ -197,7 +189,7 @@ class ResponsesRequest(OpenAIBaseModel):
                 raise InvalidRequest(
                     f"tool_choice: {choice.type!r} choices are not supported; name a function"
                 )
-            name = qualified(choice.namespace, choice.name)
+            name = qualified(choice.namespace, choice.name, "tool_choice")
             fields["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif choice is not None:
             fields["tool_choice"] = choice
@@ -226,7 +218,7 @@ def chat_messages(items: list[dict[str, Any]], where: str) -> list[dict[str, Any
             calling = item["role"] == "assistant"
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function"}
-            name = qualified(item.get("namespace"), item["name"])
+            name = qualified(item.get("namespace"), item["name"], f"{where}[{i}]")
             call["function"] = {"name": name, "arguments": item["arguments"]}
             if not calling:
                 messages.append({"role": "assistant", "content": None})
@@ -250,50 +242,3 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
                 f"{where}[{j}]: {part['type']!r} parts are not supported: this model reads text only"
             )
     return "".join(part.get("text") or "" for part in content)
-
-
-def qualified(namespace: str | None, name: str) -> str:
-    """A namespace's function as the model sees it: `namespace.name` (one name among the flat tools)."""
-    return f"{namespace}.{name}" if namespace else name
-
-
-def split_name(name: str, namespaces: frozenset[str]) -> tuple[str | None, str]:
-    """The namespace and function of a called name (no namespace for a top-level function)."""
-    namespace, dot, function = name.partition(".")
-    return (namespace, function) if dot and namespace in namespaces else (None, name)
-
-
-def namespaces_of(tools: list[ResponsesTool] | None) -> frozenset[str]:
-    return frozenset(tool.name for tool in tools or [] if tool.type == "namespace" and tool.name)
-
-
-def function_tools(tools: list[ResponsesTool]) -> list[dict[str, Any]]:
-    """Chat's function tools: top-level functions as they are, a namespace's functions (as Codex groups
-    its sub-agent tools) flattened under qualified names; anything else is refused naming it."""
-    functions = []
-    for i, tool in enumerate(tools):
-        if tool.type != "namespace":
-            functions.append(_function(f"tools[{i}]", tool))
-            continue
-        if tool.name is None or "." in tool.name:
-            raise InvalidRequest(f"tools[{i}].name: a namespace needs a name without dots")
-        for j, inner in enumerate(tool.tools or []):
-            where = f"tools[{i}].tools[{j}]"
-            function = _function(where, inner)["function"]
-            function["name"] = qualified(tool.name, function["name"])
-            described = (tool.description, function["description"])  # the namespace's is shown to the model
-            function["description"] = " ".join(text for text in described if text) or None
-            if len(function["name"]) > 64:
-                raise InvalidRequest(f"{where}.name: with its namespace, a name has at most 64 characters")
-            functions.append({"type": "function", "function": function})
-    return functions
-
-
-def _function(where: str, tool: ResponsesTool) -> dict[str, Any]:
-    if tool.type != "function":
-        raise InvalidRequest(f"{where}: built-in tools ({tool.type}) are not supported; define a function")
-    if tool.name is None:
-        raise InvalidRequest(f"{where}.name: a function tool needs a name")
-    parameters = tool.parameters or {"type": "object", "properties": {}}
-    function = {"name": tool.name, "description": tool.description, "parameters": parameters}
-    return {"type": "function", "function": function}

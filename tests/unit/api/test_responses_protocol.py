@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from corolla.api.conversations import Conversations, NotStored, owner_of
-from corolla.api.responses_protocol import ResponsesRequest, split_name
+from corolla.api.responses_protocol import ResponsesRequest
+from corolla.api.responses_tools import split_name
 from corolla.errors import InvalidRequest
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
@@ -82,6 +83,7 @@ def test_history_comes_before_the_new_input_and_formats_and_choices_translate():
         ({"tools": [{"type": "namespace", "name": "a.b", "tools": [TOOL]}]}, "tools[0].name"),
         ({"tools": [TOOL, {"type": "namespace", "name": "n", "tools": [{"type": "x"}]}]}, "tools[1].tools[0]"),  # noqa: E501
         ({"tools": [{"type": "namespace", "name": "n" * 60, "tools": [TOOL]}]}, "tools[0].tools[0].name"),
+        ({"input": [{**CALL, "namespace": "n" * 60}]}, "input[0].name"),
         ({"tool_choice": {"type": "web_search_preview"}, "tools": [TOOL]}, "tool_choice"),
         ({"truncation": "auto"}, "truncation"),
         ({"conversation": "conv_1"}, "conversation"),
