@@ -21,14 +21,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import FAMILIES, save_tiny_model  # noqa: E402
+from tiny_models import FAMILIES, MTP_FAMILIES, save_tiny_model, save_tiny_mtp_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """A tiny random-weight checkpoint of each family (6 blocks), saved with save_pretrained."""
+    """A tiny random-weight checkpoint of each family (6 blocks), saved with save_pretrained; DeepSeek-V3's
+    with a multi-token prediction layer stored after them, as the real checkpoint has one."""
     root = tmp_path_factory.mktemp("tiny")
-    return {family: save_tiny_model(family, root / f"tiny-{family}") for family in FAMILIES}
+    return {
+        family: (save_tiny_mtp_model if family in MTP_FAMILIES else save_tiny_model)(
+            family, root / f"tiny-{family}"
+        )
+        for family in FAMILIES
+    }
 
 
 @pytest.fixture(scope="session")

@@ -345,10 +345,12 @@ class LoopbackSwarm:
         source = resolve_model(str(self.network.folder))
         client = self.network.client(name or f"client{len(self._models)}", **config)
         speculation = client.config.speculation
-        speculator = (
-            None if speculation is None else Speculator.create(speculation, self.network.model, source.path)
-        )
         head = ModelHead.load(source.path, torch.float32)
+        speculator = (
+            None
+            if speculation is None
+            else Speculator.create(speculation, self.network.model, source.path, head)
+        )
         ptune = None
         if tuning_mode is not None:
             blocks = self.network.model.num_hidden_layers

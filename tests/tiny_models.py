@@ -297,6 +297,7 @@ LAYOUTS = {
     ),
 }
 FAMILIES = tuple(LAYOUTS)
+MTP_FAMILIES = ("deepseek_v3",)  # saved with a multi-token prediction layer (save_tiny_mtp_model)
 # families with layers that keep a recurrent state instead of keys and values (models/recurrent.py)
 RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2", "jamba", "nemotron_h", "falcon_h1")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
@@ -328,6 +329,41 @@ def save_tiny_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def save_tiny_mtp_model(family: str, path: Path, *, seed: int = 0, **changes) -> Path:
+    """A tiny checkpoint with one multi-token prediction layer stored as DeepSeek-V3 and GLM-4.5 store it:
+    block N's tensors (N = num_hidden_layers) and the layer's own (enorm, hnorm, eh_proj, shared_head.norm),
+    which transformers leaves out when it loads the model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    blocks = tiny_config(family, **changes).num_hidden_layers
+    save_tiny_model(family, path, seed=seed, num_hidden_layers=blocks + 1, num_mtp_layers=1, **changes)
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    width = tiny_config(family).hidden_size
+    generator = torch.Generator().manual_seed(seed + 1)
+    layer = f"model.layers.{blocks}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{layer}{norm}.weight"] = 1 + 0.1 * torch.randn(width, generator=generator)
+    tensors[f"{layer}eh_proj.weight"] = 0.3 * torch.randn(width, 2 * width, generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": blocks}, indent=2))
+    return path
+
+
+def load_mtp_reference(path: Path):
+    """transformers' own model and MTP layers of a `save_tiny_mtp_model` checkpoint (transformers finds a
+    real checkpoint's MTP tensors by the real model's block count; a tiny one's are named here)."""
+    from transformers.modeling_layers import MtpModel
+
+    reference = load_reference(path)
+    blocks = reference.config.num_hidden_layers
+    reference._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{blocks}\..*"]
+    return reference, MtpModel.from_pretrained(reference).eval()
 
 
 def load_reference(path: Path):

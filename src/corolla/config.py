@@ -207,8 +207,8 @@ class SpeculationConfig:
     tokens, the swarm verifies them in one step, and the output is exactly what decoding without a draft
     gives."""
 
-    # "lookup": n-grams of the prompt and the text so far (no model); else a causal LM sharing the target's
-    # tokenizer (a folder, a .gguf file, a hub id or `smollm2`), run on the client
+    # "lookup": n-grams of the text (no model); "mtp": the checkpoint's own multi-token prediction layers
+    # (decoding/mtp.py); else a causal LM sharing the target's tokenizer (a folder, .gguf, hub id, smollm2)
     draft: str = "lookup"
     quantize: str | None = None  # the draft model's weights: int8 | int4 (torchao), or as stored
     device: str = "cpu"  # where a draft model runs: cpu | cuda | cuda:N | mps | auto (models/devices.py)
@@ -218,7 +218,7 @@ class SpeculationConfig:
     width: int | None = None
     max_tokens: int = 32  # drafted tokens per step (also bounded by the servers' max_tree_tokens)
     adaptive: bool = True  # the depth follows the measured acceptance and step times (False: max_depth)
-    pipeline: int = 3  # drafted chains in flight, 1 to 4 (client/generation/pipelined.py); never trees
+    pipeline: int = 3  # most drafted chains in flight, 1 to 4 (client/generation/pipelined.py); never trees
 
     def __post_init__(self) -> None:
         _check(self, 0, ("max_depth", "width", "max_tokens", "pipeline"), cli=False)

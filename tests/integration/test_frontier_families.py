@@ -3,7 +3,7 @@
 reject part of their draft, and through a kill -9 of the server a session runs on.
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
-expanded by the layer after each read) and grouped MoE routing.
+expanded by the layer after each read) and grouped MoE routing; its checkpoint's MTP layer drafts too.
 mistral_large4: the same latent attention, whose keys an indexer picks per query (its keys cached beside
 the latent; each row ranked alone), NoPE layers and a learned rotary scaling; its causal LM exists only in
 transformers' multimodal wrapper, built with its vision tower left unloaded (DeepSeek-V3.2 and GLM-5
@@ -31,7 +31,9 @@ import pytest
 import torch
 
 from corolla.config import SpeculationConfig
+from corolla.decoding.mtp import mtp_layers
 from corolla.launch.local import LocalSwarm
+from corolla.models.model_config import ModelConfig
 from swarm_helpers import connect, one_worker_each, reference_generate
 from tiny_models import load_reference
 
@@ -87,6 +89,11 @@ def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(
             assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS), expected[index])
         stats = model.speculator.stats
         assert stats.drafted > stats.accepted  # some of the drafts were rejected
+    if mtp_layers(ModelConfig.from_folder(path)):  # DeepSeek-V3's own MTP layer drafts, pipelined
+        speculation = SpeculationConfig(draft="mtp", max_depth=3, adaptive=False)
+        with connect(path, swarm, speculation=speculation) as model:
+            assert torch.equal(model.generate(REPEATING, max_new_tokens=NEW_TOKENS), expected[-1])
+            assert model.speculator.stats.drafted > 0
 
 
 def test_a_server_killed_mid_generation_is_replaced_and_the_tokens_do_not_change(served):

@@ -160,11 +160,12 @@ def _add_draft_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(  # SpeculationConfig.draft, or none at all: no speculation (default: off)
         "--draft",
         default=None,
-        metavar="lookup|MODEL",
+        metavar="lookup|mtp|MODEL",
         help="speculative decoding: draft tokens with prompt lookup (`lookup`: n-grams of the prompt and "
-        "the text so far) or with a draft MODEL run here, sharing the model's tokenizer (a folder, .gguf "
-        "file, hub id or `smollm2`); the swarm verifies several tokens per round trip and the output is "
-        "the same as without (default: off)",
+        "the text so far), with the checkpoint's own multi-token prediction layers run here (`mtp`: "
+        "DeepSeek-V3, GLM-4.5...) or with a draft MODEL run here, sharing the model's tokenizer (a folder, "
+        ".gguf file, hub id or `smollm2`); the swarm verifies several tokens per round trip and the output "
+        "is the same as without (default: off)",
     )
 
     def option(name: str, text: str, **overrides: Any) -> None:
@@ -196,8 +197,9 @@ def _add_draft_args(group: argparse._ArgumentGroup) -> None:
     )
     option(
         "pipeline",
-        "drafts in flight: the next draft goes out before the last one is verified, so servers compute "
-        "while replies travel; 1 waits for each verification (default: %(default)s)",
+        "most drafts in flight: the next draft goes out before the last one is verified, so servers "
+        "compute while replies travel; the client keeps the number that emits the most tokens per second "
+        "(measured); 1 waits for each verification (default: %(default)s)",
     )
 
 

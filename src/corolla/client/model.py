@@ -98,7 +98,7 @@ class DistributedModelForCausalLM(TransformersModel):
                 layers = model_config.num_hidden_layers
                 ptune = PromptTuning(tuning_mode, pre_seq_len, layers, head.embed_tokens)
             speculation = config.speculation
-            speculator = speculation and Speculator.create(speculation, model_config, source.path)
+            speculator = speculation and Speculator.create(speculation, model_config, source.path, head)
             client = joining.result()
         except BaseException:
             runtime.stop_after(joining, Client.shutdown)

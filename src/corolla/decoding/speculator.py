@@ -18,7 +18,10 @@ import torch
 from corolla.config import SpeculationConfig
 from corolla.decoding.draft_budget import DraftBudget, SpeculationStats
 from corolla.decoding.drafting import Draft, Drafter, DraftSession, PromptLookup, check_same_tokenizer
+from corolla.decoding.mtp import MTP, MtpDrafter
 from corolla.decoding.round_choice import RoundChoice
+from corolla.errors import InvalidRequest
+from corolla.models.head import ModelHead
 from corolla.models.model_config import ModelConfig
 
 LOOKUP_WIDTH = 2  # prompt lookup's default branching: the 2 latest places the last tokens appeared
@@ -57,6 +60,20 @@ class Speculation:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.drafter.propose, context, depth, max_tokens)
 
+    def observe(self, index: int, hidden: torch.Tensor, context: torch.Tensor) -> None:
+        """Verified outputs of the last block [T, H] after the text's tokens at `index`, index + 1, ...
+        (indices into `context` [n], the text with every token chosen so far), for drafters that draft from
+        them (MTP: decoding/mtp.py); outputs before the text's first token are left out."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is None:
+            return
+        if index < 0:
+            hidden = hidden[-index:]
+            index = 0
+        chosen = context[index + 1 : index + 1 + hidden.shape[0]].tolist()  # the token chosen from each
+        if chosen:
+            observe(index, hidden[: len(chosen)], chosen)
+
     def record_frames(self, frames: int, drafted: int, accepted: int, emitted: int, in_flight: int) -> None:
         if self.stats is not None:
             self.stats.add(drafted, accepted, emitted, steps=frames, in_flight=in_flight)
@@ -85,9 +102,17 @@ class Speculator:
         )
 
     @classmethod
-    def create(cls, config: SpeculationConfig, target: ModelConfig, target_folder: Path) -> Speculator:
+    def create(
+        cls, config: SpeculationConfig, target: ModelConfig, target_folder: Path, head: ModelHead
+    ) -> Speculator:
         if not config.uses_model:
             return cls(config, PromptLookup(config.width or LOOKUP_WIDTH))
+        if config.draft == MTP:  # the checkpoint's own layers, beside the client's head
+            if config.quantize or (config.width or 1) > 1:
+                raise InvalidRequest(
+                    "--draft mtp drafts chains with the layers as stored (no width, no quantize)"
+                )
+            return cls(config, MtpDrafter.load(target_folder, target, head))
         from corolla.decoding.draft_model import DraftModel
         from corolla.models.devices import resolve_device
         from corolla.models.source import resolve_model

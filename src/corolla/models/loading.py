@@ -118,8 +118,6 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dty
     first (a bare `LlamaModel` checkpoint keeps its layers under `layers.`, a multimodal one under
     `model.language_model.`)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.modeling_utils import LoadStateDictConfig
 
     prefix, _ = decoder_of(model)
     mapping = get_model_conversion_mapping(model)
@@ -128,14 +126,35 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dty
     for name, tensor in checkpoint.read(names).items():
         local = name[len(checkpoint.prefix) :] if name.startswith(checkpoint.prefix) else None
         state_dict[prefix + local if local is not None and not lands(name) else name] = tensor
+    load_converted(model, state_dict, mapping, dtype, checkpoint)
+
+
+def load_converted(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    mapping: list,
+    dtype: torch.dtype,
+    source: Checkpoint,
+) -> None:
+    """Load checkpoint tensors into the meta `model` through transformers' loading with `mapping` (its
+    renamings and conversions); tensors that do not fit are refused naming the checkpoint."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
     load_config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
     with _MODEL_LOCK:
         info, _ = convert_and_load_state_dict_in_model(model, state_dict, load_config)
     problems = _problems(info)
     if problems:
         raise UnsupportedModel(
-            f"{checkpoint.folder}: the checkpoint does not fit {type(model).__name__}: {problems}"
+            f"{source.folder}: the checkpoint does not fit {type(model).__name__}: {problems}"
         )
+
+
+def build_empty(make: Callable[[], nn.Module]) -> nn.Module:
+    """A module built by `make` with meta parameters (real buffers) and no initialization."""
+    with _MODEL_LOCK, init_empty_weights(include_buffers=False), no_init_weights():
+        return make()
 
 
 def _landing(model: nn.Module, mapping: list) -> Callable[[str], bool]:

@@ -132,23 +132,30 @@ def test_a_draft_model_with_recurrent_layers_is_refused_when_loaded(tiny_models)
     assert "\n" not in str(refused.value)
 
 
-def test_rounds_are_pipelined_where_that_emits_more_tokens_per_second_and_the_other_kind_is_retried():
+def test_rounds_keep_the_frames_in_flight_that_emit_the_most_tokens_per_second_and_retry_their_neighbours():
     choice = RoundChoice(pipeline=3)
+    rates = {3: 40, 2: 30, 1: 20}  # tokens per second at each depth in flight (1: synchronous rounds)
     tried = []
-    for _ in range(4):  # pipelined rounds: 40 tokens/s; synchronous ones: 20
-        tried.append(pipelined := choice.pipelined())
-        choice.record(pipelined, 20 if pipelined else 10, 0.5)
-    assert tried == [True, True, False, False]  # each kind twice first
-    picks = [choice.pipelined() for _ in range(108)]  # choices 5 to 112
-    # the slower kind once at choice 16, then twice as rarely while the faster stays the same: 48, 112
-    assert [i + 5 for i, pick in enumerate(picks) if not pick] == [16, 48, 112]
-    for _ in range(8):  # the round trips got short: synchronous rounds are faster now
-        choice.record(True, 5, 0.5)
-    assert choice.pipelined() is False
-    assert not RoundChoice(pipeline=1).pipelined()  # never pipelined
+    for _ in range(4):
+        tried.append(depth := choice.depth())
+        choice.record(depth, rates[depth] // 2, 0.5)
+    assert tried == [3, 3, 1, 1]  # the deepest and synchronous rounds twice first
+    picks = []
+    for _ in range(108):  # choices 5 to 112
+        picks.append(depth := choice.depth())
+        choice.record(depth, rates[depth] // 2, 0.5)
+    # a neighbour of the fastest once at choice 16, then twice as rarely while the fastest stays: 48, 112
+    assert [(i + 5, pick) for i, pick in enumerate(picks) if pick != 3] == [(16, 2), (48, 2), (112, 2)]
+    for _ in range(8):  # drafts got worse: two frames in flight emit the most now
+        choice.record(3, 5, 0.5)
+    assert choice.depth() == 2
+    for _ in range(8):  # and then the round trips got short: synchronous rounds are the fastest
+        choice.record(2, 5, 0.5)
+    assert choice.depth() == 1
+    assert RoundChoice(pipeline=1).depth() == 1  # never pipelined
     forced = RoundChoice(pipeline=3, adaptive=False)
-    forced.record(True, 1, 10.0)
-    assert all(forced.pipelined() for _ in range(20))
+    forced.record(3, 1, 10.0)
+    assert all(forced.depth() == 3 for _ in range(20))
 
 
 def test_a_pipelined_round_is_measured_in_segments_and_ends_at_a_rejection_when_synchronous_is_faster():
@@ -157,12 +164,12 @@ def test_a_pipelined_round_is_measured_in_segments_and_ends_at_a_rejection_when_
 
     choice = RoundChoice(pipeline=3)
     for _ in range(2):
-        choice.record(False, 100, 1.0)  # synchronous rounds: 100 tokens/s
-    choice.record(True, 50, 1.0)
-    segment = _Segment(choice)
+        choice.record(1, 100, 1.0)  # synchronous rounds: 100 tokens/s
+    choice.record(3, 50, 1.0)
+    segment = _Segment(choice, 3)
     assert segment.goes_on(SEGMENT_TOKENS - 1)  # too few tokens to tell: nothing recorded
-    assert len(choice._seen[True]) == 1
+    assert len(choice._seen[3]) == 1
     assert not segment.goes_on(SEGMENT_TOKENS)  # recorded; a pipelined segment is far slower: it ends
-    assert len(choice._seen[True]) == 2 and choice._seen[True][-1][0] == SEGMENT_TOKENS
-    segment.end(SEGMENT_TOKENS + 3)  # the round's end records what came after
-    assert choice._seen[True][-1][0] == 3
+    assert len(choice._seen[3]) == 2 and choice._seen[3][-1][0] == SEGMENT_TOKENS
+    segment.end(SEGMENT_TOKENS + 3)  # the round's end records what came after, at the depth sent at
+    assert choice._seen[3][-1][0] == 3 and len(choice._seen[1]) == 2

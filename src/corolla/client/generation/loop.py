@@ -147,7 +147,11 @@ class _Loop:
         else:
             token = self.chooser.context[:, -1:]
             outputs = await session.astep(self.head.head.embed(token), start_from_position=position)
-        return self.chooser.choose(await self.head.logits(outputs[:, -1]))  # [B, vocab], batched
+        step = self.chooser.choose(await self.head.logits(outputs[:, -1]))  # [B, vocab], batched
+        if self.speculation is not None:  # the text's first token is at first.end - prompt_length
+            index = position - (first.end - self.chooser.prompt_length)
+            self.speculation.observe(index, outputs[0], self.chooser.context[0])
+        return step
 
     async def _round(self) -> AsyncIterator[GenerationStep]:
         """One round's tokens: a plain step's one, or a speculative round's (pipelined: as each is chosen)."""
@@ -158,10 +162,11 @@ class _Loop:
             return
         choice = speculation.choice
         started = time.perf_counter()
-        if choice.pipelined():  # measured by itself, in segments (it may end when synchronous is faster)
+        depth = choice.depth()  # frames in flight; a pipelined round measures itself, in segments
+        if depth > 1:
             # spot checks run between rounds: a round then ends at its first rejected draft
             steps = pipelined_steps(
-                self.head, self.session, self.chooser, speculation, choice.pipeline, self.checker is not None
+                self.head, self.session, self.chooser, speculation, depth, self.checker is not None
             )
             try:
                 async for step in steps:
@@ -171,7 +176,7 @@ class _Loop:
                 started = time.perf_counter()
         for step in (steps := await speculative_round(self.head, self.session, self.chooser, speculation)):
             yield step
-        choice.record(False, len(steps), time.perf_counter() - started)
+        choice.record(1, len(steps), time.perf_counter() - started)
 
     async def _check(self, final: bool) -> Verdict | None:
         """Spot checks between rounds: the hops due now, or every hop once the generation is done."""

@@ -159,23 +159,29 @@ class _Round:
 
 class _Segment:
     """The tokens and seconds of a pipelined round since its last segment, told to the RoundChoice at a
-    rejection once there are SEGMENT_TOKENS of them (where ending the round wastes no frame)."""
+    rejection once there are SEGMENT_TOKENS of them (where ending the round wastes no frame), with the
+    frames in flight it ran at; the choice then says how many the next segment keeps in flight."""
 
-    def __init__(self, choice: RoundChoice):
+    def __init__(self, choice: RoundChoice, depth: int):
         self.choice = choice
+        self.depth = depth  # frames in flight
         self.chosen = 0  # the round's tokens before this segment
         self.started = time.perf_counter()
 
     def goes_on(self, chosen: int) -> bool:
-        """At a rejection, with `chosen` tokens in the round: whether the round goes on pipelined."""
+        """At a rejection, with `chosen` tokens in the round: whether the round goes on pipelined (at the
+        depth chosen now; the tokens verified after an end count at the depth they were sent at)."""
         if chosen - self.chosen < SEGMENT_TOKENS:
             return True
         self.end(chosen)
-        return self.choice.pipelined()
+        depth = self.choice.depth()
+        if depth > 1:
+            self.depth = depth
+        return depth > 1
 
     def end(self, chosen: int) -> None:
         now = time.perf_counter()
-        self.choice.record(True, chosen - self.chosen, now - self.started)
+        self.choice.record(self.depth, chosen - self.chosen, now - self.started)
         self.chosen = chosen
         self.started = now
 
@@ -185,10 +191,14 @@ async def _verified(
 ) -> AsyncIterator[GenerationStep]:
     """A frame's tokens, as each is chosen; at a rejection that ends a segment, the round ends if
     synchronous rounds are measured faster."""
-    logits = await head.logits(sent.outputs.result()[0])  # [tokens, vocab]
+    outputs = sent.outputs.result()[0]
+    logits = await head.logits(outputs)  # [tokens, vocab]
     epoch = run.epoch
+    index = len(run.context) - 1 + sent.first  # the frame's first token, in the text
+    chosen = run.chosen
     for step in run.verify(sent, logits):
         yield step
+    run.speculation.observe(index, outputs[: run.chosen - chosen], run.chooser.context[0])
     if run.epoch != epoch and not segment.goes_on(run.chosen):
         run.finished = True
 
@@ -205,17 +215,18 @@ async def pipelined_steps(
     depth: int,
     stop_at_rejection: bool = False,
 ) -> AsyncIterator[GenerationStep]:
-    """Frames through the swarm after the last chosen token (not yet fed), at most `depth` in flight; each
-    token chosen, as soon as it is (exactly those of plain decoding). A failure raises only if nothing was
-    chosen yet (the caller then steps synchronously); else the round ends with what was verified."""
+    """Frames through the swarm after the last chosen token (not yet fed), at most `depth` in flight (then
+    as many as the round's choice says at each segment); each token chosen, as soon as it is (exactly those
+    of plain decoding). A failure raises only if nothing was chosen yet (the caller then steps
+    synchronously); else the round ends with what was verified."""
     run = _Round(head, session, chooser, speculation, stop_at_rejection)
-    segment = _Segment(speculation.choice)
+    segment = _Segment(speculation.choice, depth)
     pipe = session.frames()
     try:
         while not run.finished:
             if run.want_draft():
                 run.start_draft()
-            if run.unsent and len(run.inflight) < depth:
+            if run.unsent and len(run.inflight) < segment.depth:
                 await run.send(pipe)
                 continue
             sent = await run.event()

@@ -35,7 +35,9 @@ async def speculative_round(
     tree = draft.tree() if draft.tokens else None
     outputs = await session.astep(head.head.embed(torch.tensor([nodes])), tree=tree)
     logits = await head.logits(outputs[0])  # [tokens, vocab]
+    root = chooser.context.shape[1] - 1
     verified = verify(chooser, logits, nodes, None if tree is None else TokenTree(tree))
+    speculation.observe(root, outputs[0][verified.path], chooser.context[0])
     if tree is not None:
         session.accept(verified.path)
     speculation.record(draft, verified.accepted, len(verified.steps), time.perf_counter() - started)
