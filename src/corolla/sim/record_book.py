@@ -5,7 +5,8 @@ Two views, as in the real swarm: what clients read (every unexpired record; they
 and what placement counts (records renewed lately: swarm/dht.py `placed_servers`). In the simulation
 every live server renews on time, so a record stops counting for placement only when its server crashed:
 `went_stale` is called then, at the moment wire/records.py `missed_renewal` says so, and `expire` when the
-record is gone for clients too. Placement's coverage (throughput per block) is kept as it changes.
+record is gone for clients too. Placement's coverage (throughput per block) and replicas are kept as they
+change.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class RecordBook:
         self.placed: dict[str, Placed] = {}  # what placement counts
         self.starting: dict[int, set[str]] = {}  # block -> peer ids of `placed` spans starting there
         self.cover = [0.0] * num_blocks  # coverage of `placed`, as placement.coverage computes it
+        self.held = [0.0] * num_blocks  # and its replicas (placement.replicas)
         self.version = 0  # grows whenever `placed` changes
 
     def store(self, peer_id: str, record: Record) -> None:
@@ -76,6 +78,7 @@ class RecordBook:
         return True
 
     def _add(self, placed: Placed, sign: float) -> None:
-        start, end, weight = placed
+        start, end, weight = placed[:3]
         for index in range(max(start, 0), min(end, len(self.cover))):
             self.cover[index] += sign * weight
+            self.held[index] += sign

@@ -164,7 +164,7 @@ class Simulation:
             self._public.append(server.peer_id)
         # placement.choose_blocks over the records placement counts, whose coverage the book keeps
         server.start, server.end = fixed or choose_window(
-            self.book.cover, server.blocks, self.scenario.num_blocks, server.throughput
+            self.book.cover, self.book.held, server.blocks, self.scenario.num_blocks, server.throughput
         )
         server.fixed = fixed is not None
         self.servers[server.peer_id] = server
@@ -270,7 +270,7 @@ class Simulation:
     # measuring
 
     def _sample(self) -> None:
-        view = [(start, end, 1.0) for start, end, _ in self.placed().values()]
+        view = [(placed[0], placed[1], 1.0) for placed in self.placed().values()]
         total = self.scenario.num_blocks
         live = least_held(self.servers.values(), total)
         self.samples.append(Coverage(self.now, live, int(min(coverage(view, total))), self.sessions.open))

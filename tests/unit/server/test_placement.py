@@ -15,6 +15,7 @@ from corolla.swarm.policy.placement import (
     choose_blocks,
     coverage,
     my_move,
+    replicas,
     windows,
 )
 
@@ -57,6 +58,37 @@ def test_with_two_holes_moves_that_fill_one_at_a_time_are_made():
         servers[move[0]] = (*move[1], 1.0)
         holes.append(coverage(servers.values(), 20).count(0.0))
     assert holes == [2, 1, 0]
+
+
+def test_a_new_server_gives_blocks_held_once_a_second_server_before_adding_throughput():
+    """Blocks 0-9 have one fast server, 10-19 two slow ones: by throughput 10-19 is the thinnest part,
+    but a crash of the one fast server would leave 0-9 with none; the new server goes there."""
+    others = [(0, 10, 10.0), (10, 20, 1.0), (10, 20, 1.0)]
+    assert replicas(others, 20) == [1] * 10 + [2] * 10
+    assert choose_blocks(others, 10, 20) == (0, 10)
+    # once every block has two, throughput decides again: the thinnest part is 10-19
+    assert choose_blocks([*others, (0, 10, 10.0)], 10, 20) == (10, 20)
+    # 24 servers of 5 to 7 blocks on 40 blocks, arriving one by one: every block ends on two servers
+    rng = random.Random(3)
+    placed: list = []
+    for _ in range(24):
+        weight = rng.uniform(0.5, 4.0)
+        placed.append((*choose_blocks(placed, rng.randint(5, 7), 40, weight), weight))
+    assert min(replicas(placed, 40)) >= 2
+    # a record found down one path of the records' tree stands for more servers than itself: it counts so
+    assert replicas([(0, 10, 8.0, 4.0), (5, 10, 1.0)], 10) == [4.0] * 5 + [5.0] * 5
+    assert choose_blocks([(0, 10, 8.0, 4.0), (10, 20, 1.0, 1.0)], 10, 20) == (10, 20)
+
+
+def test_a_server_moves_to_give_a_block_held_once_a_second_server_but_never_takes_one_away():
+    # blocks 10-19 are held once (by "b"), 0-9 three times
+    servers = {"a": (0, 10, 5.0), "b": (10, 20, 1.0), "c": (0, 10, 5.0), "d": (0, 10, 5.0)}
+    assert better_blocks([(0, 10, 1.0), (10, 20, 1.0)], (0, 10), 20, 1.0) is None  # a swap: no gain
+    assert best_move(servers, 20) == ("a", (10, 20))  # equal candidates: the smallest peer id
+    servers["a"] = (10, 20, 5.0)
+    assert best_move(servers, 20) is None  # every block has two: another move would take one away
+    # two servers for 20 blocks of 10 each cannot give every block two: nobody moves
+    assert best_move({"a": (0, 10, 1.0), "b": (10, 20, 1.0)}, 20) is None
 
 
 def test_memory_budget_sets_the_number_of_blocks():
@@ -134,5 +166,5 @@ def test_servers_too_short_to_help_are_skipped_without_changing_the_move(monkeyp
             servers[f"s{i:03d}"] = (start, start + length, rng.choice([1.0, rng.uniform(0.5, 3)]))
         pruned = best_move(servers, total)
         with monkeypatch.context() as patch:
-            patch.setattr(placement, "_weak_reach", lambda whole: 0)
+            patch.setattr(placement, "_weak_reach", lambda whole, held: 0)
             assert best_move(servers, total) == pruned

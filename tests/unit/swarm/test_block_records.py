@@ -80,7 +80,8 @@ def test_servers_fill_the_tree_and_each_is_found_down_its_own_path(peers, monkey
     for me, read in own_paths.items():
         found = {span.peer_id: span for span in read.spans}
         assert found[me].level == places[me].level and (found[me].start, found[me].end) == (0, BLOCKS)
-        assert placed(read)[me][2] == speeds[me] * 2 ** places[me].level  # it stands for 2**level servers
+        stands_for = 2 ** places[me].level  # it stands for 2**level servers, counted as replicas too
+        assert placed(read)[me][2:] == (speeds[me] * stands_for, stands_for)
     whole = asyncio.run(find_spans(peers[0], PREFIX, BLOCKS))
     assert sorted(span.peer_id for span in whole) == sorted(places)
     deep = next(me for me, place in places.items() if place.level >= 1)

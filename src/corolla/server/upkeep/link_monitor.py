@@ -86,7 +86,7 @@ class LinkMonitor:
         if self.on_read is not None:
             await self.on_read(dict(servers))
         servers.pop(self.peer_id, None)
-        nexts = [peer for peer, (first, stop, _) in servers.items() if first <= end < stop][:MAX_LINKS]
+        nexts = [peer for peer, (first, stop, *_) in servers.items() if first <= end < stop][:MAX_LINKS]
         transport = P2PTransport(self.p2p)
         answers = await asyncio.gather(*(ping(transport, peer, PING_TIMEOUT) for peer in nexts))
         self.pings = {peer: a.seconds for peer, a in zip(nexts, answers, strict=True) if a.answered}

@@ -1,9 +1,12 @@
 """Which blocks a server should host, and when moving would help the swarm.
 
 Coverage of a block is the total throughput of the servers hosting it (a count when throughputs are
-unknown). A new server takes the window that leaves the swarm's coverage best, compared weakest block
-first: it fills holes, then thickens the thinnest part. A running server moves only when that would
-raise the swarm's weakest coverage by a clear margin, so servers do not chase each other.
+unknown); its replicas, the number of servers hosting it. A new server takes the window that leaves the
+swarm best, compared weakest block first: first by replicas up to REPLICAS (it fills holes, then gives a
+second server to blocks that have one, so that one crash leaves no hole), then by coverage (it thickens
+the thinnest part). A running server moves only when that gives some block a replica it lacks without
+taking one from another, or raises the swarm's weakest coverage by a clear margin, so servers do not
+chase each other.
 """
 
 from __future__ import annotations
@@ -13,22 +16,43 @@ from collections.abc import Iterable
 from corolla.errors import InvalidRequest
 from corolla.models.model_config import ModelConfig
 
-Placed = tuple[int, int, float]  # (start, end, throughput) of a server
+# (start, end, throughput) of a server, and, where it stands for more than itself (a walk down one path of
+# the records' tree: swarm/records/block_records.py `placed`), how many servers it stands for
+Placed = tuple[int, int, float] | tuple[int, int, float, float]
 
-MOVE_MARGIN = 0.2  # a move must raise the weakest coverage by 20% (or fill a hole)
+MOVE_MARGIN = 0.2  # a move must raise the weakest coverage by 20% (or give a block a replica it lacks)
+REPLICAS = 2  # servers per block placement reaches everywhere (where capacity allows) before throughput
 
 
 def coverage(spans: Iterable[Placed], total: int) -> list[float]:
     """The total throughput hosting each block."""
     counts = [0.0] * total
-    for start, end, weight in spans:
+    for start, end, weight, *_ in spans:
         for index in range(max(start, 0), min(end, total)):
             counts[index] += weight
     return counts
 
 
+def replicas(spans: Iterable[Placed], total: int) -> list[float]:
+    """The number of servers hosting each block (each record counted for the servers it stands for)."""
+    return coverage(((p[0], p[1], _stands_for(p)) for p in spans), total)
+
+
+def _stands_for(placed: Placed) -> float:
+    return placed[3] if len(placed) > 3 else 1.0
+
+
 def _with(base: list[float], start: int, end: int, weight: float) -> list[float]:
     return [c + weight if start <= i < end else c for i, c in enumerate(base)]
+
+
+def _rank(base: list[float], held: list[float], window: tuple[int, int], weight: float) -> tuple[list, list]:
+    """How good the swarm is with a server of `weight` on `window`: each block's replicas up to REPLICAS,
+    then each block's coverage, weakest first (compared as tuples: holes, then single replicas, then
+    throughput)."""
+    start, end = window
+    counts = sorted(min(h, REPLICAS) for h in _with(held, start, end, 1.0))
+    return counts, sorted(_with(base, start, end, weight))
 
 
 def windows(
@@ -58,22 +82,27 @@ def choose_blocks(
     weight: float = 1.0,
     forbidden_cuts: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
-    """The window of at most `num_blocks` blocks that leaves the swarm's coverage best (weakest blocks
-    first)."""
-    return choose_window(coverage(others, total), num_blocks, total, weight, forbidden_cuts)
+    """The window of at most `num_blocks` blocks that leaves the swarm best (weakest blocks first: their
+    replicas up to REPLICAS, then their coverage)."""
+    others = list(others)
+    return choose_window(
+        coverage(others, total), replicas(others, total), num_blocks, total, weight, forbidden_cuts
+    )
 
 
 def choose_window(
     base: list[float],
+    held: list[float],
     num_blocks: int,
     total: int,
     weight: float,
     forbidden_cuts: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
-    """`choose_blocks` given the others' coverage (corolla.sim keeps it as servers come and go)."""
+    """`choose_blocks` given the others' coverage and replicas (corolla.sim keeps them as servers come
+    and go)."""
     return max(
         windows(num_blocks, total, forbidden_cuts),
-        key=lambda window: (sorted(_with(base, *window, weight)), -window[0]),
+        key=lambda window: (*_rank(base, held, window, weight), -window[0]),
     )
 
 
@@ -84,21 +113,29 @@ def better_blocks(
     weight: float,
     forbidden_cuts: frozenset[int] = frozenset(),
 ) -> tuple[int, int] | None:
-    """Where this server should move, if moving leaves fewer blocks without a server (one move may fill
-    one of several holes: corolla sim found swarms that two holes froze) or raises the weakest coverage
-    by a clear margin."""
-    return _better_move(coverage(others, total), current, total, weight, forbidden_cuts)
+    """Where this server should move, if moving gives a block a replica it lacks (up to REPLICAS) without
+    taking one from another (one move may fill one of several holes: corolla sim found swarms that two
+    holes froze), or raises the weakest coverage by a clear margin."""
+    others = list(others)
+    return _better_move(
+        coverage(others, total), replicas(others, total), current, total, weight, forbidden_cuts
+    )
 
 
 def _better_move(
-    base: list[float], current: tuple[int, int], total: int, weight: float, forbidden_cuts: frozenset[int]
+    base: list[float],
+    held: list[float],
+    current: tuple[int, int],
+    total: int,
+    weight: float,
+    forbidden_cuts: frozenset[int],
 ) -> tuple[int, int] | None:
-    """`better_blocks` given the others' coverage."""
-    now = _with(base, *current, weight)
-    target = choose_window(base, current[1] - current[0], total, weight, forbidden_cuts)
-    after = _with(base, *target, weight)
-    fewer_holes = after.count(0.0) < now.count(0.0)
-    if target != current and (fewer_holes or min(after) > min(now) * (1 + MOVE_MARGIN)):
+    """`better_blocks` given the others' coverage and replicas."""
+    now = _rank(base, held, current, weight)
+    target = choose_window(base, held, current[1] - current[0], total, weight, forbidden_cuts)
+    after = _rank(base, held, target, weight)
+    thicker = after[0] > now[0]  # fewer holes, or as few and fewer single replicas
+    if target != current and (thicker or min(after[1]) > min(now[1]) * (1 + MOVE_MARGIN)):
         return target
     return None
 
@@ -123,28 +160,32 @@ def best_move(
     server computes the same floats from the same view, whatever order it read the records in."""
     ordered = sorted(servers.items())
     whole = coverage((placed for _, placed in ordered), total)
-    reach = _weak_reach(whole)
+    held = replicas((placed for _, placed in ordered), total)
+    reach = _weak_reach(whole, held)
     candidates = []
-    for peer_id, (start, end, weight) in ordered:
+    for peer_id, placed in ordered:
+        start, end, weight = placed[:3]
         if end - start < reach:
             continue  # no window of its length holds every weak block: its move cannot help enough
         others = _with(whole, start, end, -weight)
-        target = _better_move(others, (start, end), total, weight, forbidden_cuts)
+        others_held = _with(held, start, end, -_stands_for(placed))
+        target = _better_move(others, others_held, (start, end), total, weight, forbidden_cuts)
         if target is not None:
-            candidates.append((sorted(_with(others, *target, weight)), peer_id, target))
+            candidates.append((_rank(others, others_held, target, weight), peer_id, target))
     if not candidates:
         return None
     best = max(candidates, key=lambda c: (c[0], [-ord(ch) for ch in c[1]]))
     return best[1], best[2]
 
 
-def _weak_reach(whole: list[float]) -> int:
+def _weak_reach(whole: list[float], held: list[float]) -> int:
     """How many blocks a window must span to hold every block whose coverage a move must raise for the
-    weakest to grow by MOVE_MARGIN (0 while some block has no server: any move filling one may do). A
-    block outside the new window keeps its coverage or loses the mover's, so all of them must be inside.
-    A hair under the margin, so rounding never rules out a server `_better_move` would accept."""
+    weakest to grow by MOVE_MARGIN (0 while some block has fewer than REPLICAS servers: any move giving
+    one a replica may do). A block outside the new window keeps its coverage or loses the mover's, so all
+    of them must be inside. A hair under the margin, so rounding never rules out a server `_better_move`
+    would accept."""
     low = min(whole)
-    if low <= 0:
+    if low <= 0 or min(held) < REPLICAS:
         return 0
     weak = [i for i, c in enumerate(whole) if c < low * (1 + MOVE_MARGIN) * (1 - 1e-9)]
     return weak[-1] - weak[0] + 1 if weak else 0

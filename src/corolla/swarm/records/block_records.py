@@ -109,19 +109,16 @@ async def find_spans(
 
 def placed(read: SwarmRead) -> dict[str, Placed]:
     """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none)
-    times the servers it stands for (on a walk down one path; read whole, each stands for itself): what
-    placement, rebalancing and link measurements read. A server that missed renewing its records
-    (wire/records.py STALE_PERIODS) is left out: it is most likely gone."""
+    times the servers it stands for (on a walk down one path; read whole, each stands for itself), and
+    that number: what placement, rebalancing and link measurements read. A server that missed renewing its
+    records (wire/records.py STALE_PERIODS) is left out: it is most likely gone."""
     now = get_dht_time()
-    return {
-        s.peer_id: (
-            s.start,
-            s.end,
-            (s.info.throughput or 1.0) * weight(s.level if read.walk.one_path else 0),
-        )
-        for s in read.spans
-        if not s.info.stale(now)
-    }
+    found = {}
+    for s in read.spans:
+        if not s.info.stale(now):
+            stands_for = weight(s.level if read.walk.one_path else 0)
+            found[s.peer_id] = (s.start, s.end, (s.info.throughput or 1.0) * stands_for, stands_for)
+    return found
 
 
 async def placed_servers(dht: DHT, dht_prefix: str, num_blocks: int, me: str) -> dict[str, Placed]:
