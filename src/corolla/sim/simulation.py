@@ -1,15 +1,17 @@
-"""A discrete-event simulation of a swarm's placement, recovery, routing and sessions: no sockets and no
-real time, corolla's own decision code under a simulated clock (issue 31).
+"""A discrete-event simulation of a swarm's placement, recovery, routing and sessions: no sockets and no real
+time, corolla's own decision code under a simulated clock (issue 31).
 
 Servers join and choose their blocks (swarm/policy/placement.py `choose_blocks`) from the records renewed
-lately; each announces its record every announce period (a record expires after 2.5 of them and stops
-counting for placement after 1.5, as wire/records.py says), and reads the swarm then as
-server/upkeep/link_monitor.py does: the rebalancer looks at that read at once when some block has no server.
-Every balance period (+-20%) each server checks whether it is the server whose move helps the swarm most
-(placement.py `best_move`, as `Rebalancer` does), moving if so. A crash ends servers at once: their records
-stay until they expire. Sessions (sim/sessions.py) are clients of their own. Every sample period the
-simulation measures the blocks' coverage by live servers, and routes from random points of the plane: a
-client's chain (swarm/policy/routing.py `choose_chain` over the servers that answer its pings, with
+lately; each announces its record every announce period (a record expires after 2.5 of them and stops counting
+for placement after 1.5, as wire/records.py says), and reads the swarm then as server/upkeep/link_monitor.py
+does: the rebalancer looks at that read at once when some block has no server, or, while some block has at
+most three, at that read less the servers of the weakest blocks that crashed (they would not answer the link
+monitor's pings). Every balance period (+-20%) each server checks whether it is a server to move (placement.py
+`moves`: the one whose move helps the swarm most, or, while a block has no server, any of the moves planned to
+fill the holes, as `Rebalancer` does), moving if so. A crash ends servers at once: their records stay until
+they expire. Sessions (sim/sessions.py) are clients of their own. Every sample period the simulation measures
+the blocks' coverage by live servers, and routes from random points of the plane: a client's chain
+(swarm/policy/routing.py `choose_chain` over the servers that answer its pings, with
 client/routing/estimates.py's estimates from announced speeds and its measured round trips) against an
 oracle's (the same search over true speeds and every true round trip), both priced at the truth (`chain_cost`,
 push on).
@@ -27,20 +29,27 @@ from corolla.config import ServerConfig
 from corolla.engine.async_engine import PassTiming
 from corolla.errors import MissingBlocks
 from corolla.server.hosting.pace import Pace
-from corolla.server.upkeep.link_monitor import MAX_LINKS
+from corolla.server.upkeep.link_monitor import MAX_CHECKED, MAX_LINKS
 from corolla.sim.clients import against_oracle, looked_up, noisy
 from corolla.sim.compute import cache_tokens, pass_cost
 from corolla.sim.network import Network
 from corolla.sim.record_book import Record, RecordBook
 from corolla.sim.record_tree import RecordTree
+from corolla.sim.relays import Relays
 from corolla.sim.scenario import Event, Scenario
 from corolla.sim.sessions import Sessions
 from corolla.sim.state import SimServer, least_held
-from corolla.swarm.policy.placement import Placed, best_move, choose_window, coverage
+from corolla.swarm.policy.placement import (
+    WATCHED_REPLICAS,
+    Placed,
+    choose_window,
+    coverage,
+    moves,
+    weakest_holders,
+)
 from corolla.swarm.policy.routing import choose_chain
 from corolla.wire.records import RECORD_LIFETIME, STALE_PERIODS, STALE_SLACK
 
-BOOTSTRAP = "bootstrap"
 PASSES_PER_PERIOD = 32
 
 
@@ -67,19 +76,18 @@ class Simulation:
         self.rng = random.Random(self.scenario.seed)
         scenario = self.scenario
         self.network = Network(scenario.rtt_ms, self.rng, scenario.hidden_bytes, scenario.hole_punch_success)
-        self.network.place(BOOTSTRAP)  # a public peer relaying for servers behind routers, as servers do
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._order = itertools.count()
         self._names = itertools.count()
-        self._public: list[str] = []  # servers not behind a router (possible relays), the dead dropped lazily
+        self.relays = Relays(self.network, self.servers, self.rng)
         self.book = RecordBook(self.scenario.num_blocks)
         self.tree = RecordTree(
             "sim", self.scenario.num_blocks
         )  # where the records are (swarm/records/record_cells.py)
         self._tree_rng = random.Random(self.scenario.seed)
         self._pass_rng = random.Random(f"{self.scenario.seed}-passes")
-        self._best: tuple[str, tuple[int, int]] | None = None  # best_move for the view, once computed
-        self._best_version = -1  # the book's version _best was computed for
+        self._planned: dict[str, tuple[int, int]] = {}  # placement.moves for the view, once computed
+        self._moves_version = -1  # the book's version _planned was computed for
         self.sessions = Sessions(self)
 
     def run(self) -> Simulation:
@@ -161,7 +169,7 @@ class Simulation:
         behind_nat = self.rng.random() < kind.behind_nat
         self.network.place(server.peer_id, upload_mbps=kind.upload_mbps, behind_nat=behind_nat)
         if not behind_nat:
-            self._public.append(server.peer_id)
+            self.relays.public.append(server.peer_id)
         # placement.choose_blocks over the records placement counts, whose coverage the book keeps
         server.start, server.end = fixed or choose_window(
             self.book.cover, self.book.held, server.blocks, self.scenario.num_blocks, server.throughput
@@ -174,7 +182,7 @@ class Simulation:
     def _announce(self, server: SimServer) -> None:
         if not server.alive or server.leaving:
             return
-        self._reserve_relay(server)
+        self.relays.reserve(server)
         self._run_passes(server)
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
         self.book.store(
@@ -191,6 +199,8 @@ class Simulation:
         }
         if self.book.has_hole():
             self._decide(server)
+        elif min(self.book.held) <= WATCHED_REPLICAS:  # it pings the weakest blocks' servers (link_monitor)
+            self._decide_on_answers(server)
         self.at(self.now + self.scenario.announce_period, self._announce, server)
 
     def _run_passes(self, server: SimServer) -> None:
@@ -206,42 +216,35 @@ class Simulation:
             seconds = true * self._pass_rng.lognormvariate(0, self.scenario.pass_noise)
             server.pace.observe(PassTiming(rows, rows, blocks, seconds))
 
-    def _reserve_relay(self, server: SimServer) -> None:
-        """Behind a router: a reservation on a random reachable server or the bootstrap peer (kept while
-        that peer lives; a dead relay's connections cost nothing more here)."""
-        peer = self.network.peers[server.peer_id]
-        if not peer.behind_nat or (peer.relay is not None and self._relays(peer.relay)):
-            return
-        while True:  # the public servers that joined, the dead among them dropped as they are drawn
-            index = self.rng.randrange(len(self._public) + 1)
-            if index == len(self._public):
-                peer.relay = BOOTSTRAP
-                return
-            if self._relays(self._public[index]):
-                peer.relay = self._public[index]
-                return
-            self._public[index] = self._public[-1]
-            self._public.pop()
-
-    def _relays(self, peer_id: str) -> bool:
-        return peer_id == BOOTSTRAP or self.servers[peer_id].alive
-
     def _check(self, server: SimServer) -> None:
         if server.alive and not server.leaving:
             self._decide(server)
             self.at(self.now + self._balance_delay(), self._check, server)
 
-    def _decide(self, server: SimServer) -> None:
-        """Rebalancer.check: move if this server is the one whose move helps most."""
-        best = None if server.fixed else self._best_move()
-        if best is not None and best[0] == server.peer_id:
-            server.start, server.end = best[1]
+    def _decide(self, server: SimServer, planned: dict[str, tuple[int, int]] | None = None) -> None:
+        """Rebalancer.check: move if this server is one to move now (placement.my_move) in `planned` (the
+        moves its own view gives), else in the moves of the records placement counts."""
+        target = None if server.fixed else (self._moves() if planned is None else planned).get(server.peer_id)
+        if target is not None:
+            server.start, server.end = target
             self.moves += 1
             record = self.book.records[server.peer_id]
             self.book.store(
-                server.peer_id, Record((*best[1], server.throughput), record.announced_at, record.expires)
+                server.peer_id, Record((*target, server.throughput), record.announced_at, record.expires)
             )
-            self.tree.announce(server.peer_id, range(*best[1]), self._tree_rng, server.speed)
+            self.tree.announce(server.peer_id, range(*target), self._tree_rng, server.speed)
+
+    def _decide_on_answers(self, server: SimServer) -> None:
+        """Rebalancer.look after the link monitor's pings: the records placement counts, less the weakest
+        blocks' servers that did not answer (crashed, their records not stale yet): holes are filled now."""
+        total = self.scenario.num_blocks
+        pinged = weakest_holders(self.book.placed, total, MAX_CHECKED)
+        silent = [peer for peer in pinged if not self.servers[peer].alive]
+        if not silent or server.fixed:
+            return
+        view = {peer: placed for peer, placed in self.book.placed.items() if peer not in silent}
+        if min(coverage(view.values(), total)) <= 0:
+            self._decide(server, moves(view, total))
 
     def _expire(self, peer_id: str, when: float) -> None:
         self.book.expire(peer_id, when)
@@ -260,12 +263,12 @@ class Simulation:
         placed_servers)."""
         return self.book.placed
 
-    def _best_move(self) -> tuple[str, tuple[int, int]] | None:
-        """placement.best_move, once per view: every server checking the same view gets the same answer."""
-        if self._best_version != self.book.version:
-            self._best = best_move(self.book.placed, self.scenario.num_blocks)
-            self._best_version = self.book.version
-        return self._best
+    def _moves(self) -> dict[str, tuple[int, int]]:
+        """placement.moves, once per view: every server checking the same view gets the same answer."""
+        if self._moves_version != self.book.version:
+            self._planned = moves(self.book.placed, self.scenario.num_blocks)
+            self._moves_version = self.book.version
+        return self._planned
 
     # measuring
 

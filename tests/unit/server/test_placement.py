@@ -15,7 +15,9 @@ from corolla.swarm.policy.placement import (
     choose_blocks,
     coverage,
     my_move,
+    planned_moves,
     replicas,
+    weakest_holders,
     windows,
 )
 
@@ -89,6 +91,25 @@ def test_a_server_moves_to_give_a_block_held_once_a_second_server_but_never_take
     assert best_move(servers, 20) is None  # every block has two: another move would take one away
     # two servers for 20 blocks of 10 each cannot give every block two: nobody moves
     assert best_move({"a": (0, 10, 1.0), "b": (10, 20, 1.0)}, 20) is None
+
+
+def test_a_wide_hole_is_filled_by_several_servers_planned_at_once_from_one_view():
+    """Blocks 4-11 lost their servers: no single server of 4 blocks fills them, so the moves that fill
+    them one after another are planned together and each server in the plan moves at its own check."""
+    servers = {f"s{i}": (start, start + 4, 1.0) for i, start in enumerate([0, 0, 0, 12, 12, 12, 16, 16])}
+    plan = planned_moves(servers, 20)
+    assert sorted(plan.values()) == [(4, 8), (8, 12)] and len(set(plan)) == 2
+    assert {peer: my_move(servers, peer, 20) for peer in plan} == plan  # each its own part of the plan
+    after = {**servers, **{peer: (*target, 1.0) for peer, target in plan.items()}}
+    assert min(replicas(after.values(), 20)) >= 1 and planned_moves(after, 20) == {}
+
+
+def test_the_weakest_blocks_servers_are_the_ones_pinged_while_some_block_has_few():
+    servers = {"a": (0, 5, 1.0), "b": (0, 10, 1.0), "c": (5, 10, 1.0), "d": (5, 10, 1.0), "e": (5, 10, 1.0)}
+    # blocks 0-4 have two servers, 5-9 four: a and b first (fewest), then the others by peer id
+    assert weakest_holders(servers, 10, 3) == ["a", "b", "c"]
+    crowded = {f"s{i}": (0, 10, 1.0) for i in range(4)}  # every block has four: nothing to watch
+    assert weakest_holders(crowded, 10, 16) == []
 
 
 def test_memory_budget_sets_the_number_of_blocks():

@@ -48,12 +48,18 @@ def thin_swarm(**changes) -> Scenario:
 
 
 def test_a_crash_that_uncovers_blocks_is_repaired_by_the_others_moves():
+    """Placement gives every block two servers first; a silent crash of half of them is seen by the others'
+    pings of the weakest blocks' servers before the records go stale, and the holes are filled by moves
+    planned at once: whole again within 2 announce periods (issue 51's target)."""
     simulation = Simulation(thin_swarm()).run()
     (crash,) = summarize(simulation, 0.0)["crashes"]
-    assert crash["servers"] == 15 and crash["least_held_block_before"] >= 1
+    assert crash["servers"] == 15 and crash["least_held_block_before"] >= 2
     assert crash["uncovered_s"] > 0  # the scenario does what it is for: some block lost every server
-    assert crash["restored_after_periods"] is not None and simulation.moves > 0
-    assert all(c.live_min >= 1 for c in simulation.samples if c.time >= 200 + 4 * 20)  # and stays so
+    assert crash["restored_after_periods"] <= 2 and simulation.moves > 0
+    assert all(c.live_min >= 1 for c in simulation.samples if c.time >= 200 + 2 * 20)  # and stays so
+    for seed in (1, 3, 6):  # others where blocks lost every server
+        (crash,) = summarize(Simulation(thin_swarm(seed=seed)).run(), 0.0)["crashes"]
+        assert crash["uncovered_s"] > 0 and crash["restored_after_periods"] <= 2, seed
 
 
 def test_clients_chains_use_live_servers_and_cost_no_less_than_the_oracles():

@@ -3,8 +3,12 @@
 Every announce period the server reads the swarm from the DHT (down its own path of the records' tree,
 which also settles the level it announces at: swarm/records/record_cells.py), pings (rpc_info) up to MAX_LINKS
 servers whose spans start where its own ends, and keeps the round trips; the announcement carries them, so a
-client can cost a chain's server-to-server hops without measuring them itself. The read is also passed
-to `on_read` (the rebalancer's look for blocks without a server), so nothing else reads it again.
+client can cost a chain's server-to-server hops without measuring them itself. While some block has at
+most three servers it also pings up to MAX_CHECKED servers of the blocks with the fewest
+(placement.weakest_holders): a server that crashed silently keeps its records for more than an announce
+period, and a block it left bare would stay bare that long. The read,
+less the servers that did not answer those pings, is passed to `on_read` (the rebalancer's look for blocks
+without a server), so nothing else reads it again.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from corolla.server.hosting.spans import HostedSpans
 from corolla.server.upkeep.periodic import Periodic
 from corolla.swarm.p2p.ping import ping
 from corolla.swarm.p2p.transport import P2PTransport
-from corolla.swarm.policy.placement import Placed
+from corolla.swarm.policy.placement import Placed, weakest_holders
 from corolla.swarm.records.block_records import SwarmRead, placed, read_swarm
 from corolla.swarm.records.record_cells import Place, position
 
 logger = logging.getLogger(__name__)
 
 MAX_LINKS = 8
+MAX_CHECKED = 16  # servers of the weakest blocks pinged per read besides the next ones
 PING_TIMEOUT = 2.0
 
 
@@ -83,10 +88,17 @@ class LinkMonitor:
         read = await self.settle()
         servers = placed(read)
         self.seen = frozenset(servers)
-        if self.on_read is not None:
-            await self.on_read(dict(servers))
-        servers.pop(self.peer_id, None)
-        nexts = [peer for peer, (first, stop, *_) in servers.items() if first <= end < stop][:MAX_LINKS]
+        others = {peer: span for peer, span in servers.items() if peer != self.peer_id}
+        nexts = [peer for peer, (first, stop, *_) in others.items() if first <= end < stop][:MAX_LINKS]
+        # the servers a block would fall short without: pinged, not trusted (records outlive their servers)
+        weakest = [
+            peer for peer in weakest_holders(others, self.num_blocks, MAX_CHECKED) if peer not in nexts
+        ]
         transport = P2PTransport(self.p2p)
-        answers = await asyncio.gather(*(ping(transport, peer, PING_TIMEOUT) for peer in nexts))
-        self.pings = {peer: a.seconds for peer, a in zip(nexts, answers, strict=True) if a.answered}
+        pinged = [*nexts, *weakest]
+        found = await asyncio.gather(*(ping(transport, peer, PING_TIMEOUT) for peer in pinged))
+        answers = dict(zip(pinged, found, strict=True))
+        self.pings = {peer: answers[peer].seconds for peer in nexts if answers[peer].answered}
+        if self.on_read is not None:  # what answers: a block a silent crash left bare is seen at once
+            silent = {peer for peer in weakest if not answers[peer].answered}
+            await self.on_read({peer: span for peer, span in servers.items() if peer not in silent})

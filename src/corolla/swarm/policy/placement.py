@@ -11,7 +11,8 @@ chase each other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Collection, Iterable
 
 from corolla.errors import InvalidRequest
 from corolla.models.model_config import ModelConfig
@@ -22,6 +23,7 @@ Placed = tuple[int, int, float] | tuple[int, int, float, float]
 
 MOVE_MARGIN = 0.2  # a move must raise the weakest coverage by 20% (or give a block a replica it lacks)
 REPLICAS = 2  # servers per block placement reaches everywhere (where capacity allows) before throughput
+WATCHED_REPLICAS = 3  # servers of blocks with at most this many are pinged, not trusted (weakest_holders)
 
 
 def coverage(spans: Iterable[Placed], total: int) -> list[float]:
@@ -36,6 +38,20 @@ def coverage(spans: Iterable[Placed], total: int) -> list[float]:
 def replicas(spans: Iterable[Placed], total: int) -> list[float]:
     """The number of servers hosting each block (each record counted for the servers it stands for)."""
     return coverage(((p[0], p[1], _stands_for(p)) for p in spans), total)
+
+
+def weakest_holders(servers: dict[str, Placed], total: int, most: int) -> list[str]:
+    """While some block has at most WATCHED_REPLICAS servers: up to `most` servers (peer ids) holding the
+    blocks with the fewest, fewest first (ties: smaller peer id). A silent crash of those could leave a
+    block bare, and their records outlive them by more than an announce period: a server pings them
+    rather than trust the records."""
+    held = replicas(servers.values(), total)
+    if not held or min(held) > WATCHED_REPLICAS:
+        return []
+    least = {
+        peer: min(held[max(p[0], 0) : min(p[1], total)], default=math.inf) for peer, p in servers.items()
+    }
+    return sorted(least, key=lambda peer: (least[peer], peer))[:most]
 
 
 def _stands_for(placed: Placed) -> float:
@@ -147,17 +163,49 @@ def my_move(
 
     Every server evaluates every server's best move from the same view of the swarm and only the one whose
     move helps most (ties: the smallest peer id) makes it, so two servers never rush into the same hole.
+    While some block has no server, the moves that fill holes one after another are planned from that
+    view at once (`planned_moves`), and each server in the plan makes its own: a wide hole left by a
+    crash is filled in one round, not one server per balance period.
     """
+    return moves(servers, total, forbidden_cuts).get(me)
+
+
+def moves(
+    servers: dict[str, Placed], total: int, forbidden_cuts: frozenset[int] = frozenset()
+) -> dict[str, tuple[int, int]]:
+    """The servers to move now, by peer id, and where (`my_move` for every server at once)."""
+    if min(coverage(servers.values(), total)) <= 0:
+        return planned_moves(servers, total, forbidden_cuts)
     best = best_move(servers, total, forbidden_cuts)
-    return best[1] if best is not None and best[0] == me else None
+    return {} if best is None else {best[0]: best[1]}
+
+
+def planned_moves(
+    servers: dict[str, Placed], total: int, forbidden_cuts: frozenset[int] = frozenset()
+) -> dict[str, tuple[int, int]]:
+    """The moves that fill the swarm's holes one after another: each the best move (`best_move`) of a
+    server not moved yet in the swarm the moves before it leave, while some block has no server."""
+    swarm = dict(servers)
+    plan: dict[str, tuple[int, int]] = {}
+    while min(coverage(swarm.values(), total)) <= 0:
+        move = best_move(swarm, total, forbidden_cuts, moved=plan.keys())
+        if move is None:
+            break
+        peer, target = move
+        plan[peer] = target
+        swarm[peer] = (*target, *swarm[peer][2:])
+    return plan
 
 
 def best_move(
-    servers: dict[str, Placed], total: int, forbidden_cuts: frozenset[int] = frozenset()
+    servers: dict[str, Placed],
+    total: int,
+    forbidden_cuts: frozenset[int] = frozenset(),
+    moved: Collection[str] = (),
 ) -> tuple[str, tuple[int, int]] | None:
-    """The server whose move helps the swarm most, and where it moves (None: no move helps). Each
-    server's others' coverage is the whole swarm's less its own span, summed in peer-id order: every
-    server computes the same floats from the same view, whatever order it read the records in."""
+    """The server whose move helps the swarm most (of those not in `moved`), and where it moves (None: no
+    move helps). Each server's others' coverage is the whole swarm's less its own span, summed in peer-id
+    order: every server computes the same floats from the same view, whatever order it read the records in."""
     ordered = sorted(servers.items())
     whole = coverage((placed for _, placed in ordered), total)
     held = replicas((placed for _, placed in ordered), total)
@@ -165,7 +213,7 @@ def best_move(
     candidates = []
     for peer_id, placed in ordered:
         start, end, weight = placed[:3]
-        if end - start < reach:
+        if end - start < reach or peer_id in moved:
             continue  # no window of its length holds every weak block: its move cannot help enough
         others = _with(whole, start, end, -weight)
         others_held = _with(held, start, end, -_stands_for(placed))
