@@ -1,6 +1,7 @@
 """Servers without --blocks place themselves on the tiny llama's 6 blocks and rebalance when one leaves (the
-left blocks seen without a server by the next announce period's read: rebalancer.py `look`); a session
-running across a move completes with the right tokens."""
+left blocks seen without a server by the next announce period's read, the dead server found by a ping
+rather than by its records going stale: link_monitor.py, rebalancer.py `look`); a session running across a
+move completes with the right tokens."""
 
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def test_self_placement_and_rebalancing(tiny_models):
             )
             assert covered, f"blocks left uncovered: {current_spans(model)}"
         assert [s for s in swarm.servers if "Moving from blocks" in s.log()] == [mover]
+        # the dead server's blocks were seen bare by pinging it (its records outlive it by 1.5 periods)
+        assert any(log_lines(s, f"...{alone.peer_id[-6:]} did not answer") for s in swarm.servers)
         moved = log_lines(mover, "Moving from blocks")
         unloaded = wait_for(lambda: log_lines(mover, "Unloaded blocks"), 10)  # soon after our session ends
         assert unloaded, "the mover never unloaded its old blocks:\n" + mover.log_tail(25)

@@ -99,6 +99,9 @@ class LinkMonitor:
         found = await asyncio.gather(*(ping(transport, peer, PING_TIMEOUT) for peer in pinged))
         answers = dict(zip(pinged, found, strict=True))
         self.pings = {peer: answers[peer].seconds for peer in nexts if answers[peer].answered}
+        silent = {peer for peer in weakest if not answers[peer].answered}
+        if silent:
+            names = ", ".join(f"...{peer[-6:]}" for peer in sorted(silent))
+            logger.info(f"Servers {names} did not answer: their blocks are counted without them")
         if self.on_read is not None:  # what answers: a block a silent crash left bare is seen at once
-            silent = {peer for peer in weakest if not answers[peer].answered}
             await self.on_read({peer: span for peer, span in servers.items() if peer not in silent})
