@@ -167,7 +167,7 @@ def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
 def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
     with pytest.raises(
         InvalidRequest,
-        match="no scenario file .nowhere. \\(bundled: crash10, day, five, flash, one_by_one, small\\)",
+        match="no scenario file .nowhere. \\(bundled: crash10, day, five, flash, one_by_one, small, thin\\)",
     ):
         load("nowhere")
     path = tmp_path / "bad.json"
