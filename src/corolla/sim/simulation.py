@@ -238,8 +238,8 @@ class Simulation:
         """Rebalancer.look after the link monitor's pings: the records placement counts, less the weakest
         blocks' servers that did not answer (crashed, their records not stale yet): holes are filled now."""
         total = self.scenario.num_blocks
-        pinged = weakest_holders(self.book.placed, total, MAX_CHECKED)
-        silent = [peer for peer in pinged if not self.servers[peer].alive]
+        pinged = [p for p in weakest_holders(self.book.placed, total, MAX_CHECKED + 1) if p != server.peer_id]
+        silent = [peer for peer in pinged[:MAX_CHECKED] if not self.servers[peer].alive]  # as its own read
         if not silent or server.fixed:
             return
         view = {peer: placed for peer, placed in self.book.placed.items() if peer not in silent}

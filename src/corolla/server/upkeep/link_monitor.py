@@ -6,9 +6,9 @@ servers whose spans start where its own ends, and keeps the round trips; the ann
 client can cost a chain's server-to-server hops without measuring them itself. While some block has at
 most three servers it also pings up to MAX_CHECKED servers of the blocks with the fewest
 (placement.weakest_holders): a server that crashed silently keeps its records for more than an announce
-period, and a block it left bare would stay bare that long. The read,
-less the servers that did not answer those pings, is passed to `on_read` (the rebalancer's look for blocks
-without a server), so nothing else reads it again.
+period, and a block it left bare would stay bare that long. The read, less the servers that did not answer
+those pings, is passed to `on_read` (the rebalancer's look for blocks without a server), so nothing else
+reads it again.
 """
 
 from __future__ import annotations
