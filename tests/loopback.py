@@ -76,6 +76,7 @@ class LoopbackStream:
             await self.server.thawed.wait()  # a frozen server takes the stream and never answers
             async for response in handler(self._incoming(), context):
                 await self.server.thawed.wait()  # a frozen server computes, but its replies never leave
+                await self.server.replying.wait()  # a held one's leave late (its pings are answered)
                 self.server.network.log(self.rpc, "reply", self.server.peer_id, response)
                 self._responses.put_nowait(_copy(response))
         except Exception as e:
@@ -197,6 +198,8 @@ class LoopbackServer:
         self.dies_at_step: int | None = None  # set to kill it when that step arrives
         self.thawed = asyncio.Event()
         self.thawed.set()
+        self.replying = asyncio.Event()
+        self.replying.set()
         self.inference: InferenceService | None = None
         self.status: StatusBoard | None = None
 
@@ -210,6 +213,11 @@ class LoopbackServer:
     def freeze(self) -> None:
         """Takes requests and never answers (a hung process), until thawed."""
         self.thawed.clear()
+
+    def hold_replies(self) -> None:
+        """Computes, and holds its steps' replies back until `replying` is set, but answers pings (a busy
+        machine, or a slow link, not a hung one)."""
+        self.replying.clear()
 
     def kill(self) -> None:
         self.alive = False

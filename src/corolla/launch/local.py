@@ -91,6 +91,12 @@ class PeerProcess:
             logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
         self.kill_group()
 
+    def signal_group(self, sig: int) -> None:
+        """Signal its whole process group (the peer, its DHT process and daemon), as when its machine
+        freezes (SIGSTOP) or wakes (SIGCONT)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
     def kill_group(self) -> None:
         if isinstance(self.popen, ForkedPeer):
             self.popen.kill_group()

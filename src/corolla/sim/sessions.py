@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from corolla.client.chain.opening import opening_tries, out_of_tries, pass_over
 from corolla.client.chain.retries import RetryBudget
 from corolla.client.routing.bans import Bans
-from corolla.client.routing.estimates import ServerEstimates, silence_after
+from corolla.client.routing.estimates import PROBE_FLOOR, ServerEstimates, silence_after
 from corolla.client.routing.router import LONGEST_WAIT, Router
 from corolla.config import ClientConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
@@ -122,7 +122,7 @@ class Sessions:
         a server that ends its drain closes its connections) and fails over."""
         stranded = set().union(*(self.on.pop(peer_id, set()) for peer_id in peer_ids))
         for session in sorted(stranded, key=lambda session: session.serial):
-            silence = silence_after(session.latency) if silent else 0.0
+            silence = silence_after(session.latency) + PROBE_FLOOR if silent else 0.0  # the missed ping
             session.advance(self.sim.now)
             session.latency = 0.0  # paused: its next step waits on a dead server
             session.version += 1  # and it does not end as planned
@@ -233,15 +233,16 @@ class Sessions:
         raise out_of_tries(self.config, start, end)
 
     def _choose(self, session: SimSession, start: int, end: int, oracle: bool) -> list[Hop]:
-        """The client's chain over [start, end) (client/routing/router.py); with `oracle`, also the
-        oracle's."""
+        """The client's chain over [start, end) (client/routing/router.py; a gap's neighbours in the chain
+        shunned, as Chain's replacements do); with `oracle`, also the oracle's."""
         sim = self.sim
         client = session.client
         spans, estimates = looked_up(sim, client.name, self.rng, client.estimates)
         view = _View(spans, {s.peer_id for s in spans})
         router = Router(self.config, sim.scenario.num_blocks, view, client.bans, estimates, rng=self.rng)
         tokens = sim.scenario.session_tokens
-        hops = router.choose(start, end, needed_cache=tokens, max_length=tokens)
+        shun = {hop.peer_id for hop in session.hops if hop.end == start or hop.start == end}  # neighbours
+        hops = router.choose(start, end, needed_cache=tokens, max_length=tokens, shun=shun)
         self.misrouted += any(
             not sim.servers[hop.peer_id].alive or hop.peer_id in client.bans.banned() for hop in hops
         )

@@ -190,6 +190,23 @@ async def test_a_busy_server_that_answers_pings_is_waited_for(network, head, ref
         assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
 
 
+async def test_a_busy_server_that_hangs_after_answering_a_ping_is_replaced(network, head, reference):
+    """Pinged while busy, it answers, so the step waits on; it then hangs, misses the next ping, and is
+    replaced long before the request timeout."""
+    chain = await three_hops(network)
+    client = network.client(request_timeout=60.0)
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await decode(session, head, ids[:, :12])
+        await network.add_server((4, 6))
+        chain[2].spans.primary.engine.pass_delay = 6.0  # busy for far longer than its pace
+        asyncio.get_running_loop().call_later(2.5, chain[2].freeze)  # after answering a ping or two
+        outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 20.0)
+        assert session.num_failovers == 1 and chain[2].peer_id not in {hop.peer_id for hop in session.route}
+        assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
+        chain[2].kill()
+
+
 async def test_without_a_replica_the_step_fails_naming_the_blocks(network, head):
     chain = await three_hops(network)
     client = network.client(routing_timeout=0.5)

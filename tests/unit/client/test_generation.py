@@ -5,6 +5,8 @@ conversation where the last call stopped."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -80,6 +82,32 @@ def test_pipelined_speculation_survives_a_server_killed_with_frames_in_flight(ll
         model = swarm.model(speculation=speculation)
         assert torch.equal(generate_with_a_death(swarm, model, prompt, hop), expected)
         assert model.speculator.stats.accepted > 0
+
+
+@pytest.mark.parametrize("hop", [0, 2], ids=["first", "last"])
+def test_pipelined_speculation_replaces_a_server_frozen_with_frames_in_flight(llama, prompt, expected, hop):
+    """A server hangs with frames in flight (takes them, never answers, misses pings): the pipe ends when a
+    frame has waited its pace and a ping, the next step fails over at once (no second wait), and the
+    tokens are plain decoding's, long before the request timeout."""
+    speculation = SpeculationConfig(draft=str(llama), max_depth=3, adaptive=False)
+    with LoopbackSwarm(llama, CHAIN) as swarm:
+        model = swarm.model(speculation=speculation, request_timeout=120.0)
+        with model.inference_session(prompt.shape[1] + NEW_TOKENS) as session:
+            chosen, victims = [], []
+
+            def on_token(_):
+                chosen.append(1)
+                if len(chosen) == NEW_TOKENS // 2:
+                    swarm.add_server((0, 3))
+                    swarm.add_server((3, 6))
+                    victims.append(swarm.network.servers[session.route[hop].peer_id])
+                    swarm.runtime.loop.call_soon_threadsafe(victims[0].freeze)
+
+            started = time.monotonic()
+            tokens = model.generate(prompt, session=session, max_new_tokens=NEW_TOKENS, streamer=on_token)
+            assert time.monotonic() - started < 60.0  # not the request timeout's 120 s
+            assert session.num_failovers == 1 and victims[0].peer_id not in {h.peer_id for h in session.route}
+    assert torch.equal(tokens, expected)  # (the frozen server is stopped with the swarm)
 
 
 def test_a_round_that_accepts_part_of_its_tree_keeps_the_models_own_path(llama, reference):

@@ -27,8 +27,14 @@ def span(peer: str, start: int, end: int, **status) -> RemoteSpan:
 class Pings:
     """Answers pings as scripted: a server answers from its `silent`-th ping on, or refuses this peer."""
 
-    def __init__(self, silent: dict[str, int] | None = None, refusing: dict[str, str] | None = None):
+    def __init__(
+        self,
+        silent: dict[str, int] | None = None,
+        refusing: dict[str, str] | None = None,
+        speeds: dict[str, float] | None = None,
+    ):
         self.silent, self.refusing, self.count = silent or {}, refusing or {}, {}
+        self.speeds = speeds or {}  # blocks per second its reply says (else none)
         self.reads = 0  # DHT reads (the router's view refreshes)
 
     async def ping(self, peer_id: str) -> Ping:
@@ -37,7 +43,9 @@ class Pings:
             return Ping(refusal=self.refusing[peer_id])
         if self.count[peer_id] <= self.silent.get(peer_id, 0):
             return Ping()
-        return Ping(0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512))
+        return Ping(
+            0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512, throughput=self.speeds.get(peer_id))
+        )
 
 
 def router(spans, pings=None, **config) -> tuple[Router, Bans, Pings]:
@@ -87,6 +95,20 @@ async def test_a_client_restricted_to_some_servers_routes_through_parts_of_their
     assert [hop.peer_id for hop in chain] == ["d", "e", "c"]
     assert chain[0] == Hop("d", 0, 2) and chain[1].start == 2 and chain[-1].end == 6
     assert await route.route(3, 5) == [Hop("c", 3, 5)]
+
+
+async def test_a_replacement_goes_around_its_neighbours_where_others_serve_and_through_them_otherwise():
+    """Hop 2:4 of a chain "a" 0:2, ?, "a2" 4:6 failed: "a" and "a2" also hold 2:4 and are the fastest, but a
+    chain through them would visit a server twice in a row (a round trip and a pass for nothing)."""
+    speeds = {"a": 100.0, "a2": 100.0, "slow": 1.0, "b": 1.0}
+    servers = [span("a", 0, 4), span("a2", 3, 6), span("slow", 2, 4)]
+    route, _, _ = router(servers, Pings(speeds=speeds))
+    assert {hop.peer_id for hop in await route.route(2, 4)} & {"a", "a2"}  # unshunned: the fast ones
+    assert await route.route(2, 4, shun={"a", "a2"}) == [Hop("slow", 2, 4)]
+    # only a neighbour serves block 1: through it after all, and the rest around it
+    route, _, _ = router([span("a", 0, 4), span("b", 1, 2)], Pings(speeds=speeds))
+    assert await route.route(1, 2, shun={"a"}) == [Hop("b", 1, 2)]
+    assert await route.route(0, 2, shun={"a"}) == [Hop("a", 0, 2)]
 
 
 async def test_a_server_that_missed_its_ping_is_pinged_again_once_before_waiting():

@@ -95,37 +95,37 @@ def test_pipelined_rejections_travel_as_pushed_rollbacks_and_stale_frames_stop(f
 
 
 def test_pipelined_drafts_go_out_before_earlier_ones_are_verified(family):
-    """After the first token the last server holds its replies back: the client still sends its next
-    drafted chains, until 3 frames are in flight, then verifies them in order once the replies come; the
-    tokens are plain decoding's."""
+    """After the first token the last server holds its replies back (and answers pings: busy, not frozen):
+    the client still sends its next drafted chains, until 3 frames are in flight, then verifies them in
+    order once the replies come; the tokens are plain decoding's."""
     path, swarm, reference = family
     prompt = repetitive_prompt(5)
     expected = reference_generate(reference, prompt, max_new_tokens=24)
     model = chain_model(swarm, 3, speculation=SpeculationConfig(draft=str(path), max_depth=3, adaptive=False))
     first, last = (swarm.servers[i] for i in (CHAINS[3][0], CHAINS[3][-1]))
-    frozen = threading.Event()
+    held = threading.Event()
 
-    def freeze_once(_token) -> None:
-        if not frozen.is_set():
-            frozen.set()
-            swarm.runtime.loop.call_soon_threadsafe(last.freeze)
+    def hold_once(_token) -> None:
+        if not held.is_set():
+            held.set()
+            swarm.runtime.loop.call_soon_threadsafe(last.hold_replies)
 
     result = []
 
     def generate() -> None:
-        result.append(model.generate(prompt, max_new_tokens=24, streamer=freeze_once))
+        result.append(model.generate(prompt, max_new_tokens=24, streamer=hold_once))
 
     worker = threading.Thread(target=generate)
     worker.start()
     try:
-        assert frozen.wait(60)
+        assert held.wait(60)
         seen, since = first.steps_received, time.monotonic()
         while time.monotonic() - since < 1.0:  # until the client sends nothing more for a second
             time.sleep(0.05)
             if first.steps_received != seen:
                 seen, since = first.steps_received, time.monotonic()
     finally:
-        swarm.runtime.loop.call_soon_threadsafe(last.thawed.set)
+        swarm.runtime.loop.call_soon_threadsafe(last.replying.set)
         worker.join(60)
     assert torch.equal(result[0], expected)
     assert model.speculator.stats.most_in_flight == 3

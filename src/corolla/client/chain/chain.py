@@ -9,14 +9,15 @@ Failover: when a hop's server fails (error, timeout, lost connection, dead proce
 routes its blocks again (possibly over several servers), replays the inputs the hop had received to the
 replacement in chunks, so that its cache matches, and retries the step there, within a retry budget.
 A server a spot check caught lying is replaced the same way (`replace`), after a rewind. A decode step
-unanswered for several times the server's recent decode steps (client/routing/estimates.py `silence_limit`,
-at least a second or two) whose server then misses a ping counts as a failure (client/rpc/stall_probe.py): a
+unanswered for a few times the server's recent decode steps (client/routing/estimates.py `silence_limit`,
+at least a second) whose server then misses a ping counts as a failure (client/chain/silent_hops.py): a
 frozen server is replaced without waiting for the request timeout; a busy one that answers is waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -30,9 +31,9 @@ from corolla.client.chain.pipeline import PIPELINE_CHUNK, run_pipelined
 from corolla.client.chain.push_trust import PushTrust
 from corolla.client.chain.relayed import relay_cut, relay_limit_ahead
 from corolla.client.chain.retries import RetryBudget
+from corolla.client.chain.silent_hops import PACED_TOKENS, SilentHops
 from corolla.client.routing.swarm_access import SwarmAccess
 from corolla.client.rpc.span_stream import ForgedPush, ForkGone, Reply, SpanStream, Step, StepRoute
-from corolla.client.rpc.stall_probe import unless_silent
 from corolla.errors import RETRYABLE
 from corolla.swarm.policy.routing import Hop
 from corolla.wire.messages import NextServer
@@ -50,6 +51,7 @@ class Chain:
         self.num_failovers = 0
         self._background: set[asyncio.Task] = set()
         self.push_trust = PushTrust()
+        self.silent_hops = SilentHops(swarm)
 
     @property
     def route(self) -> list[Hop]:
@@ -126,7 +128,7 @@ class Chain:
                 encoded = None
                 continue
             pushed_to.update(server.session_id for server in route.next_servers)
-            forged = self._forgery(forged, reply.num_foreign > 0, route, link)
+            forged = self.push_trust.met(forged, reply.num_foreign > 0, route.push_from, link.hop.peer_id)
             outputs.append(reply.outputs)
             hidden = reply.outputs
             encoded = reply.encoded  # sent on as it came: byte for byte its push
@@ -172,16 +174,12 @@ class Chain:
     ) -> Reply:
         started = time.perf_counter()
         hop = link.hop
-        estimates = self.swarm.estimates
         decode = step.hidden.shape[1] == 1
-        limit = estimates.silence_limit(hop.peer_id) if decode else None
-        transport = self.swarm.peers.transport
-        reply = await unless_silent(link.stream.step(step, route, encoded), limit, transport, hop.peer_id)
-        seconds = time.perf_counter() - started
-        if decode:
-            estimates.replied(hop.peer_id, seconds)
+        work = functools.partial(link.stream.step, step, route, encoded)
+        reply = await self.silent_hops.watch(work, hop.peer_id, step.hidden.shape[1] <= PACED_TOKENS)
         if decode and not route.pushed:  # a decode step's time says how fast it is
-            estimates.observe_step(hop.peer_id, seconds, hop.end - hop.start)
+            seconds = time.perf_counter() - started
+            self.swarm.estimates.observe_step(hop.peer_id, seconds, hop.end - hop.start)
         link.history.record(step, reply.outputs)
         return reply
 
@@ -206,13 +204,6 @@ class Chain:
         previous = self.links[index - 1].hop.peer_id
         return previous if self.push_trust.allows(previous, self.links[index].hop.peer_id) else None
 
-    def _forgery(self, seen: bool, here: bool, route: StepRoute, link: Link) -> bool:
-        """Whether a step met a forged push so far: the first hop to meet one blames its pusher (later
-        hops only got the forgery passed on by honest servers)."""
-        if here and not seen:
-            self.push_trust.distrust(route.push_from, link.hop.peer_id)
-        return seen or here
-
     async def _recover(
         self, index: int, error: Exception | None, budget: RetryBudget, ban: bool = True
     ) -> None:
@@ -232,7 +223,7 @@ class Chain:
                 budget.spend(error)
                 logger.warning("Server ...%s failed (%s); replacing it", short, error)
             try:
-                self.links[index : index + 1] = await self._replacement(failed)
+                self.links[index : index + 1] = await self._replacement(failed, self._neighbours(index))
                 self.num_failovers += 1
                 return
             except RETRYABLE as e:  # a replacement failed too: another one
@@ -246,7 +237,7 @@ class Chain:
         forged push so far. A server that a forged push (here or upstream in this step) made refuse is not
         at fault, nor one whose relay ended the connection (at its time or data limit; a new one is made)."""
         link = self.links[index]
-        forged = self._forgery(forged, isinstance(error, ForgedPush), route, link)
+        forged = self.push_trust.met(forged, isinstance(error, ForgedPush), route.push_from, link.hop.peer_id)
         excused = forged and self.push_trust.excuse(link.hop.peer_id)
         excused = excused or isinstance(error, ForkGone) or relay_cut(self.swarm, link.hop.peer_id, error)
         await self._recover(index, error, budget, ban=not excused)
@@ -260,10 +251,15 @@ class Chain:
             await self._recover(index, None, budget, ban=False)
         return moved
 
-    async def _replacement(self, failed: Link) -> list[Link]:
-        """A new chain over the failed hop's blocks, brought to the same state by replaying its inputs."""
+    def _neighbours(self, index: int) -> set[str]:
+        """The servers of the hops before and after the one at `index`."""
+        return {self.links[i].hop.peer_id for i in (index - 1, index + 1) if 0 <= i < len(self.links)}
+
+    async def _replacement(self, failed: Link, neighbours: set[str]) -> list[Link]:
+        """A new chain over the failed hop's blocks (not through `neighbours` where others serve them),
+        brought to the same state by replaying its inputs."""
         started = time.perf_counter()
-        links = await open_links(self.swarm, self.spec, failed.hop.start, failed.hop.end)
+        links = await open_links(self.swarm, self.spec, failed.hop.start, failed.hop.end, neighbours)
         inputs = failed.history.inputs
         prompts = failed.history.prompts
         start = failed.hop.start

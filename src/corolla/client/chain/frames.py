@@ -20,12 +20,15 @@ tree it names, per hop, the path to keep.
 
 Nothing here replaces a server: a failure ends the pipe (`failed`), the frames already sent get their
 replies where their servers answer, and the caller goes on with a synchronous step, whose chain fails
-over (client/chain/chain.py) from histories that match what each server holds.
+over (client/chain/chain.py) from histories that match what each server holds. A server silent for its
+pace that then misses a ping fails the pipe, and the chain's next step to it at once
+(client/chain/silent_hops.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import dataclass, field
 
@@ -118,7 +121,8 @@ class FramePipe:
                 if self.failed is not None:  # the next hops may be gone: the pipe ends here
                     link.stream.forget(sent)
                     raise self.failed
-                reply = await link.stream.receive(sent)
+                receive = functools.partial(link.stream.receive, sent)
+                reply = await self.chain.silent_hops.watch(receive, link.hop.peer_id, True, frame=True)
                 link.history.record(step, reply.outputs)
                 if reply.num_foreign:  # the previous server pushed other inputs; ours ran too
                     self.chain.push_trust.distrust(route.push_from, link.hop.peer_id)

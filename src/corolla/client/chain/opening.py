@@ -10,7 +10,7 @@ and routes again around servers that fail to open (banning them), a few times at
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from corolla.client.chain.hop_history import HopHistory
@@ -48,9 +48,11 @@ class ChainSpec:
     keep: bool = False  # servers keep the sessions for later forks when they end (reused prefixes)
 
 
-async def open_links(swarm: SwarmAccess, spec: ChainSpec, start: int, end: int) -> list[Link]:
+async def open_links(
+    swarm: SwarmAccess, spec: ChainSpec, start: int, end: int, shun: Collection[str] = ()
+) -> list[Link]:
     """Streams to a chain of servers over blocks [start, end), re-routing around servers that fail to
-    open."""
+    open (`shun`: servers used only where nothing else serves, Router.choose)."""
     for _ in range(opening_tries(swarm.config)):
         hops = await swarm.router.route(
             start,
@@ -60,6 +62,7 @@ async def open_links(swarm: SwarmAccess, spec: ChainSpec, start: int, end: int) 
             avoid=spec.avoid,
             allowed=spec.allowed,
             wait=spec.wait,
+            shun=shun,
         )
         swarm.estimates.acquire(hops)  # counted at once, so that concurrent sessions spread out
         results = await asyncio.gather(*_openings(swarm, spec, hops), return_exceptions=True)

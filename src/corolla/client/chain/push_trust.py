@@ -39,6 +39,13 @@ class PushTrust:
             "Server ...%s pushed inputs unlike this client's to ...%s: it may no longer push there", *short
         )
 
+    def met(self, seen: bool, here: bool, pusher: str | None, receiver: str) -> bool:
+        """Whether a step met a forged push so far (`seen` at earlier hops, `here` at `receiver`): the first
+        hop to meet one blames its pusher (later hops only got the forgery passed on by honest servers)."""
+        if here and not seen:
+            self.distrust(pusher, receiver)
+        return seen or here
+
     def excuse(self, receiver: str) -> bool:
         """Whether `receiver`, which a forged push made refuse a step, is replaced without a ban."""
         if receiver in self._excused:

@@ -20,9 +20,13 @@ from corolla.wire.records import ServerStatus
 SMOOTHING = 0.3  # weight of a new observation in the moving averages
 RTT_FLOOR = 0.003
 # a hop silent this many times its slowest recent decode step (and at least SILENCE_FLOOR seconds) is
-# pinged, and replaced as a dead one is if it misses the ping (client/rpc/stall_probe.py)
-SILENCE_FACTOR = 8
-SILENCE_FLOOR = 1.5
+# pinged, and replaced as a dead one is if it misses the ping (client/rpc/stall_probe.py); a ping may take
+# PROBE_RTTS times the server's round trip, and at least PROBE_FLOOR seconds. A frozen server stalls a
+# stream for the two together: issue 51 asks for at most 3 s with the replacement's replay
+SILENCE_FACTOR = 3
+SILENCE_FLOOR = 1.0
+PROBE_RTTS = 4
+PROBE_FLOOR = 1.0
 RECENT_STEPS = 8
 
 
@@ -60,14 +64,19 @@ class ServerEstimates:
         self.observed[peer_id] = _smooth(self.observed.get(peer_id), compute)
 
     def replied(self, peer_id: str, seconds: float) -> None:
-        """A decode step's round trip on this server, pushed or not (for `silence_limit`)."""
+        """A small step's round trip on this server (a decode step, a tree, a frame), pushed or not (for
+        `silence_limit`)."""
         self._recent_steps.setdefault(peer_id, deque(maxlen=RECENT_STEPS)).append(seconds)
 
     def silence_limit(self, peer_id: str) -> float | None:
-        """How long a decode step may go unanswered before its server counts as failed (None: no decode
-        step seen yet, so no measure of its pace: the request timeout applies)."""
+        """How long a small step may go unanswered before its server is pinged (None: no small step seen
+        yet, so no measure of its pace: the request timeout applies)."""
         recent = self._recent_steps.get(peer_id)
         return silence_after(max(recent)) if recent else None
+
+    def probe_timeout(self, peer_id: str) -> float:
+        """How long a ping to a silent server may take before it counts as frozen."""
+        return max(PROBE_FLOOR, PROBE_RTTS * self.rtt.get(peer_id, 0.0))
 
     def acquire(self, hops: Iterable[Hop]) -> None:
         self.mine.update(hop.peer_id for hop in hops)

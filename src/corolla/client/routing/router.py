@@ -61,9 +61,11 @@ class Router:
         avoid: Collection[str] = (),
         allowed: Collection[str] | None = None,
         wait: bool = True,
+        shun: Collection[str] = (),
     ) -> list[Hop]:
-        """A chain of servers over blocks [start, end): the cheapest of the routable ones (see `routable`).
-        Waits up to routing_timeout for every block to be covered (`wait`; else MissingBlocks at once)."""
+        """A chain of servers over blocks [start, end): the cheapest of the routable ones (see `routable`),
+        without the servers `shun` names where the others cover the blocks (`choose`). Waits up to
+        routing_timeout for every block to be covered (`wait`; else MissingBlocks at once)."""
         end = self.num_blocks if end is None else end
         deadline = time.monotonic() + self.config.routing_timeout
         delay = FIRST_WAIT
@@ -72,7 +74,7 @@ class Router:
             if self._view.stale:
                 await self._view.refresh()
             try:
-                return self.choose(start, end, needed_cache, max_length, avoid, allowed)
+                return self.choose(start, end, needed_cache, max_length, avoid, allowed, shun)
             except MissingBlocks as e:
                 # servers that missed their last ping may answer now (once: later rounds refresh)
                 if not repinged:
@@ -98,9 +100,17 @@ class Router:
         max_length: int = 0,
         avoid: Collection[str] = (),
         allowed: Collection[str] | None = None,
+        shun: Collection[str] = (),
     ) -> list[Hop]:
         """`route`'s decision without its waiting: the cheapest chain of the routable servers over
-        [start, end) as the client knows them now; MissingBlocks at once if some block has none."""
+        [start, end) as the client knows them now; MissingBlocks at once if some block has none. `shun`:
+        servers left out where the others cover the blocks (a replacement's neighbours in its chain: a
+        chain does not go from a server to the same server again, a round trip and a pass for nothing)."""
+        if shun:
+            try:
+                return self.choose(start, end, needed_cache, max_length, {*avoid, *shun}, allowed)
+            except (MissingBlocks, LengthLimit):
+                pass
         return self._cheapest(self.routable(start, end, max_length, avoid, allowed), start, end, needed_cache)
 
     def routable(
