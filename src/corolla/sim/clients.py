@@ -36,7 +36,7 @@ def span(server: SimServer, placed: Placed) -> RemoteSpan:
         8192,
         server.free_cache(),
         throughput=throughput,
-        pace=server.pace.blocks_per_s(),  # as its ping says now
+        pace=server.announced_pace(),  # as its ping says now
         # what server/hosting/startup_speed.py measures: (a step of 8 sequences / one's - 1) / 7
         batch_growth=server.cost.per_token / server.cost.seconds(1),
         num_sessions=server.sessions,

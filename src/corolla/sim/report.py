@@ -9,6 +9,7 @@ import time
 from corolla.sim.scenario import Scenario
 from corolla.sim.sessions import Sessions
 from corolla.sim.simulation import Coverage, Simulation
+from corolla.wire.records import block_key
 
 
 def simulate(scenario: Scenario) -> dict:
@@ -30,12 +31,28 @@ def summarize(simulation: Simulation, wall_s: float) -> dict:
         ],
         "leaves": [recovery(simulation.samples, when, count, scenario) for when, count in simulation.leaves],
         "routing_vs_oracle": {"routes": len(ratios), **_spread(ratios)},
+        "blocks_keys_honest": honest_key_places(simulation),
         "sessions": sessions(simulation.sessions),
         # [time, least-held block by live servers, as placement counts it, sessions open]
         "coverage": [[round(c.time, 1), c.live_min, c.view_min, c.sessions] for c in simulation.samples],
         "simulated_s": scenario.duration,
         "wall_s": round(wall_s, 2),
     }
+
+
+def honest_key_places(simulation: Simulation) -> float | None:
+    """At the end, the share of the blocks' keys' places (the records every reader reads: the fastest
+    servers as announced) held by servers of classes that do not inflate their speed (None: no key)."""
+    tree = simulation.tree
+    places = [
+        peer
+        for block in range(tree.num_blocks)
+        for peer in tree.cells.get(block_key(tree.dht_prefix, block), ())
+    ]
+    if not places:
+        return None
+    honest = sum(simulation.servers[peer].kind.inflate == 1.0 for peer in places)
+    return _rounded(honest / len(places))
 
 
 def recovery(samples: list[Coverage], when: float, count: int, scenario: Scenario) -> dict:

@@ -22,7 +22,7 @@ class ServerClass(BaseModel):
     Speed, either measured (`seconds_per_block` at one token, plus `seconds_per_token` for each more token
     in the pass) or from the hardware's published memory bandwidth and tensor throughput with the weights'
     bytes per parameter (sim/compute.py scales the pass corolla's engine measured on this machine's CPU,
-    sim/calibration.json)."""
+    sim/calibration.json). A class may lie (`inflate`): its servers announce more than their speed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
@@ -37,6 +37,8 @@ class ServerClass(BaseModel):
     cache_gib: float | None = Field(default=None, gt=0)  # None: as many sessions as come
     upload_mbps: float = Field(default=1000.0, gt=0)
     behind_nat: float = Field(default=0.0, ge=0, le=1)
+    # a liar's class: its servers announce this many times their true speed (start-up figure and pace)
+    inflate: float = Field(default=1.0, ge=1.0, le=10_000.0)
 
     @model_validator(mode="after")
     def _speed(self) -> ServerClass:

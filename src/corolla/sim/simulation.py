@@ -161,7 +161,7 @@ class Simulation:
             f"server{next(self._names)}",
             kind,
             blocks,
-            noise / cost.seconds(1),
+            noise * kind.inflate / cost.seconds(1),
             cost,
             Pace(batch_growth=cost.per_token / cost.seconds(1)),  # as hosting/startup_speed.py measures it
             cache_tokens(kind, blocks, self.scenario.kv_bytes_per_token),

@@ -22,7 +22,9 @@ class SimServer:
     peer_id: str
     kind: ServerClass
     blocks: int  # how many it holds
-    throughput: float  # announced, as measured at start: its true speed off by up to announce_noise
+    throughput: (
+        float  # announced, as measured at start: its true speed off by up to announce_noise (or a lie)
+    )
     cost: PassCost  # its true speed: a pass over one of its blocks
     pace: Pace = field(default_factory=Pace)  # its passes' (server/hosting/pace.py), announced beside it
     cache: int | None = None  # tokens of attention cache it holds (None: no limit)
@@ -46,7 +48,12 @@ class SimServer:
     @property
     def speed(self) -> float:
         """What clients route by and the blocks' keys rank by (ServerStatus.speed)."""
-        return routing_speed(self.pace.blocks_per_s(), self.throughput)
+        return routing_speed(self.announced_pace(), self.throughput)
+
+    def announced_pace(self) -> float | None:
+        """The pace its record and pings carry: its passes' (a liar's, inflated)."""
+        pace = self.pace.blocks_per_s()
+        return None if pace is None else pace * self.kind.inflate
 
     def step_seconds(self, others: int) -> float:
         """True seconds per block of a decode step with `others` sessions in the same batch."""

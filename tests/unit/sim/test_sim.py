@@ -167,7 +167,8 @@ def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
 def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
     with pytest.raises(
         InvalidRequest,
-        match="no scenario file .nowhere. \\(bundled: crash10, day, five, flash, one_by_one, small, thin\\)",
+        match="no scenario file .nowhere. \\(bundled: crash10, day, five, flash, liars, one_by_one, small, "
+        "thin\\)",
     ):
         load("nowhere")
     path = tmp_path / "bad.json"
@@ -266,3 +267,23 @@ def test_the_simulator_ranks_a_server_by_the_speed_its_record_would_give():
     for _ in range(MIN_PASSES):
         server.pace.observe(PassTiming(rows=1, tokens=1, blocks=4, seconds=1.0))  # 4 blocks a second
     assert server.speed == record(server.pace.blocks_per_s()).speed == 4.0
+
+
+def test_liars_announce_inflated_speeds_and_cost_the_sessions_routed_through_them():
+    """A class that announces 100x its speed (start-up figure and pace alike): its servers' records and
+    pings say so, they hold places in the blocks' keys, and sessions routed by the announcements are
+    slower against the oracle (which knows the truth) than in the same swarm without the lie. The
+    defences issue 51 asks for are to be measured against this (`corolla sim liars`)."""
+    liar = {"name": "liar", "share": 0.3, "seconds_per_block": 0.02, "min_blocks": 3, "max_blocks": 5}
+    classes = [*thin_swarm().classes, {**liar, "inflate": 100}]
+    simulation = Simulation(with_sessions(classes=classes, seed=2)).run()
+    liars = [s for s in simulation.servers.values() if s.kind.inflate > 1]
+    assert liars and all(s.throughput * s.cost.seconds(1) > 50 for s in liars)
+    served = [s for s in liars if s.pace.blocks_per_s() is not None]
+    assert served and all(s.speed == 100 * s.pace.blocks_per_s() for s in served)
+    assert all(span(s, (s.start, s.end, s.throughput)).info.speed == s.speed for s in served)
+    lied_to = summarize(simulation, 0.0)
+    honest = summarize(Simulation(with_sessions(classes=[*thin_swarm().classes, liar], seed=2)).run(), 0.0)
+    assert lied_to["blocks_keys_honest"] < 1.0 == honest["blocks_keys_honest"]
+    ratio = lied_to["sessions"]["latency_vs_oracle"]["median"]
+    assert ratio > honest["sessions"]["latency_vs_oracle"]["median"]
