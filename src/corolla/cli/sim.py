@@ -20,13 +20,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "sim",
         help="simulate a swarm's placement, crashes, routing and sessions (no network, no real time)",
         description="Run a scenario (a JSON file, or the name of a bundled one: small, crash10, flash, "
-        "one_by_one, day, five, thin, liars) through corolla's own placement, rebalancing, routing, admission and "
-        "failover code under a simulated clock (servers priced by a compute model calibrated on corolla's "
-        "engine, uploads, peers behind NAT reached through relays), and print what it measured as JSON: "
-        "coverage of the blocks through crashes and how soon it was restored, the moves that did it, the "
-        "sessions (finished, lost, lost while every block had a server, turned away for want of cache, "
-        "failovers, per-token latency) and their chains against an oracle that knows every server's true "
-        "speed and load and every round trip and upload.",
+        "one_by_one, day, five, thin, liars) through corolla's own placement, rebalancing, routing, "
+        "admission and failover code under a simulated clock (servers priced by a compute model calibrated "
+        "on corolla's engine, uploads, peers behind NAT reached through relays), and print what it "
+        "measured as JSON: coverage of the blocks through crashes and how soon it was restored, the moves "
+        "that did it, the sessions (finished, lost, lost while every block had a server, turned away for "
+        "want of cache, failovers, per-token latency) and their chains against an oracle that knows every "
+        "server's true speed and load and every round trip and upload.",
     )
     parser.add_argument("scenario", metavar="SCENARIO", help="a scenario file, or a bundled scenario's name")
     projection = parser.add_argument_group(

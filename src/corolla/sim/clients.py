@@ -41,6 +41,7 @@ def span(server: SimServer, placed: Placed) -> RemoteSpan:
         batch_growth=server.cost.per_token / server.cost.seconds(1),
         num_sessions=server.sessions,
         next_pings=tuple(server.links.items()),
+        device_name=server.device,
     )
     return RemoteSpan(server.peer_id, start, end, info)
 

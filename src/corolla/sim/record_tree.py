@@ -5,9 +5,11 @@ swarm, whose clients route over what their read finds (sim/clients.py)."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
+from corolla.swarm.policy.plausible import device_bounds
 from corolla.swarm.records.record_cells import Place, Walk, position
 
 
@@ -19,24 +21,38 @@ class RecordTree:
         self.places: dict[str, Place] = {}
         self.blocks: dict[str, range] = {}
         self.speeds: dict[str, float] = {}  # announced throughputs
+        self.devices: dict[str, str] = {}  # announced devices
         self._stored: dict[str, list[str]] = {}
 
     def walk(self, where: int | None, budget: int | None = None, rng: random.Random | None = None) -> Walk:
         """A reader's walk down the path `where` (None: every path, `budget` cells at most, then a path
         `rng` draws), every level read in one go."""
         walk = Walk(self.dht_prefix, self.num_blocks, where, budget, rng=rng)
+        seen: dict[str, float] = {}
         while not walk.done:
             keys = walk.keys()
             found = {cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()}
-            walk.add(found, {peer: self.speeds[peer] for peers in found.values() for peer in peers})
+            seen.update({peer: self.speeds[peer] for peers in found.values() for peer in peers})
+            walk.add(found, self._believed(seen))
         return walk
 
-    def announce(self, peer: str, blocks: range, rng: random.Random, throughput: float = 1.0) -> list[str]:
+    def _believed(self, speeds: dict[str, float]) -> dict[str, float]:
+        """Announced speeds bounded by their devices' as swarm/records/block_records.py bounds them."""
+        bounds = device_bounds(
+            (peer, self.devices[peer], speed) for peer, speed in speeds.items() if peer in self.devices
+        )
+        return {peer: min(speed, bounds.get(peer, math.inf)) for peer, speed in speeds.items()}
+
+    def announce(
+        self, peer: str, blocks: range, rng: random.Random, throughput: float = 1.0, device: str | None = None
+    ) -> list[str]:
         """`peer` walks its own path, settles its level and stores its record in its cell of each of
         `blocks` (its records at another level are gone: they expire in the real DHT); returns the keys."""
         place = self.places.setdefault(peer, Place(position(peer)))
         self.blocks[peer] = blocks
         self.speeds[peer] = throughput
+        if device is not None:
+            self.devices[peer] = device
         place.update(self.walk(place.where), blocks, peer, throughput, rng)
         keys = place.keys(self.dht_prefix, blocks)
         for key in self._stored.get(peer, ()):
@@ -53,6 +69,7 @@ class RecordTree:
         self.places.pop(peer, None)
         self.blocks.pop(peer, None)
         self.speeds.pop(peer, None)
+        self.devices.pop(peer, None)
 
     def keys_of(self, peer: str) -> list[str]:
         """The keys `peer`'s records are stored under now."""

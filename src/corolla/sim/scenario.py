@@ -39,6 +39,7 @@ class ServerClass(BaseModel):
     behind_nat: float = Field(default=0.0, ge=0, le=1)
     # a liar's class: its servers announce this many times their true speed (start-up figure and pace)
     inflate: float = Field(default=1.0, ge=1.0, le=10_000.0)
+    device: str | None = None  # the device its servers announce (None: the class's name)
 
     @model_validator(mode="after")
     def _speed(self) -> ServerClass:

@@ -185,10 +185,10 @@ class Simulation:
         self.relays.reserve(server)
         self._run_passes(server)
         expires = self.now + RECORD_LIFETIME * self.scenario.announce_period
-        self.book.store(
-            server.peer_id, Record((server.start, server.end, server.throughput), self.now, expires)
-        )
-        self.tree.announce(server.peer_id, range(server.start, server.end), self._tree_rng, server.speed)
+        placed = (server.start, server.end, server.throughput)
+        self.book.store(server.peer_id, Record(placed, self.now, expires))
+        blocks = range(server.start, server.end)
+        self.tree.announce(server.peer_id, blocks, self._tree_rng, server.speed, server.device)
         # it pings up to MAX_LINKS servers whose spans start where its own ends
         # (server/upkeep/link_monitor.py), from a read of the swarm that the rebalancer looks at too: a block
         # without a server is checked at once
@@ -232,7 +232,7 @@ class Simulation:
             self.book.store(
                 server.peer_id, Record((*target, server.throughput), record.announced_at, record.expires)
             )
-            self.tree.announce(server.peer_id, range(*target), self._tree_rng, server.speed)
+            self.tree.announce(server.peer_id, range(*target), self._tree_rng, server.speed, server.device)
 
     def _decide_on_answers(self, server: SimServer) -> None:
         """Rebalancer.look after the link monitor's pings: the records placement counts, less the weakest

@@ -50,6 +50,11 @@ class SimServer:
         """What clients route by and the blocks' keys rank by (ServerStatus.speed)."""
         return routing_speed(self.announced_pace(), self.throughput)
 
+    @property
+    def device(self) -> str:
+        """The device its record and pings name."""
+        return self.kind.device or self.kind.name
+
     def announced_pace(self) -> float | None:
         """The pace its record and pings carry: its passes' (a liar's, inflated)."""
         pace = self.pace.blocks_per_s()

@@ -32,9 +32,11 @@ class Pings:
         silent: dict[str, int] | None = None,
         refusing: dict[str, str] | None = None,
         speeds: dict[str, float] | None = None,
+        devices: dict[str, str] | None = None,
     ):
         self.silent, self.refusing, self.count = silent or {}, refusing or {}, {}
         self.speeds = speeds or {}  # blocks per second its reply says (else none)
+        self.devices = devices or {}  # the device its reply names (else none)
         self.reads = 0  # DHT reads (the router's view refreshes)
 
     async def ping(self, peer_id: str) -> Ping:
@@ -43,8 +45,9 @@ class Pings:
             return Ping(refusal=self.refusing[peer_id])
         if self.count[peer_id] <= self.silent.get(peer_id, 0):
             return Ping()
+        speed, device = self.speeds.get(peer_id), self.devices.get(peer_id, "")
         return Ping(
-            0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512, throughput=self.speeds.get(peer_id))
+            0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512, throughput=speed, device_name=device)
         )
 
 
@@ -109,6 +112,18 @@ async def test_a_replacement_goes_around_its_neighbours_where_others_serve_and_t
     route, _, _ = router([span("a", 0, 4), span("b", 1, 2)], Pings(speeds=speeds))
     assert await route.route(1, 2, shun={"a"}) == [Hop("b", 1, 2)]
     assert await route.route(0, 2, shun={"a"}) == [Hop("a", 0, 2)]
+
+
+async def test_a_speed_far_above_its_devices_is_not_believed():
+    """A home GPU announcing 100x its speed would draw the route from a real H100; bounded by the median of
+    what the servers of its device announce (swarm/policy/plausible.py), it does not."""
+    speeds = {"h100": 100.0, "liar": 1000.0, "g1": 10.0, "g2": 10.0, "g3": 10.0}
+    devices = {"h100": "H100", **{peer: "RTX 3060" for peer in ("liar", "g1", "g2", "g3")}}
+    servers = [span("h100", 0, 6), span("liar", 0, 6), *(span(f"g{i}", 0, 1) for i in (1, 2, 3))]
+    route, _, _ = router(servers, Pings(speeds=speeds, devices=devices))
+    assert await route.route() == [Hop("h100", 0, 6)]
+    route, _, _ = router(servers[:2], Pings(speeds=speeds, devices=devices))  # nobody to compare it with
+    assert await route.route() == [Hop("liar", 0, 6)]
 
 
 async def test_a_server_that_missed_its_ping_is_pinged_again_once_before_waiting():

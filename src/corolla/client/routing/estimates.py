@@ -14,6 +14,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 
 from corolla.swarm.dht import RemoteSpan
+from corolla.swarm.policy.plausible import speed_bounds
 from corolla.swarm.policy.routing import DEFAULT_RTT, DEFAULT_SECONDS_PER_BLOCK, LOAD_WEIGHT, Estimate, Hop
 from corolla.wire.records import ServerStatus
 
@@ -84,12 +85,14 @@ class ServerEstimates:
     def release(self, hops: Iterable[Hop]) -> None:
         self.mine.subtract(hop.peer_id for hop in hops)
 
-    def estimate(self, span: RemoteSpan) -> Estimate:
+    def estimate(self, span: RemoteSpan, bound: float | None = None) -> Estimate:
+        """What routing expects of `span`'s server (`bound`: the most its announced speed counts for)."""
         peer_id = span.peer_id
         seconds_per_block = self.observed.get(peer_id)
         info = self.infos.get(peer_id)
         if seconds_per_block is None:  # its pace (its ping's, the freshest), else its start-up speed
             speed = (info or span.info).speed
+            speed = min(speed, bound) if speed and bound else speed
             seconds_per_block = 1 / speed if speed else DEFAULT_SECONDS_PER_BLOCK
         if info is not None:  # live at the ping, this client's sessions then included
             load = max(info.num_sessions + self.mine[peer_id] - self._mine_when_pinged[peer_id], 0)
@@ -105,8 +108,15 @@ class ServerEstimates:
             load_growth=LOAD_WEIGHT if growth is None else growth,
         )
 
-    def estimates(self, spans: Iterable[RemoteSpan]) -> dict[str, Estimate]:
-        return {span.peer_id: self.estimate(span) for span in spans}
+    def estimates(
+        self, spans: Iterable[RemoteSpan], among: Iterable[RemoteSpan] | None = None
+    ) -> dict[str, Estimate]:
+        """Estimates of `spans`' servers, each announced speed bounded by its device's among the servers of
+        `among` (the whole read; else `spans`): swarm/policy/plausible.py."""
+        spans = list(spans)
+        known = spans if among is None else among
+        bounds = speed_bounds({s.peer_id: self.infos.get(s.peer_id) or s.info for s in known})
+        return {span.peer_id: self.estimate(span, bounds.get(span.peer_id)) for span in spans}
 
 
 def _smooth(old: float | None, new: float) -> float:

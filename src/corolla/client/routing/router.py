@@ -153,14 +153,15 @@ class Router:
         peers = {hop.peer_id for hop in hops}
         spans = [span for span in self._view.spans if span.peer_id in peers]
         links = {s.peer_id: dict(s.info.next_pings) for s in spans}
-        return chain_cost(hops, self._estimates.estimates(spans), links, self.config.use_push, needed_cache)
+        estimates = self._estimates.estimates(spans, self._view.spans)
+        return chain_cost(hops, estimates, links, self.config.use_push, needed_cache)
 
     def _cheapest(self, spans: list[RemoteSpan], start: int, end: int, needed_cache: int) -> list[Hop]:
         return choose_chain(
             spans,
             start,
             end,
-            estimates=self._estimates.estimates(spans),
+            estimates=self._estimates.estimates(spans, self._view.spans),
             links={s.peer_id: dict(s.info.next_pings) for s in spans},
             push=self.config.use_push,
             needed_cache=needed_cache,

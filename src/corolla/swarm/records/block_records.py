@@ -11,6 +11,7 @@ the blocks' keys alone and every read is whole.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from hivemind.utils import get_dht_time
 from corolla.errors import InvalidRequest
 from corolla.swarm.dht import PeerDHT, RemoteSpan, read_records, signer_of, store_records
 from corolla.swarm.nat.circuit_book import BOOK
+from corolla.swarm.policy.plausible import speed_bounds
 from corolla.swarm.records.record_cells import WHOLE, Walk, keys_at, position, weight
 from corolla.wire.records import ServerState, ServerStatus
 
@@ -85,7 +87,7 @@ async def read_swarm(
                 peers.setdefault((cell, block), []).append(peer_id)
                 hosted = _hosted(record, block, num_blocks)
                 sightings.setdefault(peer_id, []).append(Sighting(record, walk.level, hosted))
-        walk.add(peers, {peer: seen[-1].record.speed or 1.0 for peer, seen in sightings.items()})
+        walk.add(peers, _believed({peer: seen[-1].record for peer, seen in sightings.items()}))
     spans = [
         span for peer_id, seen in sightings.items() if (span := _span(peer_id, seen, states)) is not None
     ]
@@ -175,3 +177,9 @@ def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus, 
             break
         end += 1
     return RemoteSpan(peer_id, blocks[0], end, record, level)
+
+
+def _believed(records: dict[str, ServerStatus]) -> dict[str, float]:
+    """The speeds the records announce, each bounded by its device's (swarm/policy/plausible.py)."""
+    bounds = speed_bounds(records)
+    return {peer: min(record.speed or 1.0, bounds.get(peer, math.inf)) for peer, record in records.items()}

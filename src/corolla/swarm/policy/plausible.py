@@ -1,0 +1,55 @@
+"""Speeds a peer cannot inflate far: each announced speed bounded by what its device does for the others.
+
+A server announces its own speed (its start-up figure, then the pace of its passes: wire/records.py
+`ServerStatus.speed`), and routing believes it until the client has timed the server itself. A peer may
+announce anything: one announcing 100 times its speed draws the first sessions of every client (corolla sim
+`liars`). Servers also announce their device (`device_name`, e.g. "NVIDIA GeForce RTX 3060") and their
+weights' precision, and servers of one device and precision are about as fast: so an announced speed counts
+for at most DEVICE_MARGIN times the median of those announced for its device and precision, where at least
+MIN_PEERS servers announce that pair. A liar is then believed to be at most an ordinary one of its kind;
+the price: an honest server faster than its device's median is believed to be the median until a client
+times it (corolla sim `liars`, and the same with the liars among RTX 4090s: sessions' latency against the
+oracle 1.05x / 1.27x and 1.04x / 1.28x median / p95 with the bound, 1.08x / 1.27x and 1.11x / 1.91x
+without; with twice the median, 1.06x / 1.28x and 1.05x / 1.77x).
+
+The blocks' keys keep the fastest servers as each server reads them when it chooses its level
+(swarm/records/record_cells.py): those speeds are bounded the same way (swarm/records/block_records.py), so
+honest servers no longer leave the keys for liars; but a liar writes itself into them as it likes, and
+keeps its places there (77% of the places honest in the RTX 4090 case, with or without the bound).
+
+Not caught: a liar that announces a device no MIN_PEERS others announce (or many liars of one device:
+their median is a lie). Clients' own timings (client/routing/estimates.py `observed`) still override
+announcements once they have them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Mapping
+
+from corolla.wire.records import ServerStatus
+
+DEVICE_MARGIN = 1.0  # a server counts for at most this times the median of its device's
+MIN_PEERS = 3  # servers announcing a device and precision before their median bounds them
+
+
+def speed_bounds(statuses: Mapping[str, ServerStatus]) -> dict[str, float]:
+    """For each server whose device and precision MIN_PEERS servers announce (with a speed), the most
+    its announced speed counts for."""
+    return device_bounds(
+        (peer_id, (status.device_name, status.precision), status.speed)
+        for peer_id, status in statuses.items()
+        if status.device_name
+    )
+
+
+def device_bounds(announced: Iterable[tuple[str, Hashable, float | None]]) -> dict[str, float]:
+    """`speed_bounds` over (peer id, its device and precision, its announced speed) triples."""
+    announced = list(announced)
+    speeds: dict[Hashable, list[float]] = defaultdict(list)
+    for _, kind, speed in announced:
+        if speed:
+            speeds[kind].append(speed)
+    medians = {kind: statistics.median(found) for kind, found in speeds.items() if len(found) >= MIN_PEERS}
+    return {peer_id: DEVICE_MARGIN * medians[kind] for peer_id, kind, _ in announced if kind in medians}

@@ -1,0 +1,30 @@
+"""Announced speeds bounded by their device's (swarm/policy/plausible.py): a server counts for at most
+the median of the servers announcing its device and precision, where three or more do."""
+
+from __future__ import annotations
+
+from corolla.swarm.policy.plausible import DEVICE_MARGIN, speed_bounds
+from corolla.wire.records import ServerStatus
+
+
+def status(device: str, speed: float | None, precision: str = "") -> ServerStatus:
+    return ServerStatus(
+        0, 4, "0.1.0", "float16", 1024, 512, throughput=speed, device_name=device, precision=precision
+    )
+
+
+def test_a_speed_counts_for_at_most_its_devices_median():
+    statuses = {
+        "a": status("RTX 3060", 10.0),
+        "b": status("RTX 3060", 12.0),
+        "c": status("RTX 3060", 11.0),
+        "liar": status("RTX 3060", 1100.0),  # 100x
+        "h100": status("H100", 300.0),  # alone with its device: nothing to bound it by
+        "4bit": status("RTX 3060", 40.0, precision="int4"),  # another precision: not compared
+        "new": status("RTX 3060", None),  # not measured yet: no speed, bounded like the others
+    }
+    bounds = speed_bounds(statuses)
+    bound = DEVICE_MARGIN * 11.5  # the median of 10, 11, 12 and 1100
+    assert bounds["liar"] == bounds["a"] == bounds["new"] == bound < 100
+    assert "h100" not in bounds and "4bit" not in bounds
+    assert speed_bounds({"a": statuses["a"], "b": statuses["b"]}) == {}  # two are too few to judge
