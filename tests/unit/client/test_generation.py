@@ -1,7 +1,7 @@
 """The generation loop over corolla's own servers in this process (tests/loopback.py): a server killed at
-any hop in the middle of a generation, plain or speculative, changes no token; a speculative round that
-accepts only part of its tree keeps exactly the path the model chose; a session continues a
-conversation where the last call stopped."""
+any hop in the middle of a generation, plain or speculative (or frozen with pipelined frames in flight),
+changes no token; a speculative round that accepts only part of its tree keeps exactly the path the
+model chose; a session continues a conversation where the last call stopped."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def expected(reference, prompt):
     return reference_generate(reference, prompt, max_new_tokens=NEW_TOKENS)
 
 
-def generate_with_a_death(swarm, model, prompt, hop: int) -> torch.Tensor:
+def generate_with_a_death(swarm, model, prompt, hop: int, freeze: bool = False) -> torch.Tensor:
     """Greedy generation over the three-hop chain; halfway through, replicas join and the server of `hop`
-    dies with the next step in hand."""
+    dies with the next step in hand (`freeze`: hangs instead, taking requests and never answering)."""
     with model.inference_session(prompt.shape[1] + NEW_TOKENS) as session:
         chosen, victims = [], []
 
@@ -46,12 +46,15 @@ def generate_with_a_death(swarm, model, prompt, hop: int) -> torch.Tensor:
                 swarm.add_server((0, 3))
                 swarm.add_server((3, 6))
                 victims.append(swarm.network.servers[session.route[hop].peer_id])
-                victims[0].dies_at_step = victims[0].steps_received + 1
+                if freeze:
+                    swarm.runtime.loop.call_soon_threadsafe(victims[0].freeze)
+                else:
+                    victims[0].dies_at_step = victims[0].steps_received + 1
 
         tokens = model.generate(prompt, session=session, max_new_tokens=NEW_TOKENS, streamer=on_token)
-        assert session.num_failovers == 1 and not victims[0].alive
+        assert session.num_failovers == 1 and (freeze or not victims[0].alive)
         assert victims[0].peer_id not in {h.peer_id for h in session.route}
-    return tokens
+    return tokens  # (a frozen server is stopped with the swarm)
 
 
 @pytest.mark.parametrize("hop", [0, 1, 2], ids=["first", "middle", "last"])
@@ -92,22 +95,9 @@ def test_pipelined_speculation_replaces_a_server_frozen_with_frames_in_flight(ll
     speculation = SpeculationConfig(draft=str(llama), max_depth=3, adaptive=False)
     with LoopbackSwarm(llama, CHAIN) as swarm:
         model = swarm.model(speculation=speculation, request_timeout=120.0)
-        with model.inference_session(prompt.shape[1] + NEW_TOKENS) as session:
-            chosen, victims = [], []
-
-            def on_token(_):
-                chosen.append(1)
-                if len(chosen) == NEW_TOKENS // 2:
-                    swarm.add_server((0, 3))
-                    swarm.add_server((3, 6))
-                    victims.append(swarm.network.servers[session.route[hop].peer_id])
-                    swarm.runtime.loop.call_soon_threadsafe(victims[0].freeze)
-
-            started = time.monotonic()
-            tokens = model.generate(prompt, session=session, max_new_tokens=NEW_TOKENS, streamer=on_token)
-            assert time.monotonic() - started < 60.0  # not the request timeout's 120 s
-            assert session.num_failovers == 1 and victims[0].peer_id not in {h.peer_id for h in session.route}
-    assert torch.equal(tokens, expected)  # (the frozen server is stopped with the swarm)
+        started = time.monotonic()
+        assert torch.equal(generate_with_a_death(swarm, model, prompt, hop, freeze=True), expected)
+        assert time.monotonic() - started < 60.0  # not the request timeout's 120 s
 
 
 def test_a_round_that_accepts_part_of_its_tree_keeps_the_models_own_path(llama, reference):
