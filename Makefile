@@ -83,7 +83,7 @@ bench-models: $(STAMP) ## families, real shapes and precisions: every family thr
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.moe_quantize
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.linear_attention
 
-bench-swarm: $(STAMP) ## the swarm growing and failing: failover after a SIGKILL, route choice and DHT traffic at scale, the simulator's calibration, scale and agreement with a real swarm (bench/swarm/)
+bench-swarm: $(STAMP) ## the swarm growing and failing: failover after a SIGKILL or a SIGSTOP, route choice and DHT traffic at scale, the simulator's calibration, scale and agreement with a real swarm (bench/swarm/)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.failover
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.routing
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.swarm.dht
