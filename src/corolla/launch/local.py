@@ -101,10 +101,7 @@ class PeerProcess:
         if isinstance(self.popen, ForkedPeer):
             self.popen.kill_group()
         else:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)  # its own group (start_new_session)
-            except ProcessLookupError:
-                pass
+            self.signal_group(signal.SIGKILL)  # its own group (start_new_session)
         self.popen.wait()
 
 

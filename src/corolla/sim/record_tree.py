@@ -5,11 +5,10 @@ swarm, whose clients route over what their read finds (sim/clients.py)."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 
-from corolla.swarm.policy.plausible import device_bounds
+from corolla.swarm.policy.plausible import bounded, device_bounds
 from corolla.swarm.records.record_cells import Place, Walk, position
 
 
@@ -41,7 +40,7 @@ class RecordTree:
         bounds = device_bounds(
             (peer, self.devices[peer], speed) for peer, speed in speeds.items() if peer in self.devices
         )
-        return {peer: min(speed, bounds.get(peer, math.inf)) for peer, speed in speeds.items()}
+        return bounded(speeds, bounds)
 
     def announce(
         self, peer: str, blocks: range, rng: random.Random, throughput: float = 1.0, device: str | None = None

@@ -22,9 +22,7 @@ class SimServer:
     peer_id: str
     kind: ServerClass
     blocks: int  # how many it holds
-    throughput: (
-        float  # announced, as measured at start: its true speed off by up to announce_noise (or a lie)
-    )
+    throughput: float  # announced start-up figure: true speed off by up to announce_noise (or a lie)
     cost: PassCost  # its true speed: a pass over one of its blocks
     pace: Pace = field(default_factory=Pace)  # its passes' (server/hosting/pace.py), announced beside it
     cache: int | None = None  # tokens of attention cache it holds (None: no limit)

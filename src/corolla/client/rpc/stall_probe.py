@@ -38,8 +38,6 @@ async def unless_silent(
             if not await _answers(task, transport, peer_id, probe):
                 silent = f"said nothing for {limit:.1f}s and missed a ping"
                 raise SessionTimeout(f"server ...{peer_id[-6:]} {silent}")
-            if task.done():
-                return task.result()
     finally:
         if not task.done():
             task.cancel()

@@ -44,6 +44,11 @@ def speed_bounds(statuses: Mapping[str, ServerStatus]) -> dict[str, float]:
     )
 
 
+def bounded(speeds: Mapping[str, float], bounds: Mapping[str, float]) -> dict[str, float]:
+    """`speeds` with each one that has a bound held to it."""
+    return {peer: min(speed, bounds.get(peer, speed)) for peer, speed in speeds.items()}
+
+
 def device_bounds(announced: Iterable[tuple[str, Hashable, float | None]]) -> dict[str, float]:
     """`speed_bounds` over (peer id, its device and precision, its announced speed) triples."""
     announced = list(announced)

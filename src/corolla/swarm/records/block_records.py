@@ -11,7 +11,6 @@ the blocks' keys alone and every read is whole.
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from hivemind.utils import get_dht_time
 from corolla.errors import InvalidRequest
 from corolla.swarm.dht import PeerDHT, RemoteSpan, read_records, signer_of, store_records
 from corolla.swarm.nat.circuit_book import BOOK
-from corolla.swarm.policy.plausible import speed_bounds
+from corolla.swarm.policy.plausible import bounded, speed_bounds
 from corolla.swarm.records.record_cells import WHOLE, Walk, keys_at, position, weight
 from corolla.wire.records import ServerState, ServerStatus
 
@@ -181,5 +180,4 @@ def _contiguous_span(peer_id: str, blocks: Sequence[int], record: ServerStatus, 
 
 def _believed(records: dict[str, ServerStatus]) -> dict[str, float]:
     """The speeds the records announce, each bounded by its device's (swarm/policy/plausible.py)."""
-    bounds = speed_bounds(records)
-    return {peer: min(record.speed or 1.0, bounds.get(peer, math.inf)) for peer, record in records.items()}
+    return bounded({peer: record.speed or 1.0 for peer, record in records.items()}, speed_bounds(records))
