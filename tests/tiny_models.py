@@ -250,7 +250,33 @@ LAYOUTS = {
             activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
         ),
     ),
+    "llama4": (  # Llama 4's text model: chunked attention with rotary, and every third layer global without
+        # it, its queries scaled by position (from 4 on here, 8,192 in the real models); MoE every other layer
+        "Llama4TextConfig",
+        dict(
+            head_dim=16,
+            attention_chunk_size=4,
+            no_rope_layers=[1, 1, 0, 1, 1, 0],
+            floor_scale=4,
+            attn_scale=0.5,
+            intermediate_size_mlp=128,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+        ),
+    ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
+    "lfm2_moe": (  # LFM2's convolutions and attention with MoE after a dense block; its rotary is `pos_emb`
+        "Lfm2MoeConfig",
+        dict(
+            layer_types=["conv", "conv", "full_attention"] * 2,
+            conv_L_cache=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+        ),
+    ),
     "jamba": (  # Mamba layers (no position embeddings at all), attention every third layer, MoE
         "JambaConfig",
         dict(
@@ -299,7 +325,16 @@ LAYOUTS = {
 FAMILIES = tuple(LAYOUTS)
 MTP_FAMILIES = ("deepseek_v3",)  # saved with a multi-token prediction layer (save_tiny_mtp_model)
 # families with layers that keep a recurrent state instead of keys and values (models/recurrent.py)
-RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2", "jamba", "nemotron_h", "falcon_h1")
+RECURRENT = (
+    "qwen3_5",
+    "qwen3_next",
+    "kimi_linear",
+    "lfm2",
+    "lfm2_moe",
+    "jamba",
+    "nemotron_h",
+    "falcon_h1",
+)
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
 

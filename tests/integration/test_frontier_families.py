@@ -21,6 +21,11 @@ travel between the servers as 4 times the hidden size.
 glm5_next: KDA linear attention 1:1 with sparse latent attention whose indexer ranks pools of keys and
 finds causality from positions (tree steps run path by path), hyper-connection streams, no rotary at
 all; a causal LM only in its multimodal wrapper. The cut falls between a linear and an indexed layer.
+llama4: chunked attention (each query sees its own chunk of 4 positions) with rotary, and global NoPE layers
+whose queries are scaled by position (from position 4 on here): rows and a tree's paths are run one at a
+time through those layers, each counted from its own position.
+lfm2_moe: LFM2's short convolutions beside attention, MoE after a dense block, its rotary under another
+name (`pos_emb`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,17 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
-FRONTIER = ["deepseek_v3", "mistral_large4", "qwen3_5", "gemma4", "gemma3n", "hy_v4", "glm5_next"]
+FRONTIER = [
+    "deepseek_v3",
+    "mistral_large4",
+    "qwen3_5",
+    "gemma4",
+    "gemma3n",
+    "hy_v4",
+    "glm5_next",
+    "llama4",
+    "lfm2_moe",
+]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values
 SPANS_OF = {"gemma4": SHARING, "gemma3n": SHARING}

@@ -18,7 +18,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,7 @@ class Scores:
 
     scaling: float | None = None
     window: int | None = None  # keys at positions > q - window are seen (transformers' convention)
+    chunk: int | None = None  # keys in the query's own chunk of this many positions only (Llama 4)
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [heads] logits of a sink every query also attends to (gpt-oss)
     # [B, T, top-k] the keys each query may see besides (DeepSeek sparse attention's indexer)
@@ -122,12 +123,25 @@ def attention(
     Dropout (in kwargs) never applies: spans run in eval mode."""
     current = current_pass()
     visible = _visible(attention_mask)
-    scores = Scores(scaling, sliding_window, softcap, kwargs.get("s_aux"), kwargs.get("indices"), visible)
+    chunk = _chunk(module)
+    scores = Scores(
+        scaling, sliding_window, chunk, softcap, kwargs.get("s_aux"), kwargs.get("indices"), visible
+    )
     out = current.context.attend(module.layer_idx - current.first_layer, query, key, value, scores)
     return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, attention)
+
+
+def _chunk(module: torch.nn.Module) -> int | None:
+    """The chunk a chunked-attention layer's queries see (Llama 4: `attention_chunk_size`, which its code
+    applies through the mask it builds, not through the attention function's arguments); None otherwise."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if not types or types[module.layer_idx] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
 
 
 def _visible(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -153,6 +167,8 @@ def causal_attention(
     sees only its selected keys among those."""
     if tree is not None or scores.indices is not None or scores.visible is not None:
         return masked_attention(q, k, v, visible_keys(q_start, q.shape[2], k.shape[2], scores, tree), scores)
+    if scores.chunk is not None:
+        return _chunked(q, k, v, q_start, scores)
     if scores.softcap is not None or scores.sinks is not None:
         return _by_hand(q, k, v, _mask(q_start, q.shape[2], k.shape[2], scores.window, q.device), scores)
     num_queries = q.shape[2]
@@ -169,15 +185,26 @@ def causal_attention(
     return masked_attention(q, k, v, _mask(q_start, num_queries, num_keys, window, q.device), scores)
 
 
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scores: Scores) -> torch.Tensor:
+    """Chunked attention over a sequence: queries that all lie in one chunk attend causally over that
+    chunk's keys alone (positions shifted to it, SDPA's fast paths); others through the chunked mask."""
+    first = q_start // scores.chunk * scores.chunk
+    if (q_start + q.shape[2] - 1) // scores.chunk * scores.chunk != first:
+        mask = _mask(q_start, q.shape[2], k.shape[2], scores.window, q.device, scores.chunk)
+        return masked_attention(q, k, v, mask, scores)
+    within = replace(scores, chunk=None)
+    return causal_attention(q, k[:, :, first:], v[:, :, first:], q_start - first, within)
+
+
 def visible_keys(
     q_start: int, num_queries: int, num_keys: int, scores: Scores, tree: TokenTree | None = None
 ) -> torch.Tensor:
     """[T, K] (or [B, 1, T, K] with indices or the layer's own mask) which keys each query sees: causal or
     the tree's, within the window, among the indexer's selection and within the layer's mask."""
     if tree is not None:
-        mask = tree.mask(q_start, scores.window)
+        mask = tree.mask(q_start, scores.window, scores.chunk)
     else:
-        mask = _mask(q_start, num_queries, num_keys, scores.window, torch.device("cpu"))
+        mask = _mask(q_start, num_queries, num_keys, scores.window, torch.device("cpu"), scores.chunk)
     if scores.indices is not None:
         indices = scores.indices.long().cpu()  # [B, T, top-k]
         selected = torch.zeros(*indices.shape[:2], num_keys, dtype=torch.bool).scatter_(-1, indices, True)
@@ -198,13 +225,20 @@ def masked_attention(
 
 
 def _mask(
-    q_start: int, num_queries: int, num_keys: int, window: int | None, device: torch.device
+    q_start: int,
+    num_queries: int,
+    num_keys: int,
+    window: int | None,
+    device: torch.device,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     q_pos = torch.arange(q_start, q_start + num_queries, device=device)[:, None]  # [T, 1]
     k_pos = torch.arange(num_keys, device=device)[None, :]  # [1, K]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
+    if chunk is not None:
+        mask &= k_pos // chunk == q_pos // chunk
     return mask
 
 

@@ -21,6 +21,9 @@ class ContextCache(Cache):
     context's `linear_state(layer)`: a transformers `LinearAttentionLayer` holding the states of the rows
     being run, or None when the pass keeps no state (whole sequences from position 0: a fresh one).
 
+    `get_seq_length` answers `length`: 0, or the first position of the one row a pass runs where a layer
+    counts its queries' positions from it (Llama 4's NoPE layers: row_passes.positioned_pass).
+
     `layers[i]` answers for a sparse-attention layer once its indexer keys are stored: how many positions
     the row's cache holds (GLM-5-Next's indexer reads `layers[i].keys.shape[-2]` and `get_seq_length()`)."""
 
@@ -28,13 +31,14 @@ class ContextCache(Cache):
         super().__init__(layers=[])
         self.fresh = FreshStates(number_of_states)
         self.layers = _IndexedLengths()
+        self.length = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         current = current_pass()
         return current.context.store(layer_idx - current.first_layer, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
+        return self.length
 
     def _linear(self, layer_idx: int) -> LinearAttentionLayer:
         current = current_pass()

@@ -104,7 +104,7 @@ class ContiguousCache:
             v = self.values[layer][:, :, :end]
         if self.tree is not None:  # the tree ends with the pass's tokens; earlier ones are stored already
             size = len(self.tree)
-            mask = self.tree.mask(end - size, scores.window)[size - q.shape[2] :]
+            mask = self.tree.mask(end - size, scores.window, scores.chunk)[size - q.shape[2] :]
             return masked_attention(q, k, v, mask, scores)
         return causal_attention(q, k, v, self.position, scores)
 

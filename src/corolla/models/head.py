@@ -106,13 +106,7 @@ class ModelHead(nn.Module):
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> ModelHead:
         head = cls(ModelConfig.from_folder(folder), dtype)
         checkpoint = Checkpoint(folder)
-        # a multimodal checkpoint's other towers live beside its language model: leave them out
-        other_towers = checkpoint.prefix.split(".")[0] + "." if checkpoint.prefix.count(".") > 1 else None
-        names = [
-            n
-            for n in checkpoint.head_names()
-            if n.startswith(checkpoint.prefix) or not (other_towers and n.startswith(other_towers))
-        ]
+        names = _language_model_names(checkpoint, head._decoder_name)
         model = head._model[0]
         if head.config.wrapper is not None:  # a wrapper's generation class: its language model's part only
             target = target_name(model)
@@ -161,3 +155,21 @@ class ModelHead(nn.Module):
         packed = hidden.reshape(1, -1, hidden.shape[-1]).to(weight.device, weight.dtype)
         logits = self._model[0](inputs_embeds=packed, use_cache=False).logits
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+
+def _language_model_names(checkpoint: Checkpoint, decoder_name: str) -> list[str]:
+    """The checkpoint's tensors outside the blocks that belong to the language model: a multimodal
+    checkpoint keeps other towers beside it. Under a root of its own (Llama 4: `language_model.model.` and
+    `language_model.lm_head`), everything under that root; beside the towers (Qwen-VL:
+    `model.language_model.`, `model.visual.`, `lm_head`), everything outside their common root but the
+    language model's own."""
+    prefix = checkpoint.prefix
+    if prefix.endswith(f".{decoder_name}."):
+        root = prefix[: -len(decoder_name) - 1]
+        return [n for n in checkpoint.head_names() if n.startswith(root)]
+    other_towers = prefix.split(".")[0] + "." if prefix.count(".") > 1 else None
+    return [
+        n
+        for n in checkpoint.head_names()
+        if n.startswith(prefix) or not (other_towers and n.startswith(other_towers))
+    ]

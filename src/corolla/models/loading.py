@@ -66,10 +66,25 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
         ours = getattr(module, "config", text) is text
         if isinstance(layers, nn.ModuleList) and ours and len(layers) == text.num_hidden_layers:
             return (f"{name}." if name else ""), module
+    _refuse_sublayers(model, text)
     raise UnsupportedModel(
         f"{model.config.model_type}: corolla needs a decoder with `layers`, which {type(model).__name__} "
         "does not have"
     )
+
+
+def _refuse_sublayers(model: nn.Module, text: Any) -> None:
+    """A decoder whose layers each hold several attention sublayers (LongCat-Flash: two, and a MoE whose
+    output skips to the layer's end) counts the sublayers as num_hidden_layers: corolla's blocks are layers
+    with one cache each, so such a model is refused naming why."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and getattr(module, "config", text) is text and len(layers):
+            raise UnsupportedModel(
+                f"{model.config.model_type}: each of its {len(layers)} decoder layers holds "
+                f"{text.num_hidden_layers // len(layers)} attention sublayers with a cache each "
+                f"(num_hidden_layers {text.num_hidden_layers}); corolla serves layers with one cache each"
+            )
 
 
 # what some families' decoder layers take besides the previous layer's hidden states and the pass's cache,
@@ -97,12 +112,26 @@ def check_layer_inputs(model_type: str, layers: nn.ModuleList) -> None:
             )
 
 
+def rotary_of(decoder: nn.Module) -> nn.Module | None:
+    """The decoder's rotary embedding: `rotary_emb`, or its one child of a `...RotaryEmbedding` class under
+    another name (LFM2-MoE's `pos_emb`); None for families without position embeddings (Jamba, Mamba)."""
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is not None:
+        return rotary
+    named = [m for m in decoder.children() if type(m).__name__.endswith("RotaryEmbedding")]
+    return named[0] if len(named) == 1 else None
+
+
 def final_norm(decoder: nn.Module) -> nn.Module:
     """The decoder's norm after its last layer: its one child besides the embeddings, the layers, the
     rotary embedding, dropouts and what makes the wire's extras (models/handoff.py: `norm`, `final_layernorm`,
     `final_layer_norm`, ... by family)."""
-    rotary = getattr(decoder, "rotary_emb", None)
-    skip = (decoder.get_input_embeddings(), decoder.layers, rotary, *wire_modules(decoder).values())
+    skip = (
+        decoder.get_input_embeddings(),
+        decoder.layers,
+        rotary_of(decoder),
+        *wire_modules(decoder).values(),
+    )
     children = [m for m in decoder.children() if m not in skip and not isinstance(m, nn.Dropout)]
     if len(children) != 1:
         names = [name for name, m in decoder.named_children() if m in children]

@@ -31,6 +31,7 @@ ATTENTION_NAME = "corolla"  # the attention function corolla registers with tran
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
     "sliding_attention",
+    "chunked_attention",  # attention within chunks of positions (Llama 4)
     "indexed_attention",  # DeepSeek sparse attention: an indexer picks each query's keys
     "linear_attention",
     "conv",

@@ -84,6 +84,50 @@ def indexed_pass(
     return out
 
 
+def positioned_blocks(blocks: nn.ModuleList) -> dict[int, int]:
+    """Blocks whose output depends on their cache's length, each with the first position where it does.
+    Llama 4's NoPE layers scale their queries by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)),
+    positions p counted from `cache.get_seq_length()`: exactly 1 below floor_scale - 1."""
+    found = {}
+    for index, block in enumerate(blocks):
+        attention = getattr(block, "self_attn", None)
+        if getattr(attention, "attn_temperature_tuning", False) and not getattr(attention, "use_rope", True):
+            found[index] = attention.floor_scale - 1
+    return found
+
+
+def positioned_pass(block: nn.Module, hidden: torch.Tensor, context, first: int, inputs: dict, cache):
+    """A block whose code counts its queries' positions as the cache's length plus 0, 1, ... (Llama 4's
+    NoPE layers): each row of a packed pass, each root-to-leaf path of a token tree, runs alone with the
+    cache (`ContextCache`) answering the row's first position."""
+    single_rows = getattr(context, "single_rows", None)
+    if single_rows is None:
+        return _counted_from(block, hidden, inputs, cache)
+    out = torch.empty_like(hidden)
+    packed = hidden.shape[1]
+    for tokens, row_context in single_rows(by_path=True):
+        tokens = tokens.to(hidden.device)
+        shape = (1, len(tokens))
+        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+        with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
+            out[0, tokens] = _counted_from(block, _take(hidden, tokens, shape, packed), taken, cache)[0]
+    return out
+
+
+def _counted_from(block: nn.Module, hidden: torch.Tensor, inputs: dict, cache) -> torch.Tensor:
+    positions = inputs["position_ids"][0]
+    start = int(positions[0])
+    if not torch.equal(positions, torch.arange(start, start + len(positions), device=positions.device)):
+        raise UnsupportedModel(
+            "a layer that counts positions from its cache runs token trees in the engine only"
+        )
+    cache.length = start
+    try:
+        return run_block(block, hidden, inputs)
+    finally:
+        cache.length = 0
+
+
 def _padding(hidden: torch.Tensor) -> torch.Tensor:
     """A [B, T] padding mask with no padding (corolla's rows are never padded)."""
     return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)

@@ -31,10 +31,11 @@ from corolla.models.loading import (
     empty_model,
     load_weights,
     missing_on_meta,
+    rotary_of,
 )
 from corolla.models.model_config import ATTENTION_NAME, ModelConfig
 from corolla.models.quantize import quantize_blocks, warn_if_int8_loses_grid
-from corolla.models.row_passes import by_rows, indexed_pass, run_block
+from corolla.models.row_passes import by_rows, indexed_pass, positioned_blocks, positioned_pass, run_block
 
 
 class Span(nn.Module):
@@ -50,7 +51,7 @@ class Span(nn.Module):
         _, decoder = decoder_of(self._model[0])
         check_layer_inputs(config.model_type, decoder.layers)
         self.blocks = nn.ModuleList(decoder.layers[start:end])
-        self.rotary = getattr(decoder, "rotary_emb", None)  # None: no position embeddings (Jamba, Mamba)
+        self.rotary = rotary_of(decoder)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
         # what each caching block stores per token (span-local index -> shape): the config's, until loading
         # measures what the layers store
@@ -75,6 +76,7 @@ class Span(nn.Module):
         self.indexed_blocks = tuple(
             i for i, kind in enumerate(config.layer_types[start:end]) if kind == "indexed_attention"
         )
+        self.positioned_blocks = positioned_blocks(self.blocks)  # Llama 4's NoPE layers (row_passes.py)
         self._typed_rotary = (
             self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         )
@@ -208,6 +210,9 @@ class Span(nn.Module):
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         if local in self.indexed_blocks:
             return indexed_pass(block, hidden, context, first, inputs, carried, self.config.pooled_indexer)
+        since = self.positioned_blocks.get(local)
+        if since is not None and int(inputs["position_ids"].max()) >= since:
+            return positioned_pass(block, hidden, context, first, inputs, inputs[self._cache_kwarg])
         if groups is not None and local in self.state_blocks:
             hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
             attention = (lambda g: (context.group_context(g), first)) if hybrid else None

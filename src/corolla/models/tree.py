@@ -102,13 +102,16 @@ class TokenTree:
         """[T] the tokens' positions (what the rotary embedding sees) when the step starts at `start`."""
         return start + self.depths
 
-    def mask(self, start: int, window: int | None = None) -> torch.Tensor:
+    def mask(self, start: int, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
         """[T, start + T] bool: which keys (the `start` positions before the step, then the step's tokens
-        in storage order) each token attends to; with `window`, only keys at positions > its own - window."""
+        in storage order) each token attends to; with `window`, only keys at positions > its own - window;
+        with `chunk`, only keys in its own chunk of positions (Llama 4's chunked attention)."""
         size = len(self.parents)
         visible = torch.cat([torch.ones(size, start, dtype=torch.bool, device="cpu"), self.ancestors], dim=1)
+        q_pos = self.positions(start)
+        k_pos = torch.cat([torch.arange(start, device="cpu"), q_pos])
         if window is not None:
-            q_pos = self.positions(start)
-            k_pos = torch.cat([torch.arange(start, device="cpu"), q_pos])
             visible &= k_pos[None, :] > q_pos[:, None] - window
+        if chunk is not None:
+            visible &= k_pos[None, :] // chunk == q_pos[:, None] // chunk
         return visible

@@ -94,8 +94,8 @@ def test_unsupported_models_get_errors_naming_the_type():
     sharing = dict(num_hidden_layers=4, kv_source_layers=[0, 0, 2, 2])  # layers 1 and 3 rank keys themselves
     with pytest.raises(UnsupportedModel, match="mistral_large4_text: some layers attend with an earlier"):
         ModelConfig.from_hf(AutoConfig.for_model("mistral_large4", text_config=sharing))
-    with pytest.raises(UnsupportedModel, match="layer types \\['chunked_attention'\\] are not supported"):
-        ModelConfig.from_dict({**base, "layer_types": ["chunked_attention", "full_attention"]})
+    with pytest.raises(UnsupportedModel, match="layer types \\['window_attention'\\] are not supported"):
+        ModelConfig.from_dict({**base, "layer_types": ["window_attention", "full_attention"]})
 
 
 @pytest.mark.parametrize(
@@ -139,6 +139,8 @@ def test_this_years_families_that_cannot_be_served_are_refused_in_one_line(model
         ("gemma3n", "gemma3n_text"),  # per-layer inputs and 4 parallel streams (AltUp)
         ("hy_v4", "hy_v4"),  # 4 hyper-connection streams, sparse latent attention
         ("glm5_next", "glm5_next_text"),  # KDA linear attention, pooled sparse attention, hyper-connections
+        ("llama4", "llama4_text"),  # chunked attention, NoPE layers scaled by position
+        ("lfm2_moe", "lfm2_moe"),  # short convolutions, attention, MoE
     ],
 )
 def test_this_years_latent_and_linear_attention_families_are_accepted(model_type, served_as):
@@ -245,5 +247,19 @@ def test_layers_that_take_inputs_a_span_lacks_are_refused(model_type, refusal):
     from transformers import AutoConfig
 
     config = ModelConfig.from_hf(AutoConfig.for_model(model_type))
+    with pytest.raises(UnsupportedModel, match=refusal):
+        Span(config, 0, 1)
+
+
+def test_layers_holding_two_attention_sublayers_are_refused():
+    """LongCat-Flash's config counts attention sublayers as num_hidden_layers (two per decoder layer, with a
+    MoE whose output skips to the layer's end): refused naming why, not as a model without layers."""
+    from transformers import AutoConfig
+
+    small = dict(
+        hidden_size=64, num_layers=3, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32
+    )
+    config = ModelConfig.from_hf(AutoConfig.for_model("longcat_flash", **small))
+    refusal = r"longcat_flash: each of its 3 decoder layers holds 2 attention sublayers with a cache each"
     with pytest.raises(UnsupportedModel, match=refusal):
         Span(config, 0, 1)

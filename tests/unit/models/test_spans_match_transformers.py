@@ -128,3 +128,29 @@ def test_text_of_a_model_whose_causal_lm_is_only_its_multimodal_wrapper(tmp_path
     for start, end in [(0, 2), (2, 6)]:
         hidden = Span.load(tmp_path, start, end)(hidden)
     torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)
+
+
+def test_llama_4_text_from_its_multimodal_checkpoint(tmp_path):
+    """Llama 4 checkpoints hold the language model under `language_model.` (its own LM head included) beside
+    the vision tower and projector: the head and spans read the language model's tensors only and give its
+    causal LM's logits (transformers' wrapper forward needs images)."""
+    import transformers
+
+    from tiny_models import COMMON, LAYOUTS
+
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32
+    )
+    vision.update(patch_size=16, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config={**COMMON, **LAYOUTS["llama4"][1]}, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = model.language_model(input_ids=ids).logits
+    head = ModelHead.load(tmp_path)
+    hidden = head.embed(ids)
+    for start, end in [(0, 3), (3, 6)]:
+        hidden = Span.load(tmp_path, start, end)(hidden)
+    torch.testing.assert_close(head.logits(hidden), expected, atol=1e-4, rtol=0)

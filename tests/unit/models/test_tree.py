@@ -43,6 +43,9 @@ def test_depths_ancestors_paths_and_mask():
     assert mask[4, 3:].nonzero().flatten().tolist() == [0, 2, 4]
     windowed = tree.mask(start=3, window=2)  # token 5 sits at position 6: it sees positions 5 and 6
     assert windowed[5].nonzero().flatten().tolist() == [3 + 3, 3 + 5]
+    chunked = tree.mask(start=3, chunk=4)  # chunks [0, 4) and [4, 8): token 0 sits at 3, token 5 at 6
+    assert chunked[0].nonzero().flatten().tolist() == [0, 1, 2, 3 + 0]
+    assert chunked[5].nonzero().flatten().tolist() == [3 + 1, 3 + 3, 3 + 5]
 
 
 def _paths(tree: TokenTree) -> list[list[int]]:
