@@ -7,6 +7,7 @@ PYTEST_ARGS ?=
 # two pytest-xdist workers (the tests of the one shared SmolLM2 swarm stay together in one of them)
 XDIST ?= -n 2 --dist loadgroup
 API_PORT ?= 8000
+GPU_PYTHON ?= 3.12
 # torch first and pinned: the CPU wheel this machine has; an unpinned torch would pull a CUDA build
 TORCH_SPEC ?= torch==2.13.0
 # a Debian package, as root or through sudo (apt-get update only when the first try fails)
@@ -16,14 +17,14 @@ apt_install = { if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-
 
 .DEFAULT_GOAL := help
 .PHONY: help install browser example demo api test test-unit test-integration check-clients bench bench-decode \
-	bench-models bench-swarm bench-trust bench-wan bench-docs lint clean
+	bench-models bench-swarm bench-trust bench-wan bench-docs gpu-wheels gpu-check bench-gpu lint clean
 
 help: ## show this help
 	@echo "corolla: run large language models across a swarm of ordinary machines"
 	@echo
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "Variables: PROMPT=\"...\" (make demo/api), API_PORT (make api, default 8000), PYTEST_ARGS=\"...\" and XDIST (make test; XDIST= runs in one process), PYTHON"
+	@echo "Variables: PROMPT=\"...\" (make demo/api), API_PORT (make api, default 8000), PYTEST_ARGS=\"...\" and XDIST (make test; XDIST= runs in one process), GPU_PYTHON, GPU_STEPS, GPU_OUT (gpu-wheels, gpu-check), PYTHON"
 
 install: $(STAMP) ## create .venv and install corolla with its pinned dependencies
 
@@ -59,6 +60,14 @@ test-integration: $(STAMP) browser ## run the integration tests only (local swar
 
 check-clients: $(STAMP) ## openai (Python with Responses, Node), the Agents SDK, litellm, LangChain, ollama, anthropic, the Codex CLI and Claude Code against `corolla api` on a local swarm, in a network namespace of loopback only (clients/; ~3 min; the first run installs them from PyPI and npm)
 	HF_HUB_OFFLINE=1 $(BIN)/python clients/check.py
+
+gpu-wheels: $(STAMP) ## where the package registries answer: fetch into .gpu/ what `make gpu-check` needs on a GPU machine without internet (wheels for GPU_PYTHON, default 3.12, beyond bench/gpu/image.txt; SmolLM2's tokenizer); ~45 MiB
+	$(BIN)/python -m bench.gpu.prepare --python-version $(GPU_PYTHON)
+
+gpu-check: ## on a GPU machine (after gpu-wheels, .gpu/ carried there): install .gpu/'s wheels over its own CUDA torch, run `pytest -m gpu`, the latency bench on a Llama-3.1-8B-shaped checkpoint (bfloat16 and int4) and the families bench on CUDA; one JSON (GPU_OUT=FILE keeps it, GPU_STEPS="pytest latency" picks steps)
+	python3 -m bench.gpu.check $(if $(GPU_STEPS),--steps $(GPU_STEPS)) $(if $(GPU_OUT),--out $(GPU_OUT))
+
+bench-gpu: gpu-check
 
 bench: bench-decode bench-models bench-swarm bench-trust ## every benchmark but bench-wan's (more than an hour; each keeps its result, stamped, in bench/results/; then `make bench-docs`)
 
