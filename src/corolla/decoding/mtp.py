@@ -75,7 +75,7 @@ class MtpDrafter:
                 f"--draft mtp: {folder} announces {layers} MTP layer(s) but stores no tensors for layer "
                 f"{first} (some releases leave them out)"
             )
-        tensors = checkpoint.read(names)
+        tensors = checkpoint.read(names, owned=True)  # an MoE block: its experts are fused
         load_converted(model, tensors, model.get_weight_conversions(main), head.dtype, checkpoint)
         model.embed_tokens = head.embed_tokens  # shared with the head: one copy
         model.shared_head = head.lm_head

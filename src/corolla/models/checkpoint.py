@@ -1,9 +1,15 @@
 """Reading parts of a safetensors checkpoint (one file, or shards with an index).
 
 A server reads only its blocks' tensors and a client only the embeddings, final norm and LM head:
-safetensors files are memory-mapped and `get_tensor` copies just the tensor asked for, so a process never
-holds weights it does not run. Key prefixes differ between checkpoints (`model.layers.3.` in
-`LlamaForCausalLM`, `layers.3.` in a bare `LlamaModel`), so the prefix is detected once from the keys.
+safetensors files are memory-mapped and only the tensors asked for are read, so a process never holds
+weights it does not run. `get_tensor` hands out tensors backed by the file's mapping, which stays while any
+of them lives, with every page of the file that loading touched: a block's tensors are read `owned`, copied
+into memory of their own, or a MoE block whose per-expert tensors are fused into new ones (and whose other
+tensors are kept as stored) would hold its experts twice, mapped and fused. The head's stay mapped: an
+embedding table's rows that no token looks up are never read.
+
+Key prefixes differ between checkpoints (`model.layers.3.` in `LlamaForCausalLM`, `layers.3.` in a bare
+`LlamaModel`), so the prefix is detected once from the keys.
 """
 
 from __future__ import annotations
@@ -56,8 +62,11 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def read(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Read the named tensors (full names), opening each shard once; in their stored dtype by default."""
+    def read(
+        self, names: list[str], dtype: torch.dtype | None = None, owned: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Read the named tensors (full names), opening each shard once; in their stored dtype by default;
+        `owned`: in memory of their own, not the file's mapping."""
         by_file: dict[str, list[str]] = defaultdict(list)
         for name in names:
             if name not in self.weight_map:
@@ -68,7 +77,7 @@ class Checkpoint:
             with safe_open(self.folder / file_name, framework="pt") as f:
                 for name in file_names:
                     tensor = f.get_tensor(name)
-                    tensors[name] = tensor if dtype is None else tensor.to(dtype)
+                    tensors[name] = tensor.to(dtype or tensor.dtype, copy=owned)
         return tensors
 
     def block_names(self, index: int) -> list[str]:

@@ -139,20 +139,22 @@ def final_norm(decoder: nn.Module) -> nn.Module:
     return children[0]
 
 
-def load_weights(model: nn.Module, checkpoint: Checkpoint, names: list[str], dtype: torch.dtype) -> None:
+def load_weights(
+    model: nn.Module, checkpoint: Checkpoint, names: list[str], dtype: torch.dtype, owned: bool = False
+) -> None:
     """Load the named checkpoint tensors (full names) into the meta model, converted as transformers does.
 
     A name that the model's conversion mapping places in the model is kept (Mistral's own format, whose
     root names the mapping sends into the language model); any other is renamed to the model's own prefix
     first (a bare `LlamaModel` checkpoint keeps its layers under `layers.`, a multimodal one under
-    `model.language_model.`)."""
+    `model.language_model.`). `owned`: the tensors are copied out of the file's mapping (Checkpoint.read)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     prefix, _ = decoder_of(model)
     mapping = get_model_conversion_mapping(model)
     lands = _landing(model, mapping)
     state_dict = {}
-    for name, tensor in checkpoint.read(names).items():
+    for name, tensor in checkpoint.read(names, owned=owned).items():
         local = name[len(checkpoint.prefix) :] if name.startswith(checkpoint.prefix) else None
         state_dict[prefix + local if local is not None and not lands(name) else name] = tensor
     load_converted(model, state_dict, mapping, dtype, checkpoint)

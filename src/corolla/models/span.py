@@ -109,7 +109,7 @@ class Span(nn.Module):
             range(start, end), desc=f"Loading blocks {start}:{end}", unit="block", disable=None, leave=False
         )
         for index in indices:
-            load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype)
+            load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype, owned=True)
             block = span.blocks[index - start]
             missing = missing_on_meta(block)
             if missing:

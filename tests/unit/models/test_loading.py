@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_head_reads_no_block_and_ties_embeddings(tiny_models, monkeypatch):
     monkeypatch.setattr(
         checkpoint_module.Checkpoint,
         "read",
-        lambda self, names, *a: read.extend(names) or real_read(self, names, *a),
+        lambda self, names, *a, **k: read.extend(names) or real_read(self, names, *a, **k),
     )
     head = ModelHead.load(tiny_models["llama"])
     assert set(read) == {"model.embed_tokens.weight", "model.norm.weight"}
@@ -263,3 +264,16 @@ def test_layers_holding_two_attention_sublayers_are_refused():
     refusal = r"longcat_flash: each of its 3 decoder layers holds 2 attention sublayers with a cache each"
     with pytest.raises(UnsupportedModel, match=refusal):
         Span(config, 0, 1)
+
+
+def test_a_loaded_span_keeps_no_mapping_of_its_checkpoint(tiny_models):
+    """A block's tensors are copied out of the safetensors mapping: a MoE span (experts fused from
+    per-expert tensors, the rest kept as stored) would otherwise keep the file mapped, and every page that
+    loading read resident beside its weights (2.1x its weights' bytes at Qwen3-30B-A3B's shapes)."""
+    path = tiny_models["qwen3_moe"]
+    span = Span.load(path, 0, 6)
+    mapped = Path("/proc/self/maps").read_text()
+    assert str(path.resolve()) not in mapped
+    head = ModelHead.load(path)  # the head's tensors stay mapped: rows never looked up are never read
+    assert str(path.resolve()) in Path("/proc/self/maps").read_text()
+    del head, span
