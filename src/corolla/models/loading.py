@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from accelerate import init_empty_weights
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers.initialization import no_init_weights
 
 from corolla.errors import UnsupportedModel
@@ -34,6 +36,28 @@ logger = logging.getLogger(__name__)
 # at once, a server loading a span while it moves) would get meta or uninitialized parameters. Building and
 # loading take turns.
 _MODEL_LOCK = threading.Lock()
+HUGE_BYTES = 2**30  # tensors at least this large are made on the meta device at once (_HugeOnMeta)
+_FACTORIES = (torch.empty, torch.zeros, torch.ones)
+
+
+class _HugeOnMeta(TorchFunctionMode):
+    """init_empty_weights moves a parameter to the meta device when its module registers it, after the
+    module made it on the CPU: a big MoE's fused experts (DeepSeek-V3: 30 GB a layer in float32, Kimi K2:
+    34 GB in bfloat16) were allocated first, which the kernel refuses on a machine with less memory. Such
+    tensors are made on meta directly; buffers, which must be real, are never this large."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None and _size_in_bytes(args, kwargs) >= HUGE_BYTES:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _size_in_bytes(args: tuple, kwargs: dict) -> int:
+    shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+    if not shape or not all(isinstance(n, int) for n in shape):
+        return 0
+    return math.prod(shape) * (kwargs.get("dtype") or torch.get_default_dtype()).itemsize
 
 
 def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -47,7 +71,7 @@ def empty_model(config: ModelConfig, attention: str, dtype: torch.dtype = torch.
         # no initialization of the meta parameters (on meta, torch's init functions run their Python
         # reference code: 4-5x the building time), as transformers' own from_pretrained does; the ties
         # post_init would have made are made after
-        with _MODEL_LOCK, init_empty_weights(include_buffers=False), no_init_weights():
+        with _MODEL_LOCK, init_empty_weights(include_buffers=False), no_init_weights(), _HugeOnMeta():
             model = model_class._from_config(hf, dtype=dtype)
             model.tie_weights(recompute_mapping=False)
     except (KeyError, ValueError) as e:  # a family that picks attention classes by name (Falcon, Bloom)

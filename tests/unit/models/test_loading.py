@@ -277,3 +277,21 @@ def test_a_loaded_span_keeps_no_mapping_of_its_checkpoint(tiny_models):
     head = ModelHead.load(path)  # the head's tensors stay mapped: rows never looked up are never read
     assert str(path.resolve()) in Path("/proc/self/maps").read_text()
     del head, span
+
+
+def test_a_big_moe_block_is_built_without_allocating_its_experts():
+    """DeepSeek-V3's fused experts take 30 GB a layer in float32: made on the CPU before they reach the meta
+    device, their allocation was refused on machines with less memory (this one has 24 GB). They are made
+    on meta at once; small tensors and buffers (the rotary frequencies) stay real."""
+    from transformers import AutoConfig
+
+    from corolla.models.loading import HUGE_BYTES, _HugeOnMeta
+
+    span = Span(ModelConfig.from_hf(AutoConfig.for_model("deepseek_v3")), 3, 4, torch.float32)
+    assert span.blocks[0].mlp.experts.gate_up_proj.is_meta
+    assert not span.rotary.inv_freq.is_meta and span.rotary.inv_freq[0] == 1
+    with _HugeOnMeta():
+        assert torch.empty(HUGE_BYTES // 4, dtype=torch.float32).is_meta
+        assert torch.zeros(2, HUGE_BYTES // 4, dtype=torch.bfloat16).is_meta
+        assert not torch.empty(HUGE_BYTES // 8, dtype=torch.float32).is_meta  # half as large
+        assert not torch.empty(4, 4, device="cpu").is_meta
