@@ -265,6 +265,25 @@ LAYOUTS = {
             interleave_moe_layer_step=2,
         ),
     ),
+    "longcat_flash": (  # LongCat-Flash: each layer two latent-attention sublayers (a cache each) and a MoE
+        # with zero (identity) experts whose output skips to the layer's end; 6 layers of 12 sublayers
+        "LongcatFlashConfig",
+        dict(
+            num_hidden_layers=12,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=8,
+            num_key_value_heads=4,
+            ffn_hidden_size=128,
+            expert_ffn_hidden_size=32,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
+        ),
+    ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
     "lfm2_moe": (  # LFM2's convolutions and attention with MoE after a dense block; its rotary is `pos_emb`
         "Lfm2MoeConfig",

@@ -26,6 +26,8 @@ whose queries are scaled by position (from position 4 on here): rows and a tree'
 time through those layers, each counted from its own position.
 lfm2_moe: LFM2's short convolutions beside attention, MoE after a dense block, its rotary under another
 name (`pos_emb`).
+longcat_flash: each layer two latent-attention sublayers with a cache each (a block of two cache layers)
+and a MoE with identity experts whose output skips to the layer's end.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ FRONTIER = [
     "glm5_next",
     "llama4",
     "lfm2_moe",
+    "longcat_flash",
 ]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values

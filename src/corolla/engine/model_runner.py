@@ -163,7 +163,8 @@ class ModelRunner:
             aligned = align_prompts(chunk.session.prompts, chunk.position, chunk.num_tokens)
             prompts.append(None if aligned is None else self._on_device(aligned))
         hidden = torch.cat(pieces)[None]  # [1, N, H]
-        context = PagedAttention(self.pool, first.start - self.span.start, rows, self.span.number_of_states)
+        first_cache = (first.start - self.span.start) * self.span.per_block
+        context = PagedAttention(self.pool, first_cache, rows, self.span.number_of_states)
         packed_prompts = _pack_prompts(prompts, chunks, first.num_blocks, hidden)
         with use_adapters(_adapter_ranges(chunks)):
             outputs = self.span(

@@ -21,7 +21,7 @@ Span = nn.Module  # models/span.py's Span (which imports this module)
 class LayerLayout:
     """What a span's blocks cache (span-local block indices)."""
 
-    kv_blocks: tuple[int, ...]  # store keys and values per token
+    kv_blocks: tuple[int, ...]  # cache layers that store keys and values per token (a block's, mostly)
     cache_shapes: tuple[CacheShape, ...]  # what each of kv_blocks stores (Gemma 4's differ by layer type)
     state_blocks: tuple[int, ...]  # keep a recurrent state instead
     stepwise_blocks: tuple[int, ...]  # state blocks that continue from a state one token at a time
@@ -33,21 +33,27 @@ class _ShapeProbe:
     block: earlier ones only feed it) stores per token, what it attends with, and whether it keeps a
     recurrent state; it attends to nothing."""
 
-    def __init__(self, layer: int = 0):
+    def __init__(self, layer: int = 0, sublayers: int = 1):
         self.layer = layer
-        self.stored: tuple[torch.Size, torch.Size] | None = None
-        self.attended: tuple[torch.Size, torch.Size] | None = None
+        self.sublayers = sublayers  # the block's cache layers: layer, layer + 1, ... (LongCat-Flash: 2)
+        self.stored: dict[int, tuple[torch.Size, torch.Size]] = {}  # by sublayer
+        self.attended: dict[int, tuple[torch.Size, torch.Size]] = {}
         self.index_dim = 0
         self.states = FreshStates()
 
+    def _sublayer(self, layer: int) -> int | None:
+        return layer - self.layer if 0 <= layer - self.layer < self.sublayers else None
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer == self.layer:
-            self.stored = self.stored or (k.shape[1:], v.shape[1:])
+        sublayer = self._sublayer(layer)
+        if sublayer is not None:
+            self.stored.setdefault(sublayer, (k.shape[1:], v.shape[1:]))
         return k, v
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores) -> torch.Tensor:
-        if layer == self.layer:
-            self.attended = self.attended or (k.shape[1:], v.shape[1:])
+        sublayer = self._sublayer(layer)
+        if sublayer is not None:
+            self.attended.setdefault(sublayer, (k.shape[1:], v.shape[1:]))
         return q.new_zeros(*q.shape[:3], v.shape[-1])
 
     def linear_state(self, layer: int):
@@ -87,17 +93,17 @@ def measure_layers(span: Span) -> LayerLayout:
             continue
         index = span.start + local
         probe = _probe_block(span, index)
-        shape = None
-        if probe.stored is not None:  # a hybrid layer (Falcon-H1) also keeps a state
-            kv_blocks.append(local)
-            gathers = probe.attended != probe.stored
-            shape = _cache_shape(span.config.model_type, probe.stored, gathers, probe.index_dim)
-            shapes.append(shape)
+        block_shapes = {}
+        for sublayer, stored in sorted(probe.stored.items()):  # a hybrid layer (Falcon-H1) also keeps a state
+            gathers = probe.attended[sublayer] != stored
+            block_shapes[sublayer] = _cache_shape(span.config.model_type, stored, gathers, probe.index_dim)
+            kv_blocks.append(local * span.per_block + sublayer)
+            shapes.append(block_shapes[sublayer])
         if probe.keeps_state:
             state_blocks.append(local)
             state_bytes += probe.state_bytes
-            if not _continues_from_state(span, index, shape):
-                if shape is not None:
+            if not _continues_from_state(span, index, block_shapes.get(0)):
+                if block_shapes:
                     raise UnsupportedModel(
                         f"{span.config.model_type}: block {index} attends beside a state whose multi-token "
                         "form ignores the state it is given, which corolla cannot run token by token"
@@ -111,14 +117,14 @@ def _probe_block(span: Span, index: int) -> _ShapeProbe:
     model_type = span.config.model_type
     # a layer that reuses an earlier layer's sparse-attention selection runs after that layer
     first = span.start + span.selection_sources.get(index - span.start, index - span.start)
-    probe = _ShapeProbe(index - first)
+    probe = _ShapeProbe((index - first) * span.per_block, span.per_block)
     with span.computing():
         x = torch.zeros(1, 1, span.config.wire.width, dtype=span.dtype, device=span.device)
         span(x, probe, blocks=(first, index + 1))
-    if probe.stored is not None and probe.attended is None:
+    if set(probe.stored) - set(probe.attended):
         raise UnsupportedModel(f"{model_type}: its attention does not go through transformers' cache")
     kind = span.layer_types[index]
-    if probe.stored is None and not probe.keeps_state and kind not in STATELESS_LAYER_TYPES:
+    if not probe.stored and not probe.keeps_state and kind not in STATELESS_LAYER_TYPES:
         raise UnsupportedModel(
             f"{model_type}: block {index} ({kind}) neither caches keys and values nor keeps a state "
             "through transformers' cache interface"

@@ -28,7 +28,7 @@ from corolla.models import attention as _registers  # noqa: F401 (registers coro
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.handoff import wire_modules
 from corolla.models.lm_class import lm_class
-from corolla.models.model_config import ModelConfig
+from corolla.models.model_config import ModelConfig, block_count
 
 logger = logging.getLogger(__name__)
 # init_empty_weights (and transformers' no_init_weights) patch torch.nn.Module and torch.nn.init
@@ -88,27 +88,12 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
     for name, module in model.named_modules():
         layers = getattr(module, "layers", None)
         ours = getattr(module, "config", text) is text
-        if isinstance(layers, nn.ModuleList) and ours and len(layers) == text.num_hidden_layers:
+        if isinstance(layers, nn.ModuleList) and ours and len(layers) == block_count(text)[0]:
             return (f"{name}." if name else ""), module
-    _refuse_sublayers(model, text)
     raise UnsupportedModel(
         f"{model.config.model_type}: corolla needs a decoder with `layers`, which {type(model).__name__} "
         "does not have"
     )
-
-
-def _refuse_sublayers(model: nn.Module, text: Any) -> None:
-    """A decoder whose layers each hold several attention sublayers (LongCat-Flash: two, and a MoE whose
-    output skips to the layer's end) counts the sublayers as num_hidden_layers: corolla's blocks are layers
-    with one cache each, so such a model is refused naming why."""
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and getattr(module, "config", text) is text and len(layers):
-            raise UnsupportedModel(
-                f"{model.config.model_type}: each of its {len(layers)} decoder layers holds "
-                f"{text.num_hidden_layers // len(layers)} attention sublayers with a cache each "
-                f"(num_hidden_layers {text.num_hidden_layers}); corolla serves layers with one cache each"
-            )
 
 
 # what some families' decoder layers take besides the previous layer's hidden states and the pass's cache,

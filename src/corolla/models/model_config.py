@@ -77,6 +77,8 @@ class ModelConfig:
     # the multimodal config whose generation class corolla builds, when the language model has no causal
     # LM of its own (Mistral Large 4); None otherwise (models/lm_class.py)
     wrapper: Any = field(default=None, repr=False, compare=False)
+    # attention sublayers with a cache each in one decoder layer (LongCat-Flash: 2; block_count)
+    cache_layers_per_block: int = 1
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -122,7 +124,8 @@ class ModelConfig:
         """Attention cache size of one token in one block: keys and values of every kv head, or, for
         multi-head latent attention, its compressed latent and rotary key (what transformers caches); on
         average over the blocks, where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches), reuse
-        another layer's (Gemma 3n and 4), or differ in shape (Gemma 4's global layers)."""
+        another layer's (Gemma 3n and 4), or differ in shape (Gemma 4's global layers), or hold several
+        attention sublayers (LongCat-Flash)."""
         reusing = self.kv_sharing.sources
         caching = [
             layer
@@ -135,13 +138,14 @@ class ModelConfig:
             if indexer and self.pooled_indexer:  # each key with its pooling gate and a valid flag
                 indexer = 2 * indexer + 1
             per_layer = (latent + self.hf.qk_rope_head_dim + indexer) * dtype_bytes
-            return per_layer * len(caching) // self.num_hidden_layers  # Kimi Linear, GLM-5-Next: 1 in 4
+            # Kimi Linear, GLM-5-Next: 1 in 4; LongCat-Flash: 2 sublayers a block
+            return per_layer * len(caching) * self.cache_layers_per_block // self.num_hidden_layers
         total = 0
         for layer in caching:
             heads = self.layer_attribute(layer, "num_key_value_heads") or self.num_attention_heads
             dim = self.layer_attribute(layer, "head_dim") or self.hidden_size // self.num_attention_heads
             total += 2 * heads * dim * dtype_bytes
-        return total // self.num_hidden_layers
+        return total * self.cache_layers_per_block // self.num_hidden_layers
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -169,6 +173,7 @@ class ModelConfig:
 
     @classmethod
     def _read(cls, hf: Any) -> ModelConfig:
+        blocks, per_block = block_count(hf)
         heads = int(hf.num_attention_heads)
         eos = getattr(hf, "eos_token_id", None)
         dtype = getattr(hf, "dtype", None)
@@ -177,7 +182,8 @@ class ModelConfig:
             model_type=str(hf.model_type),
             vocab_size=int(hf.vocab_size),
             hidden_size=int(hf.hidden_size),
-            num_hidden_layers=int(hf.num_hidden_layers),
+            num_hidden_layers=blocks,
+            cache_layers_per_block=per_block,
             num_attention_heads=heads,
             # of the first layer (Gemma 4's differ by layer: layer_attribute)
             num_key_value_heads=int(_layer_attribute(hf, 0, "num_key_value_heads") or heads),
@@ -196,6 +202,18 @@ class ModelConfig:
             return ModelConfig.from_dict({**self.hf.to_dict(), **changes})
         raw = self.wrapper.to_dict()
         return ModelConfig.from_dict({**raw, "text_config": {**raw["text_config"], **changes}})
+
+
+def block_count(hf: Any) -> tuple[int, int]:
+    """(decoder layers, attention sublayers with a cache in each): num_hidden_layers layers of one, unless
+    the config derives num_hidden_layers from a count of layers that each hold several (LongCat-Flash:
+    `num_layers` layers of 2 sublayers, whose caches transformers numbers 2i and 2i + 1)."""
+    sublayers = int(hf.num_hidden_layers)
+    layers = getattr(hf, "num_layers", None)
+    derived = isinstance(getattr(type(hf), "num_hidden_layers", None), property)
+    if derived and isinstance(layers, int) and 0 < layers < sublayers and sublayers % layers == 0:
+        return layers, sublayers // layers
+    return sublayers, 1
 
 
 def _layer_attribute(hf: Any, layer: int, name: str) -> Any:

@@ -90,9 +90,7 @@ def quantize_blocks(module: nn.Module, mode: str) -> bool:
             linear.__class__ = Int4Linear
         elif linear.weight.device.type == "cpu":
             Int8Linear.adopt(linear)
-    experts = quantize_fused_experts(module)
-    _own_plain_tensors(module)
-    return experts
+    return quantize_fused_experts(module)
 
 
 def stored_in_four_bits(module: nn.Module, group: int = GROUP_SIZE, rows: int = 64) -> bool:
@@ -145,18 +143,6 @@ def quantize_fused_experts(module: nn.Module) -> bool:
         if hasattr(getattr(experts, "config", None), "_experts_implementation"):
             experts.config._experts_implementation = "eager"  # the span's own copy of the config
     return True
-
-
-def _own_plain_tensors(module: nn.Module) -> None:
-    """Copy the tensors left in full precision (norms, biases, fused experts) out of the checkpoint's
-    memory map: they would keep the whole map alive, with every page that quantizing read still resident."""
-    for sub in module.modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
-            if type(param.data) is torch.Tensor:
-                setattr(sub, name, nn.Parameter(param.data.clone(), requires_grad=param.requires_grad))
-        for name, buffer in list(sub.named_buffers(recurse=False)):
-            if type(buffer) is torch.Tensor:
-                setattr(sub, name, buffer.clone())
 
 
 def _old_gpu(device: torch.device) -> bool:

@@ -53,9 +53,11 @@ class Span(nn.Module):
         self.blocks = nn.ModuleList(decoder.layers[start:end])
         self.rotary = rotary_of(decoder)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
-        # what each caching block stores per token (span-local index -> shape): the config's, until loading
-        # measures what the layers store
-        self.cache_shapes = {local: _configured_shape(config, start + local) for local in range(end - start)}
+        # a block's attention sublayers with a cache each (LongCat-Flash: 2), numbered block * per_block +
+        # sublayer as transformers numbers them; what each cache layer stores per token (span-local index ->
+        # shape): the config's, until loading measures what the layers store
+        self.per_block = config.cache_layers_per_block
+        self.cache_shapes = _configured_shapes(config, start, end)
         # blocks that attend with an earlier block's keys and values (span-local: Gemma 3n and 4)
         self.kv_sources = config.kv_sharing.local_sources(start, end)
         self.dtype = dtype  # of the computation and the cache (quantized weights keep their own)
@@ -63,9 +65,9 @@ class Span(nn.Module):
         self.quantized: str | None = None  # "int8" | "int4" once quantized (models/quantize.py)
         # torchao's quantized fused experts cannot be indexed under inference_mode (models/quantize.py)
         self.needs_no_grad = False
-        # span-local indices of the blocks that store keys and values, and of those that keep a recurrent
-        # state (linear attention, Mamba, convolutions: models/recurrent.py), as measured at load
-        self.kv_blocks: tuple[int, ...] = tuple(range(end - start))
+        # span-local indices of the cache layers that store keys and values (the blocks', per_block 1) and of
+        # the blocks that keep a recurrent state (models/recurrent.py), as measured at load
+        self.kv_blocks: tuple[int, ...] = tuple(self.cache_shapes)
         self.state_blocks: tuple[int, ...] = ()
         self.state_bytes_per_row = 0  # what one sequence's recurrent states take over the span
         # state blocks whose multi-token form starts from a zero state (transformers' Mamba-1, Jamba): from
@@ -169,7 +171,8 @@ class Span(nn.Module):
         when given (packed batches of several sequences); width is the model's wire width, the hidden
         size for most families (models/handoff.py).
         prompts: optional deep-prompt additions aligned with hidden, [b - a, B or 1, T, hidden] (see
-        `align_prompts`), added to each block's input. The context's cache layer i belongs to block a + i.
+        `align_prompts`), added to each block's input. The context's cache layer i belongs to block
+        a + i // per_block.
         """
         first, last = blocks or (self.start, self.end)
         if positions is None:
@@ -183,7 +186,7 @@ class Span(nn.Module):
         shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
         # what each row's sparse-attention layer hands the next (GLM-5, Mistral Large 4: row_passes.py)
         carried = {} if self._threads_selection else None
-        with active_context(context, first):
+        with active_context(context, first * self.per_block):
             for layer in range(last - first):
                 if prompts is not None:
                     hidden = hidden + prompts[layer].to(hidden.dtype)
@@ -214,7 +217,7 @@ class Span(nn.Module):
         if since is not None and int(inputs["position_ids"].max()) >= since:
             return positioned_pass(block, hidden, context, first, inputs, inputs[self._cache_kwarg])
         if groups is not None and local in self.state_blocks:
-            hybrid = local in self.kv_blocks  # attention beside the state (Falcon-H1)
+            hybrid = local * self.per_block in self.kv_blocks  # attention beside the state (Falcon-H1)
             attention = (lambda g: (context.group_context(g), first)) if hybrid else None
             return by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks, attention)
         return run_block(block, hidden, inputs)
@@ -239,6 +242,15 @@ def _check_blocks(config: ModelConfig, start: int, end: int) -> None:
             f"{config.num_hidden_layers} blocks"
         )
     config.kv_sharing.check_span(start, end, config.model_type)
+
+
+def _configured_shapes(config: ModelConfig, start: int, end: int) -> dict[int, CacheShape]:
+    """Each cache layer of blocks [start, end) as the config describes its attention."""
+    per_block = config.cache_layers_per_block
+    return {
+        local: _configured_shape(config, start + local // per_block)
+        for local in range((end - start) * per_block)
+    }
 
 
 def _configured_shape(config: ModelConfig, layer: int) -> CacheShape:

@@ -252,18 +252,15 @@ def test_layers_that_take_inputs_a_span_lacks_are_refused(model_type, refusal):
         Span(config, 0, 1)
 
 
-def test_layers_holding_two_attention_sublayers_are_refused():
-    """LongCat-Flash's config counts attention sublayers as num_hidden_layers (two per decoder layer, with a
-    MoE whose output skips to the layer's end): refused naming why, not as a model without layers."""
-    from transformers import AutoConfig
-
-    small = dict(
-        hidden_size=64, num_layers=3, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32
-    )
-    config = ModelConfig.from_hf(AutoConfig.for_model("longcat_flash", **small))
-    refusal = r"longcat_flash: each of its 3 decoder layers holds 2 attention sublayers with a cache each"
-    with pytest.raises(UnsupportedModel, match=refusal):
-        Span(config, 0, 1)
+def test_layers_holding_two_attention_sublayers_are_blocks_with_two_caches(tiny_models):
+    """LongCat-Flash's config counts attention sublayers as num_hidden_layers (two per decoder layer,
+    cached by transformers as 2i and 2i + 1): its blocks are its layers, each with two cache layers."""
+    config = ModelConfig.from_folder(tiny_models["longcat_flash"])
+    assert (config.num_hidden_layers, config.cache_layers_per_block) == (6, 2)
+    span = Span.load(tiny_models["longcat_flash"], 2, 5)
+    assert span.kv_blocks == tuple(range(6)) and span.cache_shapes[0] == span.cache_shapes[5]
+    assert span.cache_bytes_per_token == 6 * (32 + 8) * 4  # a latent of 32 and a rotary key of 8 each
+    assert config.kv_bytes_per_token_per_block(4) == 2 * (32 + 8) * 4
 
 
 def test_a_loaded_span_keeps_no_mapping_of_its_checkpoint(tiny_models):

@@ -60,7 +60,18 @@ def _paths(tree: TokenTree) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "qwen3", "deepseek_v3", "gemma4"]
+    "family",
+    [
+        "llama",
+        "mistral",
+        "gemma2",
+        "gemma3_text",
+        "gpt_oss",
+        "qwen3",
+        "deepseek_v3",
+        "gemma4",
+        "longcat_flash",
+    ],
 )
 def test_a_tree_step_equals_each_of_its_paths_run_alone(tiny_models, family):
     """Rotary positions by depth, ancestors-only masks, sliding windows, soft-capping and sinks: every
