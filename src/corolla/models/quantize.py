@@ -39,7 +39,9 @@ in tests: 0.7% vs 11% of the logits).
 
 MoE experts that transformers 5 stores as fused 3-D parameters (`gate_up_proj`, `down_proj` on a
 `...Experts` module: Mixtral, Qwen3-MoE, DeepSeek) are not `nn.Linear`: they become torchao int8 tensors
-in both modes (`quantize_fused_experts`), dequantized per expert and call (memory, not speed).
+(`quantize_fused_experts`), dequantized per expert and call (memory, not speed), or, asked for int4 on a
+GPU computing in bfloat16, torchao's tile-packed int4 tensors (3-D, indexed expert by expert; not run on
+a GPU yet). torchao's CPU int4 tensor takes 2-D weights only.
 
 Autograd with respect to the input (frozen weights, as in a client's fine-tuning backward pass):
 int8 works as is, torchao's int8 linear being made of differentiable torch ops. The int4 kernels have
@@ -90,7 +92,7 @@ def quantize_blocks(module: nn.Module, mode: str) -> bool:
             linear.__class__ = Int4Linear
         elif linear.weight.device.type == "cpu":
             Int8Linear.adopt(linear)
-    return quantize_fused_experts(module)
+    return quantize_fused_experts(module, mode)
 
 
 def stored_in_four_bits(module: nn.Module, group: int = GROUP_SIZE, rows: int = 64) -> bool:
@@ -118,31 +120,44 @@ def warn_if_int8_loses_grid(block: nn.Module, blocks: str) -> None:
         )
 
 
-def quantize_fused_experts(module: nn.Module) -> bool:
+def quantize_fused_experts(module: nn.Module, mode: str = "int8") -> bool:
     """MoE experts stored as fused 3-D parameters [experts, out, in] (Mixtral's, Qwen3-MoE's, DeepSeek's
-    `gate_up_proj` and `down_proj`) become torchao int8 tensors with per-row scales, in either mode:
-    torchao has no int4 path for 3-D parameters (pytorch/ao#3252). Their experts module then runs
-    transformers' "eager" experts implementation, which indexes one expert and calls `F.linear` on it
-    (torchao's tensor serves that; the grouped-matmul implementation needs ops it lacks). Experts stored
-    transposed ([experts, in, out], gpt-oss) stay at full precision. Returns whether any were quantized:
-    torchao's tensors cannot be indexed under `torch.inference_mode` (it cannot correct the alias's
-    version counter), so such a span computes under `torch.no_grad` (Span.computing)."""
+    `gate_up_proj` and `down_proj`) become torchao tensors: int4 on a GPU where the span computes in
+    bfloat16 (torchao's tile-packed int4 packs and indexes 3-D weights expert by expert), int8 with per-row
+    scales otherwise (torchao's CPU int4 tensor takes 2-D weights only: "Expecting 2D tensor on CPU",
+    torchao 0.18; its CUDA kernels take bfloat16 activations). Their experts module then runs transformers'
+    "eager" experts implementation, which indexes one expert and calls `F.linear` on it (torchao's
+    tensors serve that; the grouped-matmul implementation needs ops they lack). Experts stored transposed
+    ([experts, in, out], gpt-oss) stay at full precision. Returns whether any were quantized: torchao's
+    tensors cannot be indexed under `torch.inference_mode` (it cannot correct the alias's version
+    counter), so such a span computes under `torch.no_grad` (Span.computing)."""
     owners = {}
     for owner, sub in module.named_modules():
         if getattr(sub, "is_transposed", False) or isinstance(sub, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             continue  # gpt-oss's transposed experts; the 3-D weights of convolutions (Mamba, Gated DeltaNet)
         for name, param in sub.named_parameters(recurse=False):
             if param.dim() == 3 and type(param.data) is torch.Tensor and param.is_floating_point():
-                owners[f"{owner}.{name}" if owner else name] = sub
+                owners[f"{owner}.{name}" if owner else name] = (sub, param)
     if not owners:
         return False
     ao = _torchao()
-    config = ao.Int8WeightOnlyConfig(set_inductor_config=False)
-    ao.quantize_(module, ao.FqnToConfig(dict.fromkeys(owners, config)), filter_fn=None)
-    for experts in owners.values():
+    configs = {name: _experts_config(mode, param) for name, (_, param) in owners.items()}
+    ao.quantize_(module, ao.FqnToConfig(configs), filter_fn=None)
+    for experts, _ in owners.values():
         if hasattr(getattr(experts, "config", None), "_experts_implementation"):
             experts.config._experts_implementation = "eager"  # the span's own copy of the config
     return True
+
+
+def _experts_config(mode: str, weight: torch.Tensor):
+    """int4 groups for fused experts on a GPU computing in bfloat16, int8 rows otherwise."""
+    ao = _torchao()
+    cuda_bf16 = weight.device.type == "cuda" and weight.dtype == INT4_DTYPE
+    if mode == "int4" and cuda_bf16 and weight.shape[-1] % GROUP_SIZE == 0:
+        return ao.Int4WeightOnlyConfig(
+            group_size=GROUP_SIZE, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+        )
+    return ao.Int8WeightOnlyConfig(set_inductor_config=False)
 
 
 def _old_gpu(device: torch.device) -> bool:

@@ -183,6 +183,22 @@ def test_fused_experts_are_int8_in_both_modes_and_stay_close(moe, mode):
     assert x.grad.abs().sum() > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_fused_experts_are_int4_on_a_gpu_computing_in_bfloat16(moe):
+    """On a GPU torchao's tile-packed int4 packs the 3-D experts expert by expert (on the CPU its int4
+    tensor takes 2-D weights only, and experts become int8 in both modes)."""
+    ref = copy.deepcopy(moe).cuda().to(torch.bfloat16)
+    q = copy.deepcopy(ref)
+    assert quantize_blocks(q.model.layers, "int4")
+    experts = q.model.layers[0].mlp.experts
+    assert "Int4" in type(experts.gate_up_proj).__name__ and "Int4" in type(experts.down_proj).__name__
+    embeds = ref.model.embed_tokens(torch.randint(0, 320, (2, 12), device="cuda")).detach()
+    with torch.no_grad():
+        logits, expected = q(inputs_embeds=embeds).logits, ref(inputs_embeds=embeds).logits
+    assert rel_err(logits.float(), expected.float()) < MOE_LOGITS_BOUND["int4"]
+
+
 @pytest.mark.parametrize(
     ("family", "mode"),
     [
