@@ -201,14 +201,14 @@ class Span(nn.Module):
                 if per_layer_inputs is not None:
                     inputs["per_layer_input"] = per_layer_inputs[:, :, first + layer]
                 local = first + layer - self.start
-                hidden = self._run(local, hidden, inputs, context, first, carried)
+                hidden = self._run(local, hidden, inputs, context, first * self.per_block, carried)
         return self.config.wire.pack(hidden, per_layer_inputs)
 
     def _run(
         self, local: int, hidden: torch.Tensor, inputs: dict, context, first: int, carried: dict | None
     ) -> torch.Tensor:
-        """Block `local` of a pass whose first block is `first`: whole, or row by row where its own code
-        mixes a packed pass's rows (row_passes.py)."""
+        """Block `local` of a pass whose first cache layer is `first` (its first block's): whole, or row by
+        row where its own code mixes a packed pass's rows (row_passes.py)."""
         block = self.blocks[local]
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         if local in self.indexed_blocks:
