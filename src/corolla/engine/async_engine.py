@@ -40,6 +40,10 @@ class PassTiming:
     seconds: float  # from scheduling to the results
 
 
+class StepDropped(CorollaError):
+    """A queued step was dropped before it ran (AsyncEngine.drop)."""
+
+
 class ResultStream:
     """Results of one request, in order; `next()` waits for the next one or raises its error."""
 
@@ -147,6 +151,18 @@ class AsyncEngine:
         def command() -> None:
             self.engine.abort(request_id)
             self._streams.pop(request_id, None)
+
+        self.commands.submit(command)
+
+    def drop(self, request_id: int) -> None:
+        """Drop a step that has not started: its stream gets `StepDropped`. A step already in a pass (or
+        done) is left alone and completes as usual."""
+
+        def command() -> None:
+            if self.engine.abort(request_id) and request_id in self._streams:
+                self._streams.pop(request_id).deliver(
+                    Completion(request_id, error=StepDropped("dropped before it ran"))
+                )
 
         self.commands.submit(command)
 

@@ -86,6 +86,7 @@ class StatusBoard:
             steps_from_client=self.inference.steps_from_client,
             steps_from_push=self.inference.steps_from_push,
             steps_announced=self.inference.steps_announced,
+            frames_dropped=self.inference.frames_dropped,
             throughput=self.compute.throughput,
             batch_growth=self.compute.batch_growth,
             pace=self.compute.pace.blocks_per_s() if self.compute.pace is not None else None,

@@ -122,6 +122,7 @@ class ServerStatus:
     steps_from_client: int = 0  # inference steps computed from the client's copy ...
     steps_from_push: int = 0  # ... and from a copy pushed by the previous server
     steps_announced: int = 0  # steps the previous server announced as its pass started (engine/batching.py)
+    frames_dropped: int = 0  # frames of a rejected draft's epoch that a rollback dropped before they ran
     throughput: float | None = None  # blocks per second for one decode step; None until measured
     # how much slower a decode step gets per more session in its batch, as measured at start (0.03: 8
     # sessions' step takes 1.21x one's); None: not said (peers too old to measure it)
@@ -246,6 +247,7 @@ COUNTERS = (
     "steps_from_client",
     "steps_from_push",
     "steps_announced",
+    "frames_dropped",
 )
 
 

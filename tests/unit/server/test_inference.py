@@ -8,6 +8,7 @@ must equal a plain forward pass with a contiguous cache over the steps that shou
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import replace
 
@@ -398,3 +399,34 @@ async def test_a_pushed_rollback_is_taken_only_when_it_opens_a_later_epoch_at_a_
         service.spans.primary.span, [first, second, again], rollbacks=[None, None, 2]
     )
     assert_close(outputs, expected[2])
+
+
+async def test_a_rollback_drops_the_frames_of_the_epoch_it_ends_that_have_not_run(service):
+    """Pipelined frames still queued behind a busy engine when the rollback ending their epoch arrives are
+    dropped unrun: their replies say skipped, and the rollback runs on what the frames before them left."""
+    first, ran, queued, more, root = inputs(13, 4, 2, 2, 2, 1)
+    session = Session(service, message(first, "a", 0, first=True))
+    await session.reply()
+    await session.steps.put(message(ran, "f1", 4))
+    assert (await session.reply())[0] == "f1"
+    hold = threading.Event()
+    held = asyncio.ensure_future(service.spans.primary.engine.call(hold.wait))  # steps queue behind it
+
+    async def three():
+        return [await anext(session.replies) for _ in range(3)]
+
+    replies = asyncio.ensure_future(three())
+    await session.steps.put(message(queued, "f2", 6))
+    await session.steps.put(message(more, "f3", 8))
+    await session.steps.put(message(root, "r", 5, epoch=1, opens_epoch=True))  # f1's 2nd token rejected
+    taken = service.spans.find_session(CLIENT, "s")
+    while taken.num_unreported < 3:
+        await asyncio.sleep(0.01)
+    hold.set()
+    await held
+    got = await asyncio.wait_for(replies, 10)
+    assert [(r.step_id, r.skipped) for r in got] == [("f2", True), ("f3", True), ("r", False)]
+    assert service.frames_dropped == 2
+    expected = reference_outputs(service.spans.primary.span, [first, ran, root], rollbacks=[None, None, 5])
+    assert_close(wire_tensors.deserialize(got[2].outputs, "outputs"), expected[2])
+    assert await session.close() == []

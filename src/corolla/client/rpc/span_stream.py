@@ -162,10 +162,12 @@ class SpanStream:
     @contextlib.asynccontextmanager
     async def _failing(self, stream: MessageStream) -> AsyncIterator[None]:
         """Errors as the client reads them; a failed stream takes no more steps (a cancelled read leaves it
-        unreadable)."""
+        unreadable). A step the server skipped was replied to: the stream goes on."""
         try:
             async with remote_errors(self.hop.peer_id, self.timeout):
                 yield
+        except StepSkipped:
+            raise
         except SessionNotFound as e:  # only a fork's first step names a session other than its own
             self._stream = None
             stream.close()

@@ -29,10 +29,9 @@ from functools import partial
 import torch
 
 from corolla.config import MAX_PIPELINE, ServerConfig
-from corolla.engine.async_engine import ResultStream
+from corolla.engine.async_engine import ResultStream, StepDropped
 from corolla.engine.sequence import StepWork
 from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable
-from corolla.server import validation
 from corolla.server.hosting.spans import HostedSpans
 from corolla.server.inference.push import Pusher
 from corolla.server.inference.sessions import Completed, ServerSession
@@ -42,6 +41,7 @@ from corolla.server.inference.step_inputs import (
     check_hops,
     next_within,
     read_inputs,
+    read_opening,
     takes_push,
 )
 from corolla.wire import tensors as wire_tensors
@@ -73,6 +73,7 @@ class InferenceService:
         self.steps_from_client = self.steps_from_push = 0  # which copy of each step did the work
         self.rollbacks_from_push = 0  # of those pushed, rollbacks opening an epoch of pipelined frames
         self.steps_announced = 0  # announcements taken: the previous server started computing a step
+        self.frames_dropped = 0  # frames of a dropped epoch that a rollback took out of the queue unrun
 
     # --- a session: the client's stream ---------------------------------------------------------------------
 
@@ -85,20 +86,9 @@ class InferenceService:
         meta = first.meta
         backend, blocks = self.spans.select(first.uid, new_session=True)
         self.spans.check_adapter(meta.active_adapter)
-        if meta.max_length > self.config.inference_max_length:
-            raise InvalidRequest(
-                f"max_length={meta.max_length} exceeds this server's inference_max_length="
-                f"{self.config.inference_max_length}"
-            )
-        hidden = validation.read_hidden(first.tensors, self.width, self.config.max_batch_size)
-        batch = hidden.shape[0]
-        check_hops(meta, self.num_blocks)
-        encoding = meta.output_encoding or "lossless"
-        if encoding not in wire_tensors.supported_encodings():
-            supported = ", ".join(wire_tensors.supported_encodings())
-            raise InvalidRequest(f"output_encoding {encoding!r} is not one this server writes ({supported})")
-        async with backend.sessions.open(peer, meta, blocks, batch) as session:
-            opened = (session.session_id, peer[-6:], *blocks, batch)
+        hidden, encoding = read_opening(first, self.config, self.width, self.num_blocks)
+        async with backend.sessions.open(peer, meta, blocks, hidden.shape[0]) as session:
+            opened = (session.session_id, peer[-6:], *blocks, hidden.shape[0])
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
             try:
                 inputs_digest = step_digest(first.tensors, meta.tree, meta.accepted)
@@ -258,8 +248,11 @@ class InferenceService:
         )
         if meta.next_servers and self.pusher is not None:  # the next server hears when it starts
             work.announce = partial(self.pusher.announce, meta, inputs.position, *session.key)
+        if meta.epoch > session.epoch:  # a rollback past a rejected draft: the frames after it are void
+            session.drop_earlier_epochs(meta.epoch)
         stream = session.engine.stream()
         session.engine.submit(work, stream)
+        session.in_flight[work.request_id] = meta.epoch
         session.position = inputs.position + inputs.length
         session.epoch = max(session.epoch, meta.epoch)
         session.tree = (inputs.position, inputs.tree) if inputs.tree is not None else None
@@ -291,9 +284,14 @@ class InferenceService:
                 await self.pusher.push(outputs, meta, work.position, *session.key)
             ran = Completed(meta.step_id, run, outputs, position=work.position, inputs=inputs_digest.hex())
             session.completed.put_nowait(ran)
+        except StepDropped:  # a frame of a dropped epoch, dropped before it ran: nothing is pushed
+            self.frames_dropped += 1
+            session.completed.put_nowait(Completed(meta.step_id, run, skipped=True))
         except asyncio.CancelledError:
             session.engine.abort(work.request_id)
             raise
         except Exception as e:  # the step did not run: the session's cache no longer follows its steps
             error = e if isinstance(e, CorollaError) else ServerUnavailable(f"{type(e).__name__}: {e}")
             session.completed.put_nowait(Completed(meta.step_id, run, error=error))
+        finally:
+            session.in_flight.pop(work.request_id, None)

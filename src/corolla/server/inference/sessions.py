@@ -77,6 +77,7 @@ class ServerSession:
     path_before_tree: tuple[int, ...] | None = None
     output_encoding: str = "lossless"  # of its replies and pushes, as its owner asked (wire/tensors.py)
     epoch: int = 0  # the latest epoch of the steps taken (pipelined frames: wire/messages.py InferenceStep)
+    in_flight: dict[int, int] = field(default_factory=dict)  # engine request id -> epoch, of steps taken
 
     @property
     def key(self) -> tuple[str, str]:
@@ -94,6 +95,14 @@ class ServerSession:
     def skip(self, step_id: str | None) -> None:
         """A step of a dropped epoch runs nothing: its reply says so, after those of the steps before it."""
         self._reply_in_turn(Completed(step_id, 0, skipped=True))
+
+    def drop_earlier_epochs(self, epoch: int) -> None:
+        """A step opening `epoch` (a rollback past a rejected draft) voids the frames taken before it in
+        earlier epochs: those still queued in the engine are dropped unrun (their replies say skipped);
+        one already in a pass completes as usual."""
+        for request_id, taken in list(self.in_flight.items()):
+            if taken < epoch:
+                self.engine.drop(request_id)
 
     def take_announcement(self, meta: InferenceStep) -> bool:
         """The previous server started computing this session's next step (a push without tensors): the

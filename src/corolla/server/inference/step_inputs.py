@@ -20,6 +20,7 @@ from corolla.errors import InvalidRequest, SessionTimeout
 from corolla.models.tree import TokenTree
 from corolla.server import validation
 from corolla.server.inference.sessions import ServerSession
+from corolla.wire import tensors as wire_tensors
 from corolla.wire.messages import InferenceStep
 
 T = TypeVar("T")
@@ -186,3 +187,23 @@ def check_hops(meta: InferenceStep, num_blocks: int) -> None:
             raise InvalidRequest(
                 f"next_servers[{i}]: blocks {hop.start}:{hop.end} lie outside the model's {num_blocks} blocks"
             )
+
+
+def read_opening(
+    first: StepMessage, config: ServerConfig, width: int, num_blocks: int
+) -> tuple[torch.Tensor, str]:
+    """A session's first step checked before it opens: its max_length, hidden states, blocks and the
+    encoding its replies are asked in. Returns (hidden states, output encoding)."""
+    meta = first.meta
+    if meta.max_length > config.inference_max_length:
+        raise InvalidRequest(
+            f"max_length={meta.max_length} exceeds this server's inference_max_length="
+            f"{config.inference_max_length}"
+        )
+    hidden = validation.read_hidden(first.tensors, width, config.max_batch_size)
+    check_hops(meta, num_blocks)
+    encoding = meta.output_encoding or "lossless"
+    if encoding not in wire_tensors.supported_encodings():
+        supported = ", ".join(wire_tensors.supported_encodings())
+        raise InvalidRequest(f"output_encoding {encoding!r} is not one this server writes ({supported})")
+    return hidden, encoding
