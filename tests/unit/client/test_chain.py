@@ -4,6 +4,8 @@ during a replacement's replay, push routes after a replacement, rewinds, frozen 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +14,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.chain.session import InferenceSession
 from corolla.client.rpc.span_stream import Opening, SpanStream, Step, StepRoute
+from corolla.client.rpc.stall_probe import STUCK_FLOOR
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.models.head import ModelHead
 from corolla.swarm.policy.routing import Hop
@@ -205,6 +208,31 @@ async def test_a_busy_server_that_hangs_after_answering_a_ping_is_replaced(netwo
         assert session.num_failovers == 1 and chain[2].peer_id not in {hop.peer_id for hop in session.route}
         assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
         chain[2].kill()
+
+
+async def test_a_server_that_answers_pings_but_runs_no_pass_is_replaced(network, head, reference):
+    """Its compute is stuck (a hung driver or engine thread; a peer that takes sessions and never computes)
+    while its event loop answers every ping: once it has run no pass for STUCK_FLOOR seconds with the step
+    waiting, the step moves, long before the request timeout (failed before: 60 s)."""
+    chain = await three_hops(network)
+    client = network.client(request_timeout=60.0)
+    ids = torch.cat([PROMPT, LATER], dim=1)
+    async with InferenceSession(client.swarm, None, 32) as session:
+        await decode(session, head, ids[:, :12])
+        await network.add_server((4, 6))
+        hold = threading.Event()
+        stuck = asyncio.ensure_future(
+            chain[2].spans.primary.engine.call(hold.wait)
+        )  # its engine thread waits
+        try:
+            started = time.monotonic()
+            outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 30.0)
+            assert time.monotonic() - started < STUCK_FLOOR + 10
+        finally:
+            hold.set()
+            await stuck
+        assert session.num_failovers == 1 and chain[2].peer_id not in {hop.peer_id for hop in session.route}
+        assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
 
 
 async def test_without_a_replica_the_step_fails_naming_the_blocks(network, head):
