@@ -212,8 +212,8 @@ async def test_a_busy_server_that_hangs_after_answering_a_ping_is_replaced(netwo
 
 async def test_a_server_that_answers_pings_but_runs_no_pass_is_replaced(network, head, reference):
     """Its compute is stuck (a hung driver or engine thread; a peer that takes sessions and never computes)
-    while its event loop answers every ping: once it has run no pass for STUCK_FLOOR seconds with the step
-    waiting, the step moves, long before the request timeout (failed before: 60 s)."""
+    while its event loop answers every ping: once it has run no pass for 16 silence limits (at least 10 s)
+    with the step waiting, the step moves, long before the request timeout (failed before: 60 s)."""
     chain = await three_hops(network)
     client = network.client(request_timeout=60.0)
     ids = torch.cat([PROMPT, LATER], dim=1)
@@ -226,8 +226,8 @@ async def test_a_server_that_answers_pings_but_runs_no_pass_is_replaced(network,
         )  # its engine thread waits
         try:
             started = time.monotonic()
-            outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 30.0)
-            assert time.monotonic() - started < STUCK_FLOOR + 10
+            outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 45.0)
+            assert STUCK_FLOOR <= time.monotonic() - started < 40.0
         finally:
             hold.set()
             await stuck

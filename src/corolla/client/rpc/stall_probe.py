@@ -11,8 +11,9 @@ request timeout; a false alarm costs one ping.
 A server can also answer pings while its compute is stuck (a hung GPU driver or engine thread, or a peer
 that takes sessions and never computes): its pings report the engine passes it has run (ServerStatus
 `engine_passes`). One that runs no pass while the step waits, for STUCK_LIMITS limits and at least
-STUCK_FLOOR seconds, counts as failed too: a server with work runs passes (another session's long prefill
-takes a few seconds a pass on a CPU, passes being bounded by a token budget), and this step is work.
+STUCK_FLOOR seconds, counts as failed too: a server with work runs passes, and this step is work. The
+margin is wide (16 limits: 48 of its slowest recent decode steps) because one pass of another session's
+prefill (128 tokens by default, compute-bound on a CPU) may take many decode steps' time.
 Counting its own passes is all a peer can lie about here; a liar is left to spot checks.
 """
 
@@ -30,7 +31,7 @@ from corolla.wire.records import ServerStatus
 
 T = TypeVar("T")
 
-STUCK_LIMITS = 4  # silence limits without a pass before a server answering pings counts as stuck
+STUCK_LIMITS = 16  # silence limits without a pass before a server answering pings counts as stuck
 STUCK_FLOOR = 10.0  # seconds, at least
 
 
