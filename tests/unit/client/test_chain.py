@@ -4,6 +4,7 @@ during a replacement's replay, push routes after a replacement, rewinds, frozen 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -193,15 +194,23 @@ async def test_a_busy_server_that_answers_pings_is_waited_for(network, head, ref
         assert_exact(head, reference, ids[:, :13], boundaries(session, outputs, 1))
 
 
-async def test_a_busy_server_that_hangs_after_answering_a_ping_is_replaced(network, head, reference):
-    """Pinged while busy, it answers, so the step waits on; it then hangs, misses the next ping, and is
-    replaced long before the request timeout."""
+@contextlib.asynccontextmanager
+async def last_hop_with_a_replica(network, head):
+    """A session 12 tokens into a 3-hop chain (request timeout 60 s), the last hop's blocks on a second
+    server too: (the chain, the session, the token ids)."""
     chain = await three_hops(network)
     client = network.client(request_timeout=60.0)
     ids = torch.cat([PROMPT, LATER], dim=1)
     async with InferenceSession(client.swarm, None, 32) as session:
         await decode(session, head, ids[:, :12])
         await network.add_server((4, 6))
+        yield chain, session, ids
+
+
+async def test_a_busy_server_that_hangs_after_answering_a_ping_is_replaced(network, head, reference):
+    """Pinged while busy, it answers, so the step waits on; it then hangs, misses the next ping, and is
+    replaced long before the request timeout."""
+    async with last_hop_with_a_replica(network, head) as (chain, session, ids):
         chain[2].spans.primary.engine.pass_delay = 6.0  # busy for far longer than its pace
         asyncio.get_running_loop().call_later(2.5, chain[2].freeze)  # after answering a ping or two
         outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 20.0)
@@ -214,16 +223,9 @@ async def test_a_server_that_answers_pings_but_runs_no_pass_is_replaced(network,
     """Its compute is stuck (a hung driver or engine thread; a peer that takes sessions and never computes)
     while its event loop answers every ping: once it has run no pass for 16 silence limits (at least 10 s)
     with the step waiting, the step moves, long before the request timeout (failed before: 60 s)."""
-    chain = await three_hops(network)
-    client = network.client(request_timeout=60.0)
-    ids = torch.cat([PROMPT, LATER], dim=1)
-    async with InferenceSession(client.swarm, None, 32) as session:
-        await decode(session, head, ids[:, :12])
-        await network.add_server((4, 6))
+    async with last_hop_with_a_replica(network, head) as (chain, session, ids):
         hold = threading.Event()
-        stuck = asyncio.ensure_future(
-            chain[2].spans.primary.engine.call(hold.wait)
-        )  # its engine thread waits
+        stuck = asyncio.ensure_future(chain[2].spans.primary.engine.call(hold.wait))  # its engine waits
         try:
             started = time.monotonic()
             outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 45.0)
