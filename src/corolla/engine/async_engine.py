@@ -196,7 +196,10 @@ class AsyncEngine:
         enter_device(self.engine.span.device)
         while not self._stopping:
             for command in self.commands.drain():
-                command()
+                try:
+                    command()
+                except Exception:  # a command's bug must not stop the server's compute for every session
+                    logger.exception("An engine command failed")
             if not self.engine.has_work():
                 self._publish_stats()
                 self.commands.wakeup.wait()

@@ -80,6 +80,18 @@ async def test_a_failing_pass_reaches_every_waiting_stream_and_the_loop_goes_on(
     assert (await engine.run(StepWork(sessions[0], torch.randn(1, 2, H), 0))).shape == (1, 2, H)
 
 
+async def test_a_command_that_raises_leaves_the_loop_serving(engine):
+    """A command's error (a bug) is logged; the engine's thread goes on serving every session."""
+
+    def broken() -> None:
+        raise RuntimeError("a bug in a command")
+
+    engine.commands.submit(broken)
+    session = await open_session(engine, "after")
+    step = StepWork(session, torch.randn(1, 2, H), 0)
+    assert (await asyncio.wait_for(engine.run(step), 10)).shape == (1, 2, H)
+
+
 async def test_stop_fails_what_is_still_waiting(tiny_models):
     front = AsyncEngine(make_engine(tiny_models["llama"], max_cache_tokens=16, page_size=4))
     front.start()
