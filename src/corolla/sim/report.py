@@ -93,6 +93,7 @@ def sessions(found: Sessions) -> dict:
         "refusals": found.refusals,
         "chains_through_banned_or_departed": found.misrouted,
         "failovers": found.replaced,
+        "stalls_on_silent_acceptors": {"chains": found.stalls, "seconds": _rounded(found.stalled_seconds)},
         "failovers_per_finished_session": {
             "mean": _rounded(statistics.fmean(failovers)) if failovers else None,
             "max": max(failovers, default=None),

@@ -22,7 +22,8 @@ class ServerClass(BaseModel):
     Speed, either measured (`seconds_per_block` at one token, plus `seconds_per_token` for each more token
     in the pass) or from the hardware's published memory bandwidth and tensor throughput with the weights'
     bytes per parameter (sim/compute.py scales the pass corolla's engine measured on this machine's CPU,
-    sim/calibration.json). A class may lie (`inflate`): its servers announce more than their speed."""
+    sim/calibration.json). A class may lie (`inflate`): its servers announce more than their speed; or take
+    sessions and never compute (`silent_acceptor`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
@@ -40,6 +41,8 @@ class ServerClass(BaseModel):
     # a liar's class: its servers announce this many times their true speed (start-up figure and pace)
     inflate: float = Field(default=1.0, ge=1.0, le=10_000.0)
     device: str | None = None  # the device its servers announce (None: the class's name)
+    # its servers take sessions and answer pings but never compute (client/rpc/stall_probe.py finds them)
+    silent_acceptor: bool = False
 
     @model_validator(mode="after")
     def _speed(self) -> ServerClass:

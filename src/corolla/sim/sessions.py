@@ -28,66 +28,22 @@ from __future__ import annotations
 import itertools
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from corolla.client.chain.opening import opening_tries, out_of_tries, pass_over
 from corolla.client.chain.retries import RetryBudget
 from corolla.client.routing.bans import Bans
 from corolla.client.routing.estimates import PROBE_FLOOR, ServerEstimates, silence_after
 from corolla.client.routing.router import LONGEST_WAIT, Router
+from corolla.client.rpc.stall_probe import STUCK_FLOOR, STUCK_LIMITS
 from corolla.config import ClientConfig
 from corolla.errors import CacheExhausted, MissingBlocks, ServerUnavailable
 from corolla.sim.clients import against_oracle, looked_up, starved_for_cache, truth
 from corolla.sim.scenario import Event
+from corolla.sim.session import ChainView, SimClient, SimSession
 from corolla.sim.state import SimSwarm, least_held
-from corolla.swarm.dht import RemoteSpan
 from corolla.swarm.policy.routing import Hop, chain_cost
 
 TIMED_STEPS = 8  # a session's last decode steps a client's moving average of step times mostly holds
-
-
-@dataclass(eq=False)
-class SimClient:
-    """A client process: its place on the plane, its bans and its estimates, kept across its sessions."""
-
-    name: str
-    bans: Bans
-    estimates: ServerEstimates
-    pooled: bool  # one of the scenario's long-lived clients (else made for one session)
-
-
-@dataclass(eq=False)
-class SimSession:
-    client: SimClient
-    steps: int  # decode steps it runs
-    tokens: int  # of cache it takes on each server of its chain: its prompt's and its steps'
-    hops: list[Hop] = field(default_factory=list)
-    gaps: list[tuple[int, int]] = field(default_factory=list)  # blocks it has no server for yet
-    latency: float = 0.0  # true seconds per token of its chain (0: paused, some blocks have no server)
-    done: float = 0.0  # steps run so far
-    since: float = 0.0  # when `latency` began to apply
-    failovers: int = 0
-    version: int = 0  # its end is the one scheduled for this version
-    waiting_since: float | None = None  # since when some block has had no server for it
-    opened: bool = False  # it has had a whole chain
-    refused: bool = False  # a server had no cache for it (since it last had a whole chain)
-    serial: int = 0  # the order it arrived in: sessions are handled in it, never in memory's order
-
-    def advance(self, now: float) -> None:
-        if self.latency > 0:
-            self.done += (now - self.since) / self.latency
-        self.since = now
-
-
-@dataclass
-class _View:
-    """What client/routing/router.py reads of client/routing/swarm_view.py's SwarmView: the spans read and who
-    answered."""
-
-    spans: list[RemoteSpan]
-    answered: set[str]
-    refusals: dict[str, str] = field(default_factory=dict)
-    stale: bool = False
 
 
 class Sessions:
@@ -102,6 +58,8 @@ class Sessions:
         self.failovers: list[int] = []  # per finished session
         self.replaced = 0  # servers replaced in sessions' chains, all sessions
         self.waited = 0  # sessions that waited for a block without a server
+        self.stalls = 0  # chains through silent acceptors, each stalled until found stuck
+        self.stalled_seconds = 0.0
         self.latencies: list[float] = []  # per chain chosen: true seconds per token
         self.ratios: list[float] = []  # a sample of sessions' first chains: true latency / the oracle's
         self.clients: list[SimClient] = []  # the long-lived ones (scenario.clients)
@@ -210,8 +168,16 @@ class Sessions:
         session.opened = True
         true = truth(sim, session.client.name, {hop.peer_id for hop in session.hops}, joining=False)
         session.latency = chain_cost(session.hops, true, sim.network.links(), push=True)
-        self.latencies.append(session.latency)
         session.version += 1
+        acceptors = {hop.peer_id for hop in session.hops if sim.servers[hop.peer_id].kind.silent_acceptor}
+        if acceptors:  # its next step waits on servers that answer pings and never compute
+            stuck = max(STUCK_FLOOR, STUCK_LIMITS * silence_after(session.latency))  # stall_probe.py's rule
+            self.stalls += 1
+            self.stalled_seconds += stuck
+            session.latency = 0.0  # paused
+            sim.at(sim.now + stuck, self._fail_over, session, acceptors)
+            return
+        self.latencies.append(session.latency)
         left = (session.steps - session.done) * session.latency
         sim.at(sim.now + left, self._end, session, session.version)
 
@@ -238,7 +204,7 @@ class Sessions:
         sim = self.sim
         client = session.client
         spans, estimates = looked_up(sim, client.name, self.rng, client.estimates)
-        view = _View(spans, {s.peer_id for s in spans})
+        view = ChainView(spans, {s.peer_id for s in spans})
         router = Router(self.config, sim.scenario.num_blocks, view, client.bans, estimates, rng=self.rng)
         tokens = sim.scenario.session_tokens
         shun = {hop.peer_id for hop in session.hops if hop.end == start or hop.start == end}  # neighbours

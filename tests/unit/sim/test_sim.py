@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from corolla.client.rpc.stall_probe import STUCK_FLOOR
 from corolla.engine.async_engine import PassTiming
 from corolla.errors import InvalidRequest
 from corolla.server.hosting.pace import MIN_PASSES
@@ -293,3 +294,24 @@ def test_liars_announce_inflated_speeds_and_cost_the_sessions_routed_through_the
     bounded = summarize(Simulation(with_sessions(classes=named, seed=2)).run(), 0.0)
     assert bounded["sessions"]["latency_vs_oracle"]["median"] < ratio
     assert bounded["sessions"]["latency_vs_oracle"]["p95"] < lied_to["sessions"]["latency_vs_oracle"]["p95"]
+
+
+def test_silent_acceptors_stall_the_chains_through_them_until_found_stuck():
+    """A class whose servers take sessions and answer pings but never compute: every chain through one
+    stalls for client/rpc/stall_probe.py's patience (at least STUCK_FLOOR) and moves, the acceptor banned.
+    Fast ones attract every new client's first chain; at 5% of the servers no session is lost (at 20%, 9
+    of 200 ran out of failovers in one run); without acceptors nothing stalls."""
+    acceptor = {
+        "name": "acceptor",
+        "share": 0.05,
+        "seconds_per_block": 0.002,
+        "min_blocks": 3,
+        "max_blocks": 5,
+    }
+    classes = [*thin_swarm().classes, {**acceptor, "silent_acceptor": True}]
+    found = summarize(Simulation(with_sessions(classes=classes)).run(), 0.0)["sessions"]
+    stalls = found["stalls_on_silent_acceptors"]
+    assert stalls["chains"] > 0 and stalls["seconds"] >= stalls["chains"] * STUCK_FLOOR
+    assert found["failovers"] >= stalls["chains"] and found["lost"] == 0
+    honest = summarize(Simulation(with_sessions(classes=[*thin_swarm().classes, acceptor])).run(), 0.0)
+    assert honest["sessions"]["stalls_on_silent_acceptors"]["chains"] == 0
