@@ -14,7 +14,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.chain.session import InferenceSession
-from corolla.client.rpc.span_stream import Opening, SpanStream, Step, StepRoute
+from corolla.client.rpc.span_stream import Opening, SpanStream, Step, StepRoute, StepSkipped
 from corolla.client.rpc.stall_probe import STUCK_FLOOR
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.models.head import ModelHead
@@ -269,6 +269,20 @@ class Replies:
 def reply(step_id, outputs=None, error=None):
     tensors = [] if outputs is None else [wire_tensors.serialize(outputs)]
     return runtime_pb2.ExpertResponse(tensors=tensors, metadata=StepReply(step_id, error=error).to_bytes())
+
+
+async def test_a_skipped_step_is_a_reply_and_the_stream_goes_on():
+    """A server that ran nothing for a frame of a dropped epoch says so: the client reads StepSkipped for
+    that step, and the stream takes the next one (it used to be closed, and the server failed over)."""
+    hidden = torch.randn(1, 2, 8)
+    skipped = runtime_pb2.ExpertResponse(metadata=StepReply("old", skipped=True).to_bytes())
+    wire = Replies([skipped, reply("now", hidden * 2)])
+    stream = SpanStream(wire, Hop("p", 0, 2), "uid", Opening(16), "lossless", 1.0)
+    with pytest.raises(StepSkipped):
+        await stream.step(Step(hidden, 0), StepRoute("old"))
+    assert not stream.closed and not wire.closed
+    result = await stream.step(Step(hidden, 0), StepRoute("now"))
+    assert torch.equal(result.outputs, hidden * 2)
 
 
 async def test_a_span_stream_skips_replies_to_abandoned_steps_and_refuses_bad_ones():
