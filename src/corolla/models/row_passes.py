@@ -69,12 +69,9 @@ def indexed_pass(
         mask = _padding(hidden) if pooled else context.visibility(hidden.shape[1]).to(hidden.device)
         return _carrying(block, hidden, {**inputs, "attention_mask": mask}, carried, None)
     out = torch.empty_like(hidden)
-    packed = hidden.shape[1]
     for row, (tokens, row_context) in enumerate(single_rows(by_path=pooled)):
         tokens = tokens.to(hidden.device)
-        shape = (1, len(tokens))
-        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
-        rows = _take(hidden, tokens, shape, packed)
+        rows, taken = _one_row(hidden, inputs, tokens)
         taken["attention_mask"] = (
             _padding(rows) if pooled else row_context.visibility(len(tokens)).to(hidden.device)
         )
@@ -104,14 +101,20 @@ def positioned_pass(block: nn.Module, hidden: torch.Tensor, context, first: int,
     if single_rows is None:
         return _counted_from(block, hidden, inputs, cache)
     out = torch.empty_like(hidden)
-    packed = hidden.shape[1]
     for tokens, row_context in single_rows(by_path=True):
         tokens = tokens.to(hidden.device)
-        shape = (1, len(tokens))
-        taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+        rows, taken = _one_row(hidden, inputs, tokens)
         with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
-            out[0, tokens] = _counted_from(block, _take(hidden, tokens, shape, packed), taken, cache)[0]
+            out[0, tokens] = _counted_from(block, rows, taken, cache)[0]
     return out
+
+
+def _one_row(hidden: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One row's (or tree path's) part of a packed pass [1, N, ...]: its hidden states and its inputs."""
+    shape = (1, len(tokens))
+    packed = hidden.shape[1]
+    taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
+    return _take(hidden, tokens, shape, packed), taken
 
 
 def _counted_from(block: nn.Module, hidden: torch.Tensor, inputs: dict, cache) -> torch.Tensor:
