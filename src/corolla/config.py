@@ -17,8 +17,7 @@ DTYPES = ("float32", "float16", "bfloat16", "auto")
 QUANTIZE_MODES = ("int8", "int4")  # weight-only, through torchao (models/quantize.py)
 EMBEDDING_POOLINGS = ("mean", "last")  # of an input's final hidden states (client/training/embeddings.py)
 WIRE_ENCODINGS = ("lossless", "float16", "blockwise8")  # of hidden states between hops (wire/tensors.py)
-# how other peers reach this one: the owner says, or a server asks peers to dial it back
-# (swarm/nat/joining.py)
+# how other peers reach this one: the owner says, or a server has peers dial it back (swarm/nat/joining.py)
 REACHABILITY = ("auto", "public", "behind-nat")
 RELAY_LIMITS = ("relay_time_limit", "relay_data_limit_mib", "relay_circuits")  # SwarmConfig's
 
@@ -156,6 +155,7 @@ class ServerConfig:
     num_blocks: int | None = None  # None: as many as memory_budget holds
     memory_budget: int | None = None  # bytes for block weights + cache; None: half the available memory
     balance_period: float = 120.0  # how often a self-placed server checks whether moving would help
+    remeasure_period: float = 1800.0  # an idle server measures its speed again this often (0: never)
     dtype: str | None = None  # of computation and cache; None: float32 on a CPU, bfloat16 on a GPU with it
     inference_max_length: int = 4096  # the longest session (prompt + generated tokens) a client may open
     max_batch_size: int = 64  # rows per inference session or forward request
@@ -163,9 +163,8 @@ class ServerConfig:
     max_tree_tokens: int = 64  # batch * tokens of one speculative tree step (at most max_batch_tokens)
     step_timeout: float = 300.0  # an inference session waiting longer than this for its next step is closed
     session_timeout: float = 1800.0  # no session lives longer than this
-    # fair share: what one peer (one client, or one API gateway serving many users) may hold here at once;
-    # the cache itself is shared equally between the peers that need it (engine/scheduler.py)
-    max_sessions_per_peer: int = 64
+    # fair share: what one peer (a client, or an API gateway of many users) may hold here at once; the
+    max_sessions_per_peer: int = 64  # cache is shared equally by the peers that need it (engine/scheduler.py)
     max_passes_per_peer: int = 16  # forward/backward requests running or queued
     announce_period: float = 30.0  # re-announce this often; records expire after 2.5 periods
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish
@@ -188,7 +187,8 @@ class ServerConfig:
                 f"(--max-batch-tokens, {self.engine.max_batch_tokens}): a tree runs in one pass, got "
                 f"{self.max_tree_tokens}"
             )
-        _check(self, 0, ("balance_period", "drain_timeout", "simulate_slow_ms"), strict=False)
+        zero_allowed = ("balance_period", "remeasure_period", "drain_timeout", "simulate_slow_ms")
+        _check(self, 0, zero_allowed, strict=False)
         if self.blocks is not None and not 0 <= self.blocks[0] < self.blocks[1]:
             raise InvalidRequest(f"blocks (--blocks) must be A:B with 0 <= A < B, got {self.blocks}")
         _one_of(self, "quantize", QUANTIZE_MODES)

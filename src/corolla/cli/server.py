@@ -151,6 +151,11 @@ def _operation_options(parser: argparse.ArgumentParser) -> None:
         "and move if so (0: never move; default: %(default)s)",
     )
     option(
+        "remeasure_period",
+        "measure this machine's speed again this often (seconds) while no session is open, and announce "
+        "it; the first time within a few announce periods of the start (0: never; default: %(default)s)",
+    )
+    option(
         "drain_timeout",
         "on SIGTERM/SIGINT, announce OFFLINE, refuse new sessions and give open ones this long to finish "
         "(a second signal stops at once; default: %(default)s)",

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -21,15 +22,16 @@ from hivemind.p2p import P2P
 
 from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest
-from corolla.models.devices import device_info, free_memory
+from corolla.models.devices import device_info
 from corolla.models.model_config import ModelConfig
 from corolla.models.source import dht_prefix_for, resolve_model
 from corolla.server.faults import Fault
 from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.hosting.backend import BUDGET_CACHE_TOKENS, SpanLoader, adapter_names, compute_settings
+from corolla.server.hosting.backend import SpanLoader, adapter_names, compute_settings
+from corolla.server.hosting.first_blocks import first_blocks
 from corolla.server.hosting.pace import Pace
 from corolla.server.hosting.spans import HostedSpans
-from corolla.server.hosting.startup_speed import measure_speed
+from corolla.server.hosting.startup_speed import Speed, measure_speed
 from corolla.server.inference.forward_passes import PassService
 from corolla.server.inference.push import Pusher
 from corolla.server.inference.service import InferenceService
@@ -39,10 +41,9 @@ from corolla.server.upkeep.announcer import Announcer
 from corolla.server.upkeep.link_monitor import LinkMonitor
 from corolla.server.upkeep.reach import Reach, public_servers
 from corolla.server.upkeep.rebalancer import Rebalancer
+from corolla.server.upkeep.speed_check import SpeedCheck
 from corolla.swarm.nat.joining import join
 from corolla.swarm.p2p.transport import P2PTransport
-from corolla.swarm.policy.placement import blocks_for_budget, choose_blocks
-from corolla.swarm.records.block_records import placed_servers
 from corolla.swarm.records.model_listing import lists_model
 from corolla.version import __version__
 from corolla.wire.records import ServerState, routing_speed
@@ -66,6 +67,7 @@ class Server:
         self.announcer: Announcer | None = None
         self.links: LinkMonitor | None = None
         self.rebalancer: Rebalancer | None = None
+        self.speed_check: SpeedCheck | None = None
         self.reach: Reach | None = None
 
     async def start(self) -> None:
@@ -106,8 +108,7 @@ class Server:
             fault=fault,
             device=self.device,
         )
-        await self._measure_speed(loader)
-        blocks = await self._choose_blocks()
+        blocks = await self._place(loader)
         precision = config.quantize or str(self.dtype).removeprefix("torch.")
         logger.info(
             "Loading blocks %d:%d of %s (%s weights) on %s", *blocks, source.path, precision, self.device
@@ -127,6 +128,12 @@ class Server:
         probe = await asyncio.to_thread(loader.load_span, (0, first))
         self.speed = await asyncio.to_thread(measure_speed, probe)
         self.pace.batch_growth = self.speed.batch_growth
+
+    async def _place(self, loader: SpanLoader) -> tuple[int, int]:
+        """The blocks to start with, weighed by this machine's speed (measured first)."""
+        await self._measure_speed(loader)
+        where = (self.dht, self.dht_prefix, self.peer_id, self.speed.blocks_per_s or 1.0)
+        return await first_blocks(self.config, self.model, self.dtype, self.device, *where)
 
     async def _report_serving(self, blocks: tuple[int, int]) -> None:
         """The line scripts wait for, then how other peers reach this server (server/upkeep/reach.py)."""
@@ -151,8 +158,8 @@ class Server:
         dtype = str(self.dtype).replace("torch.", "")
         speed = self.speed
         compute = Compute(dtype, speed.blocks_per_s, device_info(self.device), speed.batch_growth, self.pace)
-        # the blocks' keys keep the fastest, by the speed routing expects (the pace, else the start-up figure)
-        announced = lambda: routing_speed(self.pace.blocks_per_s(), speed.blocks_per_s) or 1.0  # noqa: E731
+        # the blocks' keys keep the fastest, by the speed routing expects (the pace, else the measured figure)
+        announced = lambda: routing_speed(self.pace.blocks_per_s(), self.speed.blocks_per_s) or 1.0  # noqa: E731
         self.links = LinkMonitor(self.dht, self.p2p, self.spans, self.peer_id, num_blocks, period, announced)
         fingerprint = self.model.fingerprint()
         self.status = StatusBoard(
@@ -183,27 +190,20 @@ class Server:
             )
             self.links.on_read = self.rebalancer.look
             self.rebalancer.start()
+        if config.remeasure_period > 0:  # an idle server measures its speed again now and then
+            self.speed_check = SpeedCheck(self.spans, config.remeasure_period, period, self._measured_again)
+            self.speed_check.start()
 
-    async def _choose_blocks(self) -> tuple[int, int]:
-        if self.config.blocks is not None:
-            return self.config.blocks
-        total = self.model.num_hidden_layers
-        sharing = self.model.kv_sharing
-        num_blocks = self.config.num_blocks or self._blocks_in_budget()
-        if num_blocks < 1:
-            raise InvalidRequest("the memory budget does not hold a single block (see --memory-budget)")
-        others = await placed_servers(self.dht, self.dht_prefix, total, self.peer_id)
-        others.pop(self.peer_id, None)
-        weight = self.speed.blocks_per_s or 1.0
-        return choose_blocks(others.values(), min(num_blocks, total), total, weight, sharing.forbidden_cuts)
-
-    def _blocks_in_budget(self) -> int:
-        budget = self.config.memory_budget or int(free_memory(self.device) * 0.5)
-        cache = self.config.engine.max_cache_tokens or BUDGET_CACHE_TOKENS
-        num_blocks = blocks_for_budget(self.model, self.dtype.itemsize, budget, cache, self.config.quantize)
-        message = "A memory budget of %.0f MB on %s holds %d blocks (with %d cache tokens)"
-        logger.info(message, budget / 2**20, self.device, num_blocks, cache)
-        return num_blocks
+    def _measured_again(self, speed: Speed) -> None:
+        """An idle server's new figure (server/upkeep/speed_check.py) replaces the one it had."""
+        was = self.speed.blocks_per_s
+        logger.info("Measured again while idle: %.1f blocks/s (was %.1f)", speed.blocks_per_s, was)
+        self.speed = speed
+        self.pace.batch_growth = speed.batch_growth
+        compute = self.status.compute
+        self.status.compute = replace(compute, throughput=speed.blocks_per_s, batch_growth=speed.batch_growth)
+        if self.rebalancer is not None:
+            self.rebalancer.throughput = speed.blocks_per_s or 1.0
 
     # --- shutdown -----------------------------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class Server:
             logger.warning("Could not announce OFFLINE", exc_info=True)
 
     async def stop(self) -> None:
-        for part in (self.rebalancer, self.links, self.reach):
+        for part in (self.speed_check, self.rebalancer, self.links, self.reach):
             if part is not None:
                 await part.stop()
         await self._announce_offline()

@@ -23,10 +23,10 @@ from corolla.wire.tensors import supported_encodings
 
 @dataclass(frozen=True)
 class Compute:
-    """What the server computes with, as found at start: the dtype's name, the measured blocks per
-    second (placement weighs it: a figure that does not move), the device, and the measured slowdown per
-    more session in a batch; then the pace of its own decode passes (server/hosting/pace.py: routing's
-    figure)."""
+    """What the server computes with: the dtype's name, the measured blocks per second (placement weighs
+    it: measured at start, and again now and then while idle: server/upkeep/speed_check.py), the device,
+    and the measured slowdown per more session in a batch; then the pace of its own decode passes
+    (server/hosting/pace.py: routing's figure)."""
 
     dtype: str
     throughput: float | None

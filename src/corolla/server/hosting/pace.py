@@ -8,8 +8,9 @@ measure: its seconds per block, divided by how much slower a batch of its rows i
 batch growth measured at start), is one sequence's step time at the contexts the server really holds. The
 median of the latest WINDOW such passes, once there are MIN_PASSES, is announced beside the start-up figure
 (ServerStatus.pace): clients route by it and the blocks' keys rank by it (ServerStatus.speed). Placement
-keeps weighing the start-up figure, which does not move: servers decide who moves from one shared view,
-and weights that changed with every announcement let two servers move at once. Prefill and tree passes
+keeps weighing the measured figure, which moves only when an idle server measures again (half-hourly:
+server/upkeep/speed_check.py): servers decide who moves from one shared view, and weights that changed with
+every announcement let two servers move at once. Prefill and tree passes
 (more tokens than rows) say nothing of a decode step and are left out.
 """
 
