@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "sim",
         help="simulate a swarm's placement, crashes, routing and sessions (no network, no real time)",
         description="Run a scenario (a JSON file, or the name of a bundled one: small, crash10, flash, "
-        "one_by_one, day, five, thin, liars) through corolla's own placement, rebalancing, routing, "
+        "one_by_one, day, five, thin, liars, waves) through corolla's own placement, rebalancing, routing, "
         "admission and failover code under a simulated clock (servers priced by a compute model calibrated "
         "on corolla's engine, uploads, peers behind NAT reached through relays), and print what it "
         "measured as JSON: coverage of the blocks through crashes and how soon it was restored, the moves "

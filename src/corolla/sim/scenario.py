@@ -59,7 +59,8 @@ class Event(BaseModel):
     end after `--drain-timeout`), `join` `count` new servers, one every `every` seconds, or start
     `sessions`: `count` of them arriving at random times over the next `over` seconds. A join may name
     the servers' `server_class` (else drawn by the classes' shares) and their `blocks` [start, end) (as
-    `corolla server --blocks`: they keep them, never rebalancing; else they place themselves)."""
+    `corolla server --blocks`: they keep them, never rebalancing; else they place themselves). An event
+happens `repeat` times, `period` seconds apart: waves of servers joining, leaving or crashing."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at: float = Field(ge=0)
@@ -71,6 +72,14 @@ class Event(BaseModel):
     server_class: str | None = None
     blocks: tuple[int, int] | None = None
     silent: bool = True  # a crash: the machines went silent (else their processes died: connections reset)
+    repeat: int = Field(default=1, ge=1, le=10_000)
+    period: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _waves(self) -> Event:
+        if self.repeat > 1 and self.period <= 0:
+            raise ValueError(f"event at {self.at}: repeat={self.repeat} needs a period > 0 between them")
+        return self
 
 
 class Scenario(BaseModel):
@@ -143,6 +152,10 @@ class Scenario(BaseModel):
                 f"rtt_ms must be (nearest, farthest) with 0 < nearest <= farthest, got {self.rtt_ms}"
             )
         return self
+
+    def timeline(self) -> list[tuple[float, Event]]:
+        """When each event happens: (time, event), an event repeated `repeat` times `period` apart."""
+        return [(e.at + wave * e.period, e) for e in self.events for wave in range(e.repeat)]
 
 
 def load(name_or_path: str) -> Scenario:

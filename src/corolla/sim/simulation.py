@@ -91,8 +91,8 @@ class Simulation:
         self.sessions = Sessions(self)
 
     def run(self) -> Simulation:
-        for event in self.scenario.events:
-            self.at(event.at, self._start_event, event)
+        for when, event in self.scenario.timeline():
+            self.at(when, self._start_event, event)
         self.at(0.0, self._sample)
         while self._queue and self._queue[0][0] <= self.scenario.duration:
             self.now, _, action, args = heapq.heappop(self._queue)

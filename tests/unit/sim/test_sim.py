@@ -163,13 +163,35 @@ def test_a_scenario_runs_the_same_twice_and_the_bundled_ones_load():
     assert one == two and json.dumps(one)
     assert simulate(thin_swarm(seed=3))["coverage"] != one["coverage"]
     assert load("small").num_blocks == 32 and load("crash10").num_blocks == 80
+    assert len(load("waves").timeline()) > len(load("waves").events)
+
+
+def test_servers_join_leave_and_crash_in_waves():
+    """Events repeated `repeat` times a `period` apart: a fifth of the swarm leaving, newcomers joining and
+    a tenth crashing, three times over, while sessions run: placement keeps two servers a block between
+    the waves, so no wave leaves a block without one, and no session is lost."""
+    waves = [
+        {"at": 150, "kind": "leave", "fraction": 0.2, "repeat": 3, "period": 100},
+        {"at": 170, "kind": "join", "count": 8, "every": 0.5, "repeat": 3, "period": 100},
+        {"at": 190, "kind": "crash", "fraction": 0.1, "repeat": 3, "period": 100},
+    ]
+    scenario = with_sessions(events=[with_sessions().events[0], *waves, with_sessions().events[2]])
+    result = simulate(scenario)
+    assert [left["at_s"] for left in result["leaves"]] == [150, 250, 350]
+    assert [crash["at_s"] for crash in result["crashes"]] == [190, 290, 390]
+    assert len(Simulation(scenario).run().servers) == 30 + 3 * 8  # every wave of newcomers joined
+    assert all(wave["least_held_block_after"] >= 1 for wave in result["leaves"] + result["crashes"])
+    found = result["sessions"]
+    assert found["started"] == 200 and found["lost"] == 0 and found["failovers"] > 0
+    with pytest.raises(ValueError, match="repeat=3 needs a period"):
+        thin_swarm(events=[{"at": 0, "kind": "crash", "fraction": 0.1, "repeat": 3}])
 
 
 def test_a_bad_scenario_is_refused_naming_what_is_wrong(tmp_path):
     with pytest.raises(
         InvalidRequest,
         match="no scenario file .nowhere. \\(bundled: crash10, day, five, flash, liars, one_by_one, small, "
-        "thin\\)",
+        "thin, waves\\)",
     ):
         load("nowhere")
     path = tmp_path / "bad.json"
