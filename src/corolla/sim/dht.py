@@ -10,7 +10,10 @@ once a balance period (server/upkeep/rebalancer.py), a level's keys in one get_m
 as far as CLIENT_CELLS allow (a client that stays re-reads every refresh_period: count each re-read as a
 session). Lookups get the arguments DHTNode.store_many and get_many_by_id give `traverse_dht`, with DHTNode's
 defaults and corolla's 4 workers; reads want the latest value (sufficient_expiration_time=inf): they
-visit the beam.
+visit the beam, and every copy in it is sent. `bounded_reads` models reads at a bounded staleness instead
+(not corolla's: a read that ends at the first copy trusts one peer not to leave records out): a read ends
+at the first node storing the records (a copy cached elsewhere is counted as too old to end it: at worst),
+and nodes keep no copy of their own reads or stores (cache_locally and cache_on_store off).
 
 Assumed: every server is a reachable DHT node that stays up, whose table is in Kademlia's steady state
 (each bucket holds min(k, nodes in its range), met at random: sim/dht_nodes.py); a client (client mode)
@@ -61,10 +64,12 @@ KINDS = ("announce", "models", "server_reads", "client_reads")
 class DhtSwarm:
     """The swarm's keys over its nodes: who holds each key, and the DHT operations corolla runs."""
 
-    def __init__(self, servers: int, seed: int, wire: Wire):
+    def __init__(self, servers: int, seed: int, wire: Wire, bounded_reads: bool = False):
         self.nodes = Nodes(servers, seed, wire, len(KINDS))
+        self.bounded_reads = bounded_reads
         self.entries: dict[DHTID, int] = {}  # servers under each key
         self.holders: dict[DHTID, set[DHTID]] = {}  # nodes that hold each key's dictionary
+        self.stored: dict[DHTID, set[DHTID]] = {}  # of them, those the records are stored on (kept renewed)
         self.nearest: dict[DHTID, list[DHTID]] = {}  # each key's truly nearest nodes
         self.models_key = DHTID.generate(source=MODELS_KEY)
         self.stats: Counter[str] = Counter()
@@ -73,6 +78,7 @@ class DhtSwarm:
         self.entries[key] = entries
         self.nearest[key] = heapq.nsmallest(NUM_REPLICAS + 1, self.nodes.ids, key=lambda node: node ^ key)
         self.holders[key] = set(self.nearest[key][:NUM_REPLICAS]) if entries else set()
+        self.stored[key] = set(self.holders[key])
 
     def ids(self, keys: list[str]) -> list[DHTID]:
         """The DHT ids of `keys` (cells nobody stored in are empty keys)."""
@@ -85,10 +91,13 @@ class DhtSwarm:
     def value_bytes(self, key: DHTID) -> int:
         return self.nodes.wire.value(self.entries[key], key == self.models_key)
 
-    async def lookup(self, caller: DHTID, keys: list[DHTID], num_workers: int, per_call: int):
+    async def lookup(
+        self, caller: DHTID, keys: list[DHTID], num_workers: int, per_call: int, bounded: bool = False
+    ):
         """traverse_dht as DHTNode calls it, from the caller's k nearest to each key. A find answers
-        from the callee's table, with the key's whole value if it holds it. Returns each key's beam,
-        the holders that answered it (in order) and each node's hops (requests before it was known)."""
+        from the callee's table, with the key's whole value if it holds it; a `bounded` read ends at the
+        first node storing the records. Returns each key's beam, the holders that answered it (in order)
+        and each node's hops (requests before it was known)."""
         nodes = self.nodes
         client = not nodes.is_server(caller)
         exclude = DHTID(0) if client else caller  # rpc_find leaves out the requester's (empty) id
@@ -109,7 +118,8 @@ class DhtSwarm:
                 if held:
                     answered[key].append(peer)
                 results.append((self.value_bytes(key) if held else 0, len(near)))
-                answers[key] = (tuple(near), False)  # the latest value is wanted: never stop early
+                # the latest value is wanted: never stop early (bounded: at a node storing the records)
+                answers[key] = (tuple(near), bounded and peer in self.stored[key])
             nodes.rpc(caller, peer, nodes.wire.find(len(queries), client, results))
             return answers
 
@@ -126,16 +136,19 @@ class DhtSwarm:
         for key in keys:
             for node in sorted([*nearest[key], server], key=key.xor_distance)[:NUM_REPLICAS]:
                 self.holders[key].add(node)
+                self.stored[key].add(node)
                 if node != server:
                     self.nodes.rpc(server, node, self.nodes.wire.store(models))
-        if not models:  # its cache holds its block keys (it reads them every period): re-read now
+        if not models and not self.bounded_reads:  # its cache holds its block keys (it reads them every
+            # period): hivemind's cache_on_store re-reads them now
             await self.read(server, keys, refresh=True)
 
     async def read(self, reader: DHTID, keys: list[DHTID], refresh: bool = False) -> None:
         """get_many_by_id of the latest values; then the value found is cached (cache_nearest) on the
         nearest nodes that did not give it, unless the reader has it as new (it holds the key)."""
         per_call = min(int(len(keys) ** 0.5), CHUNK_SIZE)
-        nearest, answered, hops = await self.lookup(reader, keys, NUM_WORKERS, per_call)
+        bounded = self.bounded_reads and not refresh
+        nearest, answered, hops = await self.lookup(reader, keys, NUM_WORKERS, per_call, bounded)
         for key in keys:
             self.stats["keys_read"] += 1
             self.stats["hops"] += hops.get(nearest[key][0], 0) + 1
@@ -156,25 +169,25 @@ def dht_traffic(
     announce_period: float = 30.0,
     sessions_per_minute: float = 7.0,
     seed: int = 0,
-    server_reads_per_minute: float | None = None,
     samples: int = 20,
+    bounded_reads: bool = False,
 ) -> dict:
     """What the DHT costs each of `servers` servers per minute, mean and max over them: messages (a
     request and its response are two; pings also apart) and bytes sent plus received, in all and by
     kind of traffic. Also: requests per operation; hops per key read (requests in a row before the key's
     nearest node was first named); reads_exact (key reads whose NUM_REPLICAS nearest found are the
-    true ones); one client read's cost; a block key's value bytes. Server reads default to corolla's:
-    one per announce period (links) and one per balance period (rebalancing)."""
+    true ones); one client read's cost; a block key's value bytes. Server reads are corolla's: one per
+    announce period (links) and one per balance period (rebalancing). `bounded_reads`: see the module's
+    docstring."""
     rng = random.Random(seed)
-    swarm = DhtSwarm(servers, seed, _wire())
+    swarm = DhtSwarm(servers, seed, _wire(), bounded_reads)
     spans = _spans(servers, num_blocks, blocks_per_server, rng)
     tree = RecordTree.settled(PREFIX, num_blocks, spans, rounds=1, rng=rng)
     for key, peers in tree.cells.items():
         swarm.add_key(DHTID.generate(source=key), len(peers))
     listers = min(servers, MODEL_LISTERS)  # the servers that list the model (swarm/records/model_listing.py)
     swarm.add_key(swarm.models_key, listers)
-    if server_reads_per_minute is None:
-        server_reads_per_minute = 60 / announce_period + 60 / BALANCE_PERIOD
+    server_reads_per_minute = 60 / announce_period + 60 / BALANCE_PERIOD
     announces = servers * 60 / announce_period
     listings = listers * 60 / announce_period
     rates = np.array([announces, listings, servers * server_reads_per_minute, sessions_per_minute])

@@ -60,7 +60,7 @@ class Event(BaseModel):
     `sessions`: `count` of them arriving at random times over the next `over` seconds. A join may name
     the servers' `server_class` (else drawn by the classes' shares) and their `blocks` [start, end) (as
     `corolla server --blocks`: they keep them, never rebalancing; else they place themselves). An event
-happens `repeat` times, `period` seconds apart: waves of servers joining, leaving or crashing."""
+    happens `repeat` times, `period` seconds apart: waves of servers joining, leaving or crashing."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at: float = Field(ge=0)

@@ -58,6 +58,22 @@ def test_requests_per_lookup_grow_far_slower_than_the_swarm(wire):
     assert rpcs[100] < rpcs[1000] < 3 * rpcs[100]
 
 
+def test_a_read_at_a_bounded_staleness_takes_one_copy_where_the_latest_takes_every_one(wire):
+    """A read of the latest value (corolla's) visits the key's whole beam and receives the value from every
+    node storing it; one at a bounded staleness (bench/swarm/dht.py --bounded-reads) ends at the first
+    (requests already in flight to others still bring theirs)."""
+    copies, received = {}, {}
+    for bounded in (False, True):
+        swarm = swarm_of(1000, wire)
+        reader = swarm.nodes.ids[3]
+        _, answered, _ = asyncio.run(swarm.lookup(reader, KEYS, 4, 2, bounded=bounded))
+        assert all(answered[key] and answered[key][0] in swarm.stored[key] for key in KEYS)
+        copies[bounded] = sum(len(answered[key]) for key in KEYS)
+        received[bounded] = swarm.nodes.counts[0, 2, 3]  # bytes the reader received
+    assert copies[False] == NUM_REPLICAS * len(KEYS) and copies[True] < copies[False] / 2
+    assert received[True] < received[False] / 2
+
+
 def test_message_sizes_are_those_of_hivemind_protobufs(wire):
     dictionary = MSGPackSerializer.loads(MSGPackSerializer.dumps(_dictionary(wire, 3)))
     value = MSGPackSerializer.dumps(dictionary)
