@@ -1,9 +1,10 @@
 """Announced speeds bounded by their device's (swarm/policy/plausible.py): a server counts for at most
-the median of the servers announcing its device and precision, where three or more do."""
+the median of the servers announcing its device and precision, where three or more do, and one claiming
+IMPLAUSIBLE times that median or more counts for the slowest of them."""
 
 from __future__ import annotations
 
-from corolla.swarm.policy.plausible import DEVICE_MARGIN, speed_bounds
+from corolla.swarm.policy.plausible import DEVICE_MARGIN, IMPLAUSIBLE, speed_bounds
 from corolla.wire.records import ServerStatus
 
 
@@ -25,6 +26,18 @@ def test_a_speed_counts_for_at_most_its_devices_median():
     }
     bounds = speed_bounds(statuses)
     bound = DEVICE_MARGIN * 11.5  # the median of 10, 11, 12 and 1100
-    assert bounds["liar"] == bounds["a"] == bounds["new"] == bound < 100
+    assert bounds["a"] == bounds["new"] == bound < 100
+    assert bounds["liar"] == 10.0  # 100x the median: counted as the slowest RTX 3060
     assert "h100" not in bounds and "4bit" not in bounds
     assert speed_bounds({"a": statuses["a"], "b": statuses["b"]}) == {}  # two are too few to judge
+
+
+def test_a_fast_honest_server_is_held_to_the_median_not_taken_for_a_liar():
+    """Servers of one device differ (a pace against a start-up figure, a loaded machine): a speed under
+    IMPLAUSIBLE times the median is held to the median; from IMPLAUSIBLE times on it is a lie."""
+    speeds = {"a": 10.0, "b": 11.0, "c": 12.0, "d": 13.0}
+    fast = 0.95 * IMPLAUSIBLE * 12.0  # under IMPLAUSIBLE x the median of the five (12)
+    statuses = {peer: status("RTX 4090", speed) for peer, speed in {**speeds, "fast": fast}.items()}
+    assert speed_bounds(statuses)["fast"] == DEVICE_MARGIN * 12.0
+    statuses["fast"] = status("RTX 4090", IMPLAUSIBLE * 12.0)
+    assert speed_bounds(statuses)["fast"] == 10.0

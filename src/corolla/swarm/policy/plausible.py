@@ -12,10 +12,18 @@ times it (corolla sim `liars`, and the same with the liars among RTX 4090s: sess
 oracle 1.05x / 1.27x and 1.04x / 1.28x median / p95 with the bound, 1.08x / 1.27x and 1.11x / 1.91x
 without; with twice the median, 1.06x / 1.28x and 1.05x / 1.77x).
 
+A speed of IMPLAUSIBLE times its device's median or more is no measurement but a lie (servers of one
+device differ by tens of percent: the start-up figure against the pace, the load of the machine), and
+counts for the slowest speed announced for that device: a liar is believed to be the worst of its kind,
+routing's last choice among them until a client times it, and honest servers choosing their level in the
+records' tree do not count it as faster (corolla sim, the liars among RTX 4090s: sessions' latency against
+the oracle 1.04x / 1.20x median / p95 against 1.04x / 1.28x with the median's bound alone).
+
 The blocks' keys keep the fastest servers as each server reads them when it chooses its level
 (swarm/records/record_cells.py): those speeds are bounded the same way (swarm/records/block_records.py), so
-honest servers no longer leave the keys for liars; but a liar writes itself into them as it likes, and
-keeps its places there (77% of the places honest in the RTX 4090 case, with or without the bound).
+honest servers do not leave the keys for liars; but a liar writes itself into them as it likes, and
+keeps its places there (in the RTX 4090 case 78% of the places honest, 77% with the median's bound alone;
+the target was 80%).
 
 Not caught: a liar that announces a device no MIN_PEERS others announce (or many liars of one device:
 their median is a lie). Clients' own timings (client/routing/estimates.py `observed`) still override
@@ -32,6 +40,7 @@ from corolla.wire.records import ServerStatus
 
 DEVICE_MARGIN = 1.0  # a server counts for at most this times the median of its device's
 MIN_PEERS = 3  # servers announcing a device and precision before their median bounds them
+IMPLAUSIBLE = 3.0  # a speed this many times its device's median is a lie: it counts for the slowest one's
 
 
 def speed_bounds(statuses: Mapping[str, ServerStatus]) -> dict[str, float]:
@@ -56,5 +65,12 @@ def device_bounds(announced: Iterable[tuple[str, Hashable, float | None]]) -> di
     for _, kind, speed in announced:
         if speed:
             speeds[kind].append(speed)
-    medians = {kind: statistics.median(found) for kind, found in speeds.items() if len(found) >= MIN_PEERS}
-    return {peer_id: DEVICE_MARGIN * medians[kind] for peer_id, kind, _ in announced if kind in medians}
+    # the median and the slowest of each device and precision that enough servers announce
+    judged = {kind: (statistics.median(v), min(v)) for kind, v in speeds.items() if len(v) >= MIN_PEERS}
+    bounds = {}
+    for peer_id, kind, speed in announced:
+        if kind in judged:
+            median, slowest = judged[kind]
+            implausible = speed is not None and speed >= IMPLAUSIBLE * median
+            bounds[peer_id] = slowest if implausible else DEVICE_MARGIN * median
+    return bounds
