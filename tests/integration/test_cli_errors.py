@@ -77,7 +77,7 @@ def test_malformed_peers_and_spans_are_refused_before_anything_starts(tiny_model
     assert_one_line(
         no_limit, "corolla dht: relay_time_limit (--relay-time-limit) must be greater than 0, got 0"
     )
-    bundled = "crash10, day, five, flash, liars, one_by_one, small, thin"
+    bundled = "crash10, day, five, flash, liars, one_by_one, small, thin, waves"
     assert_one_line(no_scenario, f"corolla sim: no scenario file 'nowhere' (bundled: {bundled})")
     assert_one_line(
         bad_plot, "corolla sim: --plot coverage.txt: the file must end in one of .png, .svg, .pdf"
