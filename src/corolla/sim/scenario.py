@@ -41,6 +41,7 @@ class ServerClass(BaseModel):
     # a liar's class: its servers announce this many times their true speed (start-up figure and pace)
     inflate: float = Field(default=1.0, ge=1.0, le=10_000.0)
     device: str | None = None  # the device its servers announce (None: the class's name)
+    unique_device: bool = False  # each of its servers names a device of its own (no median bounds it)
     # its servers take sessions and answer pings but never compute (client/rpc/stall_probe.py finds them)
     silent_acceptor: bool = False
 

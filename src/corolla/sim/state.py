@@ -51,7 +51,8 @@ class SimServer:
     @property
     def device(self) -> str:
         """The device its record and pings name."""
-        return self.kind.device or self.kind.name
+        device = self.kind.device or self.kind.name
+        return f"{device} {self.peer_id}" if self.kind.unique_device else device
 
     def announced_pace(self) -> float | None:
         """The pace its record and pings carry: its passes' (a liar's, inflated)."""
