@@ -1,10 +1,11 @@
 """Announced speeds bounded by their device's (swarm/policy/plausible.py): a server counts for at most
 the median of the servers announcing its device and precision, where three or more do, and one claiming
-IMPLAUSIBLE times that median or more counts for the slowest of them."""
+IMPLAUSIBLE times that median or more counts for the slowest of them; a device fewer announce counts for
+at most RARE_MARGIN times the fastest such median."""
 
 from __future__ import annotations
 
-from corolla.swarm.policy.plausible import DEVICE_MARGIN, IMPLAUSIBLE, speed_bounds
+from corolla.swarm.policy.plausible import DEVICE_MARGIN, IMPLAUSIBLE, RARE_MARGIN, speed_bounds
 from corolla.wire.records import ServerStatus
 
 
@@ -20,16 +21,19 @@ def test_a_speed_counts_for_at_most_its_devices_median():
         "b": status("RTX 3060", 12.0),
         "c": status("RTX 3060", 11.0),
         "liar": status("RTX 3060", 1100.0),  # 100x
-        "h100": status("H100", 300.0),  # alone with its device: nothing to bound it by
+        "h100": status("H100", 300.0),  # alone with its device: no median of its own
         "4bit": status("RTX 3060", 40.0, precision="int4"),  # another precision: not compared
+        "nameless": status("", 500.0),  # names no device
         "new": status("RTX 3060", None),  # not measured yet: no speed, bounded like the others
     }
     bounds = speed_bounds(statuses)
     bound = DEVICE_MARGIN * 11.5  # the median of 10, 11, 12 and 1100
     assert bounds["a"] == bounds["new"] == bound < 100
     assert bounds["liar"] == 10.0  # 100x the median: counted as the slowest RTX 3060
-    assert "h100" not in bounds and "4bit" not in bounds
+    # a device too few announce, or none: at most RARE_MARGIN x the fastest kind's median (the RTX 3060s')
+    assert bounds["h100"] == bounds["4bit"] == bounds["nameless"] == RARE_MARGIN * 11.5
     assert speed_bounds({"a": statuses["a"], "b": statuses["b"]}) == {}  # two are too few to judge
+    assert speed_bounds({p: statuses[p] for p in ("a", "b", "h100", "nameless")}) == {}
 
 
 def test_a_fast_honest_server_is_held_to_the_median_not_taken_for_a_liar():
@@ -41,3 +45,14 @@ def test_a_fast_honest_server_is_held_to_the_median_not_taken_for_a_liar():
     assert speed_bounds(statuses)["fast"] == DEVICE_MARGIN * 12.0
     statuses["fast"] = status("RTX 4090", IMPLAUSIBLE * 12.0)
     assert speed_bounds(statuses)["fast"] == 10.0
+
+
+def test_a_device_of_its_own_counts_for_at_most_the_fastest_kind():
+    """Liars naming devices nobody else announces are held to RARE_MARGIN times the median of the fastest
+    device that enough servers announce, as is an honest rare one."""
+    statuses = {f"h{i}": status("H100", 300.0 + i) for i in range(3)}
+    statuses |= {f"r{i}": status("RTX 3060", 10.0 + i) for i in range(3)}
+    statuses |= {f"liar{i}": status(f"Quantum {i}", 30_000.0) for i in range(5)}
+    bounds = speed_bounds(statuses)
+    assert all(bounds[f"liar{i}"] == RARE_MARGIN * 301.0 < 30_000 for i in range(5))
+    assert bounds["r0"] == DEVICE_MARGIN * 11.0 and bounds["h0"] == DEVICE_MARGIN * 301.0

@@ -27,9 +27,12 @@ honest servers do not leave the keys for liars; but a liar writes itself into th
 keeps its places there (in the RTX 4090 case 78% of the places honest, 77% with the median's bound alone;
 the target was 80%).
 
-Not caught: a liar that announces a device no MIN_PEERS others announce (or many liars of one device:
-their median is a lie). Clients' own timings (client/routing/estimates.py `observed`) still override
-announcements once they have them.
+A server naming a device fewer than MIN_PEERS servers announce (or none) counts for at most RARE_MARGIN
+times the median of the fastest device enough servers announce: a liar naming a device of its own is
+believed to be at most twice as fast as the swarm's fastest kind, and an honest server of a rare device
+(a newer GPU) keeps up to that much of its lead until a client times it. Not caught: many liars naming
+one device (their median is a lie). Clients' own timings (client/routing/estimates.py `observed`) still
+override announcements once they have them.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from corolla.wire.records import ServerStatus
 
 DEVICE_MARGIN = 1.0  # a server counts for at most this times the median of its device's
 MIN_PEERS = 3  # servers announcing a device and precision before their median bounds them
+RARE_MARGIN = 2.0  # a device too few servers announce counts for at most this times the fastest kind's median
 IMPLAUSIBLE = 5.0  # a speed this many times its device's median is a lie: it counts for the slowest one's
 
 
@@ -49,9 +53,8 @@ def speed_bounds(statuses: Mapping[str, ServerStatus]) -> dict[str, float]:
     """For each server whose device and precision MIN_PEERS servers announce (with a speed), the most
     its announced speed counts for."""
     return device_bounds(
-        (peer_id, (status.device_name, status.precision), status.speed)
+        (peer_id, (status.device_name, status.precision) if status.device_name else None, status.speed)
         for peer_id, status in statuses.items()
-        if status.device_name
     )
 
 
@@ -61,18 +64,26 @@ def bounded(speeds: Mapping[str, float], bounds: Mapping[str, float]) -> dict[st
 
 
 def device_bounds(announced: Iterable[tuple[str, Hashable, float | None]]) -> dict[str, float]:
-    """`speed_bounds` over (peer id, its device and precision, its announced speed) triples."""
+    """`speed_bounds` over (peer id, its device and precision (None: it names none), its announced speed)
+    triples."""
     announced = list(announced)
     speeds: dict[Hashable, list[float]] = defaultdict(list)
     for _, kind, speed in announced:
         if speed:
             speeds[kind].append(speed)
     # the median and the slowest of each device and precision that enough servers announce
-    judged = {kind: (statistics.median(v), min(v)) for kind, v in speeds.items() if len(v) >= MIN_PEERS}
+    judged = {
+        kind: (statistics.median(v), min(v))
+        for kind, v in speeds.items()
+        if len(v) >= MIN_PEERS and kind is not None
+    }
+    fastest = max((median for median, _ in judged.values()), default=None)
     bounds = {}
     for peer_id, kind, speed in announced:
         if kind in judged:
             median, slowest = judged[kind]
             implausible = speed is not None and speed >= IMPLAUSIBLE * median
             bounds[peer_id] = slowest if implausible else DEVICE_MARGIN * median
+        elif fastest is not None:  # a device too few announce (or none named): see RARE_MARGIN
+            bounds[peer_id] = RARE_MARGIN * fastest
     return bounds
