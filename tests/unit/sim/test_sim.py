@@ -316,6 +316,13 @@ def test_liars_announce_inflated_speeds_and_cost_the_sessions_routed_through_the
     bounded = summarize(Simulation(with_sessions(classes=named, seed=2)).run(), 0.0)
     assert bounded["sessions"]["latency_vs_oracle"]["median"] < ratio
     assert bounded["sessions"]["latency_vs_oracle"]["p95"] < lied_to["sessions"]["latency_vs_oracle"]["p95"]
+    # each naming a device of its own: no median of their own, so at most twice the fastest kind's
+    unique = [*thin_swarm().classes, {**liar, "inflate": 100, "unique_device": True}]
+    simulation = Simulation(with_sessions(classes=unique, seed=2)).run()
+    names = [s.device for s in simulation.servers.values() if s.kind.inflate > 1]
+    assert len(set(names)) == len(names) > 1
+    rare = summarize(simulation, 0.0)["sessions"]["latency_vs_oracle"]
+    assert rare["median"] < ratio and rare["p95"] <= lied_to["sessions"]["latency_vs_oracle"]["p95"]
 
 
 def test_silent_acceptors_stall_the_chains_through_them_until_found_stuck():
