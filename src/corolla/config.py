@@ -163,8 +163,8 @@ class ServerConfig:
     max_tree_tokens: int = 64  # batch * tokens of one speculative tree step (at most max_batch_tokens)
     step_timeout: float = 300.0  # an inference session waiting longer than this for its next step is closed
     session_timeout: float = 1800.0  # no session lives longer than this
-    # fair share: what one peer (a client, or an API gateway of many users) may hold here at once; the
-    max_sessions_per_peer: int = 64  # cache is shared equally by the peers that need it (engine/scheduler.py)
+    # fair share: what one peer (a client, or an API gateway of many users) may hold here at once
+    max_sessions_per_peer: int = 64  # the cache: shared equally by the peers needing it (engine/scheduler.py)
     max_passes_per_peer: int = 16  # forward/backward requests running or queued
     announce_period: float = 30.0  # re-announce this often; records expire after 2.5 periods
     drain_timeout: float = 60.0  # on SIGTERM, open sessions get this long to finish

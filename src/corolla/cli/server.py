@@ -153,7 +153,8 @@ def _operation_options(parser: argparse.ArgumentParser) -> None:
     option(
         "remeasure_period",
         "measure this machine's speed again this often (seconds) while no session is open, and announce "
-        "it; the first time within a few announce periods of the start (0: never; default: %(default)s)",
+        "it; the first time at a random moment 1-2 minutes (or 2-4 announce periods) after the start (0: "
+        "never; default: %(default)s)",
     )
     option(
         "drain_timeout",

@@ -139,13 +139,14 @@ class DhtSwarm:
                 self.stored[key].add(node)
                 if node != server:
                     self.nodes.rpc(server, node, self.nodes.wire.store(models))
-        if not models and not self.bounded_reads:  # its cache holds its block keys (it reads them every
-            # period): hivemind's cache_on_store re-reads them now
+        # its cache holds its block keys (it reads them every period): cache_on_store re-reads them now
+        if not models and not self.bounded_reads:
             await self.read(server, keys, refresh=True)
 
     async def read(self, reader: DHTID, keys: list[DHTID], refresh: bool = False) -> None:
-        """get_many_by_id of the latest values; then the value found is cached (cache_nearest) on the
-        nearest nodes that did not give it, unless the reader has it as new (it holds the key)."""
+        """get_many_by_id of the latest values (or at bounded_reads' staleness); then the value found is
+        cached (cache_nearest) on the nearest nodes that did not give it, unless the reader has it as new
+        (it holds the key)."""
         per_call = min(int(len(keys) ** 0.5), CHUNK_SIZE)
         bounded = self.bounded_reads and not refresh
         nearest, answered, hops = await self.lookup(reader, keys, NUM_WORKERS, per_call, bounded)

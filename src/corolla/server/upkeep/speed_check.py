@@ -15,7 +15,6 @@ again an announce period later.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from collections.abc import Callable
 from functools import partial
@@ -23,8 +22,6 @@ from functools import partial
 from corolla.server.hosting.spans import HostedSpans
 from corolla.server.hosting.startup_speed import Speed, measure_speed
 from corolla.server.upkeep.periodic import Periodic
-
-logger = logging.getLogger(__name__)
 
 FIRST_CHECK_PERIODS = 4  # the first check: within this many announce periods of the start,
 FIRST_CHECK_SECONDS = 120.0  # or of this many seconds if longer (at most a period, though)
@@ -44,7 +41,6 @@ class SpeedCheck:
         self.period = period
         self.announce_period = announce_period
         self.measured = measured  # told each new figure
-        self.checks = 0  # measurements taken after the start-up one
         self._rng = rng or random.Random()
         first = min(period, max(FIRST_CHECK_PERIODS * announce_period, FIRST_CHECK_SECONDS))
         self._next = first * self._rng.uniform(0.5, 1.0)
@@ -65,7 +61,6 @@ class SpeedCheck:
         speed = await backend.engine.call(partial(measure_speed, backend.span, use_cache=False))
         if self.spans.primary is not backend:  # moved meanwhile: the figure is for blocks it left
             return None
-        self.checks += 1
         self._next = self.period * self._rng.uniform(0.8, 1.2)
         self.measured(speed)
         return speed

@@ -15,11 +15,11 @@ without; with twice the median, 1.06x / 1.28x and 1.05x / 1.77x).
 A speed of IMPLAUSIBLE times its device's median or more is no measurement but a lie (honest servers of
 one device differ by tens of percent, and by up to 3.8x where some still announce a start-up figure taken
 while others started on the same machine: three SmolLM2 servers started together measured 121-154
-blocks/s, then 465-482 idle and 445-461 as they served), and
-counts for the slowest speed announced for that device: a liar is believed to be the worst of its kind,
-routing's last choice among them until a client times it, and honest servers choosing their level in the
-records' tree do not count it as faster (corolla sim, the liars among RTX 4090s: sessions' latency against
-the oracle 1.04x / 1.20x median / p95 against 1.04x / 1.28x with the median's bound alone).
+blocks/s, then 465-482 idle and 445-461 as they served), and counts for the slowest speed announced for
+that device: a liar is believed to be the worst of its kind, routing's last choice among them until a
+client times it, and honest servers choosing their level in the records' tree do not count it as faster
+(corolla sim, the liars among RTX 4090s: sessions' latency against the oracle 1.04x / 1.20x median / p95
+against 1.04x / 1.28x with the median's bound alone).
 
 The blocks' keys keep the fastest servers as each server reads them when it chooses its level
 (swarm/records/record_cells.py): those speeds are bounded the same way (swarm/records/block_records.py), so
