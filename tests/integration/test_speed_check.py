@@ -71,5 +71,5 @@ def test_an_idle_server_replaces_a_slow_start_up_figure(tiny_models, tmp_path, m
                 model.generate([1, 96, 198, 26], session=session, max_new_tokens=2)
                 time.sleep(1)  # a measurement under way as the session opened has ended and logged
                 during = len(remeasured(server))
-                time.sleep(4)  # four periods with a session open: no measurement
+                time.sleep(2.5)  # over two periods with a session open: no measurement
                 assert len(remeasured(server)) == during

@@ -176,10 +176,11 @@ def test_servers_join_leave_and_crash_in_waves():
         {"at": 190, "kind": "crash", "fraction": 0.1, "repeat": 3, "period": 100},
     ]
     scenario = with_sessions(events=[with_sessions().events[0], *waves, with_sessions().events[2]])
-    result = simulate(scenario)
+    simulation = Simulation(scenario).run()
+    result = summarize(simulation, 0.0)
     assert [left["at_s"] for left in result["leaves"]] == [150, 250, 350]
     assert [crash["at_s"] for crash in result["crashes"]] == [190, 290, 390]
-    assert len(Simulation(scenario).run().servers) == 30 + 3 * 8  # every wave of newcomers joined
+    assert len(simulation.servers) == 30 + 3 * 8  # every wave of newcomers joined
     assert all(wave["least_held_block_after"] >= 1 for wave in result["leaves"] + result["crashes"])
     found = result["sessions"]
     assert found["started"] == 200 and found["lost"] == 0 and found["failovers"] > 0
