@@ -14,8 +14,8 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.chain.session import InferenceSession
+from corolla.client.rpc import stall_probe
 from corolla.client.rpc.span_stream import Opening, SpanStream, Step, StepRoute, StepSkipped
-from corolla.client.rpc.stall_probe import STUCK_FLOOR
 from corolla.errors import MissingBlocks, ServerUnavailable
 from corolla.models.head import ModelHead
 from corolla.swarm.policy.routing import Hop
@@ -219,17 +219,22 @@ async def test_a_busy_server_that_hangs_after_answering_a_ping_is_replaced(netwo
         chain[2].kill()
 
 
-async def test_a_server_that_answers_pings_but_runs_no_pass_is_replaced(network, head, reference):
+async def test_a_server_that_answers_pings_but_runs_no_pass_is_replaced(
+    network, head, reference, monkeypatch
+):
     """Its compute is stuck (a hung driver or engine thread; a peer that takes sessions and never computes)
-    while its event loop answers every ping: once it has run no pass for 16 silence limits (at least 10 s)
-    with the step waiting, the step moves, long before the request timeout (failed before: 60 s)."""
+    while its event loop answers every ping: once it has run no pass for STUCK_LIMITS silence limits (at
+    least STUCK_FLOOR; here 4 and 3 s, for a shorter test than 16 and 10 s) with the step waiting, the
+    step moves, long before the request timeout (failed before: 60 s)."""
+    monkeypatch.setattr(stall_probe, "STUCK_LIMITS", 4)
+    monkeypatch.setattr(stall_probe, "STUCK_FLOOR", 3.0)
     async with last_hop_with_a_replica(network, head) as (chain, session, ids):
         hold = threading.Event()
         stuck = asyncio.ensure_future(chain[2].spans.primary.engine.call(hold.wait))  # its engine waits
         try:
             started = time.monotonic()
             outputs = await asyncio.wait_for(session.astep(head.embed(ids[:, 12:13])), 45.0)
-            assert STUCK_FLOOR <= time.monotonic() - started < 40.0
+            assert stall_probe.STUCK_FLOOR <= time.monotonic() - started < 40.0
         finally:
             hold.set()
             await stuck
