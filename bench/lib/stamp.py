@@ -58,12 +58,14 @@ def compact(text: str) -> str:
     return re.sub(short, lambda m: " ".join(m.group(2).split()).join(m.group(1, 3)), text)
 
 
-def report(script: str, result: object, results: Path = RESULTS, short: bool = False) -> Path:
-    """Print `result` as JSON (`short`: compact) and keep it, stamped, as results/<script's name>.json;
-    the file's path."""
+def report(
+    script: str, result: object, results: Path = RESULTS, short: bool = False, variant: str = ""
+) -> Path:
+    """Print `result` as JSON (`short`: compact) and keep it, stamped, as results/<script's name>.json
+    (a `variant` of the script's run: <script's name>_<variant>.json); the file's path."""
     text = json.dumps(result, indent=2)
     print(compact(text) if short else text, flush=True)
     results.mkdir(exist_ok=True)
-    path = results / f"{Path(script).stem}.json"
+    path = results / f"{Path(script).stem}{'_' + variant if variant else ''}.json"
     path.write_text(json.dumps({"measured_on": stamp(), "result": result}, indent=2) + "\n")
     return path

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 from bench.lib.env import parser
 from bench.lib.stamp import report
@@ -82,8 +81,8 @@ def main() -> None:
         "sessions_per_minute": round(sessions_per_minute, 2),
         "samples": args.samples,
     }
-    name = Path(__file__).with_name("dht_bounded_reads.py") if args.bounded_reads else Path(__file__)
-    report(str(name), {"setup": setup, "servers": results, "growth": ratios})
+    variant = "bounded_reads" if args.bounded_reads else ""
+    report(__file__, {"setup": setup, "servers": results, "growth": ratios}, variant=variant)
 
 
 if __name__ == "__main__":

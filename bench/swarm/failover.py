@@ -24,7 +24,6 @@ import signal
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -135,10 +134,8 @@ def main() -> None:
             for hop, name in HOPS:
                 runs = [run(model, swarm, prompt, hop, freeze, args.sessions) for _ in range(args.repeats)]
                 results[label][name] = summary(runs, reference)
-    many = Path(__file__).with_name(f"failover_sessions_{args.sessions}.py")
-    kept = many if args.sessions > 1 else Path(__file__)
     report(
-        str(kept),
+        __file__,
         {
             "model": "SmolLM2-135M-Instruct",
             "servers": "2 per span of 10 blocks",
@@ -146,6 +143,7 @@ def main() -> None:
             "signalled_after": KILL_AT,
             **results,
         },
+        variant=f"sessions_{args.sessions}" if args.sessions > 1 else "",
     )
 
 
