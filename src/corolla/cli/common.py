@@ -198,8 +198,9 @@ def _add_draft_args(group: argparse._ArgumentGroup) -> None:
     option(
         "pipeline",
         "most drafts in flight: the next draft goes out before the last one is verified, so servers "
-        "compute while replies travel; the client keeps the number that emits the most tokens per second "
-        "(measured); 1 waits for each verification (default: %(default)s)",
+        "compute while replies travel, each carrying --draft-depth / (drafts in flight) tokens; the "
+        "client keeps the number that emits the most tokens per second (measured); 1 waits for each "
+        "verification (default: %(default)s)",
     )
 
 

@@ -67,8 +67,8 @@ def test_greedy_speculation_gives_transformers_tokens_through_three_servers(fami
     assert torch.equal(model.generate(prompt, max_new_tokens=24), expected)
     stats = model.speculator.stats
     assert stats.emitted == 23 and stats.drafted > 0  # 24 tokens: the first comes with the prompt
-    if not drafter.startswith("lookup"):
-        assert stats.tokens_per_step > 2  # an exact draft: most of each tree is accepted
+    if not drafter.startswith("lookup"):  # an exact draft: most of each tree is accepted, each frame whole
+        assert stats.tokens_per_step > 2 if stats.most_in_flight == 1 else stats.accepted == stats.drafted
     # every server of the chain verified every step (the prompt's, then each tree or frame), but for
     # pipelined frames past a rejected draft, which go no further once the rejection is known
     received = [b - a for a, b in zip(before, steps_received(swarm, 3), strict=True)]
@@ -191,7 +191,8 @@ def test_stop_strings_max_tokens_and_logprobs_are_those_of_plain_decoding(smol):
         expected = plain.generate(ids, **kwargs)
         assert torch.equal(model.generate(ids, **kwargs), expected)
     assert expected.shape[1] < len(ids) + 40  # the stop string ended it
-    assert model.speculator.stats.tokens_per_step > 1.5  # the quote is drafted by prompt lookup
+    stats = model.speculator.stats
+    assert stats.accepted > stats.emitted / 2  # most of the quote was drafted by prompt lookup
     steps = collect_steps(plain, ids, max_new_tokens=12, logprobs=2)
     spec = collect_steps(model, ids, max_new_tokens=12, logprobs=2)
     assert [int(s.tokens[0]) for s in spec] == [int(s.tokens[0]) for s in steps]

@@ -2,6 +2,7 @@
 
 import torch
 
+from corolla.client.generation.pipelined import frame_tokens
 from corolla.decoding.chooser import Chooser, RowEnds
 from corolla.decoding.draft_budget import DraftBudget
 from corolla.decoding.draft_model import DraftModel
@@ -130,6 +131,11 @@ def test_a_draft_model_with_recurrent_layers_is_refused_when_loaded(tiny_models)
     with pytest.raises(UnsupportedModel, match="qwen3_5_text layers keep recurrent states") as refused:
         DraftModel.load(tiny_models["qwen3_5"])
     assert "\n" not in str(refused.value)
+
+
+def test_the_frames_in_flight_carry_about_one_synchronous_draft_between_them():
+    assert [frame_tokens(8, in_flight) for in_flight in (1, 2, 3, 4)] == [8, 4, 3, 2]
+    assert frame_tokens(3, 3) == frame_tokens(1, 4) == 1  # never less than a token
 
 
 def test_rounds_keep_the_frames_in_flight_that_emit_the_most_tokens_per_second_and_retry_their_neighbours():
