@@ -213,7 +213,7 @@ def frame_tokens(max_depth: int, in_flight: int) -> int:
     token), frames of 8 against frames of 3, one run each (bench/results/speculative_wan_frames_of_*.json):
     on loopback pipelined drafts 0.91x -> 1.02x plain push, pipelined lookup 0.90x -> 1.03x; at 50 ms round
     trips 2.46x -> 2.54x and 1.32x -> 1.34x."""
-    return max(1, math.ceil(max_depth / max(in_flight, 1)))
+    return max(1, math.ceil(max_depth / in_flight))
 
 
 async def _tagged(epoch: int, work) -> tuple[int, list[int]]:
