@@ -310,6 +310,19 @@ LAYOUTS = {
             mamba_dt_rank=8,
         ),
     ),
+    "zaya": (  # attention whose queries and keys are convolved and half its values delayed (a state),
+        # sliding in every other layer, routers that add the previous layer's router state (handed on)
+        "ZayaConfig",
+        dict(
+            layer_types=["hybrid", "hybrid_sliding"] * 3,
+            sliding_window=4,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=16,
+        ),
+    ),
     "falcon_h1": (  # every layer a hybrid: attention and a Mamba-2 mixer side by side, muP multipliers
         "FalconH1Config",
         dict(
@@ -353,6 +366,7 @@ RECURRENT = (
     "jamba",
     "nemotron_h",
     "falcon_h1",
+    "zaya",
 )
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 

@@ -28,6 +28,10 @@ lfm2_moe: LFM2's short convolutions beside attention, MoE after a dense block, i
 name (`pos_emb`).
 longcat_flash: each layer two latent-attention sublayers with a cache each (a block of two cache layers)
 and a MoE with identity experts whose output skips to the layer's end.
+zaya: attention whose queries and keys pass a causal convolution and half of whose values are the previous
+token's (a convolution and a recurrent state beside the keys and values), sliding in every other layer,
+and routers that add the previous layer's router state, which travels between the servers beside the
+hidden states.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ FRONTIER = [
     "llama4",
     "lfm2_moe",
     "longcat_flash",
+    "zaya",
 ]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values

@@ -60,7 +60,7 @@ class MtpDrafter:
                 f"--draft mtp: {folder} ({config.model_type}) has no multi-token prediction layers "
                 "(its config has no num_nextn_predict_layers); draft with lookup or a draft model"
             )
-        if config.wire.streams > 1 or config.wire.per_layer:
+        if not config.wire.plain:
             raise UnsupportedModel(
                 f"--draft mtp: {config.model_type} hands its blocks more than hidden states"
             )

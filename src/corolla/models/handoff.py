@@ -10,6 +10,9 @@ layouts hand their layers more:
   AltUp (`altup_num_inputs`) as [streams, B, T, hidden], the hyper-connections of HY-V4 (`hc_mult`) as
   [B, T, streams, hidden]; the head makes them from the embedding and merges them back before the final
   norm.
+- a state each layer hands the next (ZAYA's router states: every layer's router adds the previous
+  layer's, `prev_router_hidden_states`, and returns its own): [handed] floats per token after the hidden
+  states, zeros into the model's first layer (whose router reads none), dropped after the last.
 
 Everything that carries hidden states (steps, pushes, replays, spot checks, forward and backward
 passes) carries this tensor unchanged; only a span unpacks it (`unpack`) around its layers and packs it
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from corolla.errors import UnsupportedModel
+
 # the decoder's modules outside its layers that make or merge what travels between spans (the head's)
 WIRE_MODULES = (
     "embed_tokens_per_layer",
@@ -33,6 +38,10 @@ WIRE_MODULES = (
     "altup_unembed_projections",
     "hc_head",
 )
+
+
+# the input a layer takes from the layer before it besides the hidden states and returns after them (ZAYA)
+HANDED_INPUT = "prev_router_hidden_states"
 
 
 def wire_modules(decoder: nn.Module) -> dict[str, nn.Module]:
@@ -47,24 +56,35 @@ class WireLayout:
     streams_first: bool = True  # streams before the batch (AltUp) or after the tokens (hyper-connections)
     per_layer: int = 0  # each layer's per-layer input width (0: none)
     num_layers: int = 0  # layers with a per-layer input (the model's)
+    handed: int = 0  # the width of the state each layer hands the next (0: none)
 
     @classmethod
     def of(cls, hf: Any) -> WireLayout:
         """The layout of a transformers text config."""
         per_layer = int(getattr(hf, "hidden_size_per_layer_input", None) or 0)
         hyper = int(getattr(hf, "hc_mult", None) or 1)
+        streams = hyper if hyper > 1 else int(getattr(hf, "altup_num_inputs", None) or 1)
+        handed = int(getattr(hf, "router_hidden_size", None) or 0)  # ZAYA's router states
+        if handed and (streams > 1 or per_layer):
+            raise UnsupportedModel(f"{hf.model_type}: a handed state beside streams or per-layer inputs")
         return cls(
             hidden_size=int(hf.hidden_size),
-            streams=hyper if hyper > 1 else int(getattr(hf, "altup_num_inputs", None) or 1),
+            streams=streams,
             streams_first=hyper == 1,
             per_layer=per_layer,
             num_layers=int(hf.num_hidden_layers) if per_layer else 0,
+            handed=handed,
         )
 
     @property
     def width(self) -> int:
         """Floats per token on the wire."""
-        return self.streams * self.hidden_size + self.num_layers * self.per_layer
+        return self.streams * self.hidden_size + self.handed + self.num_layers * self.per_layer
+
+    @property
+    def carries(self) -> tuple[str, ...]:
+        """The layers' inputs besides the hidden states that travel on the wire."""
+        return (HANDED_INPUT,) if self.handed else ()
 
     @property
     def plain(self) -> bool:
@@ -80,11 +100,12 @@ class WireLayout:
             return hidden
         return torch.cat([hidden, per_layer_inputs.flatten(2).to(hidden.dtype)], dim=-1)
 
-    def unpack(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T, width] -> (hidden [B, T, H] or its streams, per-layer inputs or None)."""
+    def unpack(self, wire: torch.Tensor, handed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, width] -> (hidden [B, T, H] or its streams, followed by the handed state where the family
+        hands one and `handed` asks for it; per-layer inputs or None)."""
         if self.plain:
             return wire, None
-        split = self.streams * self.hidden_size
+        split = self.streams * self.hidden_size + (self.handed if handed else 0)
         hidden = wire[..., :split]
         if self.streams > 1:
             hidden = hidden.unflatten(-1, (self.streams, self.hidden_size))
@@ -92,6 +113,29 @@ class WireLayout:
         if not self.per_layer:
             return hidden, None
         return hidden, wire[..., split:].unflatten(-1, (self.num_layers, self.per_layer))
+
+
+def with_handed(hidden: torch.Tensor, wire: WireLayout) -> torch.Tensor:
+    """What the model's first layer receives, [B, T, H] -> [B, T, H + handed]: no state handed to it."""
+    return torch.nn.functional.pad(hidden, (0, wire.handed)) if wire.handed else hidden
+
+
+class HandingLayer:
+    """A layer that takes the state the layer before it handed on and returns its own beside its hidden
+    states (ZAYA's `prev_router_hidden_states`), called as a layer taking and returning [B, T, H + handed]
+    tensors, so that row-by-row passes (models/row_passes.py) split and gather the state with the hidden
+    states. The state enters the layer in the computation's dtype: ZAYA keeps its residual in float32."""
+
+    def __init__(self, layer: nn.Module, hidden_size: int, dtype: torch.dtype):
+        self.layer = layer
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    def __call__(self, wire: torch.Tensor, **inputs) -> torch.Tensor:
+        hidden = wire[..., : self.hidden_size]
+        handed = wire[..., self.hidden_size :]
+        out, handed = self.layer(hidden, **{HANDED_INPUT: handed.to(self.dtype)}, **inputs)
+        return torch.cat([out, handed.to(out.dtype)], dim=-1)
 
 
 def merge_streams(streams: torch.Tensor, projections: nn.ModuleList) -> torch.Tensor:

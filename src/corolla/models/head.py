@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from corolla.errors import UnsupportedModel
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.handoff import WireLayout, merge_streams, wire_modules
+from corolla.models.handoff import WireLayout, merge_streams, wire_modules, with_handed
 from corolla.models.loading import (
     check_layer_inputs,
     decoder_of,
@@ -90,7 +90,8 @@ class ModelHead(nn.Module):
         self.config = config
         model = empty_model(config, ATTENTION_NAME, dtype)  # attention never runs here
         prefix, decoder = decoder_of(model)
-        check_layer_inputs(config.model_type, decoder.layers)  # what servers would refuse, said at once
+        # what servers would refuse, said at once
+        check_layer_inputs(config.model_type, decoder.layers, config.wire.carries)
         self.embed_tokens = decoder.get_input_embeddings()
         self.norm = final_norm(decoder)
         self.lm_head = model.get_output_embeddings()
@@ -147,7 +148,7 @@ class ModelHead(nn.Module):
         if self.wire.per_layer:  # the decoder's own steps, which its forward hands layer by layer
             token_part = decoder.get_per_layer_inputs(input_ids)
             per_layer_inputs = decoder.project_per_layer_inputs(self.embed_tokens(input_ids), token_part)
-        return self.wire.pack(hidden, per_layer_inputs)
+        return self.wire.pack(with_handed(hidden, self.wire), per_layer_inputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., width] outputs of the last block -> [..., vocab]."""

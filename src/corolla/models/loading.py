@@ -109,11 +109,15 @@ OUTSIDE_INPUTS = (
 )
 
 
-def check_layer_inputs(model_type: str, layers: nn.ModuleList) -> None:
-    """Refuse decoder layers that take inputs from outside the previous layer's hidden states."""
+def check_layer_inputs(model_type: str, layers: nn.ModuleList, carried: tuple[str, ...] = ()) -> None:
+    """Refuse decoder layers that take inputs from outside the previous layer's hidden states, but for the
+    `carried` ones, which travel with them (models/handoff.py)."""
     for layer_class in dict.fromkeys(type(layer) for layer in layers):  # in the order of the layers
         parameters = inspect.signature(layer_class.forward).parameters
-        outside = [name for name in OUTSIDE_INPUTS if name in parameters]
+        outside = [name for name in OUTSIDE_INPUTS if name in parameters and name not in carried]
+        missing = [name for name in carried if name not in parameters]
+        if missing:
+            raise UnsupportedModel(f"{model_type}: its layers ({layer_class.__name__}) take no {missing[0]}")
         if outside:
             raise UnsupportedModel(
                 f"{model_type}: its layers ({layer_class.__name__}) take {', '.join(outside)} besides the "

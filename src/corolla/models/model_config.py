@@ -35,7 +35,9 @@ SUPPORTED_LAYER_TYPES = (
     "indexed_attention",  # DeepSeek sparse attention: an indexer picks each query's keys
     "linear_attention",
     "conv",
-    "hybrid",  # attention and a Mamba mixer side by side in one layer (Falcon-H1)
+    "hybrid",  # attention and a Mamba mixer side by side in one layer (Falcon-H1), or attention with a
+    # recurrent projection (ZAYA's convolved queries and keys, delayed values)
+    "hybrid_sliding",  # the same within a sliding window (ZAYA)
     "mlp",
     "moe",
 )

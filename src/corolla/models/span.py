@@ -24,6 +24,7 @@ from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import AttentionContext, CacheShape, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.context_cache import ContextCache
+from corolla.models.handoff import HandingLayer, with_handed
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import (
     check_layer_inputs,
@@ -49,7 +50,7 @@ class Span(nn.Module):
             empty_model(config, ATTENTION_NAME, dtype)
         ]  # a list: not a submodule, not in state_dict
         _, decoder = decoder_of(self._model[0])
-        check_layer_inputs(config.model_type, decoder.layers)
+        check_layer_inputs(config.model_type, decoder.layers, config.wire.carries)
         self.blocks = nn.ModuleList(decoder.layers[start:end])
         self.rotary = rotary_of(decoder)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
@@ -180,7 +181,7 @@ class Span(nn.Module):
         position_ids = positions[None]
         rotary = self._rotary(hidden, position_ids, first, last)
         # the hidden states (or parallel streams) and each layer's per-layer input (models/handoff.py)
-        hidden, per_layer_inputs = self.config.wire.unpack(hidden)
+        hidden, per_layer_inputs = self.config.wire.unpack(hidden, handed=True)
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()
         shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
@@ -188,8 +189,8 @@ class Span(nn.Module):
         carried = {} if self._threads_selection else None
         with active_context(context, first * self.per_block):
             for layer in range(last - first):
-                if prompts is not None:
-                    hidden = hidden + prompts[layer].to(hidden.dtype)
+                if prompts is not None:  # (none to a handed state)
+                    hidden = hidden + with_handed(prompts[layer], self.config.wire).to(hidden.dtype)
                 inputs = {
                     "attention_mask": None,
                     "position_ids": position_ids,
@@ -210,6 +211,8 @@ class Span(nn.Module):
         """Block `local` of a pass whose first cache layer is `first` (its first block's): whole, or row by
         row where its own code mixes a packed pass's rows (row_passes.py)."""
         block = self.blocks[local]
+        if self.config.wire.handed:  # ZAYA's router state, handed from layer to layer (models/handoff.py)
+            block = HandingLayer(block, self.config.hidden_size, self.dtype)
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         if local in self.indexed_blocks:
             return indexed_pass(block, hidden, context, first, inputs, carried, self.config.pooled_indexer)

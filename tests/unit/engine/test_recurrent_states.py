@@ -65,9 +65,10 @@ def test_a_rows_states_are_charged_cache_pages_until_it_closes(tiny_models):
 def test_batched_decoding_matches_whole_sequences(tiny_models, family):
     engine = make_engine(tiny_models[family], max_batch_tokens=24, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(1)
+    width = engine.span.config.wire.width  # (ZAYA: the router state a layer hands the next beside)
     plans = {
-        f"s{i}": [torch.randn(batch, prompt, H, generator=generator)]
-        + [torch.randn(batch, 1, H, generator=generator) for _ in range(4)]
+        f"s{i}": [torch.randn(batch, prompt, width, generator=generator)]
+        + [torch.randn(batch, 1, width, generator=generator) for _ in range(4)]
         for i, (batch, prompt) in enumerate([(1, 13), (2, 5), (1, 1), (1, 30)])
     }
     passes = []

@@ -237,19 +237,26 @@ def test_glm_5_next_announces_the_latent_and_pooled_indexer_keys_of_its_sparse_l
 
 @pytest.mark.parametrize(
     ("model_type", "refusal"),
-    [
-        ("zamba2", r"zamba2: its layers \(Zamba2\w+Layer\) take original_hidden_states"),
-        ("zaya", r"zaya: its layers \(ZayaDecoderLayer\) take prev_router_hidden_states besides"),
-    ],
+    [("zamba2", r"zamba2: its layers \(Zamba2\w+Layer\) take original_hidden_states")],
 )
 def test_layers_that_take_inputs_a_span_lacks_are_refused(model_type, refusal):
     """Their configs' layer types look servable (hybrid), but their layers also take the embeddings'
-    output (Zamba) or the previous layer's router state (ZAYA): refused when the span is built."""
+    output (Zamba): refused when the span is built."""
     from transformers import AutoConfig
 
     config = ModelConfig.from_hf(AutoConfig.for_model(model_type))
     with pytest.raises(UnsupportedModel, match=refusal):
         Span(config, 0, 1)
+
+
+def test_zayas_router_state_travels_beside_the_hidden_states():
+    """ZAYA's routers add the previous layer's router state: it is handed on with the hidden states, at
+    the real model's shapes 256 floats beside 2,048, and a span's layers take it."""
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.for_model("zaya", num_hidden_layers=2))
+    assert (config.wire.width, config.wire.carries) == (2048 + 256, ("prev_router_hidden_states",))
+    assert Span(config, 1, 2).config.wire.handed == 256
 
 
 def test_layers_holding_two_attention_sublayers_are_blocks_with_two_caches(tiny_models):
