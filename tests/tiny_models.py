@@ -323,6 +323,25 @@ LAYOUTS = {
             router_hidden_size=16,
         ),
     ),
+    "zamba2": (  # Mamba-2 layers, and hybrids whose shared attention blocks (2, each tied across layers,
+        # with per-layer adapters) read the embeddings' output beside the hidden states
+        "Zamba2Config",
+        dict(
+            layers_block_type=["mamba", "hybrid"] * 3,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+            mamba_d_state=8,
+            n_mamba_heads=4,
+            chunk_size=8,
+            num_key_value_heads=4,
+            # transformers' Mamba-2 clamps its step size from below at time_step_min in its multi-token
+            # form only (Nemotron-H too): a floor no step reaches keeps both forms the same computation
+            time_step_min=1e-9,
+            time_step_floor=1e-9,
+        ),
+    ),
     "falcon_h1": (  # every layer a hybrid: attention and a Mamba-2 mixer side by side, muP multipliers
         "FalconH1Config",
         dict(
@@ -367,6 +386,7 @@ RECURRENT = (
     "nemotron_h",
     "falcon_h1",
     "zaya",
+    "zamba2",
 )
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 

@@ -32,6 +32,9 @@ zaya: attention whose queries and keys pass a causal convolution and half of who
 token's (a convolution and a recurrent state beside the keys and values), sliding in every other layer,
 and routers that add the previous layer's router state, which travels between the servers beside the
 hidden states.
+zamba2: Mamba-2 layers, and hybrid layers whose shared attention blocks (two, each stored once and tied
+across layers, with per-layer adapters) read the embeddings' output, which travels beside the hidden
+states; the second span's last block reads the weights the checkpoint stores under block 1.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ FRONTIER = [
     "lfm2_moe",
     "longcat_flash",
     "zaya",
+    "zamba2",
 ]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values

@@ -10,9 +10,11 @@ layouts hand their layers more:
   AltUp (`altup_num_inputs`) as [streams, B, T, hidden], the hyper-connections of HY-V4 (`hc_mult`) as
   [B, T, streams, hidden]; the head makes them from the embedding and merges them back before the final
   norm.
-- a state each layer hands the next (ZAYA's router states: every layer's router adds the previous
-  layer's, `prev_router_hidden_states`, and returns its own): [handed] floats per token after the hidden
-  states, zeros into the model's first layer (whose router reads none), dropped after the last.
+- an input every layer takes beside the hidden states, handed from layer to layer after them ([handed]
+  floats per token): ZAYA's router state (each layer's router adds the previous layer's,
+  `prev_router_hidden_states`, and returns its own; zeros into the model's first layer, whose router reads
+  none), Zamba's embeddings' output (`original_hidden_states`, which each shared attention block reads
+  beside the hidden states: the same for every layer). The last layer's is dropped.
 
 Everything that carries hidden states (steps, pushes, replays, spot checks, forward and backward
 passes) carries this tensor unchanged; only a span unpacks it (`unpack`) around its layers and packs it
@@ -21,6 +23,7 @@ again (`pack`).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +43,14 @@ WIRE_MODULES = (
 )
 
 
-# the input a layer takes from the layer before it besides the hidden states and returns after them (ZAYA)
-HANDED_INPUT = "prev_router_hidden_states"
+# inputs a family's layers take beside the hidden states that travel with them, by the config field that
+# marks the family: the field giving its width per token (None: the hidden size), the layers' argument,
+# and whether a layer returns its own for the next (ZAYA) or hands on what it was given (Zamba2). Zamba
+# v1's layers share one attention module object, which corolla does not split between blocks: refused
+HANDED = {
+    "router_hidden_size": ("router_hidden_size", "prev_router_hidden_states", True),  # ZAYA's router states
+    "num_mem_blocks": (None, "original_hidden_states", False),  # Zamba2's embeddings' output
+}
 
 
 def wire_modules(decoder: nn.Module) -> dict[str, nn.Module]:
@@ -56,7 +65,9 @@ class WireLayout:
     streams_first: bool = True  # streams before the batch (AltUp) or after the tokens (hyper-connections)
     per_layer: int = 0  # each layer's per-layer input width (0: none)
     num_layers: int = 0  # layers with a per-layer input (the model's)
-    handed: int = 0  # the width of the state each layer hands the next (0: none)
+    handed: int = 0  # the width of the input handed from layer to layer beside the hidden states (0: none)
+    handed_input: str = ""  # the layers' argument it is (HANDED)
+    handed_back: bool = False  # each layer returns its own (ZAYA) rather than handing on what it got
 
     @classmethod
     def of(cls, hf: Any) -> WireLayout:
@@ -64,9 +75,11 @@ class WireLayout:
         per_layer = int(getattr(hf, "hidden_size_per_layer_input", None) or 0)
         hyper = int(getattr(hf, "hc_mult", None) or 1)
         streams = hyper if hyper > 1 else int(getattr(hf, "altup_num_inputs", None) or 1)
-        handed = int(getattr(hf, "router_hidden_size", None) or 0)  # ZAYA's router states
+        marker = next((name for name in HANDED if getattr(hf, name, None)), None)
+        width_field, handed_input, handed_back = HANDED.get(marker, (None, "", False))
+        handed = 0 if marker is None else int(getattr(hf, width_field or "hidden_size"))
         if handed and (streams > 1 or per_layer):
-            raise UnsupportedModel(f"{hf.model_type}: a handed state beside streams or per-layer inputs")
+            raise UnsupportedModel(f"{hf.model_type}: a handed input beside streams or per-layer inputs")
         return cls(
             hidden_size=int(hf.hidden_size),
             streams=streams,
@@ -74,6 +87,8 @@ class WireLayout:
             per_layer=per_layer,
             num_layers=int(hf.num_hidden_layers) if per_layer else 0,
             handed=handed,
+            handed_input=handed_input,
+            handed_back=handed_back,
         )
 
     @property
@@ -84,7 +99,7 @@ class WireLayout:
     @property
     def carries(self) -> tuple[str, ...]:
         """The layers' inputs besides the hidden states that travel on the wire."""
-        return (HANDED_INPUT,) if self.handed else ()
+        return (self.handed_input,) if self.handed else ()
 
     @property
     def plain(self) -> bool:
@@ -115,26 +130,39 @@ class WireLayout:
         return hidden, wire[..., split:].unflatten(-1, (self.num_layers, self.per_layer))
 
 
-def with_handed(hidden: torch.Tensor, wire: WireLayout) -> torch.Tensor:
-    """What the model's first layer receives, [B, T, H] -> [B, T, H + handed]: no state handed to it."""
-    return torch.nn.functional.pad(hidden, (0, wire.handed)) if wire.handed else hidden
+def with_handed(hidden: torch.Tensor, wire: WireLayout, first: bool = True) -> torch.Tensor:
+    """[B, T, H] -> [B, T, H + handed]: what the model's first layer receives (`first`: Zamba's embeddings'
+    output is the embeddings themselves, ZAYA's router state none), or an addition to the hidden states
+    that leaves the handed input as it is (deep prompts)."""
+    if not wire.handed:
+        return hidden
+    if first and not wire.handed_back:
+        return torch.cat([hidden, hidden], dim=-1)
+    return torch.nn.functional.pad(hidden, (0, wire.handed))
 
 
 class HandingLayer:
-    """A layer that takes the state the layer before it handed on and returns its own beside its hidden
-    states (ZAYA's `prev_router_hidden_states`), called as a layer taking and returning [B, T, H + handed]
-    tensors, so that row-by-row passes (models/row_passes.py) split and gather the state with the hidden
-    states. The state enters the layer in the computation's dtype: ZAYA keeps its residual in float32."""
+    """A layer that takes an input beside the hidden states from the layer before it (models/handoff.py:
+    ZAYA's router state, Zamba's embeddings' output), called as a layer taking and returning
+    [B, T, H + handed] tensors, so that row-by-row passes (models/row_passes.py) split and gather it with
+    the hidden states. It enters the layer in the computation's dtype (ZAYA keeps its residual in
+    float32); layers that take their own index (Zamba's shared blocks pick their adapters by it) get it."""
 
-    def __init__(self, layer: nn.Module, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, layer: nn.Module, wire: WireLayout, dtype: torch.dtype, index: int):
         self.layer = layer
-        self.hidden_size = hidden_size
+        self.wire = wire
         self.dtype = dtype
+        takes_index = "layer_idx" in inspect.signature(layer.forward).parameters
+        self.extra = {"layer_idx": index} if takes_index else {}
 
     def __call__(self, wire: torch.Tensor, **inputs) -> torch.Tensor:
-        hidden = wire[..., : self.hidden_size]
-        handed = wire[..., self.hidden_size :]
-        out, handed = self.layer(hidden, **{HANDED_INPUT: handed.to(self.dtype)}, **inputs)
+        hidden = wire[..., : self.wire.hidden_size]
+        handed = wire[..., self.wire.hidden_size :]
+        out = self.layer(hidden, **{self.wire.handed_input: handed.to(self.dtype)}, **self.extra, **inputs)
+        if self.wire.handed_back:
+            out, handed = out
+        elif isinstance(out, tuple):
+            out = out[0]
         return torch.cat([out, handed.to(out.dtype)], dim=-1)
 
 

@@ -98,13 +98,12 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
 
 # what some families' decoder layers take besides the previous layer's hidden states and the pass's cache,
 # which a span that receives only hidden states cannot give them: the token ids (Qwen4-exp's per-layer
-# n-gram embeddings), the embeddings' output (Zamba), another block's output (Zamba's shared attention),
-# the previous layer's router state (ZAYA)
+# n-gram embeddings), the embeddings' output (Zamba v1; Zamba2's travels with the hidden states), the
+# previous layer's router state (ZAYA's travels with them: models/handoff.py)
 OUTSIDE_INPUTS = (
     "input_ids",
     "ple_input_ids",
     "original_hidden_states",
-    "transformer_hidden_states",
     "prev_router_hidden_states",
 )
 
@@ -171,6 +170,24 @@ def load_weights(
         local = name[len(checkpoint.prefix) :] if name.startswith(checkpoint.prefix) else None
         state_dict[prefix + local if local is not None and not lands(name) else name] = tensor
     load_converted(model, state_dict, mapping, dtype, checkpoint)
+
+
+def load_tied(model: nn.Module, checkpoint: Checkpoint, index: int, dtype: torch.dtype) -> None:
+    """Block `index`'s modules whose weights the checkpoint stores once, under an earlier block (Zamba's
+    shared attention blocks, tied by the decoder's `_tied_weights_keys`), read from there."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    prefix, decoder = decoder_of(model)
+    state_dict = {}
+    for target, source in (getattr(decoder, "_tied_weights_keys", None) or {}).items():
+        if not target.startswith(f"layers.{index}."):
+            continue
+        stored = f"{checkpoint.prefix}{source}."
+        names = [name for name in checkpoint.weight_map if name.startswith(stored)]
+        for name, tensor in checkpoint.read(names, owned=True).items():
+            state_dict[f"{prefix}{target}.{name[len(stored) :]}"] = tensor
+    if state_dict:
+        load_converted(model, state_dict, get_model_conversion_mapping(model), dtype, checkpoint)
 
 
 def load_converted(

@@ -68,6 +68,10 @@ INT8_CPU_DTYPE = torch.bfloat16  # of the activations and scales fed to torch's 
 INT4_DTYPE = torch.bfloat16  # of the weights packed in int4 and the activations fed to their kernels
 GRID_TOLERANCE = 0.01  # of a level, for weights read back from a 4-bit grid (fp16 scales, float32 sums)
 CPU_INT4_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+# torch's CPU `_weight_int8pack_mm` crashes the process (a segmentation fault, torch 2.13) unless the input
+# features are a multiple of 16 (measured: 8, 24 and 40 crash; 16, 32 and 48 do not): other shapes keep
+# torchao's int8 tensor (Zamba2's low-rank adapters)
+CPU_INT8_IN_MULTIPLE = 16
 
 
 def check_mode(mode: str) -> None:
@@ -90,7 +94,7 @@ def quantize_blocks(module: nn.Module, mode: str) -> bool:
         _torchao().quantize_(linear, config)
         if mode == "int4":
             linear.__class__ = Int4Linear
-        elif linear.weight.device.type == "cpu":
+        elif linear.weight.device.type == "cpu" and linear.in_features % CPU_INT8_IN_MULTIPLE == 0:
             Int8Linear.adopt(linear)
     return quantize_fused_experts(module, mode)
 

@@ -30,6 +30,7 @@ from corolla.models.loading import (
     check_layer_inputs,
     decoder_of,
     empty_model,
+    load_tied,
     load_weights,
     missing_on_meta,
     rotary_of,
@@ -51,7 +52,7 @@ class Span(nn.Module):
         ]  # a list: not a submodule, not in state_dict
         _, decoder = decoder_of(self._model[0])
         check_layer_inputs(config.model_type, decoder.layers, config.wire.carries)
-        self.blocks = nn.ModuleList(decoder.layers[start:end])
+        self.blocks = _index_shared_attention(nn.ModuleList(decoder.layers[start:end]), start)
         self.rotary = rotary_of(decoder)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
         # a block's attention sublayers with a cache each (LongCat-Flash: 2), numbered block * per_block +
@@ -113,6 +114,7 @@ class Span(nn.Module):
         )
         for index in indices:
             load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype, owned=True)
+            load_tied(span._model[0], checkpoint, index, dtype)
             block = span.blocks[index - start]
             missing = missing_on_meta(block)
             if missing:
@@ -190,7 +192,9 @@ class Span(nn.Module):
         with active_context(context, first * self.per_block):
             for layer in range(last - first):
                 if prompts is not None:  # (none to a handed state)
-                    hidden = hidden + with_handed(prompts[layer], self.config.wire).to(hidden.dtype)
+                    hidden = hidden + with_handed(prompts[layer], self.config.wire, first=False).to(
+                        hidden.dtype
+                    )
                 inputs = {
                     "attention_mask": None,
                     "position_ids": position_ids,
@@ -211,8 +215,8 @@ class Span(nn.Module):
         """Block `local` of a pass whose first cache layer is `first` (its first block's): whole, or row by
         row where its own code mixes a packed pass's rows (row_passes.py)."""
         block = self.blocks[local]
-        if self.config.wire.handed:  # ZAYA's router state, handed from layer to layer (models/handoff.py)
-            block = HandingLayer(block, self.config.hidden_size, self.dtype)
+        if self.config.wire.handed:  # ZAYA's router state, Zamba's embeddings (models/handoff.py)
+            block = HandingLayer(block, self.config.wire, self.dtype, self.start + local)
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         if local in self.indexed_blocks:
             return indexed_pass(block, hidden, context, first, inputs, carried, self.config.pooled_indexer)
@@ -234,6 +238,17 @@ class Span(nn.Module):
             return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
         shared = self.rotary(hidden, position_ids)
         return dict.fromkeys(types, shared)
+
+
+def _index_shared_attention(blocks: nn.ModuleList, start: int) -> nn.ModuleList:
+    """Zamba's shared attention blocks are built with layer_idx -1 and told their layer when called, which
+    the cache hears but the attention function does not: each copy gets its block's index (the blocks
+    share weights, not modules)."""
+    for index, block in enumerate(blocks, start):
+        for module in block.modules():
+            if getattr(module, "layer_idx", None) == -1:
+                module.layer_idx = index
+    return blocks
 
 
 def _check_blocks(config: ModelConfig, start: int, end: int) -> None:

@@ -235,28 +235,46 @@ def test_glm_5_next_announces_the_latent_and_pooled_indexer_keys_of_its_sparse_l
     assert real.kv_bytes_per_token_per_block(2) == (512 + 2 * 128 + 1) * 2 * 11 // 45
 
 
-@pytest.mark.parametrize(
-    ("model_type", "refusal"),
-    [("zamba2", r"zamba2: its layers \(Zamba2\w+Layer\) take original_hidden_states")],
-)
-def test_layers_that_take_inputs_a_span_lacks_are_refused(model_type, refusal):
-    """Their configs' layer types look servable (hybrid), but their layers also take the embeddings'
-    output (Zamba): refused when the span is built."""
+def test_layers_that_take_the_token_ids_or_a_shared_module_are_refused():
+    """Qwen4-exp's layers embed n-grams of the token ids themselves (`ple_input_ids`), which a span that
+    receives hidden states lacks; Zamba v1's hybrid layers call one attention module object (Zamba2's
+    tie copies' weights): refused when the span is built, in one line."""
     from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.for_model(model_type))
-    with pytest.raises(UnsupportedModel, match=refusal):
+    zamba = ModelConfig.from_hf(AutoConfig.for_model("zamba"))
+    with pytest.raises(UnsupportedModel, match=r"zamba: its layers \(Zamba\w+Layer\) take original_hidden"):
+        Span(zamba, 0, 1)
+
+    sparse = dict(
+        indexer_n_heads=4,
+        indexer_kv_heads=1,
+        indexer_head_dim=256,
+        indexer_budget=2048,
+        indexer_compress_ratio=4,
+    )
+    config = ModelConfig.from_hf(AutoConfig.for_model("qwen4_exp", text_config=sparse))
+    with pytest.raises(
+        UnsupportedModel, match=r"qwen4_exp_text: its layers \(Qwen4ExpTextDecoderLayer\) take ple"
+    ):
         Span(config, 0, 1)
 
 
-def test_zayas_router_state_travels_beside_the_hidden_states():
-    """ZAYA's routers add the previous layer's router state: it is handed on with the hidden states, at
-    the real model's shapes 256 floats beside 2,048, and a span's layers take it."""
+@pytest.mark.parametrize(
+    ("model_type", "handed", "given"),
+    [
+        ("zaya", 256, "prev_router_hidden_states"),  # each layer's router state, for the next
+        ("zamba2", 2560, "original_hidden_states"),  # the embeddings' output, for every shared block
+    ],
+)
+def test_what_layers_take_beside_the_hidden_states_travels_with_them(model_type, handed, given):
+    """ZAYA's routers add the previous layer's router state, Zamba's shared attention blocks read the
+    embeddings' output: it is handed on after the hidden states (at the real models' shapes), and a span's
+    layers take it."""
     from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.for_model("zaya", num_hidden_layers=2))
-    assert (config.wire.width, config.wire.carries) == (2048 + 256, ("prev_router_hidden_states",))
-    assert Span(config, 1, 2).config.wire.handed == 256
+    config = ModelConfig.from_hf(AutoConfig.for_model(model_type))
+    assert (config.wire.width, config.wire.carries) == (config.hidden_size + handed, (given,))
+    assert Span(config, 1, 2).config.wire.handed == handed
 
 
 def test_layers_holding_two_attention_sublayers_are_blocks_with_two_caches(tiny_models):

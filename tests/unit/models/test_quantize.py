@@ -11,6 +11,7 @@ from corolla.errors import InvalidRequest
 from corolla.models.quantize import (
     QUANTIZE_MODES,
     Int4Linear,
+    Int8Linear,
     precision_name,
     quantize_blocks,
     stored_in_four_bits,
@@ -125,6 +126,18 @@ def test_shapes_the_int4_kernel_cannot_take_stay_full_precision():
     assert block["grouped"].weight.block_size == [1, 32]
     assert type(block["odd_in"]) is nn.Linear and type(block["odd_in"].weight) is nn.Parameter
     assert type(block["odd_out"]) is nn.Linear and type(block["odd_out"].weight) is nn.Parameter
+
+
+@pytest.mark.parametrize("in_features", [8, 24, 32])
+def test_int8_on_the_cpu_takes_any_input_width(in_features):
+    """torch's CPU int8 kernel crashes the process on input widths that are not a multiple of 16 (a
+    low-rank adapter's 8): those stay torchao's int8 tensor, the same arithmetic by another path."""
+    linear = nn.Linear(in_features, 64, bias=False)
+    x = torch.randn(3, in_features)
+    ref = linear(x)
+    quantize_blocks(linear, "int8")
+    assert isinstance(linear, Int8Linear) == (in_features % 16 == 0)
+    assert rel_err(linear(x).float(), ref) < 0.05
 
 
 def test_bad_mode_names_the_mode_and_the_supported_ones():
