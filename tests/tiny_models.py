@@ -285,6 +285,31 @@ LAYOUTS = {
         ),
     ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
+    "lfm3": (  # convolutions, full and sliding attention; its rotary computes only the attention types
+        "Lfm3Config",
+        dict(
+            layer_types=["conv", "full_attention", "conv", "sliding_attention", "conv", "full_attention"],
+            sliding_window=4,
+            head_dim=16,
+        ),
+    ),
+    "lara_mini": (  # Gated DeltaNet, sliding and global attention, MoE; its decoder's forward hands position
+        # embeddings to the sliding layers only (its global layers have none)
+        "LaraMiniConfig",
+        dict(
+            layer_types=["linear_attention", "sliding_attention", "full_attention"] * 2,
+            sliding_window=4,
+            head_dim=16,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+    ),
     "lfm2_moe": (  # LFM2's convolutions and attention with MoE after a dense block; its rotary is `pos_emb`
         "Lfm2MoeConfig",
         dict(
@@ -382,6 +407,8 @@ RECURRENT = (
     "kimi_linear",
     "lfm2",
     "lfm2_moe",
+    "lfm3",
+    "lara_mini",
     "jamba",
     "nemotron_h",
     "falcon_h1",

@@ -25,6 +25,7 @@ from corolla.models.attention import AttentionContext, CacheShape, NoCache, acti
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.context_cache import ContextCache
 from corolla.models.handoff import HandingLayer, with_handed
+from corolla.models.layer_calls import cache_kwarg, index_shared_attention, rotary_given, typed
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import (
     check_layer_inputs,
@@ -52,7 +53,7 @@ class Span(nn.Module):
         ]  # a list: not a submodule, not in state_dict
         _, decoder = decoder_of(self._model[0])
         check_layer_inputs(config.model_type, decoder.layers, config.wire.carries)
-        self.blocks = _index_shared_attention(nn.ModuleList(decoder.layers[start:end]), start)
+        self.blocks = index_shared_attention(nn.ModuleList(decoder.layers[start:end]), start)
         self.rotary = rotary_of(decoder)  # None: no position embeddings (Jamba, Mamba)
         self.layer_types = config.layer_types
         # a block's attention sublayers with a cache each (LongCat-Flash: 2), numbered block * per_block +
@@ -81,10 +82,10 @@ class Span(nn.Module):
             i for i, kind in enumerate(config.layer_types[start:end]) if kind == "indexed_attention"
         )
         self.positioned_blocks = positioned_blocks(self.blocks)  # Llama 4's NoPE layers (row_passes.py)
-        self._typed_rotary = (
-            self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
-        )
-        self._cache_kwarg = _cache_kwarg(self.blocks[0])
+        self._typed_rotary = typed(self.rotary)
+        # which layers the family's own forward hands position embeddings (absolute index; None: all)
+        self._given = rotary_given(decoder, config.hidden_size, dtype, config.model_type)
+        self._cache_kwarg = cache_kwarg(self.blocks[0])
         # Gemma 3n and 4 hand keys and values between their layers within a pass, GLM-5 and Mistral Large 4
         # their sparse-attention selection
         parameters = inspect.signature(self.blocks[0].forward).parameters
@@ -200,7 +201,7 @@ class Span(nn.Module):
                     "position_ids": position_ids,
                     self._cache_kwarg: cache,
                     "use_cache": True,
-                    "position_embeddings": rotary[self.layer_types[first + layer]],
+                    "position_embeddings": rotary[layer],
                     **shared,
                 }
                 if per_layer_inputs is not None:
@@ -229,26 +230,18 @@ class Span(nn.Module):
             return by_rows(block, hidden, groups, inputs, local in self.stepwise_blocks, attention)
         return run_block(block, hidden, inputs)
 
-    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> dict:
-        """(cos, sin) per layer type of blocks [first, last), as the family's model computes them."""
-        types = set(self.layer_types[first:last])
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> list:
+        """(cos, sin) for each of blocks [first, last), as the family's model computes them for its type,
+        or None for a block its model hands none (LaraMini's global layers, LFM3's convolutions)."""
+        given = self._given or (True,) * last
+        types = {self.layer_types[i] for i in range(first, last) if given[i]}
         if self.rotary is None:
-            return dict.fromkeys(types)
-        if self._typed_rotary:
-            return {kind: self.rotary(hidden, position_ids, kind) for kind in types}
-        shared = self.rotary(hidden, position_ids)
-        return dict.fromkeys(types, shared)
-
-
-def _index_shared_attention(blocks: nn.ModuleList, start: int) -> nn.ModuleList:
-    """Zamba's shared attention blocks are built with layer_idx -1 and told their layer when called, which
-    the cache hears but the attention function does not: each copy gets its block's index (the blocks
-    share weights, not modules)."""
-    for index, block in enumerate(blocks, start):
-        for module in block.modules():
-            if getattr(module, "layer_idx", None) == -1:
-                module.layer_idx = index
-    return blocks
+            by_type = dict.fromkeys(types)
+        elif self._typed_rotary:
+            by_type = {kind: self.rotary(hidden, position_ids, kind) for kind in types}
+        else:
+            by_type = dict.fromkeys(types, self.rotary(hidden, position_ids))
+        return [by_type[self.layer_types[i]] if given[i] else None for i in range(first, last)]
 
 
 def _check_blocks(config: ModelConfig, start: int, end: int) -> None:
@@ -275,12 +268,6 @@ def _configured_shape(config: ModelConfig, layer: int) -> CacheShape:
     heads = config.layer_attribute(layer, "num_key_value_heads") or config.num_key_value_heads
     dim = config.layer_attribute(layer, "head_dim") or config.head_dim
     return CacheShape(heads, dim, heads, dim)
-
-
-def _cache_kwarg(block: nn.Module) -> str:
-    """The name a family's decoder layer takes its cache under (`cache` in most of transformers 5)."""
-    parameters = inspect.signature(block.forward).parameters
-    return next((n for n in ("cache", "past_key_values", "layer_past") if n in parameters), "cache")
 
 
 def align_prompts(prompts: torch.Tensor | None, position: int, length: int) -> torch.Tensor | None:
