@@ -25,8 +25,26 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from corolla.errors import UnsupportedModel
 from corolla.models.model_config import ATTENTION_NAME
 from corolla.models.tree import TokenTree
+
+# what transformers' attention modules pass an attention function besides q, k, v, mask, scaling, window
+# and soft-capping: applied here (gpt-oss's sinks, sparse attention's key selection) or not changing the
+# scores; any other argument is refused, for the scores would differ from the family's own
+KNOWN_ARGUMENTS = frozenset(
+    {
+        "dropout",
+        "s_aux",
+        "indices",
+        "position_ids",
+        "position_embeddings",
+        "use_cache",
+        "cache_position",
+        "output_attentions",
+        "is_causal",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +139,12 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """The attention function transformers calls as "corolla": [B, T, heads, d] out, no weights.
     Dropout (in kwargs) never applies: spans run in eval mode."""
+    unknown = set(kwargs) - KNOWN_ARGUMENTS
+    if unknown:  # a family whose attention takes more than corolla applies (Inkling's position_bias)
+        raise UnsupportedModel(
+            f"{type(module).__name__} passes {sorted(unknown)} to its attention function, which corolla's "
+            "does not apply"
+        )
     current = current_pass()
     visible = _visible(attention_mask)
     chunk = _chunk(module)

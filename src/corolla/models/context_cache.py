@@ -33,6 +33,13 @@ class ContextCache(Cache):
         self.layers = _IndexedLengths()
         self.length = 0
 
+    def __getattr__(self, name: str):
+        """What transformers' `Cache` has not and corolla's does not keep (MiniMax's `get_linear_cache`):
+        refused naming it (an AttributeError too, so that `hasattr` answers False)."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _NotKept(f"a layer asked the cache for `{name}`, which corolla's cache does not keep")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         current = current_pass()
         return current.context.store(layer_idx - current.first_layer, key_states, value_states)
@@ -85,6 +92,10 @@ class ContextCache(Cache):
         history = store(layer_idx - current.first_layer, indexer_key_states)
         self.layers[layer_idx].keys = history
         return history
+
+
+class _NotKept(UnsupportedModel, AttributeError):
+    pass
 
 
 class _Stored:

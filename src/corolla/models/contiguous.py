@@ -31,9 +31,11 @@ class ContiguousCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         aliases: Mapping[int, int] | None = None,
+        number_of_states: int = 1,
     ):
         """shapes: what each caching layer (counted from the pass's first block) stores per token; an
-        aliased layer (models/kv_sharing.py) attends with its source's buffers."""
+        aliased layer (models/kv_sharing.py) attends with its source's buffers; number_of_states: the
+        convolution and recurrent states a layer may keep (Inkling's: 4)."""
         # per layer [B, heads, max_length, d]; torch.empty leaves pages untouched until used
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -53,13 +55,15 @@ class ContiguousCache:
         self.position = 0
         self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
         # recurrent states (models/recurrent.py) of a sequence that only moves forward
-        self.states = FreshStates()
+        self.states = FreshStates(number_of_states)
 
     @classmethod
     def for_span(cls, span, batch_size: int, max_length: int) -> ContiguousCache:
         """A cache for passes over the whole of a loaded span (models/span.py), in its dtype and device."""
         shapes = {block: span.cache_shapes[block] for block in span.kv_blocks}
-        return cls(shapes, batch_size, max_length, span.dtype, span.device, span.kv_sources)
+        return cls(
+            shapes, batch_size, max_length, span.dtype, span.device, span.kv_sources, span.number_of_states
+        )
 
     def linear_state(self, layer: int) -> LinearAttentionLayer:
         """A layer's recurrent state, updated in place by every pass: it follows the sequence forward only

@@ -33,13 +33,13 @@ class _ShapeProbe:
     block: earlier ones only feed it) stores per token, what it attends with, and whether it keeps a
     recurrent state; it attends to nothing."""
 
-    def __init__(self, layer: int = 0, sublayers: int = 1):
+    def __init__(self, layer: int = 0, sublayers: int = 1, number_of_states: int = 1):
         self.layer = layer
         self.sublayers = sublayers  # the block's cache layers: layer, layer + 1, ... (LongCat-Flash: 2)
         self.stored: dict[int, tuple[torch.Size, torch.Size]] = {}  # by sublayer
         self.attended: dict[int, tuple[torch.Size, torch.Size]] = {}
         self.index_dim = 0
-        self.states = FreshStates()
+        self.states = FreshStates(number_of_states)
 
     def _sublayer(self, layer: int) -> int | None:
         return layer - self.layer if 0 <= layer - self.layer < self.sublayers else None
@@ -117,10 +117,13 @@ def _probe_block(span: Span, index: int) -> _ShapeProbe:
     model_type = span.config.model_type
     # a layer that reuses an earlier layer's sparse-attention selection runs after that layer
     first = span.start + span.selection_sources.get(index - span.start, index - span.start)
-    probe = _ShapeProbe((index - first) * span.per_block, span.per_block)
+    probe = _ShapeProbe((index - first) * span.per_block, span.per_block, span.number_of_states)
     with span.computing():
         x = torch.zeros(1, 1, span.config.wire.width, dtype=span.dtype, device=span.device)
-        span(x, probe, blocks=(first, index + 1))
+        try:
+            span(x, probe, blocks=(first, index + 1))
+        except UnsupportedModel as e:  # what the layer's own code asked of corolla's cache or attention
+            raise UnsupportedModel(f"{model_type}: block {index}: {e}") from None
     if set(probe.stored) - set(probe.attended):
         raise UnsupportedModel(f"{model_type}: its attention does not go through transformers' cache")
     kind = span.layer_types[index]
@@ -150,7 +153,8 @@ def _continues_from_state(span: Span, index: int, shape: CacheShape | None) -> b
     multi-token forms ignore the state they are given."""
     x = torch.randn(1, 3, span.config.wire.width, generator=torch.Generator().manual_seed(0))
     x = x.to(span.device, span.dtype)
-    cache = ContiguousCache({0: shape} if shape else {}, 1, 3, span.dtype, span.device)
+    shapes = {0: shape} if shape else {}
+    cache = ContiguousCache(shapes, 1, 3, span.dtype, span.device, number_of_states=span.number_of_states)
     with span.computing():
         whole = span(x, blocks=(index, index + 1))
         span(x[:, :1], cache, blocks=(index, index + 1))

@@ -89,6 +89,8 @@ def decoder_of(model: nn.Module) -> tuple[str, nn.Module]:
         layers = getattr(module, "layers", None)
         ours = getattr(module, "config", text) is text
         if isinstance(layers, nn.ModuleList) and ours and len(layers) == block_count(text)[0]:
+            if not hasattr(module, "get_input_embeddings"):  # a bare encoder stack (CPM-Ant's)
+                break
             return (f"{name}." if name else ""), module
     raise UnsupportedModel(
         f"{model.config.model_type}: corolla needs a decoder with `layers`, which {type(model).__name__} "
@@ -108,12 +110,35 @@ OUTSIDE_INPUTS = (
 )
 
 
+# what a span hands every layer (models/span.py), some of it where the layer takes it
+SPAN_INPUTS = (
+    "attention_mask",
+    "position_ids",
+    "position_embeddings",
+    "cache",
+    "past_key_values",
+    "layer_past",
+    "use_cache",
+    "per_layer_input",
+    "shared_kv_states",
+    "prev_topk_indices",
+)
+
+
 def check_layer_inputs(model_type: str, layers: nn.ModuleList, carried: tuple[str, ...] = ()) -> None:
     """Refuse decoder layers that take inputs from outside the previous layer's hidden states, but for the
     `carried` ones, which travel with them (models/handoff.py)."""
     for layer_class in dict.fromkeys(type(layer) for layer in layers):  # in the order of the layers
         parameters = inspect.signature(layer_class.forward).parameters
         outside = [name for name in OUTSIDE_INPUTS if name in parameters and name not in carried]
+        # arguments without a default that a span does not pass (Mllama's cross-attention states)
+        outside += [
+            name
+            for name, parameter in list(parameters.items())[2:]  # after self and the hidden states
+            if parameter.default is parameter.empty
+            and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+            and name not in SPAN_INPUTS + carried
+        ]
         missing = [name for name in carried if name not in parameters]
         if missing:
             raise UnsupportedModel(f"{model_type}: its layers ({layer_class.__name__}) take no {missing[0]}")
