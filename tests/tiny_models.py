@@ -285,6 +285,18 @@ LAYOUTS = {
         ),
     ),
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "conv", "full_attention"] * 2, conv_L_cache=3)),
+    "granite_swa": (  # sliding and global layers with a rotary base each, one global layer without rotary
+        # (theta 0): its forward picks each layer's from a list of rotary embeddings
+        "GraniteSWAConfig",
+        dict(
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"] * 2,
+            layer_rope_theta=[0.0, 10000.0, 10000.0, 500000.0, 10000.0, 10000.0],
+            sliding_window=4,
+            # its reference attention is eager (no SDPA), which rounds otherwise than corolla's; activations
+            # grown to 100 by the wide init made that 2e-4
+            initializer_range=0.1,
+        ),
+    ),
     "lfm3": (  # convolutions, full and sliding attention; its rotary computes only the attention types
         "Lfm3Config",
         dict(

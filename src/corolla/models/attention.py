@@ -29,22 +29,10 @@ from corolla.errors import UnsupportedModel
 from corolla.models.model_config import ATTENTION_NAME
 from corolla.models.tree import TokenTree
 
-# what transformers' attention modules pass an attention function besides q, k, v, mask, scaling, window
-# and soft-capping: applied here (gpt-oss's sinks, sparse attention's key selection) or not changing the
-# scores; any other argument is refused, for the scores would differ from the family's own
-KNOWN_ARGUMENTS = frozenset(
-    {
-        "dropout",
-        "s_aux",
-        "indices",
-        "position_ids",
-        "position_embeddings",
-        "use_cache",
-        "cache_position",
-        "output_attentions",
-        "is_causal",
-    }
-)
+# what attention modules pass an attention function besides q, k, v, mask, scaling, window, soft-cap: what
+# cannot change scores, gpt-oss's sinks, sparse attention's keys; any other argument is refused
+_INERT = frozenset({"dropout", "position_ids", "position_embeddings", "use_cache", "cache_position"})
+KNOWN_ARGUMENTS = _INERT | {"output_attentions", "is_causal", "s_aux", "indices"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ modules are told only when called.
 
 Most of this is in the layers' signatures; what the decoder's forward decides itself (LaraMini's global
 layers get no position embeddings, LFM3's convolutions none) is learned by running that forward over one
-token with every layer replaced by a recorder (`rotary_given`), as ModelHead.embed learns what the first
+token with every layer replaced by a recorder (`rotary_feeds`), as ModelHead.embed learns what the first
 layer receives."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from corolla.errors import UnsupportedModel
 
-_NOT_GIVEN = object()
+BY_TYPE = "by type"  # a layer handed the span's rotary embedding for its type (the default)
 
 
 class _Unknown(Exception):
@@ -24,9 +24,9 @@ class _Unknown(Exception):
 
 
 class _Recorder(nn.Module):
-    """Stands in for decoder layer `index`: notes its call (whether it was handed position embeddings,
-    and whether it received what the layer before it returned) and returns its input plus one, so that
-    the next layer's input tells whether the decoder's forward changed it in between."""
+    """Stands in for decoder layer `index`: notes its call (the position embeddings it was handed, and
+    whether it received what the layer before it returned) and returns its input plus one, so that the
+    next layer's input tells whether the decoder's forward changed it in between."""
 
     def __init__(self, layer: nn.Module, index: int, calls: list):
         super().__init__()
@@ -46,25 +46,27 @@ class _Recorder(nn.Module):
         if previous is not None and hidden.shape != previous.shape:
             raise _Unknown  # the decoder took part of a layer's output (Falcon-H1: `outputs[0]` of a tuple)
         handed = previous is None or torch.equal(hidden, previous)
-        given = kwargs.get("position_embeddings", _NOT_GIVEN) is not None
-        self.calls.append((self.index, given, hidden + 1, handed))
+        self.calls.append((self.index, kwargs.get("position_embeddings", BY_TYPE), hidden + 1, handed))
         return self.calls[-1][2]
 
 
-def rotary_given(
+def rotary_feeds(
     decoder: nn.Module, hidden_size: int, dtype: torch.dtype, model_type: str
-) -> tuple[bool, ...] | None:
-    """For each of the decoder's layers, whether its own forward hands it position embeddings (None
-    where that forward does not reach every layer from the embeddings alone: Gemma 3n's per-layer inputs,
-    layers returning more than their hidden states; then every layer gets its type's, as before). A
+) -> tuple[nn.ModuleList, tuple | None]:
+    """The decoder's rotary embeddings, and for each of its layers what its own forward hands it: None (no
+    position embeddings: LaraMini's global layers, LFM3's convolutions, GraniteSWA's NoPE layers), k (the
+    (cos, sin) of rotary embedding k: GraniteSWA's one per base) or BY_TYPE (the span's rotary embedding for
+    the layer's type, as before). None for the whole where that forward does not reach every layer from
+    the embeddings alone (Gemma 3n's per-layer inputs, layers returning more than their hidden states). A
     forward that runs its layers otherwise than each once, in order, each on what the one before returned
     (Dory loops some of them, renormalized, over the input section's output) is refused: spans cannot."""
     layers = decoder.layers
     calls: list = []
     decoder.layers = nn.ModuleList(_Recorder(layer, index, calls) for index, layer in enumerate(layers))
+    x = torch.zeros(1, 2, hidden_size, dtype=dtype)  # two positions: bases differ from position 1 on
     try:
         with torch.no_grad():
-            decoder(inputs_embeds=torch.zeros(1, 1, hidden_size, dtype=dtype), use_cache=False)
+            decoder(inputs_embeds=x, use_cache=False)
     except Exception:  # the final norm's meta weights, or a forward that needs more than embeddings
         pass
     finally:
@@ -75,7 +77,41 @@ def rotary_given(
             f"{model_type}: its decoder does not run each layer once, in order, on what the layer before "
             f"returned (called: {order[:12]}{'...' if len(order) > 12 else ''}), which spans cannot split"
         )
-    return tuple(given for _, given, *_ in calls) if len(calls) == len(layers) else None
+    rotaries = nn.ModuleList(rotary_modules(decoder))
+    if len(calls) != len(layers):
+        return rotaries, None
+    outputs = [_embeddings(rotary, x) for rotary in rotaries]
+    return rotaries, tuple(_feed(given, outputs) for _, given, *_ in calls)
+
+
+def rotary_modules(decoder: nn.Module) -> list[nn.Module]:
+    """The decoder's `rotary_emb` and `...RotaryEmbedding` children, also those in a list (GraniteSWA's
+    `rotary_embs`)."""
+    own = getattr(decoder, "rotary_emb", None)
+    found = [own] if isinstance(own, nn.Module) else []
+    for child in decoder.children():
+        inside = child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
+        found += [m for m in inside if type(m).__name__.endswith("RotaryEmbedding") and m is not own]
+    return found
+
+
+def _embeddings(rotary: nn.Module, x: torch.Tensor):
+    """An untyped rotary embedding's (cos, sin) for positions 0 and 1 (None: typed, or learned weights
+    still on the meta device)."""
+    if typed(rotary) or any(p.is_meta for p in rotary.parameters()):
+        return None
+    with torch.no_grad():
+        return rotary(x, torch.arange(x.shape[1])[None])
+
+
+def _feed(given, outputs: list):
+    if given is None or given is BY_TYPE:
+        return given
+    for k, output in enumerate(outputs):
+        comparable = isinstance(given, tuple) and output is not None and len(given) == len(output)
+        if comparable and all(torch.equal(a, b) for a, b in zip(given, output, strict=True)):
+            return k
+    return BY_TYPE
 
 
 def typed(rotary: nn.Module | None) -> bool:

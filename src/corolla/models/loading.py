@@ -170,10 +170,17 @@ def final_norm(decoder: nn.Module) -> nn.Module:
         *wire_modules(decoder).values(),
     )
     children = [m for m in decoder.children() if m not in skip and not isinstance(m, nn.Dropout)]
+    children = [m for m in children if not _rotary_list(m)]
     if len(children) != 1:
         names = [name for name, m in decoder.named_children() if m in children]
         raise UnsupportedModel(f"{type(decoder).__name__}: cannot tell its final norm among {names}")
     return children[0]
+
+
+def _rotary_list(module: nn.Module) -> bool:
+    """A list of rotary embeddings (GraniteSWA's `rotary_embs`, one per base)."""
+    inside = list(module.children()) if isinstance(module, (nn.ModuleList, nn.ModuleDict)) else []
+    return bool(inside) and all(type(m).__name__.endswith("RotaryEmbedding") for m in inside)
 
 
 def load_weights(

@@ -25,7 +25,7 @@ from corolla.models.attention import AttentionContext, CacheShape, NoCache, acti
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.context_cache import ContextCache
 from corolla.models.handoff import HandingLayer, with_handed
-from corolla.models.layer_calls import cache_kwarg, index_shared_attention, rotary_given, typed
+from corolla.models.layer_calls import BY_TYPE, cache_kwarg, index_shared_attention, rotary_feeds, typed
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import (
     check_layer_inputs,
@@ -83,8 +83,8 @@ class Span(nn.Module):
         )
         self.positioned_blocks = positioned_blocks(self.blocks)  # Llama 4's NoPE layers (row_passes.py)
         self._typed_rotary = typed(self.rotary)
-        # which layers the family's own forward hands position embeddings (absolute index; None: all)
-        self._given = rotary_given(decoder, config.hidden_size, dtype, config.model_type)
+        # what the family's forward hands each layer (None, BY_TYPE or an index into rotaries: layer_calls.py)
+        self.rotaries, self._feeds = rotary_feeds(decoder, config.hidden_size, dtype, config.model_type)
         self._cache_kwarg = cache_kwarg(self.blocks[0])
         # Gemma 3n and 4 hand keys and values between their layers within a pass, GLM-5 and Mistral Large 4
         # their sparse-attention selection
@@ -131,8 +131,7 @@ class Span(nn.Module):
             rotary = [name for name in checkpoint.head_names() if "rope" in name or "rotary" in name]
             load_weights(span._model[0], checkpoint, rotary, dtype)
         span._model.clear()  # the rest of the model (meta tensors) is no longer needed
-        if span.rotary is not None:
-            span.rotary.to(device)
+        span.rotaries.to(device)  # the span's own rotary embedding among them
         span.device = device
         span.dtype = dtype
         span.quantized = quantize
@@ -231,17 +230,22 @@ class Span(nn.Module):
         return run_block(block, hidden, inputs)
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> list:
-        """(cos, sin) for each of blocks [first, last), as the family's model computes them for its type,
-        or None for a block its model hands none (LaraMini's global layers, LFM3's convolutions)."""
-        given = self._given or (True,) * last
-        types = {self.layer_types[i] for i in range(first, last) if given[i]}
+        """What the family's model hands each of blocks [first, last): (cos, sin) of its type, or of the
+        rotary embedding its forward picks for it (GraniteSWA's bases), or None (no position embeddings)."""
+        feeds = self._feeds or (BY_TYPE,) * last
+        types = {self.layer_types[i] for i in range(first, last) if feeds[i] == BY_TYPE}
         if self.rotary is None:
             by_type = dict.fromkeys(types)
         elif self._typed_rotary:
             by_type = {kind: self.rotary(hidden, position_ids, kind) for kind in types}
         else:
-            by_type = dict.fromkeys(types, self.rotary(hidden, position_ids))
-        return [by_type[self.layer_types[i]] if given[i] else None for i in range(first, last)]
+            by_type = dict.fromkeys(types, self.rotary(hidden, position_ids) if types else None)
+        picked = {feeds[i] for i in range(first, last)} - {None, BY_TYPE}
+        by_index = {k: self.rotaries[k](hidden, position_ids) for k in picked}
+        return [
+            by_type[self.layer_types[i]] if feeds[i] == BY_TYPE else by_index.get(feeds[i])
+            for i in range(first, last)
+        ]
 
 
 def _check_blocks(config: ModelConfig, start: int, end: int) -> None:
