@@ -83,9 +83,10 @@ bench-decode: $(STAMP) ## decoding on one machine: vs local transformers, many s
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.grammar_libraries
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.decode.training
 
-bench-models: $(STAMP) ## families, real shapes and precisions: every family through a swarm, latent/linear/sparse attention and MoE at real shapes (random weights), quantized servers, a server's memory (bench/models/)
+bench-models: $(STAMP) ## families, real shapes and precisions: every family through a swarm, every causal LM of transformers tried, latent/linear/sparse attention and MoE at real shapes (random weights), quantized servers, a server's memory (bench/models/)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.memory
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.models
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.sweep
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.quantize
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.quantize_isolation
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.mla
