@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> None:
             "`corolla dht` (or a server) prints, e.g. --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm..."
         )
     # through `with model`: its DHT process and daemon stop too; Ctrl-C again (`timeout -s INT` signals the
-    # command, then its group) is ignored while they stop
-    exit_on(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # command, then its group) is ignored while they stop, and so are the warnings of a stopping client
+    exit_on(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, quiet=True)
     params = sampling_params(args)
     config = client_config(args)
     model = None

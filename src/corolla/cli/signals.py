@@ -8,9 +8,11 @@ import signal
 import sys
 
 
-def exit_on(*signals: signal.Signals, status: int | None = None) -> None:
+def exit_on(*signals: signal.Signals, status: int | None = None, quiet: bool = False) -> None:
     """From now on, the first of `signals` raises SystemExit(status, or 128 + its number) in the main
-    thread, and the others are then ignored while the command stops what it started.
+    thread, and the others are then ignored while the command stops what it started; `quiet`: warnings
+    are no longer logged then (a second Ctrl-C reaches the command's group, its DHT process and libp2p
+    daemon among it: the client would warn of the server it can no longer reach while it stops).
 
     Without this, SIGTERM (`kill`, docker stop) and SIGHUP (a closed terminal) end the process at once:
     its DHT child process, libp2p daemon or local swarm stay behind.
@@ -19,6 +21,8 @@ def exit_on(*signals: signal.Signals, status: int | None = None) -> None:
     def handler(signum: int, _frame: object) -> None:
         for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
+        if quiet:
+            logging.disable(logging.WARNING)
         raise SystemExit(128 + signum if status is None else status)
 
     for sig in signals:
