@@ -23,6 +23,7 @@ again (`pack`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -152,8 +153,7 @@ class HandingLayer:
         self.layer = layer
         self.wire = wire
         self.dtype = dtype
-        takes_index = "layer_idx" in inspect.signature(layer.forward).parameters
-        self.extra = {"layer_idx": index} if takes_index else {}
+        self.extra = {"layer_idx": index} if _takes_index(type(layer)) else {}
 
     def __call__(self, wire: torch.Tensor, **inputs) -> torch.Tensor:
         hidden = wire[..., : self.wire.hidden_size]
@@ -164,6 +164,13 @@ class HandingLayer:
         elif isinstance(out, tuple):
             out = out[0]
         return torch.cat([out, handed.to(out.dtype)], dim=-1)
+
+
+@functools.cache
+def _takes_index(layer_class: type) -> bool:
+    """Whether a layer class's forward takes its own index (read once per class: a span wraps its layers
+    in a HandingLayer on every pass)."""
+    return "layer_idx" in inspect.signature(layer_class.forward).parameters
 
 
 def merge_streams(streams: torch.Tensor, projections: nn.ModuleList) -> torch.Tensor:

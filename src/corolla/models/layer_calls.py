@@ -16,6 +16,7 @@ from torch import nn
 
 from corolla.errors import UnsupportedModel
 
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # a layer's cache, by family and age
 BY_TYPE = "by type"  # a layer handed the span's rotary embedding for its type (the default)
 
 
@@ -133,4 +134,4 @@ def index_shared_attention(blocks: nn.ModuleList, start: int) -> nn.ModuleList:
 def cache_kwarg(block: nn.Module) -> str:
     """The name a family's decoder layer takes its cache under (`cache` in most of transformers 5)."""
     parameters = inspect.signature(block.forward).parameters
-    return next((n for n in ("cache", "past_key_values", "layer_past") if n in parameters), "cache")
+    return next((n for n in CACHE_ARGUMENTS if n in parameters), "cache")

@@ -27,6 +27,7 @@ from corolla.errors import UnsupportedModel
 from corolla.models import attention as _registers  # noqa: F401 (registers corolla's attention function with transformers)
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.handoff import wire_modules
+from corolla.models.layer_calls import CACHE_ARGUMENTS
 from corolla.models.lm_class import lm_class
 from corolla.models.model_config import ModelConfig, block_count
 
@@ -115,9 +116,7 @@ SPAN_INPUTS = (
     "attention_mask",
     "position_ids",
     "position_embeddings",
-    "cache",
-    "past_key_values",
-    "layer_past",
+    *CACHE_ARGUMENTS,
     "use_cache",
     "per_layer_input",
     "shared_kv_states",
