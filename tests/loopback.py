@@ -278,9 +278,9 @@ class LoopbackNetwork:
         server = LoopbackServer(self, peer_id, config, spans, Pusher(self.transport(peer_id), PREFIX))
         wire, num_blocks = self.model.wire, self.model.num_hidden_layers
         server.inference = InferenceService(
-            spans, config, wire.width, server.pusher, num_blocks, wire.hidden_size
+            spans, config, wire.width, server.pusher, num_blocks, wire.hidden_size, wire
         )
-        passes = PassService(spans, config, wire.width, wire.hidden_size)
+        passes = PassService(spans, config, wire.width, wire.hidden_size, wire)
         fingerprint = self.model.fingerprint()
         compute = Compute("float32", 1e3, device_info(device))
         server.status = StatusBoard(spans, server.inference, config, "test", compute, None, fingerprint)

@@ -56,6 +56,7 @@ LINEAR = dict(
     head_dim=16,
     layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
 )
+COMPRESSED = ["heavily_compressed_attention", "compressed_sparse_attention"]  # DeepSeek-V4's
 NO_ROTARY = "qk_rope_head_dim"  # GLM-5-Next's latent attention has no rotary part (0)
 # family -> (config class, what sets the family apart), each exercising what its modeling code adds
 LAYOUTS = {
@@ -360,6 +361,29 @@ LAYOUTS = {
             router_hidden_size=16,
         ),
     ),
+    "deepseek_v4": (  # compressed sparse (CSA, an indexer's top 3 of entries every 2 tokens), heavily
+        # compressed (HCA: every 4) and sliding attention (window 8) with K = V and sinks, hyper-connection
+        # streams, hash-routed experts picked by the token ids in the first 3 layers
+        "DeepseekV4Config",
+        dict(
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"]
+            * 2,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            sliding_window=8,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            hc_mult=2,
+        ),
+    ),
     "zamba2": (  # Mamba-2 layers, and hybrids whose shared attention blocks (2, each tied across layers,
         # with per-layer adapters) read the embeddings' output beside the hidden states
         "Zamba2Config",
@@ -426,6 +450,7 @@ RECURRENT = (
     "falcon_h1",
     "zaya",
     "zamba2",
+    "deepseek_v4",  # its attention's own cache layers, kept per sequence like a state
 )
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # the families of the training, adapter and routing tests
 
@@ -453,9 +478,25 @@ def save_tiny_model(
     config = tiny_config(family, **changes)
     model_class = lm_class(config.get_text_config(), config)  # transformers' own class
     model = model_class._from_config(config, dtype=torch.float32)
+    _draw_constants(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def _draw_constants(model) -> None:
+    """Random values where transformers initializes to a constant what a checkpoint's training sets
+    (DeepSeek-V4's token-to-expert table, attention sinks, compressors' position biases), so that
+    what depends on them is tested."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("tid2eid"):
+                tensor.copy_(
+                    torch.randint(0, model.config.n_routed_experts, tensor.shape, generator=generator)
+                )
+            elif name.endswith(("self_attn.sinks", "position_bias")):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
 
 
 def save_tiny_mtp_model(family: str, path: Path, *, seed: int = 0, **changes) -> Path:

@@ -35,6 +35,10 @@ hidden states.
 zamba2: Mamba-2 layers, and hybrid layers whose shared attention blocks (two, each stored once and tied
 across layers, with per-layer adapters) read the embeddings' output, which travels beside the hidden
 states; the second span's last block reads the weights the checkpoint stores under block 1.
+deepseek_v4: compressed sparse attention (an entry every 2 tokens, an indexer's top 3 of them), heavily
+compressed attention (every 4) and sliding attention, each layer's cache transformers' own object per
+session row (window, compressed entries, the compressors' buffers and overlap); hyper-connection streams
+and the token ids (its first layers' experts are picked by them) travel between the servers.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ FRONTIER = [
     "longcat_flash",
     "zaya",
     "zamba2",
+    "deepseek_v4",
 ]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values

@@ -98,10 +98,15 @@ class RowGroups:
             raise RuntimeError("a layer that keeps a state ran outside a group of rows")
         return self.current.linear_state(layer, self.number_of_states)
 
-    def _groups(self) -> Iterator[RowGroup]:
+    def singly(self) -> Iterator[RowGroup]:
+        """Every row alone (each root-to-leaf path of a token tree), for layers that keep a cache of
+        their own per sequence (models/layer_caches.py); the caller keeps what a `write` group leaves."""
+        return self._groups(batched=False)
+
+    def _groups(self, batched: bool = True) -> Iterator[RowGroup]:
         decoding: dict[str | None, list[Row]] = {}
         for row in self.rows:
-            if row.length == 1 and row.tree is None and row.position > 0:
+            if batched and row.length == 1 and row.tree is None and row.position > 0:
                 decoding.setdefault(row.adapter, []).append(row)
             elif row.tree is not None and not row.tree.is_chain:
                 for path in row.tree.leaf_paths():

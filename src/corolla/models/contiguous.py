@@ -56,6 +56,7 @@ class ContiguousCache:
         self.tree: TokenTree | None = None  # the tree the next pass's tokens end (None: a sequence)
         # recurrent states (models/recurrent.py) of a sequence that only moves forward
         self.states = FreshStates(number_of_states)
+        self.held_layers: dict = {}  # DeepSeek-V4's cache layer objects by layer (models/layer_caches.py)
 
     @classmethod
     def for_span(cls, span, batch_size: int, max_length: int) -> ContiguousCache:
@@ -71,7 +72,7 @@ class ContiguousCache:
         return self.states.linear_state(layer)
 
     def _check_no_states(self, what: str) -> None:
-        if self.states.layers:
+        if self.states.layers or self.held_layers:
             raise UnsupportedModel(
                 f"{what} needs earlier recurrent states, which a ContiguousCache does not keep"
             )
@@ -123,7 +124,7 @@ class ContiguousCache:
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Beam search: row i of the batch continues from row hypo_ids[i]."""
-        for layer in self.states.layers.values():
+        for layer in [*self.states.layers.values(), *self.held_layers.values()]:
             layer.reorder_cache(hypo_ids)
         for buffer in self._buffers():
             stored = buffer[..., : self.position, :]

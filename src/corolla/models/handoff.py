@@ -15,6 +15,8 @@ layouts hand their layers more:
   `prev_router_hidden_states`, and returns its own; zeros into the model's first layer, whose router reads
   none), Zamba's embeddings' output (`original_hidden_states`, which each shared attention block reads
   beside the hidden states: the same for every layer). The last layer's is dropped.
+- the token ids, where layers route by them (DeepSeek-V4's hash-routed MoE layers pick their experts by
+  `input_ids`): each id as ID_DIGITS base-256 digits, which every float dtype of the wire holds exactly.
 
 Everything that carries hidden states (steps, pushes, replays, spot checks, forward and backward
 passes) carries this tensor unchanged; only a span unpacks it (`unpack`) around its layers and packs it
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from corolla.errors import UnsupportedModel
+from corolla.errors import InvalidRequest, UnsupportedModel
 
 # the decoder's modules outside its layers that make or merge what travels between spans (the head's)
 WIRE_MODULES = (
@@ -52,6 +54,14 @@ HANDED = {
     "router_hidden_size": ("router_hidden_size", "prev_router_hidden_states", True),  # ZAYA's router states
     "num_mem_blocks": (None, "original_hidden_states", False),  # Zamba2's embeddings' output
 }
+# token ids travel as digits in base 256, exact in bfloat16 and float16 (integers up to 256 and 2048)
+ID_DIGITS = 3
+ID_BASE = 256
+
+
+def routes_by_ids(hf: Any) -> bool:
+    """Whether a family's layers pick experts by the token ids (DeepSeek-V4's `hash_moe` layers)."""
+    return "hash_moe" in (getattr(hf, "mlp_layer_types", None) or ())
 
 
 def wire_modules(decoder: nn.Module) -> dict[str, nn.Module]:
@@ -69,6 +79,8 @@ class WireLayout:
     handed: int = 0  # the width of the input handed from layer to layer beside the hidden states (0: none)
     handed_input: str = ""  # the layers' argument it is (HANDED)
     handed_back: bool = False  # each layer returns its own (ZAYA) rather than handing on what it got
+    token_ids: int = 0  # floats per token carrying its id (ID_DIGITS where layers route by ids; 0: none)
+    vocab_size: int = 0  # the ids' bound, where they travel
 
     @classmethod
     def of(cls, hf: Any) -> WireLayout:
@@ -81,6 +93,11 @@ class WireLayout:
         handed = 0 if marker is None else int(getattr(hf, width_field or "hidden_size"))
         if handed and (streams > 1 or per_layer):
             raise UnsupportedModel(f"{hf.model_type}: a handed input beside streams or per-layer inputs")
+        token_ids = ID_DIGITS if routes_by_ids(hf) else 0
+        if token_ids and int(hf.vocab_size) > ID_BASE**ID_DIGITS:
+            raise UnsupportedModel(
+                f"{hf.model_type}: token ids of {hf.vocab_size} do not fit the wire's digits"
+            )
         return cls(
             hidden_size=int(hf.hidden_size),
             streams=streams,
@@ -90,31 +107,74 @@ class WireLayout:
             handed=handed,
             handed_input=handed_input,
             handed_back=handed_back,
+            token_ids=token_ids,
+            vocab_size=int(hf.vocab_size) if token_ids else 0,
         )
 
     @property
     def width(self) -> int:
         """Floats per token on the wire."""
-        return self.streams * self.hidden_size + self.handed + self.num_layers * self.per_layer
+        return (
+            self.streams * self.hidden_size + self.handed + self.token_ids + self.num_layers * self.per_layer
+        )
 
     @property
     def carries(self) -> tuple[str, ...]:
         """The layers' inputs besides the hidden states that travel on the wire."""
-        return (self.handed_input,) if self.handed else ()
+        return ((self.handed_input,) if self.handed else ()) + (("input_ids",) if self.token_ids else ())
 
     @property
     def plain(self) -> bool:
         return self.width == self.hidden_size
 
-    def pack(self, hidden: torch.Tensor, per_layer_inputs: torch.Tensor | None) -> torch.Tensor:
-        """hidden [B, T, H] (or its streams) and per-layer inputs [B, T, layers, per_layer] -> [B, T, W]."""
+    def pack(
+        self, hidden: torch.Tensor, per_layer_inputs: torch.Tensor | None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [B, T, H] (or its streams), the token ids [B, T] where they travel and per-layer inputs
+        [B, T, layers, per_layer] -> [B, T, W]."""
         if self.plain:
             return hidden
         if self.streams > 1:
             hidden = (hidden.permute(1, 2, 0, 3) if self.streams_first else hidden).flatten(2)
-        if per_layer_inputs is None:
-            return hidden
-        return torch.cat([hidden, per_layer_inputs.flatten(2).to(hidden.dtype)], dim=-1)
+        parts = [hidden]
+        if self.token_ids:
+            digits = [ids // ID_BASE**k % ID_BASE for k in reversed(range(self.token_ids))]
+            parts.append(torch.stack(digits, dim=-1).to(hidden.device, hidden.dtype))
+        if per_layer_inputs is not None:
+            parts.append(per_layer_inputs.flatten(2).to(hidden.dtype))
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else hidden
+
+    def sample(self, *shape: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Random wire tensors [*shape, width] (float32) for measurements and tests: normal hidden states,
+        and valid token ids where they travel."""
+        wire = torch.randn(*shape, self.width, generator=generator)
+        if self.token_ids:
+            ids = torch.randint(0, self.vocab_size, shape, generator=generator)
+            hidden, per_layer_inputs = self.unpack(wire, handed=True)
+            wire = self.pack(hidden, per_layer_inputs, ids)
+        return wire
+
+    def check_ids(self, wire: torch.Tensor) -> None:
+        """Refuse a peer's wire tensor whose token-id digits are not ids of the vocabulary."""
+        if not self.token_ids:
+            return
+        start = self.streams * self.hidden_size + self.handed
+        digits = wire[..., start : start + self.token_ids].float()
+        if not bool(((digits >= 0) & (digits < ID_BASE) & (digits == digits.round())).all()):
+            raise InvalidRequest(
+                f"hidden_states: floats {start}..{start + self.token_ids - 1} of each token must be its id's "
+                f"base-{ID_BASE} digits"
+            )
+        if int(self.ids(wire).max()) >= self.vocab_size:
+            raise InvalidRequest(f"hidden_states: a token id is not below the vocabulary's {self.vocab_size}")
+
+    def ids(self, wire: torch.Tensor) -> torch.Tensor | None:
+        """The token ids [B, T] (int64) a wire tensor carries, or None where they do not travel."""
+        if not self.token_ids:
+            return None
+        start = self.streams * self.hidden_size + self.handed
+        digits = wire[..., start : start + self.token_ids].detach().float().round().long()
+        return sum(digits[..., k] * ID_BASE ** (self.token_ids - 1 - k) for k in range(self.token_ids))
 
     def unpack(self, wire: torch.Tensor, handed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T, width] -> (hidden [B, T, H] or its streams, followed by the handed state where the family
@@ -128,7 +188,8 @@ class WireLayout:
             hidden = hidden.permute(2, 0, 1, 3) if self.streams_first else hidden
         if not self.per_layer:
             return hidden, None
-        return hidden, wire[..., split:].unflatten(-1, (self.num_layers, self.per_layer))
+        start = self.streams * self.hidden_size + self.handed + self.token_ids
+        return hidden, wire[..., start:].unflatten(-1, (self.num_layers, self.per_layer))
 
 
 def with_handed(hidden: torch.Tensor, wire: WireLayout, first: bool = True) -> torch.Tensor:

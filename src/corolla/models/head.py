@@ -148,7 +148,7 @@ class ModelHead(nn.Module):
         if self.wire.per_layer:  # the decoder's own steps, which its forward hands layer by layer
             token_part = decoder.get_per_layer_inputs(input_ids)
             per_layer_inputs = decoder.project_per_layer_inputs(self.embed_tokens(input_ids), token_part)
-        return self.wire.pack(with_handed(hidden, self.wire), per_layer_inputs)
+        return self.wire.pack(with_handed(hidden, self.wire), per_layer_inputs, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., width] outputs of the last block -> [..., vocab]."""

@@ -18,6 +18,8 @@ from corolla.errors import UnsupportedModel
 
 CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # a layer's cache, by family and age
 BY_TYPE = "by type"  # a layer handed the span's rotary embedding for its type (the default)
+# a layer handed every type's of the rotary embedding, by type (DeepSeek-V4's "main" and "compress")
+ALL_TYPES = "all types"
 
 
 class _Unknown(Exception):
@@ -108,11 +110,46 @@ def _embeddings(rotary: nn.Module, x: torch.Tensor):
 def _feed(given, outputs: list):
     if given is None or given is BY_TYPE:
         return given
+    if isinstance(given, dict):
+        return ALL_TYPES
     for k, output in enumerate(outputs):
         comparable = isinstance(given, tuple) and output is not None and len(given) == len(output)
         if comparable and all(torch.equal(a, b) for a, b in zip(given, output, strict=True)):
             return k
     return BY_TYPE
+
+
+def block_rotaries(
+    rotary: nn.Module | None,
+    rotaries: nn.ModuleList,
+    feeds: tuple,
+    layer_types: tuple[str, ...],
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor,
+    first: int,
+    last: int,
+) -> list:
+    """What a family's model hands each of blocks [first, last) (`feeds`: rotary_feeds'): (cos, sin) of its
+    type, or of the rotary embedding its forward picks for it (GraniteSWA's bases), or every type's by type
+    (DeepSeek-V4), or None (no position embeddings)."""
+    types = {layer_types[i] for i in range(first, last) if feeds[i] == BY_TYPE}
+    if rotary is None:
+        by_type = dict.fromkeys(types)
+    elif typed(rotary):
+        by_type = {kind: rotary(hidden, position_ids, kind) for kind in types}
+    else:
+        by_type = dict.fromkeys(types, rotary(hidden, position_ids) if types else None)
+    if ALL_TYPES in feeds[first:last]:
+        every = {kind: rotary(hidden, position_ids, kind) for kind in rotary.layer_types}
+    picked = {feeds[i] for i in range(first, last)} - {None, BY_TYPE, ALL_TYPES}
+    by_index = {k: rotaries[k](hidden, position_ids) for k in picked}
+    given = []
+    for i in range(first, last):
+        if feeds[i] == BY_TYPE:
+            given.append(by_type[layer_types[i]])
+        else:
+            given.append(every if feeds[i] == ALL_TYPES else by_index.get(feeds[i]))
+    return given
 
 
 def typed(rotary: nn.Module | None) -> bool:

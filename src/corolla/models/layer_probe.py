@@ -12,6 +12,7 @@ from torch import nn
 from corolla.errors import UnsupportedModel
 from corolla.models.attention import CacheShape
 from corolla.models.contiguous import ContiguousCache
+from corolla.models.layer_caches import held_bytes
 from corolla.models.recurrent import STATELESS_LAYER_TYPES, FreshStates, row_states
 
 Span = nn.Module  # models/span.py's Span (which imports this module)
@@ -92,6 +93,10 @@ def measure_layers(span: Span) -> LayerLayout:
         if local in span.kv_sources:
             continue
         index = span.start + local
+        if span.held is not None:  # a cache of its own per sequence (models/layer_caches.py)
+            state_blocks.append(local)
+            state_bytes += held_bytes(span.config.hf, index, span.dtype.itemsize)[0]
+            continue
         probe = _probe_block(span, index)
         block_shapes = {}
         for sublayer, stored in sorted(probe.stored.items()):  # a hybrid layer (Falcon-H1) also keeps a state
@@ -151,7 +156,7 @@ def _continues_from_state(span: Span, index: int, shape: CacheShape | None) -> b
     """Whether block `index` (which keeps a state, and caches keys and values of `shape` if a hybrid)
     computes 2 tokens after a first one as it computes them in one pass over all 3: some of transformers'
     multi-token forms ignore the state they are given."""
-    x = torch.randn(1, 3, span.config.wire.width, generator=torch.Generator().manual_seed(0))
+    x = span.config.wire.sample(1, 3, generator=torch.Generator().manual_seed(0))
     x = x.to(span.device, span.dtype)
     shapes = {0: shape} if shape else {}
     cache = ContiguousCache(shapes, 1, 3, span.dtype, span.device, number_of_states=span.number_of_states)

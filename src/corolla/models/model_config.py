@@ -38,6 +38,9 @@ SUPPORTED_LAYER_TYPES = (
     "hybrid",  # attention and a Mamba mixer side by side in one layer (Falcon-H1), or attention with a
     # recurrent projection (ZAYA's convolved queries and keys, delayed values)
     "hybrid_sliding",  # the same within a sliding window (ZAYA)
+    # DeepSeek-V4's compressed sparse and heavily compressed attention (models/layer_caches.py)
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
     "mlp",
     "moe",
 )

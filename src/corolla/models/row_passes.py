@@ -71,7 +71,7 @@ def indexed_pass(
     out = torch.empty_like(hidden)
     for row, (tokens, row_context) in enumerate(single_rows(by_path=pooled)):
         tokens = tokens.to(hidden.device)
-        rows, taken = _one_row(hidden, inputs, tokens)
+        rows, taken = one_row(hidden, inputs, tokens)
         taken["attention_mask"] = (
             _padding(rows) if pooled else row_context.visibility(len(tokens)).to(hidden.device)
         )
@@ -103,13 +103,13 @@ def positioned_pass(block: nn.Module, hidden: torch.Tensor, context, first: int,
     out = torch.empty_like(hidden)
     for tokens, row_context in single_rows(by_path=True):
         tokens = tokens.to(hidden.device)
-        rows, taken = _one_row(hidden, inputs, tokens)
+        rows, taken = one_row(hidden, inputs, tokens)
         with active_context(row_context, first), use_adapters(row_context.rows[0].adapter):
             out[0, tokens] = _counted_from(block, rows, taken, cache)[0]
     return out
 
 
-def _one_row(hidden: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def one_row(hidden: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """One row's (or tree path's) part of a packed pass [1, N, ...]: its hidden states and its inputs."""
     shape = (1, len(tokens))
     packed = hidden.shape[1]
@@ -169,7 +169,10 @@ def _at(value, t: int):
 
 
 def _take(value, tokens: torch.Tensor, shape: tuple[int, int], packed: int):
-    """A packed input's part for some tokens, [1, N, ...] -> [rows, length, ...] (tuples element-wise)."""
+    """A packed input's part for some tokens, [1, N, ...] -> [rows, length, ...] (tuples and dicts
+    element-wise: DeepSeek-V4's position embeddings by rotary type)."""
+    if type(value) is dict:  # not a KVSharingDict
+        return {name: _take(v, tokens, shape, packed) for name, v in value.items()}
     if isinstance(value, tuple):
         return tuple(_take(v, tokens, shape, packed) for v in value)
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, packed):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from pathlib import Path
 
 import torch
@@ -25,7 +26,14 @@ from corolla.models.attention import AttentionContext, CacheShape, NoCache, acti
 from corolla.models.checkpoint import Checkpoint
 from corolla.models.context_cache import ContextCache
 from corolla.models.handoff import HandingLayer, with_handed
-from corolla.models.layer_calls import BY_TYPE, cache_kwarg, index_shared_attention, rotary_feeds, typed
+from corolla.models.layer_caches import LayerMakers, held_bytes, held_family, held_pass
+from corolla.models.layer_calls import (
+    BY_TYPE,
+    block_rotaries,
+    cache_kwarg,
+    index_shared_attention,
+    rotary_feeds,
+)
 from corolla.models.layer_probe import measure_layers
 from corolla.models.loading import (
     check_layer_inputs,
@@ -48,9 +56,8 @@ class Span(nn.Module):
         self.config = config
         self.start = start
         self.end = end
-        self._model = [
-            empty_model(config, ATTENTION_NAME, dtype)
-        ]  # a list: not a submodule, not in state_dict
+        # a list: not a submodule, not in state_dict
+        self._model = [empty_model(config, ATTENTION_NAME, dtype)]
         _, decoder = decoder_of(self._model[0])
         check_layer_inputs(config.model_type, decoder.layers, config.wire.carries)
         self.blocks = index_shared_attention(nn.ModuleList(decoder.layers[start:end]), start)
@@ -82,7 +89,8 @@ class Span(nn.Module):
             i for i, kind in enumerate(config.layer_types[start:end]) if kind == "indexed_attention"
         )
         self.positioned_blocks = positioned_blocks(self.blocks)  # Llama 4's NoPE layers (row_passes.py)
-        self._typed_rotary = typed(self.rotary)
+        # blocks whose cache is transformers' own layer object per sequence (models/layer_caches.py)
+        self.held = LayerMakers(config.hf) if held_family(config.hf) else None
         # what the family's forward hands each layer (None, BY_TYPE or an index into rotaries: layer_calls.py)
         self.rotaries, self._feeds = rotary_feeds(decoder, config.hidden_size, dtype, config.model_type)
         self._cache_kwarg = cache_kwarg(self.blocks[0])
@@ -152,7 +160,11 @@ class Span(nn.Module):
     @property
     def cache_bytes_per_token(self) -> int:
         """What one token's cache takes over the whole span, as the layers store it."""
-        return sum(self.cache_shapes[b].bytes_per_token(self.dtype.itemsize) for b in self.kv_blocks)
+        paged = sum(self.cache_shapes[b].bytes_per_token(self.dtype.itemsize) for b in self.kv_blocks)
+        if self.held is None:
+            return paged
+        held = [held_bytes(self.config.hf, self.start + b, self.dtype.itemsize)[1] for b in self.state_blocks]
+        return paged + math.ceil(sum(held))  # DeepSeek-V4's compressed entries
 
     @property
     def precision(self) -> str:
@@ -173,28 +185,28 @@ class Span(nn.Module):
         hidden: [B, T, width] for tokens at positions [position, position + T), or at `positions` [T]
         when given (packed batches of several sequences); width is the model's wire width, the hidden
         size for most families (models/handoff.py).
-        prompts: optional deep-prompt additions aligned with hidden, [b - a, B or 1, T, hidden] (see
-        `align_prompts`), added to each block's input. The context's cache layer i belongs to block
-        a + i // per_block.
+        prompts: deep-prompt additions [b - a, B or 1, T, hidden] (`align_prompts`) to each block's input.
+        The context's cache layer i belongs to block a + i // per_block.
         """
         first, last = blocks or (self.start, self.end)
         if positions is None:
             positions = torch.arange(position, position + hidden.shape[1], device=hidden.device)
         position_ids = positions[None]
         rotary = self._rotary(hidden, position_ids, first, last)
-        # the hidden states (or parallel streams) and each layer's per-layer input (models/handoff.py)
-        hidden, per_layer_inputs = self.config.wire.unpack(hidden, handed=True)
+        wire = self.config.wire  # hidden states (or streams), per-layer inputs, token ids: models/handoff.py
+        ids = wire.ids(hidden)
+        hidden, per_layer_inputs = wire.unpack(hidden, handed=True)
         cache = ContextCache(self.number_of_states)
         context = context or NoCache()
+        # every layer's: Gemma 3n's keys and values shared within the pass, DeepSeek-V4's token ids
         shared = {"shared_kv_states": KVSharingDict()} if self._shares_kv else {}
+        shared |= {"input_ids": ids} if ids is not None else {}
         # what each row's sparse-attention layer hands the next (GLM-5, Mistral Large 4: row_passes.py)
         carried = {} if self._threads_selection else None
         with active_context(context, first * self.per_block):
             for layer in range(last - first):
                 if prompts is not None:  # (none to a handed state)
-                    hidden = hidden + with_handed(prompts[layer], self.config.wire, first=False).to(
-                        hidden.dtype
-                    )
+                    hidden = hidden + with_handed(prompts[layer], wire, first=False).to(hidden.dtype)
                 inputs = {
                     "attention_mask": None,
                     "position_ids": position_ids,
@@ -207,7 +219,7 @@ class Span(nn.Module):
                     inputs["per_layer_input"] = per_layer_inputs[:, :, first + layer]
                 local = first + layer - self.start
                 hidden = self._run(local, hidden, inputs, context, first * self.per_block, carried)
-        return self.config.wire.pack(hidden, per_layer_inputs)
+        return wire.pack(hidden, per_layer_inputs, ids)
 
     def _run(
         self, local: int, hidden: torch.Tensor, inputs: dict, context, first: int, carried: dict | None
@@ -217,6 +229,8 @@ class Span(nn.Module):
         block = self.blocks[local]
         if self.config.wire.handed:  # ZAYA's router state, Zamba's embeddings (models/handoff.py)
             block = HandingLayer(block, self.config.wire, self.dtype, self.start + local)
+        if self.held is not None:
+            return held_pass(block, hidden, context, first, inputs, self._cache_kwarg, self.held)
         groups = getattr(context, "row_groups", None)  # a packed pass's rows (engine/rows.py)
         if local in self.indexed_blocks:
             return indexed_pass(block, hidden, context, first, inputs, carried, self.config.pooled_indexer)
@@ -230,22 +244,11 @@ class Span(nn.Module):
         return run_block(block, hidden, inputs)
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, first: int, last: int) -> list:
-        """What the family's model hands each of blocks [first, last): (cos, sin) of its type, or of the
-        rotary embedding its forward picks for it (GraniteSWA's bases), or None (no position embeddings)."""
+        """What the family's model hands each of blocks [first, last) as position embeddings."""
         feeds = self._feeds or (BY_TYPE,) * last
-        types = {self.layer_types[i] for i in range(first, last) if feeds[i] == BY_TYPE}
-        if self.rotary is None:
-            by_type = dict.fromkeys(types)
-        elif self._typed_rotary:
-            by_type = {kind: self.rotary(hidden, position_ids, kind) for kind in types}
-        else:
-            by_type = dict.fromkeys(types, self.rotary(hidden, position_ids) if types else None)
-        picked = {feeds[i] for i in range(first, last)} - {None, BY_TYPE}
-        by_index = {k: self.rotaries[k](hidden, position_ids) for k in picked}
-        return [
-            by_type[self.layer_types[i]] if feeds[i] == BY_TYPE else by_index.get(feeds[i])
-            for i in range(first, last)
-        ]
+        return block_rotaries(
+            self.rotary, self.rotaries, feeds, self.layer_types, hidden, position_ids, first, last
+        )
 
 
 def _check_blocks(config: ModelConfig, start: int, end: int) -> None:

@@ -151,9 +151,9 @@ class Server:
         num_blocks = self.model.num_hidden_layers
         self.pusher = Pusher(P2PTransport(self.p2p), self.dht_prefix)
         self.inference = InferenceService(
-            self.spans, config, wire.width, self.pusher, num_blocks, wire.hidden_size
+            self.spans, config, wire.width, self.pusher, num_blocks, wire.hidden_size, wire
         )
-        passes = PassService(self.spans, config, wire.width, wire.hidden_size)
+        passes = PassService(self.spans, config, wire.width, wire.hidden_size, wire)
         period = config.announce_period
         dtype = str(self.dtype).replace("torch.", "")
         speed = self.speed

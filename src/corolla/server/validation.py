@@ -13,6 +13,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.errors import InvalidRequest
+from corolla.models.handoff import WireLayout
 from corolla.wire import tensors as wire_tensors
 from corolla.wire.fields import MAX_METADATA_BYTES
 
@@ -89,13 +90,17 @@ def read_hidden(
     max_batch_size: int,
     max_length: int | None = None,
     limit: str = "max_length",
+    wire: WireLayout | None = None,
 ) -> torch.Tensor:
     """The first tensor of a request: hidden states [B, T, hidden] in a float dtype, T <= max_length,
-    checked (`check_hidden`) before it is decoded."""
+    checked (`check_hidden`) before it is decoded; the token ids it carries, where `wire` has them, after."""
     if not protos:
         raise InvalidRequest("hidden_states: the request carries no tensors")
     check_hidden(protos[0], hidden_size, max_batch_size, max_length, limit)
-    return wire_tensors.deserialize(protos[0], "hidden_states")
+    hidden = wire_tensors.deserialize(protos[0], "hidden_states")
+    if wire is not None:
+        wire.check_ids(hidden)
+    return hidden
 
 
 def read_grad_outputs(protos: list[runtime_pb2.Tensor], like: torch.Tensor) -> torch.Tensor:

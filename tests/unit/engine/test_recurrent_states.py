@@ -65,10 +65,11 @@ def test_a_rows_states_are_charged_cache_pages_until_it_closes(tiny_models):
 def test_batched_decoding_matches_whole_sequences(tiny_models, family):
     engine = make_engine(tiny_models[family], max_batch_tokens=24, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(1)
-    width = engine.span.config.wire.width  # (ZAYA: the router state a layer hands the next beside)
+    # (ZAYA: the router state a layer hands the next beside; DeepSeek-V4: the token ids)
+    wire = engine.span.config.wire
     plans = {
-        f"s{i}": [torch.randn(batch, prompt, width, generator=generator)]
-        + [torch.randn(batch, 1, width, generator=generator) for _ in range(4)]
+        f"s{i}": [wire.sample(batch, prompt, generator=generator)]
+        + [wire.sample(batch, 1, generator=generator) for _ in range(4)]
         for i, (batch, prompt) in enumerate([(1, 13), (2, 5), (1, 1), (1, 30)])
     }
     passes = []
@@ -81,12 +82,12 @@ def test_batched_decoding_matches_whole_sequences(tiny_models, family):
             assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "jamba", "lfm2", "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_5", "jamba", "lfm2", "falcon_h1", "deepseek_v4"])
 def test_rollbacks_and_beam_reordering_restore_exact_states(tiny_models, family):
     engine = make_engine(tiny_models[family], page_size=4, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(2)
     sizes = [7, 1, 3, 2, 1, 2, 1]
-    plan = [torch.randn(3, n, H, generator=generator) for n in sizes]
+    plan = [engine.span.config.wire.sample(3, n, generator=generator) for n in sizes]
     # a 3-token draft at 8 keeps 1 token (rollback to 9), then a rollback to 4 (before the last snapshot)
     rollbacks = [None, None, None, 9, None, 4, None]
     hypo = [None, torch.tensor([2, 2, 0]), None, None, torch.tensor([1, 0, 2]), None, None]
@@ -96,11 +97,12 @@ def test_rollbacks_and_beam_reordering_restore_exact_states(tiny_models, family)
         assert_close(actual, reference)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "falcon_h1", "deepseek_v4"])
 def test_a_tree_runs_each_path_from_the_state_and_its_kept_path_goes_on(tiny_models, family):
     engine = make_engine(tiny_models[family], page_size=4, max_batch_tokens=16, max_cache_tokens=2048)
     generator = torch.Generator().manual_seed(3)
-    prefix, nodes, later = (torch.randn(1, n, H, generator=generator) for n in (6, 7, 3))
+    wire = engine.span.config.wire
+    prefix, nodes, later = (wire.sample(1, n, generator=generator) for n in (6, 7, 3))
     session = engine.open_session("s", (0, 6), 1, 64)
     run_step(engine, StepWork(session, prefix, 0))
     tree_outputs = run_step(engine, StepWork(session, nodes, 6, tree=TokenTree([-1, 0, 0, 1, 2, 3, -1])))

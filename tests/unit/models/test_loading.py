@@ -102,7 +102,6 @@ def test_unsupported_models_get_errors_naming_the_type():
 @pytest.mark.parametrize(
     ("model_type", "refusal"),
     [
-        ("deepseek_v4", r"deepseek_v4: layer types \['compressed_sparse_attention', 'heavily_compressed"),
         (  # a wrapper-only text model corolla has not checked against its wrapper
             "glm4v",
             r"'glm4v_text' is not a decoder-only causal LM \(transformers defines no \.\.\.ForCausalLM for "
@@ -163,6 +162,9 @@ def test_what_travels_between_spans_of_gemma_3n_gemma_4_e2b_and_hy_v4():
     hyper = ModelConfig.from_hf(AutoConfig.for_model("hy_v4")).wire
     assert (hyper.streams, hyper.streams_first, hyper.width) == (4, False, 4 * 2816)
     assert ModelConfig.from_hf(AutoConfig.for_model("llama")).wire.plain
+    v4 = ModelConfig.from_hf(AutoConfig.for_model("deepseek_v4"))  # streams, and the ids hash routing reads
+    assert (v4.wire.streams, v4.wire.token_ids, v4.wire.width) == (4, 3, 4 * 4096 + 3)
+    assert v4.wire.carries == ("input_ids",)
 
 
 def test_a_token_costs_only_the_attention_layers_cache(tiny_models):

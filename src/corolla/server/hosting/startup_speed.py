@@ -100,7 +100,7 @@ def _step_seconds(span: Span, rows: int) -> float:
     for step in range(STEPS + 1):
         length = CONTEXT if step == 0 else 1
         for session in sessions:
-            hidden = torch.randn(1, length, span.config.wire.width, dtype=span.dtype)
+            hidden = span.config.wire.sample(1, length).to(span.dtype)
             engine.add_step(StepWork(session, hidden, session.position))
         started = time.perf_counter()
         while engine.has_work():

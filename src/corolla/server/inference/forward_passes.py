@@ -18,6 +18,7 @@ from hivemind.proto import runtime_pb2
 from corolla.config import ServerConfig
 from corolla.engine.sequence import BackwardWork, ForwardWork, Gradients
 from corolla.errors import InvalidRequest, ServerUnavailable
+from corolla.models.handoff import WireLayout
 from corolla.server import validation
 from corolla.server.hosting.spans import HostedSpans
 from corolla.server.inference.step_inputs import next_within
@@ -26,10 +27,18 @@ from corolla.wire.messages import ForwardRequest
 
 
 class PassService:
-    def __init__(self, spans: HostedSpans, config: ServerConfig, width: int, prompt_size: int | None = None):
+    def __init__(
+        self,
+        spans: HostedSpans,
+        config: ServerConfig,
+        width: int,
+        prompt_size: int | None = None,
+        wire: WireLayout | None = None,
+    ):
         self.spans = spans
         self.config = config
         self.width = width  # of hidden states on the wire (models/handoff.py)
+        self.wire = wire  # its layout, where the token ids it carries are checked
         self.prompt_size = prompt_size or width  # of deep prompts: the model's hidden size
         self._running: Counter[str] = Counter()  # passes running or queued, by peer
 
@@ -134,7 +143,7 @@ class PassService:
         if protos:
             limits = (self.config.max_batch_size, self.config.max_forward_tokens)
             validation.check_pass_hidden(protos[0], self.width, *limits)
-        return validation.read_hidden(protos, self.width, self.config.max_batch_size)
+        return validation.read_hidden(protos, self.width, self.config.max_batch_size, wire=self.wire)
 
 
 def output_compression(meta: ForwardRequest) -> int:

@@ -32,6 +32,7 @@ from corolla.config import MAX_PIPELINE, ServerConfig
 from corolla.engine.async_engine import ResultStream, StepDropped
 from corolla.engine.sequence import StepWork
 from corolla.errors import CorollaError, InvalidRequest, ServerUnavailable
+from corolla.models.handoff import WireLayout
 from corolla.server.hosting.spans import HostedSpans
 from corolla.server.inference.push import Pusher
 from corolla.server.inference.sessions import Completed, ServerSession
@@ -62,10 +63,12 @@ class InferenceService:
         pusher: Pusher | None,
         num_blocks: int = 2**31,
         prompt_size: int | None = None,
+        wire: WireLayout | None = None,
     ):
         self.spans = spans
         self.config = config
         self.width = width  # of hidden states on the wire (models/handoff.py)
+        self.wire = wire  # its layout, where the token ids it carries are checked
         self.prompt_size = prompt_size or width  # of deep prompts: the model's hidden size
         self.pusher = pusher
         self.num_blocks = num_blocks  # the model's: every block range a step names lies within it
@@ -86,7 +89,7 @@ class InferenceService:
         meta = first.meta
         backend, blocks = self.spans.select(first.uid, new_session=True)
         self.spans.check_adapter(meta.active_adapter)
-        hidden, encoding = read_opening(first, self.config, self.width, self.num_blocks)
+        hidden, encoding = read_opening(first, self.config, self.width, self.num_blocks, self.wire)
         async with backend.sessions.open(peer, meta, blocks, hidden.shape[0]) as session:
             opened = (session.session_id, peer[-6:], *blocks, hidden.shape[0])
             logger.debug("Session %s opened by ...%s: blocks %d:%d, batch %d", *opened)
@@ -231,7 +234,7 @@ class InferenceService:
         hidden: torch.Tensor | None = None,
     ) -> StepInputs:
         sizes = (self.width, self.prompt_size)
-        return read_inputs(session, step, inputs_digest, sizes, self.config, hidden)
+        return read_inputs(session, step, inputs_digest, sizes, self.config, hidden, self.wire)
 
     def _run(self, session: ServerSession, meta: InferenceStep, inputs: StepInputs, pushed: bool) -> None:
         """Take a step: ledger, engine and position in one go, synchronous on purpose (see above)."""

@@ -17,6 +17,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.config import ServerConfig
 from corolla.errors import InvalidRequest, SessionTimeout
+from corolla.models.handoff import WireLayout
 from corolla.models.tree import TokenTree
 from corolla.server import validation
 from corolla.server.inference.sessions import ServerSession
@@ -71,13 +72,15 @@ def read_inputs(
     sizes: tuple[int, int],
     config: ServerConfig,
     hidden: torch.Tensor | None = None,
+    wire: WireLayout | None = None,
 ) -> StepInputs:
     """Check a step's tensors, position and tree against its session (nothing here changes the session);
-    `sizes`: the widths of hidden states on the wire and of deep prompts."""
+    `sizes`: the widths of hidden states on the wire and of deep prompts; `wire`: its layout, where the
+    token ids it carries are checked."""
     tensors = step.tensors
     width, prompt_size = sizes
     if hidden is None:
-        hidden = validation.read_hidden(tensors, width, config.max_batch_size)
+        hidden = validation.read_hidden(tensors, width, config.max_batch_size, wire=wire)
     batch, length = hidden.shape[:2]
     if batch != session.batch_size:
         raise InvalidRequest(
@@ -190,7 +193,7 @@ def check_hops(meta: InferenceStep, num_blocks: int) -> None:
 
 
 def read_opening(
-    first: StepMessage, config: ServerConfig, width: int, num_blocks: int
+    first: StepMessage, config: ServerConfig, width: int, num_blocks: int, wire: WireLayout | None = None
 ) -> tuple[torch.Tensor, str]:
     """A session's first step checked before it opens: its max_length, hidden states, blocks and the
     encoding its replies are asked in. Returns (hidden states, output encoding)."""
@@ -200,7 +203,7 @@ def read_opening(
             f"max_length={meta.max_length} exceeds this server's inference_max_length="
             f"{config.inference_max_length}"
         )
-    hidden = validation.read_hidden(first.tensors, width, config.max_batch_size)
+    hidden = validation.read_hidden(first.tensors, width, config.max_batch_size, wire=wire)
     check_hops(meta, num_blocks)
     encoding = meta.output_encoding or "lossless"
     if encoding not in wire_tensors.supported_encodings():
