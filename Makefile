@@ -90,6 +90,7 @@ bench-models: $(STAMP) ## families, real shapes and precisions: every family thr
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.quantize
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.quantize_isolation
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.mla
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.compressed_attention
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.glm5_next
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.moe_quantize
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.models.linear_attention

@@ -26,13 +26,6 @@ from corolla.models.attention import Scores, active_context, masked_attention
 from corolla.models.lora import use_adapters
 from corolla.models.row_passes import one_row, run_block
 
-COMPRESSED_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
-
-
-def held_family(hf: Any) -> bool:
-    """Whether a family's attention keeps transformers' own cache layer objects (DeepSeek-V4)."""
-    return any(kind in COMPRESSED_TYPES for kind in getattr(hf, "layer_types", None) or ())
-
 
 @dataclass(frozen=True, slots=True)
 class HeldLayer:
@@ -77,23 +70,6 @@ class LayerMakers:
     def fresh(self, layer: int):
         kind, kwargs = self._makers[layer]
         return kind(**kwargs)
-
-
-def held_bytes(hf: Any, layer: int, itemsize: int) -> tuple[int, float]:
-    """(bytes one sequence keeps whatever its length, bytes a token adds) in a DeepSeek-V4 layer: the
-    window's keys (a sliding layer also keeps them as values), the compressor's buffer of up to m - 1
-    tokens (its projection and gate), the overlap (one token's first half of each) and a compressed entry
-    every m tokens; a CSA layer's indexer keeps the same at index_head_dim."""
-    kind = hf.layer_types[layer]
-    window = (hf.sliding_window - 1) * hf.head_dim
-    if kind not in COMPRESSED_TYPES:
-        return 2 * window * itemsize, 0.0
-    rate = hf.compress_rates[kind]
-    dims = [hf.head_dim] + ([hf.index_head_dim] if kind == "compressed_sparse_attention" else [])
-    overlapping = kind == "compressed_sparse_attention"  # CSA's windows overlap: 2 series a token
-    buffers = sum((rate - 1) * 2 * (2 if overlapping else 1) * d for d in dims)
-    overlap = sum(2 * d for d in dims) if overlapping else 0
-    return (window + buffers + overlap) * itemsize, sum(dims) * itemsize / rate
 
 
 class RowCache(Cache):

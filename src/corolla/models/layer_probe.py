@@ -11,8 +11,8 @@ from torch import nn
 
 from corolla.errors import UnsupportedModel
 from corolla.models.attention import CacheShape
+from corolla.models.compressed_sizes import held_bytes
 from corolla.models.contiguous import ContiguousCache
-from corolla.models.layer_caches import held_bytes
 from corolla.models.recurrent import STATELESS_LAYER_TYPES, FreshStates, row_states
 
 Span = nn.Module  # models/span.py's Span (which imports this module)

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from corolla.errors import InvalidRequest, UnsupportedModel
+from corolla.models.compressed_sizes import compressed_bytes_per_token, held_family
 from corolla.models.handoff import WireLayout
 from corolla.models.kv_sharing import KVSharing
 from corolla.models.lm_class import CHECKED_WRAPPERS, causal_lm_class, lm_class
@@ -38,8 +40,7 @@ SUPPORTED_LAYER_TYPES = (
     "hybrid",  # attention and a Mamba mixer side by side in one layer (Falcon-H1), or attention with a
     # recurrent projection (ZAYA's convolved queries and keys, delayed values)
     "hybrid_sliding",  # the same within a sliding window (ZAYA)
-    # DeepSeek-V4's compressed sparse and heavily compressed attention (models/layer_caches.py)
-    "compressed_sparse_attention",
+    "compressed_sparse_attention",  # DeepSeek-V4's, and heavily compressed (models/layer_caches.py)
     "heavily_compressed_attention",
     "mlp",
     "moe",
@@ -127,10 +128,12 @@ class ModelConfig:
 
     def kv_bytes_per_token_per_block(self, dtype_bytes: int) -> int:
         """Attention cache size of one token in one block: keys and values of every kv head, or, for
-        multi-head latent attention, its compressed latent and rotary key (what transformers caches); on
-        average over the blocks, where some keep a recurrent state instead (Qwen3.5: 1 in 4 caches), reuse
-        another layer's (Gemma 3n and 4), or differ in shape (Gemma 4's global layers), or hold several
-        attention sublayers (LongCat-Flash)."""
+        multi-head latent attention, its compressed latent and rotary key (what transformers caches), or
+        DeepSeek-V4's compressed entries; on average over the blocks, where some keep a recurrent state
+        instead (Qwen3.5: 1 in 4 caches), reuse another layer's (Gemma 3n and 4), or differ in shape (Gemma
+        4's global layers), or hold several attention sublayers (LongCat-Flash)."""
+        if held_family(self.hf):
+            return math.ceil(compressed_bytes_per_token(self.hf, dtype_bytes) / self.num_hidden_layers)
         reusing = self.kv_sharing.sources
         caching = [
             layer

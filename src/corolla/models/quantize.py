@@ -85,7 +85,11 @@ def quantize_blocks(module: nn.Module, mode: str) -> bool:
     check_mode(mode)
     if mode == "int4" and any(_old_gpu(p.device) for p in module.parameters()):
         raise InvalidRequest("int4 needs a GPU of compute capability 8.0 or newer: use int8")
-    for linear in [m for m in module.modules() if isinstance(m, nn.Linear)]:
+    # a subclass that computes otherwise (DeepSeek-V4's grouped output projection) stays in the span's dtype
+    linears = [
+        m for m in module.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+    ]
+    for linear in linears:
         config = _config(mode, linear)
         if config is None:
             continue

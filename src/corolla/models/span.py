@@ -24,9 +24,10 @@ from transformers.cache_utils import KVSharingDict
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import AttentionContext, CacheShape, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
+from corolla.models.compressed_sizes import compressed_bytes_per_token, held_family
 from corolla.models.context_cache import ContextCache
 from corolla.models.handoff import HandingLayer, with_handed
-from corolla.models.layer_caches import LayerMakers, held_bytes, held_family, held_pass
+from corolla.models.layer_caches import LayerMakers, held_pass
 from corolla.models.layer_calls import (
     BY_TYPE,
     block_rotaries,
@@ -163,8 +164,8 @@ class Span(nn.Module):
         paged = sum(self.cache_shapes[b].bytes_per_token(self.dtype.itemsize) for b in self.kv_blocks)
         if self.held is None:
             return paged
-        held = [held_bytes(self.config.hf, self.start + b, self.dtype.itemsize)[1] for b in self.state_blocks]
-        return paged + math.ceil(sum(held))  # DeepSeek-V4's compressed entries
+        layers = range(self.start, self.end)  # DeepSeek-V4's compressed entries
+        return paged + math.ceil(compressed_bytes_per_token(self.config.hf, self.dtype.itemsize, layers))
 
     @property
     def precision(self) -> str:

@@ -409,8 +409,15 @@ async def test_a_rollback_drops_the_frames_of_the_epoch_it_ends_that_have_not_ru
     await session.reply()
     await session.steps.put(message(ran, "f1", 4))
     assert (await session.reply())[0] == "f1"
-    hold = threading.Event()
-    held = asyncio.ensure_future(service.spans.primary.engine.call(hold.wait))  # steps queue behind it
+    hold, holding = threading.Event(), threading.Event()
+
+    def busy():
+        holding.set()
+        hold.wait()
+
+    held = asyncio.ensure_future(service.spans.primary.engine.call(busy))  # steps queue behind it
+    while not holding.is_set():  # the engine is busy before the frames arrive (a loaded machine's too)
+        await asyncio.sleep(0.01)
 
     async def three():
         return [await anext(session.replies) for _ in range(3)]
