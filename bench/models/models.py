@@ -126,7 +126,8 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 def cache_bytes(path: Path, config) -> dict:
     """What the servers cache per token, per block on average (float32), and what expanded keys and values
     in every block would take: for multi-head latent attention every head's keys and values, made from
-    the cached latent; for layers with a recurrent state (which cache no tokens), attention's. Plus the
+    the cached latent; for layers with a recurrent state (which cache no tokens), attention's (DeepSeek-V4's
+    compressed entries against full attention's keys and values). Plus the
     recurrent states of one sequence over all blocks (fixed, whatever its length), and the width of what
     one server hands the next."""
     span = Span.load(path, 0, config.num_hidden_layers)
@@ -134,9 +135,11 @@ def cache_bytes(path: Path, config) -> dict:
     if getattr(config, "kv_lora_rank", None):
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         expanded = config.num_attention_heads * (qk_head_dim + config.v_head_dim) * 4
-    else:
+    elif span.kv_blocks:
         shapes = [span.cache_shapes[block] for block in span.kv_blocks]
         expanded = sum(shape.bytes_per_token(4) for shape in shapes) / len(shapes)
+    else:  # DeepSeek-V4: a window and compressed entries; full attention would keep every key and value
+        expanded = 2 * config.num_key_value_heads * config.head_dim * 4
     return {
         "cache_bytes_per_token_per_block": round(cached, 1),
         "expanded_kv_bytes_per_token_per_block": expanded,
