@@ -259,11 +259,11 @@ def _by_hand(
 ) -> torch.Tensor:
     """Attention with tanh soft-capping of the logits (Gemma 2) or attention sinks (gpt-oss), which SDPA
     cannot do."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
+    batch, heads, length, _ = q.shape
+    # each key head's queries as one [groups * T] run (no copy of the keys per query head)
+    grouped = q.reshape(batch, k.shape[1], -1, q.shape[-1])
     scaling = scores.scaling if scores.scaling is not None else 1 / math.sqrt(q.shape[-1])
-    logits = torch.matmul(q, k.transpose(2, 3)) * scaling
+    logits = (torch.matmul(grouped, k.transpose(2, 3)) * scaling).view(batch, heads, length, k.shape[2])
     if scores.softcap is not None:
         logits = torch.tanh(logits / scores.softcap) * scores.softcap
     logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
@@ -271,9 +271,11 @@ def _by_hand(
         sinks = scores.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         logits = torch.cat([logits, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        return torch.matmul(torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(q.dtype), v)
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+        weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(q.dtype)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    grouped = weights.reshape(batch, v.shape[1], -1, weights.shape[-1])
+    return torch.matmul(grouped, v).view(batch, heads, length, v.shape[-1])
 
 
 class NoCache:

@@ -24,10 +24,10 @@ from transformers.cache_utils import KVSharingDict
 from corolla.errors import InvalidRequest, UnsupportedModel
 from corolla.models.attention import AttentionContext, CacheShape, NoCache, active_context
 from corolla.models.checkpoint import Checkpoint
-from corolla.models.compressed_sizes import compressed_bytes_per_token, held_family
+from corolla.models.compressed_sizes import compressed_bytes_per_token
 from corolla.models.context_cache import ContextCache
 from corolla.models.handoff import HandingLayer, with_handed
-from corolla.models.layer_caches import LayerMakers, held_pass
+from corolla.models.layer_caches import held_layers, held_pass
 from corolla.models.layer_calls import (
     BY_TYPE,
     block_rotaries,
@@ -91,7 +91,7 @@ class Span(nn.Module):
         )
         self.positioned_blocks = positioned_blocks(self.blocks)  # Llama 4's NoPE layers (row_passes.py)
         # blocks whose cache is transformers' own layer object per sequence (models/layer_caches.py)
-        self.held = LayerMakers(config.hf) if held_family(config.hf) else None
+        self.held = held_layers(config.hf, self.blocks)
         # what the family's forward hands each layer (None, BY_TYPE or an index into rotaries: layer_calls.py)
         self.rotaries, self._feeds = rotary_feeds(decoder, config.hidden_size, dtype, config.model_type)
         self._cache_kwarg = cache_kwarg(self.blocks[0])

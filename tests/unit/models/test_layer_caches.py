@@ -85,3 +85,26 @@ def test_a_held_cache_is_a_value_later_passes_do_not_change(tiny_models):
         cache.held_layers = {index: restore(value) for index, value in held.items()}  # back to 9 tokens
         again = span(later, cache, position=9)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_sessions_decoding_together_share_the_blocks_pass_but_attention(tiny_models):
+    """Rows of several sessions run a DeepSeek-V4 block as one pass (projections, streams, experts), only
+    their attention's cache and compressors one row at a time: one call of the experts per pass."""
+    from engine_helpers import make_engine, run_sessions
+
+    engine = make_engine(tiny_models["deepseek_v4"], max_cache_tokens=4096)
+    wire, generator = engine.span.config.wire, torch.Generator().manual_seed(5)
+    plans = {
+        f"s{i}": [wire.sample(1, 5 + i, generator=generator)] + [wire.sample(1, 1) for _ in range(3)]
+        for i in range(3)
+    }
+    calls = []
+    hook = engine.span.blocks[0].mlp.register_forward_hook(
+        lambda m, args, out: calls.append(args[0].shape[1])
+    )
+    try:
+        run_sessions(engine, plans)
+    finally:
+        hook.remove()
+    assert 3 in calls  # a pass of three decode rows: one call
+    assert len(calls) < sum(len(steps) for steps in plans.values())
