@@ -5,8 +5,10 @@ in its compressed layers one compressed entry every m tokens (CSA: m = 4, with a
 compressed keys; HCA: m = 128), with the compressor's buffer of tokens since the last full window and the
 overlap its windows share. Its code reads and writes them through its own cache layer classes
 (`cache.layers[i].store_compression_weights`, ...), concatenates the compressed entries onto its keys and
-masks them itself, so such a block runs one sequence at a time with that sequence's own layer object,
-and attends under the mask the layer builds (`_OwnMask`).
+masks them itself. So what touches a sequence's cache runs one sequence at a time with that sequence's
+own layer object (the cache update, the compressors, attention under the mask the layer builds), and the
+rest of the block (projections, hyper-connections, experts) on every sequence of the pass at once
+(`PackedRows`); a token tree's paths run the block one at a time.
 
 A sequence's layer object is kept between passes as a value (`HeldLayer`: its fields, dicts copied) in
 the row's states (engine/states.py: a snapshot is a reference, a rollback recomputes from the kept inputs),
@@ -90,12 +92,13 @@ class RowCache(Cache):
 
 class PackedRows(Cache):
     """transformers' cache interface over sequence rows packed in one [1, N] pass, each (position, length,
-    cache layer): `update` stores each row's new keys in its layer and returns every row's kept window and
-    new keys one row after another, which the pass's mask (`mask`) keeps each row's queries to; a
-    compressor given this cache runs row by row (`RowwiseCompressor`), its entries laid out the same way.
+    cache layer, LoRA adapter): `update` stores each row's new keys in its layer and returns every row's
+    kept window and new keys one row after another, which the pass's mask (`mask`) keeps each row's queries
+    to; a compressor given this cache runs row by row (`RowwiseCompressor`), its entries laid out the same
+    way.
     The rest of the block (projections, hyper-connections, experts) runs on all rows at once."""
 
-    def __init__(self, rows: list[tuple[int, int, Any]]):
+    def __init__(self, rows: list[tuple[int, int, Any, str | None]]):
         super().__init__(layers=[])
         self.rows = rows
         self.windows: list[int] = []  # per row, its keys `update` returned (kept and new)
@@ -103,7 +106,7 @@ class PackedRows(Cache):
 
     @property
     def layers(self) -> list:
-        return [layer for *_, layer in self.rows]
+        return [layer for _, _, layer, _ in self.rows]
 
     @layers.setter
     def layers(self, value) -> None:  # Cache.__init__ sets it
@@ -111,14 +114,21 @@ class PackedRows(Cache):
 
     def spans(self) -> list[slice]:
         starts = [0]
-        for _, length, _ in self.rows:
+        for _, length, _, _ in self.rows:
             starts.append(starts[-1] + length)
         return [slice(a, b) for a, b in zip(starts, starts[1:], strict=False)]
+
+    def adapters(self) -> list[tuple[int, int, str]]:
+        """The rows' LoRA adapters as ranges of the pass's tokens (models/lora.py)."""
+        spans = self.spans()
+        return [
+            (t.start, t.stop, adapter) for (*_, adapter), t in zip(self.rows, spans, strict=True) if adapter
+        ]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         stored = [
             layer.update(key_states[:, :, tokens], value_states[:, :, tokens])
-            for (*_, layer), tokens in zip(self.rows, self.spans(), strict=True)
+            for (_, _, layer, _), tokens in zip(self.rows, self.spans(), strict=True)
         ]
         self.windows = [k.shape[2] for k, _ in stored]
         return torch.cat([k for k, _ in stored], dim=2), torch.cat([v for _, v in stored], dim=2)
@@ -142,7 +152,7 @@ class PackedRows(Cache):
 
     def mask(self, window: int, device: torch.device) -> torch.Tensor:
         """[1, 1, N, keys] additive: each row's window mask on its own queries and keys, -inf elsewhere."""
-        blocks = [window_mask(position, length, window, device)[0, 0] for position, length, _ in self.rows]
+        blocks = [window_mask(position, length, window, device)[0, 0] for position, length, *_ in self.rows]
         mask = torch.full((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)), float("-inf"))
         row = column = 0
         for block in blocks:
@@ -164,18 +174,13 @@ class RowwiseCompressor:
         if not isinstance(cache, PackedRows):
             return self.forward(hidden_states, q_residual, position_ids, cache, layer_idx)
         spans = cache.spans()
-        # each row's tokens as a tensor of its own strides (torch's CPU bfloat16 linear is 30x slower on a
-        # slice [:, a:b] of a packed [1, N, H], whose batch stride stays the pass's)
-        outputs = [
-            self.forward(
-                hidden_states[0, t][None],
-                q_residual[0, t][None],
-                position_ids[0, t][None],
-                RowCache({layer_idx: layer}),
-                layer_idx,
-            )
-            for (*_, layer), t in zip(cache.rows, spans, strict=True)
-        ]
+        outputs = []
+        for (_, _, layer, adapter), t in zip(cache.rows, spans, strict=True):
+            # the row's tokens as a tensor of its own strides (torch's CPU bfloat16 linear is 30x slower on
+            # a slice [:, a:b] of a packed [1, N, H], whose batch stride stays the pass's)
+            row = (hidden_states[0, t][None], q_residual[0, t][None], position_ids[0, t][None])
+            with use_adapters(adapter):
+                outputs.append(self.forward(*row, RowCache({layer_idx: layer}), layer_idx))
         cache.entries = [kv.shape[2] for kv, _ in outputs]
         entries = torch.cat([kv for kv, _ in outputs], dim=2)
         bias = entries.new_full((1, 1, hidden_states.shape[1], entries.shape[2]), float("-inf"))
@@ -251,10 +256,10 @@ def held_pass(
     if sequences:
         tokens = torch.cat([group.tokens for group, _ in sequences]).to(hidden.device)
         rows, taken = one_row(hidden, inputs, tokens)
-        packed = PackedRows([(group.rows[0].position, group.length, layer) for group, layer in sequences])
-        out[0, tokens] = _run(
-            block, rows, taken, packed, packed.mask(window, hidden.device), first, cache_name
-        )[0]
+        packed = PackedRows([(g.rows[0].position, g.length, layer, g.adapter) for g, layer in sequences])
+        mask = packed.mask(window, hidden.device)
+        with use_adapters(packed.adapters()):  # the pass's adapters, as ranges of these tokens
+            out[0, tokens] = _run(block, rows, taken, packed, mask, first, cache_name)[0]
         for (group, _), layer in zip(sequences, packed.layers, strict=True):
             group.rows[0].states[key] = hold(layer)
     return out

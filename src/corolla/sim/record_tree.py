@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from corolla.swarm.policy.plausible import bounded, device_bounds
+from corolla.swarm.policy.plausible import bounded, device_bounds, implausible
 from corolla.swarm.records.record_cells import Place, Walk, position
 
 
@@ -32,15 +32,10 @@ class RecordTree:
             keys = walk.keys()
             found = {cell: sorted(self.cells.get(key, ())) for key, cell in keys.items()}
             seen.update({peer: self.speeds[peer] for peers in found.values() for peer in peers})
-            walk.add(found, self._believed(seen))
+            # announced speeds bounded by their devices' as swarm/records/block_records.py bounds them
+            kinds = [(peer, self.devices[peer], s) for peer, s in seen.items() if peer in self.devices]
+            walk.add(found, bounded(seen, device_bounds(kinds)), implausible(kinds))
         return walk
-
-    def _believed(self, speeds: dict[str, float]) -> dict[str, float]:
-        """Announced speeds bounded by their devices' as swarm/records/block_records.py bounds them."""
-        bounds = device_bounds(
-            (peer, self.devices[peer], speed) for peer, speed in speeds.items() if peer in self.devices
-        )
-        return bounded(speeds, bounds)
 
     def announce(
         self, peer: str, blocks: range, rng: random.Random, throughput: float = 1.0, device: str | None = None

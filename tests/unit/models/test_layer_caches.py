@@ -108,3 +108,38 @@ def test_sessions_decoding_together_share_the_blocks_pass_but_attention(tiny_mod
         hook.remove()
     assert 3 in calls  # a pass of three decode rows: one call
     assert len(calls) < sum(len(steps) for steps in plans.values())
+
+
+def test_sessions_with_and_without_an_adapter_in_one_pass_get_their_own_outputs(tiny_models, tmp_path):
+    """A LoRA adapter on attention, the compressors (run row by row) and the shared experts: two sessions
+    decoding in the same passes, one with it, get what each gets alone (a contiguous cache)."""
+    from peft import LoraConfig, get_peft_model
+
+    from corolla.models import lora
+    from engine_helpers import make_engine, reference_outputs, run_sessions
+    from tiny_models import load_reference
+
+    path = tiny_models["deepseek_v4"]
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_proj", "gate_proj"], init_lora_weights=False
+    )
+    get_peft_model(load_reference(path), config).save_pretrained(tmp_path / "lora")
+    engine = make_engine(path, max_cache_tokens=4096)
+    lora.attach(engine.span.blocks, 0, lora.load_adapter(tmp_path / "lora", range(0, 6), "a"))
+    wire, generator = engine.span.config.wire, torch.Generator().manual_seed(6)
+    plans = {
+        name: [wire.sample(1, 6, generator=generator)] + [wire.sample(1, 1) for _ in range(3)]
+        for name in "ab"
+    }
+    opened = engine.open_session
+    engine.open_session = lambda name, *args: opened(name, *args, adapter="a" if name == "a" else None)
+    results = run_sessions(engine, plans)
+    for name, adapter in (("a", "a"), ("b", None)):
+        with lora.use_adapters(adapter):
+            expected = reference_outputs(engine.span, plans[name])
+        for actual, reference in zip(results[name], expected, strict=True):
+            torch.testing.assert_close(actual, reference, rtol=0, atol=1e-4 * float(reference.abs().max()))
+    with lora.use_adapters(None):
+        plain = reference_outputs(engine.span, plans["a"])
+    assert not torch.allclose(plain[-1], results["a"][-1])  # the adapter changes what it touches

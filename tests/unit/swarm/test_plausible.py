@@ -56,3 +56,24 @@ def test_a_device_of_its_own_counts_for_at_most_the_fastest_kind():
     bounds = speed_bounds(statuses)
     assert all(bounds[f"liar{i}"] == RARE_MARGIN * 301.0 < 30_000 for i in range(5))
     assert bounds["r0"] == DEVICE_MARGIN * 11.0 and bounds["h0"] == DEVICE_MARGIN * 301.0
+
+
+def test_a_liar_in_a_blocks_key_pushes_no_honest_server_out_of_it():
+    """A server choosing its level counts no server of implausible speed as faster than itself: liars
+    write themselves into the blocks' keys as they like, and must not take honest servers' places there
+    (a liar among fast devices, bounded to the slowest of them, is still faster than slower devices)."""
+    from corolla.swarm.policy.plausible import announced_kinds, bounded, implausible
+    from corolla.swarm.records.record_cells import Walk
+
+    statuses = {f"fast{i}": status("RTX 4090", 100.0 + i) for i in range(3)}
+    statuses["liar"] = status("RTX 4090", 10_000.0)
+    statuses["slow"] = status("RTX 3060", 10.0)
+    assert implausible(announced_kinds(statuses)) == {"liar"}
+    believed = bounded({peer: record.speed for peer, record in statuses.items()}, speed_bounds(statuses))
+    assert believed["liar"] == 100.0 > believed["slow"]  # the slowest RTX 4090: faster than an RTX 3060
+    walk = Walk("m", 1, where=0)
+    walk.add({(0, 0): list(statuses)}, believed, implausible(announced_kinds(statuses)))
+    assert walk.faster([0], "slow", 10.0) == [3]  # the honest RTX 4090s, not the liar
+    doubting_none = Walk("m", 1, where=0)
+    doubting_none.add({(0, 0): list(statuses)}, believed)
+    assert doubting_none.faster([0], "slow", 10.0) == [4]

@@ -49,13 +49,18 @@ RARE_MARGIN = 2.0  # a device too few servers announce counts for at most this t
 IMPLAUSIBLE = 5.0  # a speed this many times its device's median is a lie: it counts for the slowest one's
 
 
+def announced_kinds(statuses: Mapping[str, ServerStatus]) -> list[tuple[str, Hashable, float | None]]:
+    """(peer id, its device and precision or None, its announced speed) of each record."""
+    return [
+        (peer_id, (status.device_name, status.precision) if status.device_name else None, status.speed)
+        for peer_id, status in statuses.items()
+    ]
+
+
 def speed_bounds(statuses: Mapping[str, ServerStatus]) -> dict[str, float]:
     """For each server whose device and precision MIN_PEERS servers announce (with a speed), the most
     its announced speed counts for."""
-    return device_bounds(
-        (peer_id, (status.device_name, status.precision) if status.device_name else None, status.speed)
-        for peer_id, status in statuses.items()
-    )
+    return device_bounds(announced_kinds(statuses))
 
 
 def bounded(speeds: Mapping[str, float], bounds: Mapping[str, float]) -> dict[str, float]:
@@ -67,23 +72,40 @@ def device_bounds(announced: Iterable[tuple[str, Hashable, float | None]]) -> di
     """`speed_bounds` over (peer id, its device and precision (None: it names none), its announced speed)
     triples."""
     announced = list(announced)
-    speeds: dict[Hashable, list[float]] = defaultdict(list)
-    for _, kind, speed in announced:
-        if speed:
-            speeds[kind].append(speed)
-    # the median and the slowest of each device and precision that enough servers announce
-    judged = {
-        kind: (statistics.median(v), min(v))
-        for kind, v in speeds.items()
-        if len(v) >= MIN_PEERS and kind is not None
-    }
+    judged = _judged(announced)
     fastest = max((median for median, _ in judged.values()), default=None)
     bounds = {}
     for peer_id, kind, speed in announced:
         if kind in judged:
             median, slowest = judged[kind]
-            implausible = speed is not None and speed >= IMPLAUSIBLE * median
-            bounds[peer_id] = slowest if implausible else DEVICE_MARGIN * median
+            bounds[peer_id] = slowest if _lies(speed, median) else DEVICE_MARGIN * median
         elif fastest is not None:  # a device too few announce (or none named): see RARE_MARGIN
             bounds[peer_id] = RARE_MARGIN * fastest
     return bounds
+
+
+def implausible(announced: Iterable[tuple[str, Hashable, float | None]]) -> set[str]:
+    """Of (peer id, device and precision, announced speed) triples, the peers announcing IMPLAUSIBLE times
+    their device's median or more: a server choosing its level in the records' tree counts none of them
+    as faster than itself (a liar's real speed is unknown: it must not push honest servers out of the
+    blocks' keys, where it writes itself anyway)."""
+    announced = list(announced)
+    judged = _judged(announced)
+    return {peer for peer, kind, speed in announced if kind in judged and _lies(speed, judged[kind][0])}
+
+
+def _judged(announced: list[tuple[str, Hashable, float | None]]) -> dict[Hashable, tuple[float, float]]:
+    """The median and the slowest speed of each device and precision that MIN_PEERS servers announce."""
+    speeds: dict[Hashable, list[float]] = defaultdict(list)
+    for _, kind, speed in announced:
+        if speed:
+            speeds[kind].append(speed)
+    return {
+        kind: (statistics.median(v), min(v))
+        for kind, v in speeds.items()
+        if len(v) >= MIN_PEERS and kind is not None
+    }
+
+
+def _lies(speed: float | None, median: float) -> bool:
+    return speed is not None and speed >= IMPLAUSIBLE * median

@@ -22,7 +22,7 @@ from hivemind.utils import get_dht_time
 from corolla.errors import InvalidRequest
 from corolla.swarm.dht import PeerDHT, RemoteSpan, read_records, signer_of, store_records
 from corolla.swarm.nat.circuit_book import BOOK
-from corolla.swarm.policy.plausible import bounded, speed_bounds
+from corolla.swarm.policy.plausible import announced_kinds, bounded, implausible, speed_bounds
 from corolla.swarm.records.record_cells import WHOLE, Walk, keys_at, position, weight
 from corolla.wire.records import ServerState, ServerStatus
 
@@ -86,7 +86,8 @@ async def read_swarm(
                 peers.setdefault((cell, block), []).append(peer_id)
                 hosted = _hosted(record, block, num_blocks)
                 sightings.setdefault(peer_id, []).append(Sighting(record, walk.level, hosted))
-        walk.add(peers, _believed({peer: seen[-1].record for peer, seen in sightings.items()}))
+        records = {peer: seen[-1].record for peer, seen in sightings.items()}
+        walk.add(peers, _believed(records), implausible(announced_kinds(records)))
     spans = [
         span for peer_id, seen in sightings.items() if (span := _span(peer_id, seen, states)) is not None
     ]

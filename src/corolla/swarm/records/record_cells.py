@@ -96,6 +96,7 @@ class Walk:
     cells: list[int] = field(default_factory=lambda: [0])  # the cells to read at `level`
     found: list[dict[Key, list[str]]] = field(default_factory=list)  # per level read
     speeds: dict[str, float] = field(default_factory=dict)  # the throughput each server found announces
+    doubted: set[str] = field(default_factory=set)  # servers whose speed is implausible (policy/plausible.py)
     rng: random.Random | None = None  # what draws the random path (None: Python's; the simulator seeds one)
 
     @property
@@ -108,11 +109,17 @@ class Walk:
             return {cell_key(self.dht_prefix, 0, 0, b): (0, b) for b in range(self.num_blocks)}
         return {cell_key(self.dht_prefix, self.level, cell): (cell, WHOLE) for cell in self.cells}
 
-    def add(self, peers: Mapping[Key, Sequence[str]], speeds: Mapping[str, float] | None = None) -> None:
+    def add(
+        self,
+        peers: Mapping[Key, Sequence[str]],
+        speeds: Mapping[str, float] | None = None,
+        doubted: Iterable[str] = (),
+    ) -> None:
         """The peer ids found under the keys `keys()` named (and their announced throughputs: the
-        blocks' keys keep the fastest)."""
+        blocks' keys keep the fastest; `doubted`: those whose announced speed is implausible)."""
         self.found.append({key: list(ids) for key, ids in peers.items()})
         self.speeds.update(speeds or {})
+        self.doubted.update(doubted)
         crowded = sorted({cell for (cell, _), ids in peers.items() if len(ids) >= read_on(self.level)})
         self.level += 1
         children = [child for cell in crowded for child in (2 * cell, 2 * cell + 1)]
@@ -142,10 +149,13 @@ class Walk:
 
     def faster(self, blocks: Sequence[int], me: str, mine: float) -> list[int]:
         """For each of `blocks`: the servers under its key faster than `me` (announcing more throughput
-        than `mine`; the same: a smaller peer id)."""
+        than `mine`; the same: a smaller peer id), none whose announced speed is implausible."""
         if not self.found:
             return [0] * len(blocks)
-        ahead = lambda peer: (-self.speeds.get(peer, 0.0), peer) < (-mine, me)  # noqa: E731
+
+        def ahead(peer: str) -> bool:
+            return peer not in self.doubted and (-self.speeds.get(peer, 0.0), peer) < (-mine, me)
+
         return [sum(ahead(peer) for peer in set(self.found[0].get((0, b), ())) - {me}) for b in blocks]
 
     def _cell(self, level: int, me: str) -> set[str]:
