@@ -77,3 +77,18 @@ def test_a_liar_in_a_blocks_key_pushes_no_honest_server_out_of_it():
     doubting_none = Walk("m", 1, where=0)
     doubting_none.add({(0, 0): list(statuses)}, believed)
     assert doubting_none.faster([0], "slow", 10.0) == [4]
+
+
+def test_a_key_holding_liars_makes_room_for_more_honest_servers():
+    """Under a key holding doubted records, a server enters level 0 while fewer than HONEST_PER_DOUBTED
+    times as many servers are faster: honest servers keep the larger share of what every reader reads."""
+    from corolla.swarm.records.record_cells import CELL_SERVERS, HONEST_PER_DOUBTED, Walk, choose_level
+
+    walk = Walk("m", 2, where=0)
+    liars = [f"liar{i}" for i in range(10)]
+    walk.add({(0, 0): [f"h{i}" for i in range(40)] + liars, (0, 1): ["h0"]}, {}, liars)
+    assert walk.room([1]) == CELL_SERVERS and walk.room([0, 1]) == HONEST_PER_DOUBTED * 10 == 40
+    others = [[50, 1], [0]]
+    assert choose_level(others, None, [35, 0], room=walk.room([0, 1])) == 0  # 35 faster: under 40
+    assert choose_level(others, None, [35, 0]) == 1  # without liars there, 32 is the room
+    assert choose_level(others, 0, [70, 0], room=40) == 0 and choose_level(others, 0, [72, 0], room=40) == 1

@@ -16,9 +16,11 @@ level by level as far as CLIENT_CELLS cells allow (the whole tree of a swarm of 
 servers), then one random path on; `corolla status` reads the whole tree.
 
 Writing (`choose_level`): the blocks' keys keep the fastest servers, the ones every reader should see:
-a server goes there when it is among the CELL_SERVERS fastest (by announced throughput) under each of
-its blocks' keys, and leaves when it falls behind 2 x CELL_SERVERS under one of them, so a faster
-newcomer displaces the slowest. The others enter the shallowest cell with room (fewer than DEEP_SERVERS
+a server goes there when it is among the CELL_SERVERS fastest (by announced throughput, bounded by its
+device's: swarm/policy/plausible.py) under each of its blocks' keys, and leaves when it falls behind
+2 x CELL_SERVERS under one of them, so a faster newcomer displaces the slowest. A record of implausible
+speed (a liar's) counts as faster than no one, and a key holding such records has room for
+HONEST_PER_DOUBTED honest servers per liar (`Walk.room`). The others enter the shallowest cell with room (fewer than DEEP_SERVERS
 others) that a reader on their own path reaches, and stay while readers still reach it. Cells are kept
 between DEEP_READ_ON and 2 x DEEP_SERVERS at random, so that servers do not move in herds: a cell
 overfull past that (servers that entered at once) sheds servers, each leaving with the share that brings
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from corolla.wire.records import block_key
 
 CELL_SERVERS = 32  # a server enters level 0 when fewer of them are faster under each of its blocks' keys
+HONEST_PER_DOUBTED = 4  # under a key holding doubted records, room for this many honest ones per doubted one
 READ_ON = CELL_SERVERS // 2  # a reader reads level 1 when some block's key held this many
 DEEP_SERVERS = 64  # a server enters a deeper cell holding fewer other servers than this
 DEEP_READ_ON = DEEP_SERVERS // 2  # a reader goes one level deeper while its last cell held this many
@@ -158,6 +161,15 @@ class Walk:
 
         return [sum(ahead(peer) for peer in set(self.found[0].get((0, b), ())) - {me}) for b in blocks]
 
+    def room(self, blocks: Sequence[int]) -> int:
+        """How many faster servers a server may have under its blocks' keys and enter level 0: CELL_SERVERS,
+        or HONEST_PER_DOUBTED per doubted record under the most doubted of its keys (liars write themselves
+        there as they like: honest servers keep the larger share of what every reader reads)."""
+        if not self.found:
+            return CELL_SERVERS
+        doubted = max((len(self.doubted & set(self.found[0].get((0, b), ()))) for b in blocks), default=0)
+        return max(CELL_SERVERS, HONEST_PER_DOUBTED * doubted)
+
     def _cell(self, level: int, me: str) -> set[str]:
         return set(self.found[level].get((cell_of(self.where or 0, level), WHOLE), ())) - {me}
 
@@ -167,19 +179,20 @@ def choose_level(
     current: int | None,
     faster: Sequence[int] | None = None,
     rng: random.Random | None = None,
+    room: int = CELL_SERVERS,
 ) -> int:
     """The level to announce at, from a walk down this server's own path: `others` are Walk.counts for
     every level a reader reaches, `faster` Walk.faster (None: every other server under a block's key is
     faster); `current` is the level it announced at last (None: not yet).
 
-    The blocks' keys keep the fastest servers: a server goes there when it is among the CELL_SERVERS
-    fastest under each of its blocks' keys, and leaves when it falls behind 2 x CELL_SERVERS under one
-    of them. Deeper, it enters the shallowest cell with room that readers reach and stays while they
-    still reach it."""
+    The blocks' keys keep the fastest servers: a server goes there when it is among the `room` (Walk.room:
+    CELL_SERVERS where no record there is doubted) fastest under each of its blocks' keys, and leaves when
+    it falls behind room + CELL_SERVERS under one of them. Deeper, it enters the shallowest cell with room
+    that readers reach and stays while they still reach it."""
     rng = rng or random
     reached = len(others)  # a reader on this path reads levels 0 .. reached - 1
     ahead = max(others[0] if faster is None else faster, default=0) if reached else 0
-    if ahead < CELL_SERVERS or (current == 0 and ahead < 2 * CELL_SERVERS):
+    if ahead < room or (current == 0 and ahead < room + CELL_SERVERS):
         return 0
     if current is None or current == 0 or current >= reached:
         return _first_with_room(others, start=1)
@@ -223,7 +236,8 @@ class Place:
     ) -> int:
         """The level to announce at now, after `walk` (down this server's own path), for a server of
         throughput `mine`."""
-        self.level = choose_level(walk.counts(blocks, me), self.level, walk.faster(blocks, me, mine), rng)
+        faster = walk.faster(blocks, me, mine)
+        self.level = choose_level(walk.counts(blocks, me), self.level, faster, rng, walk.room(blocks))
         return self.level
 
     def keys(self, dht_prefix: str, blocks: Iterable[int]) -> list[str]:
