@@ -20,8 +20,9 @@ a server goes there when it is among the CELL_SERVERS fastest (by announced thro
 device's: swarm/policy/plausible.py) under each of its blocks' keys, and leaves when it falls behind
 2 x CELL_SERVERS under one of them, so a faster newcomer displaces the slowest. A record of implausible
 speed (a liar's) counts as faster than no one, and a key holding such records has room for
-HONEST_PER_DOUBTED honest servers per liar (`Walk.room`). The others enter the shallowest cell with room (fewer than DEEP_SERVERS
-others) that a reader on their own path reaches, and stay while readers still reach it. Cells are kept
+HONEST_PER_DOUBTED honest servers per liar (`Walk.room`). The others enter the shallowest cell with
+room (fewer than DEEP_SERVERS others) that a reader on their own path reaches, and stay while readers
+still reach it. Cells are kept
 between DEEP_READ_ON and 2 x DEEP_SERVERS at random, so that servers do not move in herds: a cell
 overfull past that (servers that entered at once) sheds servers, each leaving with the share that brings
 it back in expectation; a shallower cell with fewer than DEEP_READ_ON (its servers gone) is filled from
