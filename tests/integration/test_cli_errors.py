@@ -114,16 +114,19 @@ def test_models_corolla_cannot_serve_are_refused_naming_their_type(tmp_path):
 
     t5 = folder("t5", {"model_type": "t5", "d_model": 64, "num_layers": 2})
     vit = folder("vit", {"model_type": "vit", "hidden_size": 64})
-    compressed = folder("ds-v4", {"model_type": "deepseek_v4", "hidden_size": 64, "num_hidden_layers": 2})
+    layers = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    unknown = folder("ocr", {"model_type": "unlimited_ocr_text", **layers})  # attention to reference tokens
     results = run_corolla(
         ["server", t5, "--blocks", "0:1", *LOOPBACK],
         ["server", vit, "--blocks", "0:1", *LOOPBACK],
-        ["server", compressed, "--blocks", "0:1", *LOOPBACK],
+        ["server", unknown, "--blocks", "0:1", *LOOPBACK],
     )
     for result, model_type in zip(results, ("t5", "vit"), strict=False):
         assert_one_line(result, f"corolla server: model_type '{model_type}' is not a decoder-only causal LM")
         assert "tested: llama, mistral" in result.stderr
-    refusal = "corolla server: deepseek_v4: layer types ['heavily_compressed_attention'] are not supported"
+    refusal = (
+        "corolla server: unlimited_ocr_text: layer types ['reference_sliding_attention'] are not supported"
+    )
     assert_one_line(results[2], refusal)
 
 
