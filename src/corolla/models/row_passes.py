@@ -110,7 +110,8 @@ def positioned_pass(block: nn.Module, hidden: torch.Tensor, context, first: int,
 
 
 def one_row(hidden: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """One row's (or tree path's) part of a packed pass [1, N, ...]: its hidden states and its inputs."""
+    """Some tokens' part of a packed pass [1, N, ...] as one [1, len(tokens), ...] run (a row, a tree path,
+    or several rows laid end to end): their hidden states and their inputs."""
     shape = (1, len(tokens))
     packed = hidden.shape[1]
     taken = {name: _take(value, tokens, shape, packed) for name, value in inputs.items()}
