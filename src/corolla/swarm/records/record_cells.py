@@ -166,7 +166,7 @@ class Walk:
         """How many faster servers a server may have under its blocks' keys and enter level 0: CELL_SERVERS,
         or HONEST_PER_DOUBTED per doubted record under the most doubted of its keys (liars write themselves
         there as they like: honest servers keep the larger share of what every reader reads)."""
-        if not self.found:
+        if not self.found or not self.doubted:
             return CELL_SERVERS
         doubted = max((len(self.doubted & set(self.found[0].get((0, b), ()))) for b in blocks), default=0)
         return max(CELL_SERVERS, HONEST_PER_DOUBTED * doubted)
