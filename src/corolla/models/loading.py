@@ -203,24 +203,6 @@ def load_weights(
     load_converted(model, state_dict, mapping, dtype, checkpoint)
 
 
-def load_tied(model: nn.Module, checkpoint: Checkpoint, index: int, dtype: torch.dtype) -> None:
-    """Block `index`'s modules whose weights the checkpoint stores once, under an earlier block (Zamba's
-    shared attention blocks, tied by the decoder's `_tied_weights_keys`), read from there."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    prefix, decoder = decoder_of(model)
-    state_dict = {}
-    for target, source in (getattr(decoder, "_tied_weights_keys", None) or {}).items():
-        if not target.startswith(f"layers.{index}."):
-            continue
-        stored = f"{checkpoint.prefix}{source}."
-        names = [name for name in checkpoint.weight_map if name.startswith(stored)]
-        for name, tensor in checkpoint.read(names, owned=True).items():
-            state_dict[f"{prefix}{target}.{name[len(stored) :]}"] = tensor
-    if state_dict:
-        load_converted(model, state_dict, get_model_conversion_mapping(model), dtype, checkpoint)
-
-
 def load_converted(
     model: nn.Module,
     state_dict: dict[str, torch.Tensor],

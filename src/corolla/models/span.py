@@ -40,7 +40,6 @@ from corolla.models.loading import (
     check_layer_inputs,
     decoder_of,
     empty_model,
-    load_tied,
     load_weights,
     missing_on_meta,
     rotary_of,
@@ -48,6 +47,7 @@ from corolla.models.loading import (
 from corolla.models.model_config import ATTENTION_NAME, ModelConfig
 from corolla.models.quantize import quantize_blocks, warn_if_int8_loses_grid
 from corolla.models.row_passes import by_rows, indexed_pass, positioned_blocks, positioned_pass, run_block
+from corolla.models.tied import load_tied
 
 
 class Span(nn.Module):
@@ -122,9 +122,10 @@ class Span(nn.Module):
         indices = tqdm(
             range(start, end), desc=f"Loading blocks {start}:{end}", unit="block", disable=None, leave=False
         )
+        tied = {} if quantize is None else None  # tied modules share their weights (unless quantized)
         for index in indices:
             load_weights(span._model[0], checkpoint, checkpoint.block_names(index), dtype, owned=True)
-            load_tied(span._model[0], checkpoint, index, dtype)
+            load_tied(span._model[0], checkpoint, index, dtype, tied)
             block = span.blocks[index - start]
             missing = missing_on_meta(block)
             if missing:

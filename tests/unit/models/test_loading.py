@@ -319,3 +319,20 @@ def test_a_big_moe_block_is_built_without_allocating_its_experts():
         assert torch.zeros(2, HUGE_BYTES // 4, dtype=torch.bfloat16).is_meta
         assert not torch.empty(HUGE_BYTES // 8, dtype=torch.float32).is_meta  # half as large
         assert not torch.empty(4, 4, device="cpu").is_meta
+
+
+def test_a_span_holds_one_copy_of_a_shared_block_however_many_layers_use_it(tiny_models):
+    """Zamba2's shared attention blocks are stored once and tied to later layers: a span reads them once
+    and every block of it using one holds the same tensors (quantized, each holds its own)."""
+    path = tiny_models["zamba2"]  # hybrid layers 1, 3, 5 use shared blocks 0, 1, 0
+
+    def tensors(span, block):
+        module = span.blocks[block - span.start].shared_transformer
+        return [p.data_ptr() for p in module.parameters()]
+
+    whole = Span.load(path, 0, 6)
+    assert tensors(whole, 5) == tensors(whole, 1) != tensors(whole, 3)
+    later = Span.load(path, 3, 6)  # block 5 reads shared block 0 from where block 1 stores it
+    assert tensors(later, 5) != tensors(later, 3)
+    quantized = Span.load(path, 0, 6, quantize="int8")
+    assert tensors(quantized, 5) != tensors(quantized, 1)
