@@ -77,7 +77,7 @@ FRONTIER = [
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values
 SPANS_OF = {"gemma4": SHARING, "gemma3n": SHARING}
-NEW_TOKENS = 14
+NEW_TOKENS = 10  # greedy tokens each generation compares (the kill falls at the 5th)
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
 # a prompt that repeats itself
 REPEATING = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(9)).repeat(1, 3)
