@@ -154,11 +154,16 @@ class WireLayout:
             wire = self.pack(hidden, per_layer_inputs, ids)
         return wire
 
+    @property
+    def ids_start(self) -> int:
+        """Where the token ids' digits begin among a token's floats (after the streams and handed input)."""
+        return self.streams * self.hidden_size + self.handed
+
     def check_ids(self, wire: torch.Tensor) -> None:
         """Refuse a peer's wire tensor whose token-id digits are not ids of the vocabulary."""
         if not self.token_ids:
             return
-        start = self.streams * self.hidden_size + self.handed
+        start = self.ids_start
         digits = wire[..., start : start + self.token_ids].float()
         if not bool(((digits >= 0) & (digits < ID_BASE) & (digits == digits.round())).all()):
             raise InvalidRequest(
@@ -172,7 +177,7 @@ class WireLayout:
         """The token ids [B, T] (int64) a wire tensor carries, or None where they do not travel."""
         if not self.token_ids:
             return None
-        start = self.streams * self.hidden_size + self.handed
+        start = self.ids_start
         digits = wire[..., start : start + self.token_ids].detach().float().round().long()
         return sum(digits[..., k] * ID_BASE ** (self.token_ids - 1 - k) for k in range(self.token_ids))
 
@@ -188,8 +193,8 @@ class WireLayout:
             hidden = hidden.permute(2, 0, 1, 3) if self.streams_first else hidden
         if not self.per_layer:
             return hidden, None
-        start = self.streams * self.hidden_size + self.handed + self.token_ids
-        return hidden, wire[..., start:].unflatten(-1, (self.num_layers, self.per_layer))
+        per_layer_inputs = wire[..., self.ids_start + self.token_ids :]
+        return hidden, per_layer_inputs.unflatten(-1, (self.num_layers, self.per_layer))
 
 
 def with_handed(hidden: torch.Tensor, wire: WireLayout, first: bool = True) -> torch.Tensor:
