@@ -188,6 +188,7 @@ class Server:
                 speed.blocks_per_s or 1.0,
                 config.balance_period,
             )
+            self.rebalancer.kept = self.links.kept
             self.links.on_read = self.rebalancer.look
             self.rebalancer.start()
         if config.remeasure_period > 0:  # an idle server measures its speed again now and then

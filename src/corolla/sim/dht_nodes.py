@@ -39,6 +39,9 @@ class Nodes:
         self.clients = np.zeros((kinds, 4))  # the same, summed over clients
         self.own = np.zeros((kinds, 4))  # the same, of the servers that started the operations
         self.kind = 0
+        self.weight = (
+            1.0  # how many times the operation simulated now counts (a read made by some walks only)
+        )
         self.initiator: DHTID | None = None  # the server whose operation is simulated now
         self.rpcs: Counter[int] = Counter()  # requests by kind, pings apart
         self.pings = 0
@@ -89,7 +92,7 @@ class Nodes:
         self._count(caller, *sizes)
         self._count(callee, *reversed(sizes))
         self.largest = max(self.largest, *sizes)
-        self.rpcs[self.kind] += 1
+        self.rpcs[self.kind] += self.weight
         if self.is_server(caller):  # rpc_find / rpc_store: the callee's update (rpc_ping)
             self._meet(callee, caller)
         self._meet(caller, callee)
@@ -100,7 +103,7 @@ class Nodes:
             row = self.own[self.kind]
         else:
             row = self.clients[self.kind] if i is None else self.counts[self.kind, :, i]
-        row += (2, sent, received, pings)
+        row += np.multiply((2, sent, received, pings), self.weight)
 
     def _meet(self, owner: DHTID, other: DHTID) -> None:
         """update_routing_table: a node that does not fit its full bucket makes the owner ping the

@@ -53,6 +53,11 @@ MAX_MODEL_BLOCKS = 1024
 # nodes nearest to it in the background (hivemind waits up to 3 s for those: for every node in its
 # initial peers' routing tables that no longer answers, a server gone or restarted behind NAT)
 CLIENT_BOOTSTRAP_S = 0.1
+# every read of corolla's wants the latest records (`read_records`), so hivemind's caches never end one
+# early: they only cost bytes, a copy of each value found sent to a node near its key (cache_nearest) and,
+# for a key a peer stores under after reading it (a server's blocks' keys), a re-read of the whole key at
+# every store (cache_on_store): sim/dht.py prices both
+CACHING = {"cache_locally": False, "cache_on_store": False, "cache_nearest": 0}
 
 
 def start_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: bool = False) -> PeerDHT:
@@ -95,6 +100,7 @@ def spawn_dht(config: SwarmConfig, identity_checked: bool = False, unconfirmed: 
                 check_if_identity_free=False,  # checked above
                 nat_port_map=config.use_nat_port_map,
                 num_workers=4,
+                **CACHING,
                 bootstrap_timeout=CLIENT_BOOTSTRAP_S if config.client_mode else None,
                 relay_flags=relay_limit_flags(config),
                 relay_limits=expected(config) if relays_for_others(config) else None,

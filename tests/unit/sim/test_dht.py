@@ -14,8 +14,9 @@ from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from corolla.sim.dht import NUM_REPLICAS, DhtSwarm, _wire, dht_traffic
+from corolla.sim.dht import _wire, dht_traffic
 from corolla.sim.dht_nodes import BUCKET_SIZE
+from corolla.sim.dht_swarm import NUM_REPLICAS, DhtSwarm
 from corolla.sim.dht_wire import PREFIX
 from corolla.swarm.records.record_cells import CELL_SERVERS
 from corolla.wire.records import block_key
@@ -124,3 +125,17 @@ def test_the_same_seed_gives_the_same_numbers():
     first = dht_traffic(60, num_blocks=8, blocks_per_server=3, samples=2, seed=3)
     assert dht_traffic(60, num_blocks=8, blocks_per_server=3, samples=2, seed=3) == first
     assert dht_traffic(60, num_blocks=8, blocks_per_server=3, samples=2, seed=4) != first
+
+
+def test_the_busiest_peers_reads_do_not_grow_with_the_swarm():
+    """Servers' walks read each level of their path at read_chance (block_records.KeptPath), so the peers
+    nearest to a key of the tree serve as many reads in a swarm of 800 as of 100 (reading every key at every
+    walk, they served 8 times as many)."""
+    busiest = {}
+    for servers in (100, 800):
+        kinds = dht_traffic(servers, num_blocks=8, blocks_per_server=2, samples=4)["per_peer_per_minute"]
+        busiest[servers] = {
+            kind: kinds["bytes_by_kind"][kind]["max"] for kind in ("server_root_reads", "server_reads")
+        }
+    assert busiest[800]["server_root_reads"] < 1.5 * busiest[100]["server_root_reads"]
+    assert busiest[800]["server_reads"] < 1.5 * busiest[100]["server_root_reads"]  # the deeper cells' too

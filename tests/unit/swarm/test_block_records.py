@@ -13,10 +13,19 @@ from hivemind.utils import get_dht_time
 
 from corolla.config import SwarmConfig
 from corolla.server.upkeep.link_monitor import LinkMonitor
-from corolla.swarm.dht import start_dht, visible_addresses
+from corolla.swarm.dht import RemoteSpan, start_dht, visible_addresses
 from corolla.swarm.records import record_cells
-from corolla.swarm.records.block_records import Sighting, _span, announce, find_spans, placed, read_swarm
-from corolla.swarm.records.record_cells import Place, position
+from corolla.swarm.records.block_records import (
+    KeptPath,
+    Sighting,
+    SwarmRead,
+    _span,
+    announce,
+    find_spans,
+    placed,
+    read_swarm,
+)
+from corolla.swarm.records.record_cells import Place, Walk, position
 from corolla.wire.records import ServerState, ServerStatus
 
 PREFIX = "tree-test"
@@ -41,10 +50,10 @@ def peers():
             dht.shutdown()
 
 
-def record(throughput: float) -> ServerStatus:
+def record(throughput: float, start: int = 0) -> ServerStatus:
     now = get_dht_time()
     return ServerStatus(
-        0,
+        start,
         BLOCKS,
         "test",
         "float32",
@@ -131,3 +140,46 @@ def test_a_server_settles_its_place_before_its_first_announcement(peers, monkeyp
     broken = monitor(gone)
     asyncio.run(broken.place_first())  # logged, not raised
     assert (broken.place.level or 0) == 0
+
+
+def test_a_servers_walks_reuse_their_reads_of_the_upper_levels_as_the_swarm_grows(peers, monkeypatch):
+    """A server's own walks (links, rebalancing: KeptPath) read each level of its path afresh with
+    record_cells.read_chance of the swarm the last walk counted; a reused read still counts the servers it
+    found while their records were fresh when it was made."""
+    monkeypatch.setattr(record_cells, "KEY_READERS", 1)  # a swarm of two servers is "large"
+    prefix, reader = "kept-path-test", peers[1]
+    where = position(str(reader.peer_id))
+
+    async def scenario():
+        kept = KeptPath()
+        assert await announce(peers[0], prefix, record(2.0), 60)
+        first = await read_swarm(reader, prefix, BLOCKS, where, kept=kept)
+        assert kept.servers == 1.0 and first.read_at == {}  # one server: the blocks' keys read afresh
+        assert await announce(peers[2], prefix, record(1.0, start=2), 60)  # a second joins the blocks' keys
+        kept.servers = 1e9  # as a swarm of thousands makes it
+        reused = await read_swarm(reader, prefix, BLOCKS, where, kept=kept)
+        kept.servers = 1.0
+        fresh = await read_swarm(reader, prefix, BLOCKS, where, kept=kept)
+        return kept, first, reused, fresh
+
+    kept, first, reused, fresh = asyncio.run(scenario())
+    assert [span.peer_id for span in first.spans] == [str(peers[0].peer_id)]
+    assert [span.peer_id for span in reused.spans] == [str(peers[0].peer_id)]  # the second not yet seen
+    assert list(reused.read_at) == [0] and reused.read_at[0] < get_dht_time()
+    assert sorted(span.peer_id for span in fresh.spans) == sorted(
+        str(p.peer_id) for p in (peers[0], peers[2])
+    )
+    assert fresh.read_at == {} and kept.servers == 2.0
+    assert record_cells.read_chance(0, kept.servers) == 0.5  # half the walks read the blocks' keys
+    assert record_cells.read_chance(1, kept.servers) == 1.0  # a cell on half the paths: every walk
+
+
+def test_a_reused_read_judges_its_records_fresh_as_of_when_it_was_made():
+    now = get_dht_time()
+    old = ServerStatus(0, BLOCKS, "test", "float32", 8192, 1000, announced_at=now - 100, announce_period=30.0)
+    span = RemoteSpan("p", 0, BLOCKS, old, level=0)
+    walk = Walk(PREFIX, BLOCKS, where=0)
+    assert placed(SwarmRead([span], walk)) == {}  # not renewed for 100 s: gone
+    assert placed(SwarmRead([span], walk, {0: now - 90})) == {"p": (0, BLOCKS, 1.0, 1.0)}
+    deep = RemoteSpan("p", 0, BLOCKS, old, level=1)  # its level read afresh: judged now
+    assert placed(SwarmRead([deep], walk, {0: now - 90})) == {}

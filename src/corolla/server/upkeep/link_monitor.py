@@ -25,7 +25,7 @@ from corolla.server.upkeep.periodic import Periodic
 from corolla.swarm.p2p.ping import ping
 from corolla.swarm.p2p.transport import P2PTransport
 from corolla.swarm.policy.placement import Placed, weakest_holders
-from corolla.swarm.records.block_records import SwarmRead, placed, read_swarm
+from corolla.swarm.records.block_records import KeptPath, SwarmRead, placed, read_swarm
 from corolla.swarm.records.record_cells import Place, position
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class LinkMonitor:
         self.on_read: Callable[[dict[str, Placed]], Awaitable[object]] | None = None
         self.seen: frozenset[str] = frozenset()  # the servers of the last read (peer ids)
         self.place = Place(position(peer_id))  # the walk is down this server's own path
+        self.kept = KeptPath()  # its reads of its own path, reused in a large swarm (the rebalancer's too)
         failure = "Measuring the links to the next servers failed"
         self._loop = Periodic(
             "corolla-links", self.measure, lambda: period, failure, at_once=True, level=logging.DEBUG
@@ -72,7 +73,8 @@ class LinkMonitor:
         """Read down this server's own path and settle the level of its next announcement (called once
         before its first: a thousand servers joining at once would otherwise all announce at level 0)."""
         start, end = self.spans.primary.blocks
-        read = await read_swarm(self.dht, self.spans.dht_prefix, self.num_blocks, self.place.where)
+        where = self.place.where
+        read = await read_swarm(self.dht, self.spans.dht_prefix, self.num_blocks, where, kept=self.kept)
         self.place.update(read.walk, range(start, end), self.peer_id, self.speed())
         return read
 

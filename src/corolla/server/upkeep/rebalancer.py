@@ -21,7 +21,7 @@ from corolla.server.inference.service import InferenceService
 from corolla.server.upkeep.announcer import Announcer
 from corolla.server.upkeep.periodic import Periodic
 from corolla.swarm.policy.placement import Placed, coverage, my_move
-from corolla.swarm.records.block_records import placed_servers
+from corolla.swarm.records.block_records import KeptPath, placed_servers
 
 
 class Rebalancer:
@@ -43,6 +43,7 @@ class Rebalancer:
         self.peer_id = peer_id
         self.num_blocks = num_blocks
         self.throughput = throughput  # as measured at start: every server weighs it by that figure
+        self.kept: KeptPath | None = None  # its path as the server's links keep it (reused in large swarms)
         # the jitter spreads the servers' DHT reads; a failed check or move is retried at the next period
         jittered = lambda: period * random.uniform(0.8, 1.2)  # noqa: E731
         self._loop = Periodic("corolla-balancer", self.check, jittered, "Rebalancing failed")
@@ -71,7 +72,8 @@ class Rebalancer:
         if self.spans.is_moving or self.inference.draining:
             return None
         if servers is None:
-            servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks, self.peer_id)
+            me = self.peer_id
+            servers = await placed_servers(self.dht, self.spans.dht_prefix, self.num_blocks, me, self.kept)
         servers[self.peer_id] = (*self.spans.primary.blocks, self.throughput)
         # where no span may start or end: inside Gemma's layers that share keys and values
         forbidden = self.spans.primary.span.config.kv_sharing.forbidden_cuts

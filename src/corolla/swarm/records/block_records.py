@@ -11,9 +11,10 @@ the blocks' keys alone and every read is whole.
 from __future__ import annotations
 
 import logging
+import random
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from hivemind.dht import DHT
@@ -23,7 +24,7 @@ from corolla.errors import InvalidRequest
 from corolla.swarm.dht import PeerDHT, RemoteSpan, read_records, signer_of, store_records
 from corolla.swarm.nat.circuit_book import BOOK
 from corolla.swarm.policy.plausible import announced_kinds, bounded, implausible, speed_bounds
-from corolla.swarm.records.record_cells import WHOLE, Walk, keys_at, position, weight
+from corolla.swarm.records.record_cells import WHOLE, Walk, keys_at, position, read_chance, weight
 from corolla.wire.records import ServerState, ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,30 @@ class SwarmRead:
 
     spans: list[RemoteSpan]
     walk: Walk
+    read_at: dict[int, float] = field(default_factory=dict)  # levels whose read was reused: when it was made
+
+
+@dataclass
+class KeptPath:
+    """A server's last read of each level of its own path down the records' tree, which its walks (links,
+    rebalancing) reuse in a large swarm: a cell at level d lies on the path of about servers / 2**d servers
+    and every read of a key lands on the few peers nearest to it in the DHT, so each level is read afresh
+    only with record_cells.read_chance of the swarm the last walk counted, and a key's reads do not grow
+    with the swarm. The deepest cells (a few dozen servers' paths) are read at every walk."""
+
+    levels: dict[int, tuple[frozenset[str], dict, float]] = field(default_factory=dict)  # keys, found, when
+    servers: float = 1.0  # the swarm's size, as the last walk counted it
+    rng: random.Random = field(default_factory=random.Random)
+
+    def reused(self, level: int, keys: Iterable[str]) -> tuple[dict, float] | None:
+        """What the keys of `level` held when last read, and when, if the walk reuses that read now."""
+        kept = self.levels.get(level)
+        if kept is None or kept[0] != frozenset(keys) or self.rng.random() < read_chance(level, self.servers):
+            return None
+        return kept[1], kept[2]
+
+    def keep(self, level: int, keys: Iterable[str], found: dict) -> None:
+        self.levels[level] = (frozenset(keys), found, get_dht_time())
 
 
 async def announce(
@@ -65,9 +90,10 @@ async def read_swarm(
     states: Collection[ServerState] = (ServerState.ONLINE,),
     tally: Counter | None = None,
     budget: int | None = None,
+    kept: KeptPath | None = None,
 ) -> SwarmRead:
     """Every server found down the path `where` (None: every path) that announced one of `states`, with
-    its announced span.
+    its announced span; each level as `kept` (of the server's own path) keeps it, if given.
 
     A server found under block keys (level 0) counts only for the blocks under which its record was
     actually found, so a stale announcement cannot claim blocks it left; one found in a deeper cell,
@@ -77,9 +103,15 @@ async def read_swarm(
     tally = Counter() if tally is None else tally
     walk = Walk(dht_prefix, num_blocks, where, budget)
     sightings: dict[str, list[Sighting]] = {}
+    read_at: dict[int, float] = {}
     while not walk.done:
         keys = walk.keys()
-        found = await dht.run_coroutine(partial(read_records, keys=list(keys)), return_future=True)
+        if kept is not None and (reused := kept.reused(walk.level, keys)) is not None:
+            found, read_at[walk.level] = reused
+        else:
+            found = await dht.run_coroutine(partial(read_records, keys=list(keys)), return_future=True)
+            if kept is not None:
+                kept.keep(walk.level, keys, found)
         peers: dict[tuple[int, int], list[str]] = {}
         for key, (cell, block) in keys.items():
             for peer_id, record in _valid(found.get(key, {}), key, tally):
@@ -93,7 +125,9 @@ async def read_swarm(
     ]
     for span in spans:  # behind NAT: reached through the relays its record names
         BOOK.learn(span.peer_id, span.info.relays)
-    return SwarmRead(spans, walk)
+    if kept is not None and walk.one_path:  # each server found stands for weight(level) servers
+        kept.servers = sum(weight(span.level) for span in spans)
+    return SwarmRead(spans, walk, read_at)
 
 
 async def find_spans(
@@ -113,19 +147,22 @@ def placed(read: SwarmRead) -> dict[str, Placed]:
     """Every ONLINE server's span by peer id, weighted by its throughput (1.0 when it announced none)
     times the servers it stands for (on a walk down one path; read whole, each stands for itself), and
     that number: what placement, rebalancing and link measurements read. A server that missed renewing its
-    records (wire/records.py STALE_PERIODS) is left out: it is most likely gone."""
+    records (wire/records.py STALE_PERIODS) is left out: it is most likely gone (judged as of the read that
+    found it, where the walk reused an older read of its level)."""
     now = get_dht_time()
     found = {}
     for s in read.spans:
-        if not s.info.stale(now):
+        if not s.info.stale(read.read_at.get(s.level, now)):
             stands_for = weight(s.level if read.walk.one_path else 0)
             found[s.peer_id] = (s.start, s.end, (s.info.throughput or 1.0) * stands_for, stands_for)
     return found
 
 
-async def placed_servers(dht: DHT, dht_prefix: str, num_blocks: int, me: str) -> dict[str, Placed]:
-    """`placed` of a walk down the server `me`'s own path."""
-    return placed(await read_swarm(dht, dht_prefix, num_blocks, position(me)))
+async def placed_servers(
+    dht: DHT, dht_prefix: str, num_blocks: int, me: str, kept: KeptPath | None = None
+) -> dict[str, Placed]:
+    """`placed` of a walk down the server `me`'s own path (its levels as `kept` keeps them)."""
+    return placed(await read_swarm(dht, dht_prefix, num_blocks, position(me), kept=kept))
 
 
 def _valid(found: dict[str, object], key: str, tally: Counter) -> Iterable[tuple[str, ServerStatus]]:

@@ -50,6 +50,7 @@ DEEP_READ_ON = DEEP_SERVERS // 2  # a reader goes one level deeper while its las
 CLIENT_CELLS = 32  # a client reads this many cells at most: the tree's first 4 levels whole
 MAX_LEVEL = 40  # 2**40 cells: far past any swarm
 POSITION_BITS = 64
+KEY_READERS = 64  # servers' walks that read a key of the tree afresh each period, however large the swarm
 WHOLE = -1  # the block of a deeper cell's key: it holds whole records
 
 Key = tuple[int, int]  # (cell, block) at a level: level 0's keys are (0, block), deeper ones (cell, WHOLE)
@@ -80,6 +81,14 @@ def keys_at(dht_prefix: str, level: int, where: int, blocks: Iterable[int]) -> l
 def weight(level: int) -> float:
     """How many servers, on average, one found at `level` stands for (on one path)."""
     return float(2**level)
+
+
+def read_chance(level: int, servers: float) -> float:
+    """How likely a server's walk down its own path reads its cell at `level` afresh in a swarm of about
+    `servers` servers (otherwise it reuses its last read: block_records.KeptPath). About servers / 2**level
+    servers' paths go through that cell, and every read of a key lands on the same few peers, the key's
+    nearest in the DHT: KEY_READERS of them a period read it."""
+    return min(1.0, KEY_READERS * 2**level / max(servers, 1.0))
 
 
 def read_on(level: int) -> int:
