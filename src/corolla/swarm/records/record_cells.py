@@ -13,7 +13,8 @@ as long as the last cell held DEEP_READ_ON or more. With at most READ_ON servers
 level 0 alone and every reader reads every record, as before the tree existed. A walk reads num_blocks
 keys and then one key per level: about log2(servers / DEEP_SERVERS) of them. A client reads every path
 level by level as far as CLIENT_CELLS cells allow (the whole tree of a swarm of about a thousand
-servers), then one random path on; `corolla status` reads the whole tree.
+servers), then one random path on; `corolla status` reads the whole tree. A server's own walks read each
+level afresh with `read_chance` only (block_records.KeptPath), so no key's reads grow with the swarm.
 
 Writing (`choose_level`): the blocks' keys keep the fastest servers, the ones every reader should see:
 a server goes there when it is among the CELL_SERVERS fastest (by announced throughput, bounded by its
