@@ -1,6 +1,7 @@
 """This year's attention layouts served by real `corolla server` processes, against transformers' own
 `generate` on the same tiny checkpoint: alone, as eight sessions at once, with speculative tree steps that
-reject part of their draft, and through a kill -9 of the server a session runs on.
+reject part of their draft, and through a kill -9 of the server a session runs on. Every family's
+servers join one public peer (`corolla dht`), as in a swarm serving several models.
 
 deepseek_v3: multi-head latent attention (the cache holds the compressed latent and the rotary key,
 expanded by the layer after each read) and grouped MoE routing; its checkpoint's MTP layer drafts too.
@@ -11,13 +12,10 @@ share this sparse attention: proven through loopback servers).
 qwen3_5: Gated DeltaNet linear attention 2:1 with full attention (a recurrent and a convolution state
 per session row, restored from snapshots when a draft is rejected); the first span ends on its
 attention layer, the second starts on linear ones.
-gemma4: sliding and global layers of different head sizes (a pool tensor per shape), MoE beside the MLP,
-and a last layer that attends with the one before's keys and values: the second span starts on that
-source, the only cut before it that keeps them together.
-gemma3n: the same sharing, with per-layer inputs and 4 parallel residual streams (AltUp) beside the
-hidden states (models/handoff.py): what travels between the servers is 4.75 times the hidden size wide.
-hy_v4: sparse latent attention (as DeepSeek-V3.2) with 4 hyper-connection streams between layers, which
-travel between the servers as 4 times the hidden size.
+gemma3n: a last layer that attends with the one before's keys and values (the second span starts on
+that source, the only cut before it that keeps them together), per-layer inputs and 4 parallel residual
+streams (AltUp) beside the hidden states (models/handoff.py): what travels between the servers is 4.75
+times the hidden size wide.
 glm5_next: KDA linear attention 1:1 with sparse latent attention whose indexer ranks pools of keys and
 finds causality from positions (tree steps run path by path), hyper-connection streams, no rotary at
 all; a causal LM only in its multimodal wrapper. The cut falls between a linear and an indexed layer.
@@ -44,13 +42,14 @@ and the token ids (its first layers' experts are picked by them) travel between 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
 
 from corolla.config import SpeculationConfig
 from corolla.decoding.mtp import mtp_layers
-from corolla.launch.local import LocalSwarm
+from corolla.launch.local import READY_DHT, LocalSwarm, PeerProcess
 from corolla.models.model_config import ModelConfig
 from swarm_helpers import connect, one_worker_each, reference_generate
 from tiny_models import load_reference
@@ -59,13 +58,15 @@ from tiny_models import load_reference
 # (tests/unit/client/test_families.py): real processes for one latent family keep the suite's time
 # Mamba (Jamba, Nemotron-H) and convolutions (LFM2) keep their states the same way (engine/states.py),
 # proven through loopback servers too
+# HY-V4 (sparse latent attention as Mistral Large 4's, hyper-connection streams as GLM-5-Next's and
+# DeepSeek-V4's) and Gemma 4 (keys and values shared across layers as Gemma 3n's) bring no mechanism these do
+# not carry between real processes: both are proven through loopback servers (test_families, and
+# test_recurrent_states for trees)
 FRONTIER = [
     "deepseek_v3",
     "mistral_large4",
     "qwen3_5",
-    "gemma4",
     "gemma3n",
-    "hy_v4",
     "glm5_next",
     "llama4",
     "lfm2_moe",
@@ -74,24 +75,38 @@ FRONTIER = [
     "zamba2",
     "deepseek_v4",
 ]
+DHT_ARGS = ["dht", "--host", "127.0.0.1", "--no-nat-port-map"]
 SPANS = [(0, 3), (3, 6), (3, 6)]  # the second half twice: one replica survives the kill
 SHARING = [(0, 4), (4, 6), (4, 6)]  # block 5 reads block 4's keys and values
-SPANS_OF = {"gemma4": SHARING, "gemma3n": SHARING}
+SPANS_OF = {"gemma3n": SHARING}
 NEW_TOKENS = 10  # greedy tokens each generation compares (the kill falls at the 5th)
 PROMPTS = [torch.randint(3, 300, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
 # a prompt that repeats itself
 REPEATING = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(9)).repeat(1, 3)
 
 
+@pytest.fixture(scope="module")
+def public_peer(tmp_path_factory):
+    """The one public peer (`corolla dht`) of a swarm serving all the families, each its own model."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    dht = PeerProcess("dht", DHT_ARGS, tmp_path_factory.mktemp("dht") / "dht.log", env)
+    try:
+        yield [dht.wait_for(READY_DHT, 60).group(1)]
+    finally:
+        dht.stop()
+
+
 @pytest.fixture(scope="module", params=one_worker_each(FRONTIER))
-def served(request, tiny_models):
+def served(request, tiny_models, public_peer):
     path = tiny_models[request.param]
     reference = load_reference(path)
     expected = [
         reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in [*PROMPTS, REPEATING]
     ]
     spans = SPANS_OF.get(request.param, SPANS)
-    with LocalSwarm(str(path), spans, server_args=["--announce-period", "2"]) as swarm:
+    swarm = LocalSwarm(str(path), spans, server_args=["--announce-period", "2"])
+    swarm.initial_peers = public_peer
+    with swarm:
         yield path, swarm, expected
 
 

@@ -118,6 +118,8 @@ class LocalSwarm:
         start_timeout: float = 180.0,
         dht_args: Sequence[str] = (),
     ):
+        """A swarm of `spans` servers of `model` with a DHT peer of its own, or, if `initial_peers` is set
+        before it starts, joining the peer there (one serving other models too: none is started then)."""
         self.model = model
         self.spans = list(spans)
         self.dht_prefix = dht_prefix
@@ -142,13 +144,14 @@ class LocalSwarm:
 
     def start(self) -> LocalSwarm:
         try:
-            self.dht = PeerProcess(
-                "dht",
-                ["dht", "--host", "127.0.0.1", "--no-nat-port-map", *self.dht_args],
-                self.workdir / "dht.log",
-                self.env,
-            )
-            self.initial_peers = [self.dht.wait_for(READY_DHT, self.start_timeout).group(1)]
+            if not self.initial_peers:
+                self.dht = PeerProcess(
+                    "dht",
+                    ["dht", "--host", "127.0.0.1", "--no-nat-port-map", *self.dht_args],
+                    self.workdir / "dht.log",
+                    self.env,
+                )
+                self.initial_peers = [self.dht.wait_for(READY_DHT, self.start_timeout).group(1)]
             started = [self.add_server(span, wait=False) for span in self.spans]
             for server in started:
                 self.wait_ready(server)
