@@ -27,9 +27,9 @@ smallest peer ids); records have the size of one real one (sim/dht_wire.py); a r
 message limit counts as sent, though a real one fails; a level's read counts read_chance times over
 instead of a random share of walks reading it. Not modelled: churn, joins, table refreshes.
 Sampled: `samples` operations of each kind (by random servers; reads also by new clients; servers' walks
-stratified over the tree's cells: `_server_walks`), scaled to their rate per minute. What an operation costs
-the server that starts it is shared out evenly (each server starts as many), so the largest cost is that of
-the peers serving others.
+stratified over the tree's cells: `_server_walks`; every announcement at level 0: `_announces`), scaled
+to their rate per minute. What an operation costs the server that starts it is shared out evenly (each
+server starts as many), so the largest cost is that of the peers serving others.
 """
 
 from __future__ import annotations
@@ -108,19 +108,36 @@ def _spans(servers: int, num_blocks: int, blocks_per_server: float, rng: random.
 
 async def _simulate(swarm: DhtSwarm, tree: RecordTree, samples: int, rng) -> None:
     """The sampled operations, interleaved so that routing tables change as they would: a server's
-    announcement in its cells, its listing of the model, a new client's walk down a random path (a level's
-    keys in one get_many each); then the servers' walks down their own paths (links and rebalancing)."""
+    listing of the model, a new client's walk down a random path (a level's keys in one get_many each);
+    then the servers' announcements (`_announces`) and walks down their own paths (links and rebalancing)."""
     nodes = swarm.nodes
     for _ in range(samples):
-        server = rng.randrange(len(nodes.ids))
-        nodes.initiator = nodes.ids[server]
-        nodes.kind = KINDS.index("announce")
-        await swarm.announce(nodes.initiator, swarm.ids(tree.keys_of(f"peer{server}")))
+        nodes.initiator = nodes.ids[rng.randrange(len(nodes.ids))]
         nodes.kind = KINDS.index("models")
         await swarm.announce(nodes.initiator, [swarm.models_key])
         nodes.kind = KINDS.index("client_reads")
         await _walk(swarm, tree.walk(None, CLIENT_CELLS, rng), DHTID(rng.getrandbits(BITS)), "client")
+    await _announces(swarm, tree, samples, rng)
     await _server_walks(swarm, tree, samples)
+
+
+async def _announces(swarm: DhtSwarm, tree: RecordTree, samples: int, rng) -> None:
+    """Every announcement at level 0 (a store under each of a server's blocks' keys, whose lookup gets each
+    key's whole value from every holder it asks: a few sampled ones would land on a few blocks' keys and
+    make their nearest peers look far busier than they are), and `samples` of those deeper (one cell each),
+    each counting for the servers it stands for."""
+    nodes = swarm.nodes
+    nodes.kind = KINDS.index("announce")
+    servers = range(len(nodes.ids))
+    top = [server for server in servers if not tree.places[f"peer{server}"].level]
+    deep = [server for server in servers if tree.places[f"peer{server}"].level]
+    sampled = rng.sample(deep, min(samples, len(deep)))
+    for server in [*top, *sampled]:
+        nodes.initiator = nodes.ids[server]
+        stands_for = 1 if server in top else len(deep) / len(sampled)
+        nodes.weight = stands_for * samples / len(nodes.ids)  # of the `samples` the kind's rate is scaled by
+        await swarm.announce(nodes.initiator, swarm.ids(tree.keys_of(f"peer{server}")))
+    nodes.weight = 1.0
 
 
 async def _server_walks(swarm: DhtSwarm, tree: RecordTree, samples: int) -> None:
