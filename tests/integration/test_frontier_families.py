@@ -110,20 +110,28 @@ def served(request, tiny_models, public_peer):
         yield path, swarm, expected
 
 
-def test_alone_and_eight_at_once_the_tokens_are_transformers(served):
-    path, swarm, expected = served
+@pytest.fixture(scope="module")
+def plain(served):
+    """A client of the family's swarm that does not speculate (the first and the last test's)."""
+    path, swarm, _ = served
     with connect(path, swarm) as model:
-        assert torch.equal(model.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS), expected[0])
+        yield model
 
-        async def together():
-            async def one(ids):
-                new = [tokens[:, None] async for tokens in model.agenerate(ids, max_new_tokens=NEW_TOKENS)]
-                return torch.cat([ids, *new], dim=1)
 
-            return await asyncio.gather(*(one(ids) for ids in PROMPTS))
+def test_alone_and_eight_at_once_the_tokens_are_transformers(served, plain):
+    _, _, expected = served
+    model = plain
+    assert torch.equal(model.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS), expected[0])
 
-        for index, tokens in enumerate(model.runtime.run(together())):
-            assert torch.equal(tokens, expected[index]), f"prompt {index} differs when batched"
+    async def together():
+        async def one(ids):
+            new = [tokens[:, None] async for tokens in model.agenerate(ids, max_new_tokens=NEW_TOKENS)]
+            return torch.cat([ids, *new], dim=1)
+
+        return await asyncio.gather(*(one(ids) for ids in PROMPTS))
+
+    for index, tokens in enumerate(model.runtime.run(together())):
+        assert torch.equal(tokens, expected[index]), f"prompt {index} differs when batched"
 
 
 def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(served, tiny_models):
@@ -143,10 +151,11 @@ def test_speculative_trees_that_reject_part_of_their_draft_give_the_same_tokens(
             assert model.speculator.stats.drafted > 0
 
 
-def test_a_server_killed_mid_generation_is_replaced_and_the_tokens_do_not_change(served):
-    path, swarm, expected = served
+def test_a_server_killed_mid_generation_is_replaced_and_the_tokens_do_not_change(served, plain):
+    _, swarm, expected = served
     ids = PROMPTS[2]
-    with connect(path, swarm) as model, model.inference_session(ids.shape[1] + NEW_TOKENS) as session:
+    model = plain
+    with model.inference_session(ids.shape[1] + NEW_TOKENS) as session:
         seen = []
 
         def on_token(_):

@@ -4,6 +4,9 @@ for a while, then measured again."""
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
+import os
 import time
 
 import pytest
@@ -49,3 +52,34 @@ def test_spans_with_recurrent_states_are_measured_too(family, tiny_models, tmp_p
     span = Span.load(tiny_models[family], 0, 2, torch.float32)
     speed = throughput.measure_speed(span, use_cache=False)
     assert speed.blocks_per_s > 0 and speed.batch_growth >= 0
+
+
+def _measure_in_child(path, cache: str, results) -> None:
+    os.environ["COROLLA_CACHE"] = cache
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    throughput.logger.addHandler(handler)
+    throughput.logger.setLevel(logging.INFO)
+    speed = throughput.measure_speed(Span.load(path, 0, 2, torch.float32))
+    results.put((speed, sum(line.startswith("Measured") for line in said)))
+
+
+def test_servers_starting_together_measure_a_shape_once(tiny_models, tmp_path):
+    """Three server processes measuring the same blocks at once: one measures (alone), the others wait for
+    its figure and read it from the cache."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    children = [
+        context.Process(target=_measure_in_child, args=(tiny_models["llama"], str(tmp_path), results))
+        for _ in range(3)
+    ]
+    for child in children:
+        child.start()
+    try:
+        found = [results.get(timeout=120) for _ in children]
+    finally:
+        for child in children:
+            child.join(timeout=30)
+    speeds, measured = zip(*found, strict=True)
+    assert sum(measured) == 1 and len(set(speeds)) == 1

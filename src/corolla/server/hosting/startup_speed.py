@@ -10,20 +10,24 @@ batch almost for free onto home GPUs). Clients use them to estimate a chain's st
 timed the server themselves, and servers use it to weigh the swarm's coverage when they choose blocks.
 Measuring takes a second or two, so the result is cached in the corolla cache folder, keyed by everything
 that changes it, for MAX_AGE: a figure taken on a busy machine (servers starting at once) does not stand
-forever.
+forever. Servers starting together on one machine measure one at a time (a file lock beside the cache): the
+first measures a shape and the others read its figure, instead of each measuring it while the others do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from corolla.config import EngineConfig
 from corolla.engine.engine import Engine
@@ -40,6 +44,7 @@ CONTEXT = 128
 STEPS = 16
 BATCH_ROWS = 8  # the batch whose step is timed against one sequence's
 MAX_AGE = 3600.0  # seconds a cached measurement stands for
+LOCK_WAIT = 120.0  # seconds a server waits for another's measurement before measuring beside it
 
 
 @dataclass(frozen=True)
@@ -53,19 +58,18 @@ def measure_speed(span: Span, use_cache: bool = True) -> Speed:
     the batch grows (a step of BATCH_ROWS sequences against one's)."""
     key = _cache_key(span)
     path = cache_dir() / "throughput.json"
-    cached = _read(path)
-    entry = cached.get(key)
-    if use_cache and entry is not None and time.time() - entry["measured_at"] < MAX_AGE:
-        return Speed(float(entry["blocks_per_s"]), float(entry["batch_growth"]))
-    one = _step_seconds(span, 1)
-    batch = _step_seconds(span, BATCH_ROWS)
-    speed = Speed((span.end - span.start) / one, max(batch / one - 1, 0.0) / (BATCH_ROWS - 1))
-    cached[key] = {**asdict(speed), "measured_at": time.time()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=1))
-    except OSError:
-        logger.warning("Could not cache the throughput measurement in %s", path)
+    with _one_at_a_time(path):
+        entry = _read(path).get(key)
+        if use_cache and entry is not None and time.time() - entry["measured_at"] < MAX_AGE:
+            return Speed(float(entry["blocks_per_s"]), float(entry["batch_growth"]))
+        one = _step_seconds(span, 1)
+        batch = _step_seconds(span, BATCH_ROWS)
+        speed = Speed((span.end - span.start) / one, max(batch / one - 1, 0.0) / (BATCH_ROWS - 1))
+        cached = {**_read(path), key: {**asdict(speed), "measured_at": time.time()}}
+        try:
+            path.write_text(json.dumps(cached, indent=1))
+        except OSError:
+            logger.warning("Could not cache the throughput measurement in %s", path)
     logger.info(
         "Measured %.1f blocks/s for one decode step, %.1f%% slower per more session in a batch "
         "(cached in %s)",
@@ -74,6 +78,24 @@ def measure_speed(span: Span, use_cache: bool = True) -> Speed:
         path,
     )
     return speed
+
+
+@contextlib.contextmanager
+def _one_at_a_time(path: Path) -> Iterator[None]:
+    """Held while this process reads, measures and writes the cache at `path`: other servers on this
+    machine wait (LOCK_WAIT at most: then, or where the cache's folder is not writable, it measures too)."""
+    lock: FileLock | None = FileLock(path.with_suffix(".lock"), timeout=LOCK_WAIT)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except (OSError, Timeout):
+        lock = None
+        logger.warning("Measuring without waiting for other servers' measurements (%s)", path.parent)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def measure_throughput(span: Span, use_cache: bool = True) -> float:
