@@ -104,7 +104,7 @@ def served(request, tiny_models, public_peer):
         reference_generate(reference, ids, max_new_tokens=NEW_TOKENS) for ids in [*PROMPTS, REPEATING]
     ]
     spans = SPANS_OF.get(request.param, SPANS)
-    swarm = LocalSwarm(str(path), spans, server_args=["--announce-period", "2"])
+    swarm = LocalSwarm(str(path), spans, server_args=["--announce-period", "5"])
     swarm.initial_peers = public_peer
     with swarm:
         yield path, swarm, expected

@@ -12,7 +12,7 @@ from loopback import LoopbackSwarm, generate_together
 from swarm_helpers import reference_generate
 from tiny_models import FAMILIES, hidden_states, load_reference
 
-NEW_TOKENS = 10
+NEW_TOKENS = 8
 SPANS = [(0, 3), (3, 6)]
 SOLO = (0, 7)  # the prompts also generated alone (each batched one is checked against transformers)
 

@@ -203,3 +203,17 @@ def test_a_servers_measured_batch_growth_prices_its_load_until_then_the_guess():
     assert estimates.estimate(said).load_growth == 0.02
     estimates.ping("b", 0.01, ServerStatus(0, 6, "0.1.0", "float32", 1024, 512, batch_growth=0.05))
     assert estimates.estimate(said).load_growth == 0.05  # the ping's, fresher
+
+
+async def test_a_session_kept_idle_for_its_prefix_is_no_load_on_the_chain_that_holds_it():
+    """client/generation/prefix_cost.py prices forking the chain that holds a prefix: the holder's own
+    session there runs in no pass. Counted as load, it priced that chain up by the servers' batch growth
+    (SmolLM2's measured 20-28%, past prefix_cost.ALIKE), and a follow-up turn went to another chain."""
+    route, _, _ = router([span("a", 0, 6, batch_growth=0.28)])
+    await route._view.refresh()
+    holder = [Hop("a", 0, 6)]
+    alone = route.step_cost(holder)
+    route._estimates.acquire(holder)  # the first turn's session, kept open for its prefix
+    assert route.step_cost(holder) > 1.2 * alone
+    assert route.step_cost(holder, idle=holder) == alone
+    assert route._estimates.mine["a"] == 1  # still counted for routing every other session

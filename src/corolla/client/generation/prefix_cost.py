@@ -2,7 +2,9 @@
 chain (issue 30: routing that finds reused prefixes).
 
 Forking saves the prefix's prefill; it costs, for every token the answer decodes, what a step on the
-holding chain costs more than one on the cheapest chain (routing's step-time estimates, `Router.step_cost`).
+holding chain costs more than one on the cheapest chain (routing's step-time estimates, `Router.step_cost`;
+the holder's session, idle, is no load on its chain: counted as one, it priced the holding chain up by its
+servers' batch growth, 20-28% as SmolLM2's servers measured it, and a follow-up turn went elsewhere).
 How many tokens an answer decodes is not known in advance: a request's `max_new_tokens` is only a limit
 (the API's default is the whole context), so the guess is the mean of this client's recent answers, under
 that limit.
@@ -68,5 +70,6 @@ async def holding_chain_pays(
         )
     except CorollaError:  # nothing else is routable now: the holding chain is checked when forking
         return True
-    held_cost = router.step_cost(holder.route, spec.max_length)
+    # the holder's own session sits idle on that chain (kept for its prefix): no load there
+    held_cost = router.step_cost(holder.route, spec.max_length, idle=holder.route)
     return fork_pays(held_cost, router.step_cost(best, spec.max_length), length, steps)

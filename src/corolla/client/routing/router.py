@@ -147,13 +147,18 @@ class Router:
             )
         return usable
 
-    def step_cost(self, hops: list[Hop], needed_cache: int = 0) -> float:
+    def step_cost(self, hops: list[Hop], needed_cache: int = 0, idle: Collection[Hop] = ()) -> float:
         """A given chain's expected decode-step time (swarm/policy/routing.py `chain_cost`), from what is
-        known."""
+        known; `idle`: hops of this client's own sessions that run in no pass (one kept for its prefix),
+        not counted as load on their servers."""
         peers = {hop.peer_id for hop in hops}
         spans = [span for span in self._view.spans if span.peer_id in peers]
         links = {s.peer_id: dict(s.info.next_pings) for s in spans}
-        estimates = self._estimates.estimates(spans, self._view.spans)
+        self._estimates.release(idle)
+        try:
+            estimates = self._estimates.estimates(spans, self._view.spans)
+        finally:
+            self._estimates.acquire(idle)
         return chain_cost(hops, estimates, links, self.config.use_push, needed_cache)
 
     def _cheapest(self, spans: list[RemoteSpan], start: int, end: int, needed_cache: int) -> list[Hop]:
