@@ -132,11 +132,11 @@ async def _announces(swarm: DhtSwarm, tree: RecordTree, samples: int, rng) -> No
     top = [server for server in servers if not tree.places[f"peer{server}"].level]
     deep = [server for server in servers if tree.places[f"peer{server}"].level]
     sampled = rng.sample(deep, min(samples, len(deep)))
-    for server in [*top, *sampled]:
-        nodes.initiator = nodes.ids[server]
-        stands_for = 1 if server in top else len(deep) / len(sampled)
+    for announcing, stands_for in ((top, 1.0), (sampled, len(deep) / max(len(sampled), 1))):
         nodes.weight = stands_for * samples / len(nodes.ids)  # of the `samples` the kind's rate is scaled by
-        await swarm.announce(nodes.initiator, swarm.ids(tree.keys_of(f"peer{server}")))
+        for server in announcing:
+            nodes.initiator = nodes.ids[server]
+            await swarm.announce(nodes.initiator, swarm.ids(tree.keys_of(f"peer{server}")))
     nodes.weight = 1.0
 
 
@@ -148,36 +148,42 @@ async def _server_walks(swarm: DhtSwarm, tree: RecordTree, samples: int) -> None
     max(2**d, `samples`) walks, each read counting for read_chance(d) times the walks it stands for."""
     nodes = swarm.nodes
     by_place = sorted(range(len(nodes.ids)), key=lambda server: tree.places[f"peer{server}"].where)
-    first = 1 << (samples - 1).bit_length()  # walks that read every level
     deepest = max(place.level or 0 for place in tree.places.values())
-    bits = max(first, 2**deepest).bit_length() - 1
+
+    def reading(level: int) -> int:  # the walks that read `level`
+        return max(1 << (samples - 1).bit_length(), 2**level)
+
+    bits = reading(deepest).bit_length() - 1
     for k in range(2**bits):
         slot = int(f"{k:0{bits}b}"[::-1], 2) if bits else 0  # k's bits reversed
         reader = by_place[(2 * slot + 1) * len(by_place) // 2 ** (bits + 1)]
         nodes.initiator = nodes.ids[reader]
         walk = tree.walk(tree.places[f"peer{reader}"].where)
-        levels = [level for level in range(len(walk.found)) if k < max(first, 2**level)]
-        await _walk(swarm, walk, nodes.initiator, "server", levels, samples)
+        weights = {  # each level's read counts read_chance times the walks it stands for
+            level: read_chance(level, len(nodes.ids)) * samples / reading(level)
+            for level in range(len(walk.found))
+            if k < reading(level)
+        }
+        await _walk(swarm, walk, nodes.initiator, "server", weights)
 
 
 async def _walk(
-    swarm: DhtSwarm, walk: Walk, reader: DHTID, who: str, levels: list[int] | None = None, samples: int = 0
+    swarm: DhtSwarm, walk: Walk, reader: DHTID, who: str, weights: dict[int, float] | None = None
 ) -> None:
-    """The reads of `walk`'s keys, a level at a time (one get_many each): of `levels` only, if given (a
-    server's walk: see _server_walks). A server's walk reads each level afresh with read_chance
-    (block_records.KeptPath: else it reuses its last read); its reads of the blocks' keys are counted
-    apart."""
+    """The reads of `walk`'s keys, a level at a time (one get_many each): if `weights` are given (a
+    server's walk: see _server_walks), of their levels only, each read counting that many times (a server
+    reads each level afresh with read_chance, else it reuses its last read: block_records.KeptPath), its
+    reads of the blocks' keys counted apart."""
     swarm.stats[f"{who}_walks"] += 1
     swarm.stats[f"{who}_keys"] += sum(len(found) for found in walk.found)
     swarm.stats[f"{who}_servers"] += len(seen(walk))
     nodes = swarm.nodes
     for level, found in enumerate(walk.found):
-        if levels is not None:
-            if level not in levels:
+        if weights is not None:
+            if level not in weights:
                 continue
             nodes.kind = KINDS.index("server_reads" if level else "server_root_reads")
-            walks = max(1 << (samples - 1).bit_length(), 2**level)  # that read this level
-            nodes.weight = read_chance(level, len(nodes.ids)) * samples / walks
+            nodes.weight = weights[level]
         keys = [cell_key(PREFIX, level, cell, block) for cell, block in found]
         await swarm.read(reader, swarm.ids(keys))
     nodes.weight = 1.0

@@ -39,9 +39,8 @@ class Nodes:
         self.clients = np.zeros((kinds, 4))  # the same, summed over clients
         self.own = np.zeros((kinds, 4))  # the same, of the servers that started the operations
         self.kind = 0
-        self.weight = (
-            1.0  # how many times the operation simulated now counts (a read made by some walks only)
-        )
+        # how many times the operation simulated now counts (a read made by some walks only)
+        self.weight = 1.0
         self.initiator: DHTID | None = None  # the server whose operation is simulated now
         self.rpcs: Counter[int] = Counter()  # requests by kind, pings apart
         self.pings = 0

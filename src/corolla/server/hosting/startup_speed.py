@@ -59,13 +59,14 @@ def measure_speed(span: Span, use_cache: bool = True) -> Speed:
     key = _cache_key(span)
     path = cache_dir() / "throughput.json"
     with _one_at_a_time(path):
-        entry = _read(path).get(key)
+        cached = _read(path)  # no other server writes it while this one holds the lock
+        entry = cached.get(key)
         if use_cache and entry is not None and time.time() - entry["measured_at"] < MAX_AGE:
             return Speed(float(entry["blocks_per_s"]), float(entry["batch_growth"]))
         one = _step_seconds(span, 1)
         batch = _step_seconds(span, BATCH_ROWS)
         speed = Speed((span.end - span.start) / one, max(batch / one - 1, 0.0) / (BATCH_ROWS - 1))
-        cached = {**_read(path), key: {**asdict(speed), "measured_at": time.time()}}
+        cached[key] = {**asdict(speed), "measured_at": time.time()}
         try:
             path.write_text(json.dumps(cached, indent=1))
         except OSError:
